@@ -1,0 +1,1 @@
+"""kvpush CUDA backend (placeholder until the CUDA backend lands)."""

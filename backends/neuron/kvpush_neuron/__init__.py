@@ -1,0 +1,1 @@
+"""kvpush Neuron backend (placeholder until the Neuron backend lands)."""

@@ -1,0 +1,69 @@
+"""One typed configuration object for every entry point.
+
+The same fields come from vLLM's ``kv_connector_extra_config`` and from CLI
+flags; unknown keys and out-of-range values are errors that name the key,
+because a typo in a JSON blob otherwise silently runs with defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvpush.errors import ConfigError
+
+Pos = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """kvpush settings; durations in seconds, sizes in bytes."""
+
+    backend: str = "host"
+    """Name of the kvpush backend (entry point in ``kvpush.backends``)."""
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    """NIXL transport plugins, in order of preference: UCX here, LIBFABRIC on EFA hosts."""
+    side_channel_host: str = "127.0.0.1"
+    """Address P's side channel binds to; D learns it from the router."""
+    side_channel_port: Port = 0
+    """P rank r listens on port + r; 0 picks a free port (tests)."""
+    plan: Literal["auto", "direct", "staged"] = "auto"
+    """Transfer plan: the cost model's choice, or forced."""
+    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
+    """Size of each rank's staging region for packed transfers (0 disables)."""
+    staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
+    """D reserves staging only for transfers with at least this many descriptors."""
+    descriptor_cost_us: Pos = 7.0
+    """Cost of posting one descriptor (UCX measured ~6-8 us); drives the cost model."""
+    link_gbps: Pos = 25.0
+    """Link bandwidth in GB/s for the cost model."""
+    registration_lease_s: Pos = 120.0
+    """How long P keeps a registration whose prefill has not finished."""
+    prefill_lease_s: Pos = 60.0
+    """How long P holds finished blocks waiting for D's registration."""
+    transfer_timeout_s: Pos = 60.0
+    """D fails a registered transfer whose data has not arrived by then."""
+    heartbeat_s: Pos = 1.0
+    """Interval of liveness messages between peers."""
+    peer_dead_s: Pos = 10.0
+    """A peer silent for this long is declared dead and its transfers fail."""
+    idle_poll_max_s: Pos = 0.02
+    """Longest sleep of the progress thread when it has nothing in flight."""
+    model: str = ""
+    """Model identity; peers with different values are refused at handshake."""
+    layerwise: bool = False
+    """Push each layer as soon as it is computed (needs a registration present)."""
+    load_failure_policy: Literal["fail", "recompute"] = "fail"
+    """What D does when a push fails: fail the request, or prefill locally."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Config:
+        """Build from a mapping (``kv_connector_extra_config``); names the bad key on error."""
+        try:
+            return msgspec.convert(data or {}, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid kvpush configuration: {exc}") from None
+
+    def replace(self, **changes: Any) -> Config:
+        return Config.from_dict({**msgspec.structs.asdict(self), **changes})

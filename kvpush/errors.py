@@ -1,0 +1,36 @@
+"""Exceptions. Messages name the peer, request and stage where known, because
+an operator reads them in a log of thousands of transfers."""
+
+
+class KVPushError(Exception):
+    """Base of every kvpush error."""
+
+
+class ConfigError(KVPushError, ValueError):
+    """Bad or unknown configuration keys or values."""
+
+
+class ProtocolError(KVPushError):
+    """A message that cannot be decoded or fails validation."""
+
+
+class LayoutError(KVPushError, ValueError):
+    """A KV layout that is inconsistent, or two that cannot exchange KV."""
+
+
+class IncompatiblePeerError(KVPushError):
+    """The peer's handshake shows it cannot exchange KV with us."""
+
+
+class TransferError(KVPushError):
+    """A transfer failed; carries the transfer id and stage."""
+
+    def __init__(self, transfer_id: str, stage: str, reason: str) -> None:
+        super().__init__(f"transfer {transfer_id} failed at {stage}: {reason}")
+        self.transfer_id = transfer_id
+        self.stage = stage
+        self.reason = reason
+
+
+class BackendError(KVPushError):
+    """A backend cannot describe, register or order the given memory."""

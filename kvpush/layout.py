@@ -1,0 +1,308 @@
+"""KV-cache layouts and the pure mapping from P's blocks to D's blocks.
+
+A layout says where every byte of every token of every KV head lives, so that
+P and D can differ in block size, TP degree (head slices) and in-block order
+and still agree on which byte goes where. Nothing here touches memory, NIXL or
+a device: functions take block ids and return numpy arrays of byte ranges,
+which is what makes them testable exhaustively.
+
+Vocabulary:
+- *region*: one registered buffer holding ``num_blocks`` blocks of one layer's
+  K or V (or a whole layer, if K and V share a block). Region ``i`` of P maps to
+  region ``i`` of D, so both sides list regions in the same order.
+- *piece*: a (src offset, dst offset, length) triple relative to the bases of a
+  region pair; the same pieces apply to every region pair because every region
+  has the same shape.
+- *descriptor*: a piece made absolute (base address added); one NIXL entry.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+
+import msgspec
+import numpy as np
+
+from kvpush.errors import LayoutError
+
+
+class MemKind(enum.StrEnum):
+    """Memory kinds as NIXL names them."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class TokenOrder(enum.StrEnum):
+    """Order of tokens and heads inside one block.
+
+    NHD: ``[block_size, heads, head_dim]`` (token-major; FlashAttention style).
+    HND: ``[heads, block_size, head_dim]`` (head-major; FlashInfer/CPU style).
+    """
+
+    NHD = "NHD"
+    HND = "HND"
+
+
+class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One contiguous buffer of blocks.
+
+    ``base`` is the address of block 0 and ``size`` the bytes NIXL registers
+    from ``base``; ``size >= num_blocks * block_stride`` is checked by
+    ``KVLayout.validate``.
+    """
+
+    base: int
+    size: int
+    device_id: int = 0
+    group: int = 0
+
+
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Shape of one rank's KV cache: every region shares block geometry.
+
+    ``head_bytes`` is one head of one token (``head_dim * dtype size``); the
+    rank holds heads ``[head_start, head_start + local_heads)`` of the model's
+    ``num_heads`` KV heads. ``block_stride`` is the distance between two
+    consecutive blocks in a region, at least ``block_bytes`` (it is larger when
+    K and V of a block are interleaved in one tensor).
+    """
+
+    block_size: int
+    num_blocks: int
+    block_stride: int
+    head_bytes: int
+    num_heads: int
+    head_start: int
+    local_heads: int
+    order: TokenOrder
+    mem: MemKind
+    dtype: str
+    regions: tuple[Region, ...]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's heads held by this rank."""
+        return self.local_heads * self.head_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes of one block (excluding stride padding)."""
+        return self.block_size * self.token_bytes
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.local_heads
+
+    def validate(self) -> KVLayout:
+        """Raise ``LayoutError`` naming the first inconsistency; return self."""
+        checks = [
+            (self.block_size > 0, f"block_size must be > 0, got {self.block_size}"),
+            (self.num_blocks > 0, f"num_blocks must be > 0, got {self.num_blocks}"),
+            (self.head_bytes > 0, f"head_bytes must be > 0, got {self.head_bytes}"),
+            (self.local_heads > 0, f"local_heads must be > 0, got {self.local_heads}"),
+            (
+                self.head_start >= 0 and self.head_end <= self.num_heads,
+                f"heads [{self.head_start}, {self.head_end}) outside model's {self.num_heads}",
+            ),
+            (
+                self.block_stride >= self.block_bytes,
+                f"block_stride {self.block_stride} < block bytes {self.block_bytes}",
+            ),
+            (len(self.regions) > 0, "layout has no regions"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise LayoutError(msg)
+        need = (self.num_blocks - 1) * self.block_stride + self.block_bytes
+        for i, r in enumerate(self.regions):
+            if r.size < need:
+                raise LayoutError(f"region {i} has {r.size} bytes, {need} needed for {self.num_blocks} blocks")
+            if r.base <= 0:
+                raise LayoutError(f"region {i} has invalid base address {r.base}")
+        return self
+
+    def fingerprint(self) -> str:
+        """What must agree between peers: model geometry, not addresses or sizes."""
+        key = f"{self.head_bytes}|{self.num_heads}|{self.dtype}|{len(self.regions)}|" + ",".join(
+            str(r.group) for r in self.regions
+        )
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def check_compatible(src: KVLayout, dst: KVLayout) -> None:
+    """Raise ``LayoutError`` naming the first difference that makes a push impossible."""
+    diffs = [
+        ("dtype", src.dtype, dst.dtype),
+        ("head_bytes (head_dim x dtype size)", src.head_bytes, dst.head_bytes),
+        ("num_heads (model KV heads)", src.num_heads, dst.num_heads),
+        ("number of regions (layers x K/V)", len(src.regions), len(dst.regions)),
+    ]
+    for what, a, b in diffs:
+        if a != b:
+            raise LayoutError(f"incompatible KV layouts: {what} differs: P has {a}, D has {b}")
+    groups_p = [r.group for r in src.regions]
+    groups_d = [r.group for r in dst.regions]
+    if groups_p != groups_d:
+        raise LayoutError("incompatible KV layouts: region groups differ between P and D")
+    if max(src.head_start, dst.head_start) >= min(src.head_end, dst.head_end):
+        raise LayoutError(
+            f"P heads [{src.head_start}, {src.head_end}) and D heads "
+            f"[{dst.head_start}, {dst.head_end}) do not overlap: this P rank does not write to this D rank"
+        )
+
+
+def heads_overlap(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
+    """Model head range both ranks hold (empty when ``lo >= hi``)."""
+    return max(src.head_start, dst.head_start), min(src.head_end, dst.head_end)
+
+
+def _check_ids(ids: np.ndarray, n_needed: int, num_blocks: int, side: str) -> None:
+    if ids.size < n_needed:
+        raise LayoutError(f"{side} has {ids.size} block ids, {n_needed} needed for the tokens pushed")
+    used = ids[:n_needed]
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise LayoutError(f"{side} block id out of range [0, {num_blocks}): min {used.min()}, max {used.max()}")
+
+
+def _segments(start: int, end: int, bs_a: int, bs_b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split tokens [start, end) where either side starts a new block."""
+    cuts = np.union1d(np.arange(0, end, bs_a), np.arange(0, end, bs_b))
+    cuts = cuts[cuts > start]
+    starts = np.concatenate(([start], cuts)).astype(np.int64)
+    ends = np.concatenate((cuts, [end])).astype(np.int64)
+    return starts, ends
+
+
+def _offsets(layout: KVLayout, block: np.ndarray, tok: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """Byte offset inside a region of (block id, token-in-block, local head)."""
+    if layout.order is TokenOrder.NHD:
+        inner = (tok * layout.local_heads + head) * layout.head_bytes
+    else:
+        inner = (head * layout.block_size + tok) * layout.head_bytes
+    return block * layout.block_stride + inner
+
+
+def map_pieces(
+    src: KVLayout,
+    dst: KVLayout,
+    src_blocks: np.ndarray | list[int],
+    dst_blocks: np.ndarray | list[int],
+    num_tokens: int,
+    start_token: int = 0,
+) -> np.ndarray:
+    """Byte pieces copying tokens ``[start_token, num_tokens)`` of a request.
+
+    ``src_blocks``/``dst_blocks`` are the request's block ids on each side,
+    both counted from token 0 (so D's prefix-cached blocks are listed but not
+    written). Only heads held by both ranks move. Returns an ``(n, 3)`` int64
+    array of ``(src_off, dst_off, length)`` in token order, uncoalesced at the
+    natural granularity of the two layouts; ``coalesce`` merges it.
+    """
+    check_compatible(src, dst)
+    if not 0 <= start_token <= num_tokens:
+        raise LayoutError(f"start_token {start_token} outside [0, {num_tokens}]")
+    sb = np.asarray(src_blocks, dtype=np.int64)
+    db = np.asarray(dst_blocks, dtype=np.int64)
+    _check_ids(sb, -(-num_tokens // src.block_size), src.num_blocks, "P")
+    _check_ids(db, -(-num_tokens // dst.block_size), dst.num_blocks, "D")
+    if start_token == num_tokens:
+        return np.zeros((0, 3), dtype=np.int64)
+    lo, hi = heads_overlap(src, dst)
+    nh = hi - lo
+    s, e = _segments(start_token, num_tokens, src.block_size, dst.block_size)
+    ntok = e - s
+    sblk, stok = sb[s // src.block_size], s % src.block_size
+    dblk, dtok = db[s // dst.block_size], s % dst.block_size
+    hb = src.head_bytes
+    both_hnd = src.order is TokenOrder.HND and dst.order is TokenOrder.HND
+    both_nhd = src.order is TokenOrder.NHD and dst.order is TokenOrder.NHD
+    if both_hnd:
+        # One piece per (segment, head): a head's tokens are contiguous.
+        heads = np.arange(lo, hi, dtype=np.int64)
+        seg = np.repeat(np.arange(s.size), nh)
+        h = np.tile(heads, s.size)
+        so = _offsets(src, sblk[seg], stok[seg], h - src.head_start)
+        do = _offsets(dst, dblk[seg], dtok[seg], h - dst.head_start)
+        ln = ntok[seg] * hb
+    else:
+        # One piece per token (all shared heads at once when both are NHD,
+        # else one per token and head).
+        seg = np.repeat(np.arange(s.size), ntok)
+        first = np.cumsum(ntok) - ntok
+        t = np.arange(seg.size, dtype=np.int64) - first[seg]
+        if both_nhd:
+            so = _offsets(src, sblk[seg], stok[seg] + t, np.full(seg.size, lo - src.head_start))
+            do = _offsets(dst, dblk[seg], dtok[seg] + t, np.full(seg.size, lo - dst.head_start))
+            ln = np.full(seg.size, nh * hb, dtype=np.int64)
+        else:
+            heads = np.arange(lo, hi, dtype=np.int64)
+            seg2 = np.repeat(seg, nh)
+            t2 = np.repeat(t, nh)
+            h = np.tile(heads, seg.size)
+            so = _offsets(src, sblk[seg2], stok[seg2] + t2, h - src.head_start)
+            do = _offsets(dst, dblk[seg2], dtok[seg2] + t2, h - dst.head_start)
+            ln = np.full(seg2.size, hb, dtype=np.int64)
+    return np.stack([so, do, ln], axis=1).astype(np.int64)
+
+
+def coalesce(pieces: np.ndarray) -> np.ndarray:
+    """Merge consecutive pieces contiguous on *both* sides.
+
+    Only neighbours in the given order are merged, so the result covers exactly
+    the same bytes; a merge never bridges a gap on either side.
+    """
+    if pieces.shape[0] <= 1:
+        return pieces.copy()
+    so, do, ln = pieces[:, 0], pieces[:, 1], pieces[:, 2]
+    joins = (so[:-1] + ln[:-1] == so[1:]) & (do[:-1] + ln[:-1] == do[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(ln, starts)
+    return np.stack([so[starts], do[starts], lengths], axis=1)
+
+
+def sort_coalesce(pieces: np.ndarray) -> np.ndarray:
+    """Coalesce after ordering by source offset, which finds merges that token order hides."""
+    if pieces.shape[0] <= 1:
+        return pieces.copy()
+    return coalesce(pieces[np.argsort(pieces[:, 0], kind="stable")])
+
+
+def descriptors(pieces: np.ndarray, src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute NIXL descriptors ``(addr, len, dev)`` for every region pair.
+
+    Returns ``(local, remote)`` arrays of shape ``(regions * pieces, 3)``.
+    """
+    n = pieces.shape[0]
+    r = len(src.regions)
+    sbase = np.array([x.base for x in src.regions], dtype=np.int64)
+    dbase = np.array([x.base for x in dst.regions], dtype=np.int64)
+    sdev = np.array([x.device_id for x in src.regions], dtype=np.int64)
+    ddev = np.array([x.device_id for x in dst.regions], dtype=np.int64)
+    local = np.empty((r * n, 3), dtype=np.int64)
+    remote = np.empty((r * n, 3), dtype=np.int64)
+    local[:, 0] = (sbase[:, None] + pieces[None, :, 0]).reshape(-1)
+    remote[:, 0] = (dbase[:, None] + pieces[None, :, 1]).reshape(-1)
+    local[:, 1] = remote[:, 1] = np.tile(pieces[:, 2], r)
+    local[:, 2] = np.repeat(sdev, n)
+    remote[:, 2] = np.repeat(ddev, n)
+    return local, remote
+
+
+def merge_descriptors(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge absolute descriptors adjacent on both sides and on the same devices.
+
+    This catches runs that cross region boundaries when regions are laid out
+    back to back (vLLM's cross-layer layout).
+    """
+    if local.shape[0] <= 1:
+        return local.copy(), remote.copy()
+    la, ll, ld = local[:, 0], local[:, 1], local[:, 2]
+    ra, rd = remote[:, 0], remote[:, 2]
+    joins = (la[:-1] + ll[:-1] == la[1:]) & (ra[:-1] + ll[:-1] == ra[1:]) & (ld[:-1] == ld[1:]) & (rd[:-1] == rd[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(ll, starts)
+    lo = np.stack([la[starts], lengths, ld[starts]], axis=1)
+    ro = np.stack([ra[starts], lengths, rd[starts]], axis=1)
+    return lo, ro

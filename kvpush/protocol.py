@@ -1,0 +1,190 @@
+"""Wire messages between P and D, as plain typed data.
+
+Every frame is msgpack ``[version, message]`` where the message is a tagged
+struct. ``decode`` never raises anything but ``ProtocolError`` and bounds what
+it accepts (frame size, id lengths, block counts), so a forged or truncated
+frame costs the receiver one log line, not a crash or an allocation bomb.
+
+Control messages (hello, register, abort, heartbeat) travel over the side
+channel; ``Completion`` and ``Failure`` travel as NIXL notifications so that
+a completion is ordered after the data it announces.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from kvpush import PROTOCOL_VERSION
+from kvpush.errors import ProtocolError
+from kvpush.layout import KVLayout, Region
+
+MAX_FRAME_BYTES = 8 << 20
+MAX_BLOCKS = 1 << 20
+MAX_GROUPS = 16
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Reason = Annotated[str, msgspec.Meta(max_length=4096)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=4096)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+BlockIds = Annotated[
+    tuple[
+        Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)], ...], msgspec.Meta(max_length=MAX_BLOCKS)], ...
+    ],
+    msgspec.Meta(min_length=1, max_length=MAX_GROUPS),
+]
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
+
+
+class StagingGrant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A slot of D's staging region reserved for one transfer from one P rank."""
+
+    offset: NonNeg
+    size: NonNeg
+
+
+class Hello(_Msg, tag="hello"):
+    """D rank introduces itself to a P rank; P answers with ``HelloReply``."""
+
+    engine_id: Id
+    rank: Rank
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    agent_name: Id
+    agent_metadata: bytes
+    layout: KVLayout
+    model: Name
+    staging: Region | None = None
+
+
+class HelloReply(_Msg, tag="hello_reply"):
+    """``ok=False`` carries the reason (incompatible layout, model, version)."""
+
+    ok: bool
+    reason: Reason = ""
+    engine_id: Name = ""
+    rank: NonNeg = 0
+    tp_size: NonNeg = 1
+    agent_name: Name = ""
+    agent_metadata: bytes = b""
+    layout: KVLayout | None = None
+
+
+class Register(_Msg, tag="register"):
+    """D's destination blocks for one request, sent as soon as D allocates them.
+
+    ``block_ids[g]`` lists D's blocks of KV-cache group ``g`` from token 0;
+    tokens ``[start_token, num_tokens)`` are to be written (D already holds the
+    prefix before ``start_token``). ``lease_ms`` bounds how long P keeps it.
+    """
+
+    transfer_id: Id
+    request_id: Id
+    engine_id: Id
+    rank: Rank
+    block_ids: BlockIds
+    num_tokens: NonNeg
+    start_token: NonNeg = 0
+    lease_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 120_000
+    staging: StagingGrant | None = None
+    attempt: NonNeg = 0
+
+
+class Completion(_Msg, tag="done"):
+    """P rank ``rank`` finished writing (NIXL notification, after the data)."""
+
+    transfer_id: Id
+    request_id: Id
+    rank: Rank
+    plan: Name = "direct"
+    nbytes: NonNeg = 0
+    descriptors: NonNeg = 0
+    staging: StagingGrant | None = None
+    attempt: NonNeg = 0
+
+
+class Failure(_Msg, tag="fail"):
+    """P cannot (or will no longer) write this transfer; D must not wait."""
+
+    transfer_id: Id
+    request_id: Name
+    rank: Rank
+    stage: Name
+    reason: Reason
+    attempt: NonNeg = 0
+
+
+class Abort(_Msg, tag="abort"):
+    """D gave up on a transfer; P must not start (or must finish and drop) it."""
+
+    transfer_id: Id
+    request_id: Name
+    reason: Reason
+    attempt: NonNeg = 0
+
+
+class Heartbeat(_Msg, tag="hb"):
+    engine_id: Id
+    rank: Rank
+    seq: NonNeg
+    sent_at: float
+
+
+Message = Union[Hello, HelloReply, Register, Completion, Failure, Abort, Heartbeat]
+
+
+class _Frame(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    msg: Message
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Frame)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(_Frame(PROTOCOL_VERSION, msg))
+
+
+def decode(data: bytes | memoryview, expected: type | tuple[type, ...] | None = None) -> Any:
+    """Decode and validate one frame; raise ``ProtocolError`` saying what is wrong."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        frame = _decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        version = _peek_version(data)
+        if version is not None and version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version mismatch: peer speaks v{version}, this kvpush speaks v{PROTOCOL_VERSION}"
+            ) from None
+        raise ProtocolError(f"malformed message: {exc}") from None
+    if frame.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version mismatch: peer speaks v{frame.version}, this kvpush speaks v{PROTOCOL_VERSION}"
+        )
+    msg = frame.msg
+    if isinstance(msg, Register):
+        _check_register(msg)
+    if expected is not None and not isinstance(msg, expected):
+        raise ProtocolError(f"unexpected message {type(msg).__name__} here")
+    return msg
+
+
+def _peek_version(data: bytes | memoryview) -> int | None:
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except Exception:
+        return None
+    if isinstance(raw, list) and raw and isinstance(raw[0], int):
+        return raw[0]
+    return None
+
+
+def _check_register(msg: Register) -> None:
+    if msg.start_token > msg.num_tokens:
+        raise ProtocolError(f"register {msg.transfer_id}: start_token {msg.start_token} > num_tokens {msg.num_tokens}")

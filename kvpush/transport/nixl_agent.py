@@ -1,0 +1,137 @@
+"""A thin NIXL agent wrapper: the only module that imports ``nixl``.
+
+The agent is created *without* NIXL's own progress thread: that thread spins
+a full core even when idle. kvpush's engine thread drives progress instead by
+calling ``state`` and ``notifs`` while work is in flight, and sleeps
+otherwise. Every call on one agent comes from one thread (the engine's), so
+no NIXL thread-safety mode is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from kvpush.backends.base import MemRegistration
+from kvpush.errors import ConfigError, KVPushError
+
+log = logging.getLogger(__name__)
+
+
+def _nixl() -> Any:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:  # pragma: no cover - depends on install
+        raise KVPushError(f"NIXL is not importable ({exc}); install it with: pip install nixl==1.5.1") from None
+    return nixl_agent, nixl_agent_config
+
+
+class Agent:
+    """One NIXL agent with the backends named in configuration."""
+
+    def __init__(self, name: str, backends: tuple[str, ...] | list[str] = ("UCX",)) -> None:
+        nixl_agent, nixl_agent_config = _nixl()
+        if not backends:
+            raise ConfigError("nixl_backends is empty: name at least one NIXL backend (UCX, LIBFABRIC)")
+        conf = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+        self.name = name
+        self._agent = nixl_agent(name, conf)
+        available = set(self._agent.get_plugin_list())
+        for b in backends:
+            if b not in available:
+                raise ConfigError(
+                    f"NIXL backend {b!r} is not available on this host (plugins found: {sorted(available)}); "
+                    "run `kvpush doctor` for why"
+                )
+            try:
+                self._agent.create_backend(b)
+            except Exception as exc:
+                raise KVPushError(f"NIXL backend {b} failed to start: {exc}") from None
+        self.backends = tuple(backends)
+        self._regs: list[Any] = []
+        self._peers: set[str] = set()
+
+    def register(self, regs: list[MemRegistration]) -> None:
+        """Register buffers (all of one memory kind per call)."""
+        if not regs:
+            return
+        kinds = {r.mem for r in regs}
+        for kind in kinds:
+            arr = np.array([(r.addr, r.size, r.device_id) for r in regs if r.mem == kind], dtype=np.int64)
+            descs = self._agent.get_reg_descs(arr, str(kind))
+            self._agent.register_memory(descs)
+            self._regs.append(descs)
+
+    def deregister_all(self) -> None:
+        for descs in self._regs:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception as exc:  # pragma: no cover - teardown best effort
+                log.warning("deregister failed on %s: %s", self.name, exc)
+        self._regs.clear()
+
+    @property
+    def registered(self) -> int:
+        return len(self._regs)
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers.add(name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        if name in self._peers:
+            self._peers.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:  # pragma: no cover
+                log.debug("remove_remote_agent(%s): %s", name, exc)
+
+    def write(
+        self,
+        local: np.ndarray,
+        local_mem: str,
+        remote: np.ndarray,
+        remote_mem: str,
+        peer: str,
+        notif: bytes,
+    ) -> tuple[Any, str]:
+        """Create and post one WRITE of ``local`` rows into ``remote`` rows, notifying ``peer``.
+
+        Returns the handle and the post state (``DONE``/``PROC``/``ERR``).
+        """
+        ld = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.int64), local_mem)
+        rd = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem)
+        handle = self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
+        return handle, self._agent.transfer(handle)
+
+    def state(self, handle: Any) -> str:
+        return self._agent.check_xfer_state(handle)
+
+    def release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # pragma: no cover
+            log.debug("release_xfer_handle: %s", exc)
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        for peer, msgs in self._agent.get_new_notifs().items():
+            p = peer.decode() if isinstance(peer, bytes) else peer
+            out.extend((p, bytes(m)) for m in msgs)
+        return out
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._agent.send_notif(peer, msg)
+
+    def close(self) -> None:
+        for p in list(self._peers):
+            self.remove_peer(p)
+        self.deregister_all()
+        self._agent = None
