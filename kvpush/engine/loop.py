@@ -1,0 +1,162 @@
+"""The engine thread: one per P or D rank, owning its sockets and NIXL agent.
+
+Callers (vLLM's worker, tests) never block on I/O: they put a command in the
+inbox, which wakes the thread through a pipe, and later collect ``Result``s.
+The thread sleeps in ``zmq.poll`` when nothing is in flight, so an idle pair
+costs no CPU; while transfers are in flight it polls NIXL with a short,
+growing back-off (NIXL's own progress thread, which spins a core, is off).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvpush.engine.types import Result
+
+log = logging.getLogger(__name__)
+
+BUSY_BACKOFF_MIN_S = 20e-6
+BUSY_BACKOFF_MAX_S = 1e-3
+
+
+class EngineLoop:
+    """Base of ``Sender`` and ``Receiver``: thread, inbox, wake-up, results."""
+
+    def __init__(self, name: str, idle_poll_max_s: float) -> None:
+        self.name = name
+        self.idle_poll_max_s = idle_poll_max_s
+        self.ctx = zmq.Context.instance()
+        self.poller = zmq.Poller()
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        self.poller.register(self._rfd, zmq.POLLIN)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self.wakeups = 0
+        self.loops = 0
+
+    # -- caller side ---------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"kvpush-{self.name}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread soon."""
+        self._inbox.put(fn)
+        try:
+            os.write(self._wfd, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def call_sync(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the engine thread and wait for its value (setup and tests only)."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def wrapped() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+            done.set()
+
+        self.call(wrapped)
+        if not done.wait(timeout):
+            raise TimeoutError(f"{self.name}: engine thread did not answer in {timeout}s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def poll(self) -> list[Result]:
+        """Results since the last call; never blocks."""
+        out: list[Result] = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self.call(lambda: None)
+        self._thread.join(timeout)
+        self._thread = None
+        os.close(self._rfd)
+        os.close(self._wfd)
+
+    # -- engine thread -------------------------------------------------
+    def emit(self, result: Result) -> None:
+        self._results.put(result)
+
+    def setup(self) -> None:
+        """Create agent and sockets (on the engine thread)."""
+
+    def teardown(self) -> None:
+        """Release agent and sockets (on the engine thread)."""
+
+    def step(self, now: float) -> bool:
+        """Handle socket events, progress NIXL, run timers; return True while busy."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        try:
+            self.setup()
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        backoff = BUSY_BACKOFF_MIN_S
+        busy = False
+        try:
+            while not self._stop.is_set():
+                timeout_ms = 0 if busy else int(self.idle_poll_max_s * 1000)
+                events = dict(self.poller.poll(timeout_ms))
+                if self._rfd in events:
+                    self.wakeups += 1
+                    try:
+                        os.read(self._rfd, 65536)
+                    except BlockingIOError:
+                        pass
+                while True:
+                    try:
+                        fn = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        fn()
+                    except Exception:
+                        log.exception("%s: command failed", self.name)
+                self.loops += 1
+                try:
+                    busy = self.step(time.monotonic())
+                except Exception:
+                    log.exception("%s: engine step failed", self.name)
+                    busy = False
+                if busy and not events:
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, BUSY_BACKOFF_MAX_S)
+                else:
+                    backoff = BUSY_BACKOFF_MIN_S
+        finally:
+            try:
+                self.teardown()
+            except Exception:
+                log.exception("%s: teardown failed", self.name)

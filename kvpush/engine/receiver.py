@@ -1,0 +1,426 @@
+"""D side: register destination blocks with P and count completions.
+
+``register`` is called as soon as D allocates blocks for a request whose
+prefill runs elsewhere; the thread says hello to each P rank that writes to
+this D rank (once per rank), sends the registration, and counts one
+completion notification per writing P rank. ``poll`` reports each transfer
+once, when no P rank will write into its blocks any more (fencing): after
+all completions, or after every writer answered an abort or was declared dead.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpush import protocol
+from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
+from kvpush.config import Config
+from kvpush.engine.loop import EngineLoop
+from kvpush.engine.types import PeerAddress, Result
+from kvpush.errors import ProtocolError
+from kvpush.layout import KVLayout, Region
+from kvpush.plan import staged_bytes, unpack_pieces, wants_staging
+from kvpush.staging import SlotAllocator
+from kvpush.topology import writers_for
+from kvpush.transport.nixl_agent import Agent
+from kvpush.transport.side_channel import Client
+
+log = logging.getLogger(__name__)
+
+TIMER_PERIOD_S = 0.05
+
+
+class ConnState(enum.StrEnum):
+    HELLO_SENT = "hello_sent"
+    READY = "ready"
+    REFUSED = "refused"
+    DEAD = "dead"
+
+
+@dataclass
+class _Conn:
+    """This D rank's link to one P rank."""
+
+    client: Client
+    state: ConnState
+    since: float
+    last_seen: float
+    last_hb: float = 0.0
+    hb_seq: int = 0
+    reason: str = ""
+    p_rank: int = 0
+    agent: str = ""
+    layout: KVLayout | None = None
+
+
+@dataclass
+class _Writer:
+    """One P rank's part of one transfer."""
+
+    conn_key: tuple[str, int]
+    p_rank: int
+    sent: bool = False
+    final: bool = False
+    ok: bool = False
+    reason: str = ""
+    grant: protocol.StagingGrant | None = None
+    unpack: np.ndarray | None = None
+
+
+@dataclass
+class _Incoming:
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    start_token: int
+    writers: dict[int, _Writer]
+    deadline: float
+    t_register: float
+    attempt: int = 0
+    aborting: str = ""
+    abort_deadline: float = float("inf")
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Receiver(EngineLoop):
+    """One D rank's receive engine."""
+
+    def __init__(
+        self,
+        config: Config,
+        backend: Backend,
+        layout: KVLayout,
+        engine_id: str,
+        rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(f"recv-{engine_id}-{rank}", config.idle_poll_max_s)
+        self.cfg = config
+        self.backend = backend
+        self.layout = layout.validate()
+        self.engine_id = engine_id
+        self.rank = rank
+        self.tp_size = tp_size
+        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._by_agent: dict[str, tuple[str, int]] = {}
+        self._transfers: dict[str, _Incoming] = {}
+        self._superseded: list[_Incoming] = []
+        self._staging: StagingBuffer | None = None
+        self._slots = SlotAllocator(0)
+        self._next_timer = 0.0
+        self.counters: dict[str, float] = {}
+        self.start()
+
+    # -- caller API ----------------------------------------------------
+    def register(
+        self,
+        transfer_id: str,
+        request_id: str,
+        peer: PeerAddress,
+        block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
+        num_tokens: int,
+        start_token: int = 0,
+    ) -> None:
+        """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks."""
+        ids = tuple(tuple(int(b) for b in g) for g in block_ids)
+        self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token))
+
+    def abort(self, transfer_id: str, reason: str = "aborted on D") -> None:
+        """Give up on a transfer; ``poll`` reports it once no P rank can still write."""
+        self.call(lambda: self._on_abort(transfer_id, reason, time.monotonic()))
+
+    def stats(self) -> dict[str, Any]:
+        return self.call_sync(
+            lambda: {
+                **self.counters,
+                "pending": len(self._transfers),
+                "connections": sum(c.state is ConnState.READY for c in self._conns.values()),
+                "staging_slots_in_use": self._slots.slots_in_use,
+            }
+        )
+
+    # -- engine thread -----------------------------------------------------
+    def setup(self) -> None:
+        self.agent = Agent(f"{self.engine_id}-d{self.rank}", self.cfg.nixl_backends)
+        self.agent.register(self.backend.registrations(self.layout))
+        if self.cfg.staging_bytes > 0 and self.cfg.plan != "direct":
+            s = self.backend.alloc_staging(self.cfg.staging_bytes, self.layout.regions[0].device_id)
+            self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
+            self._staging = s
+            self._slots = SlotAllocator(s.size)
+
+    def teardown(self) -> None:
+        for c in self._conns.values():
+            c.client.close()
+        self.agent.close()
+
+    def _bump(self, key: str, by: float = 1.0) -> None:
+        self.counters[key] = self.counters.get(key, 0.0) + by
+
+    def step(self, now: float) -> bool:
+        for key, conn in list(self._conns.items()):
+            for msg in conn.client.recv():
+                conn.last_seen = now
+                self._on_control(key, conn, msg, now)
+        if self._transfers or self._superseded:
+            for agent_name, data in self.agent.notifs():
+                self._on_notif(agent_name, data, now)
+        if now >= self._next_timer:
+            self._next_timer = now + TIMER_PERIOD_S
+            self._timers(now)
+        return bool(self._transfers or self._superseded)
+
+    # registration ---------------------------------------------------------
+    def _conn(self, host: str, port: int, now: float) -> _Conn:
+        key = (host, port)
+        conn = self._conns.get(key)
+        if conn is None or conn.state is ConnState.DEAD:
+            if conn is not None:
+                conn.client.close()
+                self.poller.unregister(conn.client.sock)
+            client = Client(self.ctx, host, port)
+            self.poller.register(client.sock, 1)
+            conn = _Conn(client, ConnState.HELLO_SENT, now, now)
+            self._conns[key] = conn
+            staging = None
+            if self._staging is not None:
+                staging = Region(self._staging.addr, self._staging.size, self._staging.device_id)
+            client.send(
+                protocol.Hello(
+                    engine_id=self.engine_id,
+                    rank=self.rank,
+                    tp_size=self.tp_size,
+                    agent_name=self.agent.name,
+                    agent_metadata=self.agent.metadata(),
+                    layout=self.layout,
+                    model=self.cfg.model,
+                    staging=staging,
+                )
+            )
+        return conn
+
+    def _on_register(
+        self,
+        transfer_id: str,
+        request_id: str,
+        peer: PeerAddress,
+        block_ids: tuple[tuple[int, ...], ...],
+        num_tokens: int,
+        start_token: int,
+    ) -> None:
+        now = time.monotonic()
+        self._bump("registrations_total")
+        old = self._transfers.pop(transfer_id, None)
+        attempt = 0
+        if old is not None:
+            # Re-issued on D (preempted and re-allocated). P replaces the old
+            # registration when it reads the new one, unless the old one is
+            # being written, in which case it completes it. So an old writer is
+            # fenced once P answers either attempt; until then it stays here.
+            attempt = old.attempt + 1
+            old.aborting = "superseded by a re-issued registration"
+            old.abort_deadline = now + self.cfg.peer_dead_s
+            self._superseded.append(old)
+            for w in old.writers.values():
+                if not w.sent and not w.final:
+                    self._writer_final(old, w, ok=False, reason=old.aborting)
+        writers = writers_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads)
+        inc = _Incoming(
+            transfer_id,
+            request_id,
+            block_ids,
+            num_tokens,
+            start_token,
+            {p: _Writer((peer.host, peer.port + p), p) for p in writers},
+            now + self.cfg.transfer_timeout_s,
+            now,
+            attempt,
+        )
+        self._transfers[transfer_id] = inc
+        for w in inc.writers.values():
+            conn = self._conn(*w.conn_key, now)
+            if conn.state is ConnState.READY:
+                self._send_register(inc, w, conn)
+            elif conn.state is ConnState.REFUSED:
+                self._writer_final(inc, w, ok=False, reason=conn.reason)
+
+    def _send_register(self, inc: _Incoming, w: _Writer, conn: _Conn) -> None:
+        assert conn.layout is not None
+        try:
+            pieces = unpack_pieces(conn.layout, self.layout, inc.block_ids[0], inc.num_tokens, inc.start_token)
+        except Exception as exc:
+            self._writer_final(inc, w, ok=False, reason=f"bad registration: {exc}")
+            return
+        grant = None
+        if self._staging is not None and wants_staging(self.cfg, conn.layout, self.layout, pieces):
+            size = staged_bytes(conn.layout, self.layout, inc.num_tokens, inc.start_token)
+            off = self._slots.alloc(size)
+            if off is not None:
+                grant = protocol.StagingGrant(off, size)
+                w.unpack = pieces
+            else:
+                self._bump("staging_full_total")
+        w.grant = grant
+        ok = conn.client.send(
+            protocol.Register(
+                transfer_id=inc.transfer_id,
+                request_id=inc.request_id,
+                engine_id=self.engine_id,
+                rank=self.rank,
+                block_ids=inc.block_ids,
+                num_tokens=inc.num_tokens,
+                start_token=inc.start_token,
+                lease_ms=int(self.cfg.registration_lease_s * 1000),
+                staging=grant,
+                attempt=inc.attempt,
+            )
+        )
+        w.sent = ok
+        if not ok:
+            self._writer_final(inc, w, ok=False, reason="side channel send failed")
+
+    # messages ---------------------------------------------------------------
+    def _on_control(self, key: tuple[str, int], conn: _Conn, msg: Any, now: float) -> None:
+        if isinstance(msg, protocol.HelloReply):
+            if not msg.ok or msg.layout is None:
+                conn.state, conn.reason = ConnState.REFUSED, f"P {key[0]}:{key[1]} refused the handshake: {msg.reason}"
+                log.error("%s: %s", self.name, conn.reason)
+            else:
+                conn.state, conn.p_rank, conn.agent, conn.layout = ConnState.READY, msg.rank, msg.agent_name, msg.layout
+                self._by_agent[msg.agent_name] = key
+            for inc in list(self._transfers.values()):
+                for w in inc.writers.values():
+                    if w.conn_key == key and not w.sent and not w.final:
+                        if conn.state is ConnState.READY and not inc.aborting:
+                            self._send_register(inc, w, conn)
+                        else:
+                            self._writer_final(inc, w, ok=False, reason=conn.reason or inc.aborting)
+        elif isinstance(msg, protocol.Failure):
+            self._on_failure(msg)
+        elif isinstance(msg, protocol.Heartbeat):
+            pass
+        else:
+            log.warning("%s: unexpected %s from P %s:%s", self.name, type(msg).__name__, *key)
+
+    def _on_notif(self, agent_name: str, data: bytes, now: float) -> None:
+        try:
+            msg = protocol.decode(data, expected=(protocol.Completion, protocol.Failure))
+        except ProtocolError as exc:
+            self._bump("rejected_messages_total")
+            log.warning("%s: rejected notification from %s: %s", self.name, agent_name, exc)
+            return
+        key = self._by_agent.get(agent_name)
+        if key is not None and key in self._conns:
+            self._conns[key].last_seen = now
+        if isinstance(msg, protocol.Failure):
+            self._on_failure(msg)
+            return
+        inc, w = self._lookup(msg.transfer_id, msg.rank, msg.attempt)
+        if inc is None or w is None:
+            return
+        if msg.plan == "staged":
+            if w.grant is None or msg.staging != w.grant or w.unpack is None or self._staging is None:
+                self._writer_final(inc, w, ok=False, reason="staged completion does not match the granted slot")
+                return
+            t0 = time.perf_counter()
+            bases = [r.base for r in self.layout.regions]
+            self.backend.unpack(bases, w.unpack, self._staging.addr + w.grant.offset)
+            inc.stats["unpack_s"] = inc.stats.get("unpack_s", 0.0) + time.perf_counter() - t0
+        inc.stats["bytes"] = inc.stats.get("bytes", 0.0) + msg.nbytes
+        inc.stats["descriptors"] = inc.stats.get("descriptors", 0.0) + msg.descriptors
+        inc.stats[f"plan_{msg.plan}"] = 1.0
+        self._writer_final(inc, w, ok=True, reason="")
+
+    def _on_failure(self, msg: protocol.Failure) -> None:
+        inc, w = self._lookup(msg.transfer_id, msg.rank, msg.attempt)
+        if inc is None or w is None:
+            return
+        self._writer_final(inc, w, ok=False, reason=f"P rank {msg.rank} failed at {msg.stage}: {msg.reason}")
+
+    def _lookup(self, transfer_id: str, p_rank: int, attempt: int) -> tuple[_Incoming | None, _Writer | None]:
+        """The writer a message answers; also fences superseded attempts it proves dead."""
+        for old in list(self._superseded):
+            if old.transfer_id != transfer_id:
+                continue
+            w = old.writers.get(p_rank)
+            if w is not None and not w.final and old.attempt <= attempt:
+                if old.attempt == attempt:
+                    return old, w
+                self._writer_final(old, w, ok=False, reason=old.aborting)
+        inc = self._transfers.get(transfer_id)
+        w = inc.writers.get(p_rank) if inc is not None else None
+        if inc is None or w is None or attempt != inc.attempt or w.final:
+            self._bump("stale_notifications_total")
+            log.warning("%s: stale or unknown message for %s from P rank %d", self.name, transfer_id, p_rank)
+            return None, None
+        return inc, w
+
+    # completion and fencing -------------------------------------------------
+    def _writer_final(self, inc: _Incoming, w: _Writer, ok: bool, reason: str) -> None:
+        w.final, w.ok, w.reason = True, ok, reason
+        if w.grant is not None:
+            self._slots.free(w.grant.offset)
+            w.grant = None
+        if all(x.final for x in inc.writers.values()):
+            if inc in self._superseded:
+                self._superseded.remove(inc)
+            elif self._transfers.get(inc.transfer_id) is inc:
+                del self._transfers[inc.transfer_id]
+            good = all(x.ok for x in inc.writers.values()) and not inc.aborting
+            why = "" if good else (inc.aborting or next(x.reason for x in inc.writers.values() if not x.ok))
+            inc.stats["latency_s"] = time.monotonic() - inc.t_register
+            self._bump("completed_total" if good else "failed_total")
+            self.emit(Result(inc.transfer_id, inc.request_id, good, why, inc.stats))
+
+    def _on_abort(self, transfer_id: str, reason: str, now: float) -> None:
+        inc = self._transfers.get(transfer_id)
+        if inc is None or inc.aborting:
+            return
+        self._bump("aborts_total")
+        inc.aborting = reason
+        inc.abort_deadline = now + self.cfg.peer_dead_s
+        for w in list(inc.writers.values()):
+            if w.final:
+                continue
+            conn = self._conns.get(w.conn_key)
+            if not w.sent or conn is None or conn.state is not ConnState.READY:
+                self._writer_final(inc, w, ok=False, reason=reason)
+            else:
+                conn.client.send(protocol.Abort(transfer_id, inc.request_id, reason, inc.attempt))
+
+    def _timers(self, now: float) -> None:
+        for key, conn in self._conns.items():
+            if conn.state is ConnState.READY and now - conn.last_hb >= self.cfg.heartbeat_s:
+                conn.last_hb = now
+                conn.hb_seq += 1
+                conn.client.send(protocol.Heartbeat(self.engine_id, self.rank, conn.hb_seq, time.time()))
+            if conn.state in (ConnState.READY, ConnState.HELLO_SENT) and now - conn.last_seen > self.cfg.peer_dead_s:
+                waiting = [
+                    i for i in self._transfers.values() for w in i.writers.values() if w.conn_key == key and not w.final
+                ]
+                if conn.state is ConnState.HELLO_SENT or waiting:
+                    conn.state = ConnState.DEAD
+                    conn.reason = f"P {key[0]}:{key[1]} silent for {now - conn.last_seen:.1f}s: declared dead"
+                    log.error("%s: %s", self.name, conn.reason)
+                    self._bump("dead_peers_total")
+                    if conn.agent:
+                        self.agent.remove_peer(conn.agent)
+                    for inc in list(self._transfers.values()):
+                        for w in inc.writers.values():
+                            if w.conn_key == key and not w.final:
+                                self._writer_final(inc, w, ok=False, reason=conn.reason)
+        for inc in [*self._transfers.values(), *self._superseded]:
+            if not inc.aborting and now >= inc.deadline:
+                self._bump("expired_total")
+                self._on_abort(inc.transfer_id, f"no KV from P within {self.cfg.transfer_timeout_s:.0f}s", now)
+            elif inc.aborting and now >= inc.abort_deadline:
+                for w in inc.writers.values():
+                    if not w.final:
+                        self._writer_final(inc, w, ok=False, reason=inc.aborting + " (P did not answer the abort)")

@@ -1,0 +1,419 @@
+"""P side: pair registrations with finished prefills and push the KV.
+
+Runs entirely on its own thread: the engine hands over a finished prefill
+with ``prefill_finished`` and later learns from ``poll`` which requests' blocks
+it may free. Nothing here blocks the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush import protocol
+from kvpush.backends.base import Backend, StagingBuffer
+from kvpush.config import Config
+from kvpush.engine.loop import EngineLoop
+from kvpush.engine.types import Result
+from kvpush.errors import KVPushError, LayoutError
+from kvpush.layout import KVLayout, check_compatible
+from kvpush.plan import Plan, build_plan
+from kvpush.rendezvous import Decision, Prefill, Push, Refuse, Release, Rendezvous
+from kvpush.staging import SlotAllocator
+from kvpush.topology import targets_for
+from kvpush.transport.nixl_agent import Agent
+from kvpush.transport.side_channel import Server
+
+log = logging.getLogger(__name__)
+
+TIMER_PERIOD_S = 0.05
+
+
+@dataclass
+class _Peer:
+    """A D rank that said hello."""
+
+    ident: bytes
+    engine_id: str
+    rank: int
+    tp_size: int
+    agent: str
+    layout: KVLayout
+    staging: Any
+    last_seen: float
+
+
+@dataclass
+class _InFlight:
+    handle: Any
+    reg: protocol.Register
+    prefill: Prefill
+    plan: Plan
+    slot: int | None
+    t_post: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Sender(EngineLoop):
+    """One P rank's push engine."""
+
+    def __init__(
+        self,
+        config: Config,
+        backend: Backend,
+        layout: KVLayout,
+        engine_id: str,
+        rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(f"push-{engine_id}-{rank}", config.idle_poll_max_s)
+        self.cfg = config
+        self.backend = backend
+        self.layout = layout.validate()
+        self.engine_id = engine_id
+        self.rank = rank
+        self.tp_size = tp_size
+        self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s)
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._markers: dict[str, Any] = {}
+        self._flying: list[_InFlight] = []
+        self._next_timer = 0.0
+        self._staging: StagingBuffer | None = None
+        self._slots = SlotAllocator(0)
+        self.counters: dict[str, float] = {}
+        self.address: tuple[str, int] = ("", 0)
+        self.start()
+
+    # -- caller API ----------------------------------------------------
+    def prefill_finished(
+        self,
+        transfer_id: str,
+        request_id: str,
+        block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
+        num_tokens: int,
+        ready: Any = None,
+    ) -> None:
+        """Hand over a finished prefill; its blocks stay untouched until ``poll`` returns it."""
+        prefill = Prefill(transfer_id, request_id, tuple(tuple(int(b) for b in g) for g in block_ids), num_tokens)
+        self.call(lambda: self._on_prefill(prefill, ready))
+
+    def abort(self, transfer_id: str, reason: str = "aborted on P") -> None:
+        self.call(lambda: self._on_local_abort(transfer_id, reason))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and rendezvous sizes (read from the engine thread)."""
+        return self.call_sync(lambda: {**self.counters, **self.rdv.pending(), "peers": len(self._peers)})
+
+    # -- engine thread ---------------------------------------------------
+    def setup(self) -> None:
+        self.agent = Agent(f"{self.engine_id}-p{self.rank}", self.cfg.nixl_backends)
+        self.agent.register(self.backend.registrations(self.layout))
+        if self.cfg.staging_bytes > 0 and self.cfg.plan != "direct":
+            dev = self.layout.regions[0].device_id
+            self._staging = self.backend.alloc_staging(self.cfg.staging_bytes, dev)
+            from kvpush.backends.base import MemRegistration
+
+            s = self._staging
+            self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
+            self._slots = SlotAllocator(s.size)
+        self.server = Server(self.ctx, self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank)
+        self.poller.register(self.server.sock, 1)
+        self.address = (self.server.host, self.server.port)
+        log.info("%s: side channel on %s:%d", self.name, *self.address)
+
+    def teardown(self) -> None:
+        for f in self._flying:
+            self.agent.release(f.handle)
+        self.server.close()
+        self.agent.close()
+
+    def _bump(self, key: str, by: float = 1.0) -> None:
+        self.counters[key] = self.counters.get(key, 0.0) + by
+
+    def step(self, now: float) -> bool:
+        for ident, msg in self.server.recv():
+            self._on_message(ident, msg, now)
+        self._progress()
+        if now >= self._next_timer:
+            self._next_timer = now + TIMER_PERIOD_S
+            self._apply(self.rdv.expire(now))
+            self._check_peers(now)
+        return bool(self._flying)
+
+    def _on_message(self, ident: bytes, msg: Any, now: float) -> None:
+        if isinstance(msg, protocol.Hello):
+            self._on_hello(ident, msg, now)
+            return
+        peer = self._peer_by_ident(ident)
+        if peer is not None:
+            peer.last_seen = now
+        if isinstance(msg, protocol.Heartbeat):
+            self.server.send(ident, protocol.Heartbeat(self.engine_id, self.rank, msg.seq, time.time()))
+        elif isinstance(msg, protocol.Register):
+            self._on_register(ident, peer, msg, now)
+        elif isinstance(msg, protocol.Abort):
+            self._on_remote_abort(msg, now)
+        else:
+            log.warning("%s: unexpected %s on the side channel", self.name, type(msg).__name__)
+
+    def _peer_by_ident(self, ident: bytes) -> _Peer | None:
+        for p in self._peers.values():
+            if p.ident == ident:
+                return p
+        return None
+
+    def _on_hello(self, ident: bytes, msg: protocol.Hello, now: float) -> None:
+        reason = ""
+        if self.cfg.model and msg.model and msg.model != self.cfg.model:
+            reason = f"model differs: P serves {self.cfg.model!r}, D serves {msg.model!r}"
+        else:
+            try:
+                check_compatible(self.layout, msg.layout)
+                msg.layout.validate()
+            except LayoutError as exc:
+                reason = str(exc)
+        if reason:
+            log.warning("%s: refused D %s rank %d: %s", self.name, msg.engine_id, msg.rank, reason)
+            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
+            return
+        try:
+            agent_name = self.agent.add_peer(msg.agent_metadata)
+        except Exception as exc:
+            reason = f"cannot load D's NIXL metadata: {exc}"
+            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
+            return
+        self._peers[(msg.engine_id, msg.rank)] = _Peer(
+            ident, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now
+        )
+        self.server.send(
+            ident,
+            protocol.HelloReply(
+                ok=True,
+                engine_id=self.engine_id,
+                rank=self.rank,
+                tp_size=self.tp_size,
+                agent_name=self.agent.name,
+                agent_metadata=self.agent.metadata(),
+                layout=self.layout,
+            ),
+        )
+
+    def _on_register(self, ident: bytes, peer: _Peer | None, reg: protocol.Register, now: float) -> None:
+        self._bump("registrations_total")
+        if peer is None or (peer.engine_id, peer.rank) != (reg.engine_id, reg.rank):
+            self._fail(ident, reg, "register", "registration before a successful hello from this D rank")
+            return
+        problem = self._check_register(peer, reg)
+        if problem:
+            self._fail(ident, reg, "register", problem)
+            return
+        expected = len(targets_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads))
+        self._apply(self.rdv.on_register(reg, now, expected=max(1, expected)))
+
+    def _check_register(self, peer: _Peer, reg: protocol.Register) -> str:
+        groups = 1 + max(r.group for r in self.layout.regions)
+        if len(reg.block_ids) != groups:
+            return f"registration has {len(reg.block_ids)} block groups, layout has {groups}"
+        need = -(-reg.num_tokens // peer.layout.block_size)
+        for g, ids in enumerate(reg.block_ids):
+            if len(ids) < need:
+                return f"group {g} has {len(ids)} blocks, {need} needed for {reg.num_tokens} tokens"
+            if ids and max(ids[:need], default=0) >= peer.layout.num_blocks:
+                return f"group {g} block id {max(ids[:need])} out of range (D has {peer.layout.num_blocks} blocks)"
+        if reg.staging is not None:
+            cap = peer.staging.size if peer.staging is not None else 0
+            if reg.staging.offset + reg.staging.size > cap:
+                grant = f"[{reg.staging.offset}, +{reg.staging.size})"
+                return f"staging grant {grant} outside D's staging region ({cap} bytes)"
+        return ""
+
+    def _fail(self, ident: bytes, reg: protocol.Register, stage: str, reason: str) -> None:
+        self._bump("failures_total")
+        log.warning(
+            "%s: transfer %s from D %s rank %d failed at %s: %s",
+            self.name,
+            reg.transfer_id,
+            reg.engine_id,
+            reg.rank,
+            stage,
+            reason,
+        )
+        self.server.send(
+            ident,
+            protocol.Failure(reg.transfer_id, reg.request_id, self.rank, stage, reason, attempt=reg.attempt),
+        )
+
+    def _on_prefill(self, prefill: Prefill, ready: Any) -> None:
+        self._markers[prefill.transfer_id] = ready
+        self._apply(self.rdv.on_prefill(prefill, time.monotonic()))
+
+    def _on_remote_abort(self, msg: protocol.Abort, now: float) -> None:
+        self._bump("aborts_total")
+        self._abort(msg.transfer_id, f"aborted by D: {msg.reason}", now)
+
+    def _on_local_abort(self, transfer_id: str, reason: str) -> None:
+        self._bump("aborts_total")
+        self._abort(transfer_id, reason, time.monotonic())
+
+    def _abort(self, transfer_id: str, reason: str, now: float) -> None:
+        # Registrations not being written get an explicit answer so D can free
+        # its blocks; those in flight answer with their completion.
+        for reg, flying in self.rdv.registrations(transfer_id):
+            if not flying:
+                peer = self._peers.get((reg.engine_id, reg.rank))
+                if peer is not None:
+                    self.server.send(
+                        peer.ident,
+                        protocol.Failure(reg.transfer_id, reg.request_id, self.rank, "aborted", reason, reg.attempt),
+                    )
+        self._apply(self.rdv.on_abort(transfer_id, now, reason))
+
+    def _check_peers(self, now: float) -> None:
+        for key, peer in list(self._peers.items()):
+            if now - peer.last_seen > self.cfg.peer_dead_s:
+                log.warning(
+                    "%s: D %s rank %d silent for %.1fs: declared dead", self.name, key[0], key[1], now - peer.last_seen
+                )
+                self._bump("dead_peers_total")
+                del self._peers[key]
+                for tid in self.rdv.transfers_of(peer.engine_id):
+                    self._apply(self.rdv.on_abort(tid, now, f"D {peer.engine_id} rank {peer.rank} dead"))
+                if not any(p.agent == peer.agent for p in self._peers.values()):
+                    self.agent.remove_peer(peer.agent)
+
+    def _apply(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if isinstance(d, Push):
+                self._push(d.prefill, d.reg)
+            elif isinstance(d, Release):
+                self._markers.pop(d.prefill.transfer_id, None)
+                ok = d.reason == "pushed"
+                self._bump("released_total")
+                self.emit(Result(d.prefill.transfer_id, d.prefill.request_id, ok, "" if ok else d.reason))
+            elif isinstance(d, Refuse):
+                peer = self._peers.get((d.reg.engine_id, d.reg.rank))
+                if peer is not None:
+                    self._fail(peer.ident, d.reg, "rendezvous", d.reason)
+
+    def _push(self, prefill: Prefill, reg: protocol.Register) -> None:
+        t0 = time.perf_counter()
+        peer = self._peers.get((reg.engine_id, reg.rank))
+        if peer is None:
+            self._apply(self.rdv.on_pushed(reg.transfer_id, reg.engine_id, reg.rank))
+            return
+        try:
+            if reg.num_tokens > prefill.num_tokens:
+                raise KVPushError(f"D asks for {reg.num_tokens} tokens, P computed {prefill.num_tokens}")
+            self.backend.wait_ready(self._markers.get(prefill.transfer_id))
+            t_ready = time.perf_counter()
+            plan, slot = self._plan(prefill, reg, peer)
+            t_plan = time.perf_counter()
+            if plan.kind == "staged":
+                assert plan.pack is not None and self._staging is not None and slot is not None
+                bases = [r.base for r in self.layout.regions]
+                self.backend.pack(bases, plan.pack, self._staging.addr + slot)
+            t_pack = time.perf_counter()
+            notif = protocol.encode(
+                protocol.Completion(
+                    reg.transfer_id,
+                    reg.request_id,
+                    self.rank,
+                    plan.kind,
+                    plan.nbytes,
+                    plan.descriptors,
+                    reg.staging if plan.kind == "staged" else None,
+                    reg.attempt,
+                )
+            )
+            if plan.kind == "empty":
+                self.agent.send_notif(peer.agent, notif)
+                self._done(reg, prefill, plan, None, ok=True)
+                return
+            handle, state = self.agent.write(
+                plan.local, str(self.layout.mem), plan.remote, str(peer.layout.mem), peer.agent, notif
+            )
+        except Exception as exc:
+            self._fail(peer.ident, reg, "post", str(exc))
+            self._apply(self.rdv.on_pushed(reg.transfer_id, reg.engine_id, reg.rank))
+            return
+        t_post = time.perf_counter()
+        stats = {
+            "wait_ready_s": t_ready - t0,
+            "plan_s": t_plan - t_ready,
+            "pack_s": t_pack - t_plan,
+            "post_s": t_post - t_pack,
+        }
+        log.debug(
+            "%s: push %s -> %s/%d plan=%s bytes=%d pieces=%d descs=%d est=%s",
+            self.name,
+            reg.transfer_id,
+            reg.engine_id,
+            reg.rank,
+            plan.kind,
+            plan.nbytes,
+            plan.pieces,
+            plan.descriptors,
+            plan.estimate,
+        )
+        self._bump(f"plan_{plan.kind}_total")
+        self._bump("bytes_total", plan.nbytes)
+        self._bump("descriptors_total", plan.descriptors)
+        f = _InFlight(handle, reg, prefill, plan, slot, t_post, stats)
+        if state == "ERR":
+            self._finish(f, ok=False)
+        elif state == "DONE":
+            self._finish(f, ok=True)
+        else:
+            self._flying.append(f)
+
+    def _plan(self, prefill: Prefill, reg: protocol.Register, peer: _Peer) -> tuple[Plan, int | None]:
+        slot = None
+        local = remote = None
+        if reg.staging is not None and peer.staging is not None and self._staging is not None:
+            slot = self._slots.alloc(reg.staging.size)
+            if slot is not None:
+                local = (self._staging.addr + slot, self._staging.device_id)
+                remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
+        plan = build_plan(
+            self.cfg,
+            self.layout,
+            peer.layout,
+            prefill.block_ids[0],
+            reg.block_ids[0],
+            reg.num_tokens,
+            reg.start_token,
+            staging_local=local,
+            staging_remote=remote,
+            pack_bw=self.backend.pack_bandwidth(),
+        )
+        if plan.kind != "staged" and slot is not None:
+            self._slots.free(slot)
+            slot = None
+        return plan, slot
+
+    def _progress(self) -> None:
+        if not self._flying:
+            return
+        still: list[_InFlight] = []
+        for f in self._flying:
+            state = self.agent.state(f.handle)
+            if state == "PROC":
+                still.append(f)
+            else:
+                self._finish(f, ok=state == "DONE")
+        self._flying = still
+
+    def _finish(self, f: _InFlight, ok: bool) -> None:
+        self.agent.release(f.handle)
+        self._done(f.reg, f.prefill, f.plan, f.slot, ok)
+
+    def _done(self, reg: protocol.Register, prefill: Prefill, plan: Plan, slot: int | None, ok: bool) -> None:
+        if slot is not None:
+            self._slots.free(slot)
+        if not ok:
+            peer = self._peers.get((reg.engine_id, reg.rank))
+            if peer is not None:
+                self._fail(peer.ident, reg, "write", "NIXL reported an error for the WRITE")
+        self._apply(self.rdv.on_pushed(reg.transfer_id, reg.engine_id, reg.rank))

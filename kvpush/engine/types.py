@@ -1,0 +1,30 @@
+"""Plain data the engine hands to and returns from its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where D finds a P instance's side channel: rank r listens on ``port + r``."""
+
+    host: str
+    port: int
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class Result:
+    """A transfer that ended on this side.
+
+    On P: the request's blocks may be freed. On D: the KV arrived (``ok``) or
+    will never arrive (``ok=False``, ``reason`` says why), and D's blocks are
+    no longer written by anyone (fenced).
+    """
+
+    transfer_id: str
+    request_id: str
+    ok: bool
+    reason: str = ""
+    stats: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,32 @@
+"""Which P rank writes to which D rank when TP degrees differ (pure).
+
+Heads are split as vLLM splits them: rank r of a TP group of size t holds
+``max(1, H // t)`` heads starting at ``(r * local) % H``; when ``t > H`` the
+heads are replicated. Each D rank takes each of its heads from exactly one P
+rank, so replicated P ranks share the work deterministically and both sides
+compute the same answer without asking each other.
+"""
+
+from __future__ import annotations
+
+
+def head_range(rank: int, tp: int, num_heads: int) -> tuple[int, int]:
+    local = max(1, num_heads // tp)
+    start = (rank * local) % num_heads
+    return start, start + local
+
+
+def writers_for(d_rank: int, d_tp: int, p_tp: int, num_heads: int) -> list[int]:
+    """P ranks that write into D rank ``d_rank``."""
+    dlo, dhi = head_range(d_rank, d_tp, num_heads)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for p in range(p_tp):
+        lo, hi = head_range(p, p_tp, num_heads)
+        if max(lo, dlo) < min(hi, dhi):
+            groups.setdefault((lo, hi), []).append(p)
+    return sorted(ranks[d_rank % len(ranks)] for ranks in groups.values())
+
+
+def targets_for(p_rank: int, p_tp: int, d_tp: int, num_heads: int) -> list[int]:
+    """D ranks that P rank ``p_rank`` writes into."""
+    return [d for d in range(d_tp) if p_rank in writers_for(d, d_tp, p_tp, num_heads)]
