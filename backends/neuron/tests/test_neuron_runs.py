@@ -14,7 +14,7 @@ from kvpush.layout import MemKind, map_pieces
 from kvpush.plan import unpack_pieces
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     pieces=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 300)), min_size=1, max_size=40),
     gap=st.integers(0, 2000),
