@@ -221,9 +221,11 @@ class Receiver(EngineLoop):
         attempt = 0
         if old is not None:
             # Re-issued on D (preempted and re-allocated). P replaces the old
-            # registration when it reads the new one, unless the old one is
-            # being written, in which case it completes it. So an old writer is
-            # fenced once P answers either attempt; until then it stays here.
+            # registration when it reads the new one and answers the old attempt
+            # with a "superseded" failure, unless the old one is being written,
+            # in which case it completes it and only then pushes the new one. So
+            # an old writer is fenced once P answers the old attempt or completes
+            # the new one; until then it stays here.
             attempt = old.attempt + 1
             old.aborting = "superseded by a re-issued registration"
             old.abort_deadline = now + self.cfg.peer_dead_s
@@ -259,8 +261,8 @@ class Receiver(EngineLoop):
             self._writer_final(inc, w, ok=False, reason=f"bad registration: {exc}")
             return
         grant = None
-        if self._staging is not None and wants_staging(self.cfg, conn.layout, self.layout, pieces):
-            size = staged_bytes(conn.layout, self.layout, inc.num_tokens, inc.start_token)
+        size = staged_bytes(conn.layout, self.layout, inc.num_tokens, inc.start_token)
+        if size > 0 and self._staging is not None and wants_staging(self.cfg, conn.layout, self.layout, pieces):
             off = self._slots.alloc(size)
             if off is not None:
                 grant = protocol.StagingGrant(off, size)
@@ -322,7 +324,7 @@ class Receiver(EngineLoop):
         if isinstance(msg, protocol.Failure):
             self._on_failure(msg)
             return
-        inc, w = self._lookup(msg.transfer_id, msg.rank, msg.attempt)
+        inc, w = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=True)
         if inc is None or w is None:
             return
         if msg.plan == "staged":
@@ -339,13 +341,21 @@ class Receiver(EngineLoop):
         self._writer_final(inc, w, ok=True, reason="")
 
     def _on_failure(self, msg: protocol.Failure) -> None:
-        inc, w = self._lookup(msg.transfer_id, msg.rank, msg.attempt)
+        inc, w = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=False)
         if inc is None or w is None:
             return
         self._writer_final(inc, w, ok=False, reason=f"P rank {msg.rank} failed at {msg.stage}: {msg.reason}")
 
-    def _lookup(self, transfer_id: str, p_rank: int, attempt: int) -> tuple[_Incoming | None, _Writer | None]:
-        """The writer a message answers; also fences superseded attempts it proves dead."""
+    def _lookup(
+        self, transfer_id: str, p_rank: int, attempt: int, fences_older: bool
+    ) -> tuple[_Incoming | None, _Writer | None]:
+        """The writer a message answers; also fences superseded attempts it proves dead.
+
+        Only a *completion* of a newer attempt proves that P no longer writes
+        an older one (P pushes a re-registration only after the previous
+        attempt's WRITE ended). A failure of a newer attempt proves nothing: P
+        may have rejected it while the older one is parked or being written.
+        """
         for old in list(self._superseded):
             if old.transfer_id != transfer_id:
                 continue
@@ -353,7 +363,8 @@ class Receiver(EngineLoop):
             if w is not None and not w.final and old.attempt <= attempt:
                 if old.attempt == attempt:
                     return old, w
-                self._writer_final(old, w, ok=False, reason=old.aborting)
+                if fences_older:
+                    self._writer_final(old, w, ok=False, reason=old.aborting)
         inc = self._transfers.get(transfer_id)
         w = inc.writers.get(p_rank) if inc is not None else None
         if inc is None or w is None or attempt != inc.attempt or w.final:
@@ -419,7 +430,7 @@ class Receiver(EngineLoop):
         for inc in [*self._transfers.values(), *self._superseded]:
             if not inc.aborting and now >= inc.deadline:
                 self._bump("expired_total")
-                self._on_abort(inc.transfer_id, f"no KV from P within {self.cfg.transfer_timeout_s:.0f}s", now)
+                self._on_abort(inc.transfer_id, f"no KV from P within {self.cfg.transfer_timeout_s:g}s", now)
             elif inc.aborting and now >= inc.abort_deadline:
                 for w in inc.writers.values():
                     if not w.final:

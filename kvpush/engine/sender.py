@@ -79,6 +79,11 @@ class Sender(EngineLoop):
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._markers: dict[str, Any] = {}
         self._flying: list[_InFlight] = []
+        # A re-issued registration whose earlier attempt is being written now:
+        # it waits here until that WRITE ends, then is paired again.
+        self._deferred: dict[tuple[str, str, int], protocol.Register] = {}
+        self._errors: dict[str, str] = {}  # transfer id -> why one of its pushes failed
+        self._tstats: dict[str, dict[str, float]] = {}  # transfer id -> push timings, for its Result
         self._next_timer = 0.0
         self._staging: StagingBuffer | None = None
         self._slots = SlotAllocator(0)
@@ -209,8 +214,35 @@ class Sender(EngineLoop):
         if problem:
             self._fail(ident, reg, "register", problem)
             return
-        expected = len(targets_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads))
-        self._apply(self.rdv.on_register(reg, now, expected=max(1, expected)))
+        prev = next(
+            (
+                (r, flying)
+                for r, flying in self.rdv.registrations(reg.transfer_id)
+                if (r.engine_id, r.rank) == (reg.engine_id, reg.rank) and r.attempt != reg.attempt
+            ),
+            None,
+        )
+        if prev is not None and prev[1]:
+            # D re-allocated while P writes the previous attempt's blocks. That
+            # WRITE cannot be recalled, so the new attempt waits for it and is
+            # pushed next; D learns the old blocks are fenced from that WRITE's
+            # own completion, never earlier.
+            older = self._deferred.get((reg.transfer_id, reg.engine_id, reg.rank))
+            if older is not None:
+                self._fail(ident, older, "superseded", f"replaced by attempt {reg.attempt}")
+            self._deferred[(reg.transfer_id, reg.engine_id, reg.rank)] = reg
+            self._bump("deferred_registrations_total")
+            return
+        decisions = self.rdv.on_register(reg, now, expected=self._expected(peer))
+        if prev is not None:
+            # The rendezvous replaced the earlier attempt, which will never be
+            # written: tell D so it can reuse those blocks now.
+            self._fail(ident, prev[0], "superseded", f"replaced by attempt {reg.attempt}")
+        self._apply(decisions)
+
+    def _expected(self, peer: _Peer) -> int:
+        """How many D ranks of ``peer``'s instance this P rank writes to."""
+        return max(1, len(targets_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads)))
 
     def _check_register(self, peer: _Peer, reg: protocol.Register) -> str:
         groups = 1 + max(r.group for r in self.layout.regions)
@@ -260,6 +292,14 @@ class Sender(EngineLoop):
     def _abort(self, transfer_id: str, reason: str, now: float) -> None:
         # Registrations not being written get an explicit answer so D can free
         # its blocks; those in flight answer with their completion.
+        for key in [k for k in self._deferred if k[0] == transfer_id]:
+            reg = self._deferred.pop(key)
+            peer = self._peers.get((reg.engine_id, reg.rank))
+            if peer is not None:
+                self.server.send(
+                    peer.ident,
+                    protocol.Failure(reg.transfer_id, reg.request_id, self.rank, "aborted", reason, reg.attempt),
+                )
         for reg, flying in self.rdv.registrations(transfer_id):
             if not flying:
                 peer = self._peers.get((reg.engine_id, reg.rank))
@@ -278,6 +318,8 @@ class Sender(EngineLoop):
                 )
                 self._bump("dead_peers_total")
                 del self._peers[key]
+                for dk in [dk for dk in self._deferred if dk[1:] == key]:
+                    del self._deferred[dk]
                 for tid in self.rdv.transfers_of(peer.engine_id):
                     self._apply(self.rdv.on_abort(tid, now, f"D {peer.engine_id} rank {peer.rank} dead"))
                 if not any(p.agent == peer.agent for p in self._peers.values()):
@@ -289,9 +331,13 @@ class Sender(EngineLoop):
                 self._push(d.prefill, d.reg)
             elif isinstance(d, Release):
                 self._markers.pop(d.prefill.transfer_id, None)
-                ok = d.reason == "pushed"
+                # "pushed" means every expected push ended, not that each succeeded.
+                err = self._errors.pop(d.prefill.transfer_id, "")
+                ok = d.reason == "pushed" and not err
                 self._bump("released_total")
-                self.emit(Result(d.prefill.transfer_id, d.prefill.request_id, ok, "" if ok else d.reason))
+                why = "" if ok else (err if d.reason == "pushed" else d.reason)
+                stats = self._tstats.pop(d.prefill.transfer_id, {})
+                self.emit(Result(d.prefill.transfer_id, d.prefill.request_id, ok, why, stats))
             elif isinstance(d, Refuse):
                 peer = self._peers.get((d.reg.engine_id, d.reg.rank))
                 if peer is not None:
@@ -301,8 +347,10 @@ class Sender(EngineLoop):
         t0 = time.perf_counter()
         peer = self._peers.get((reg.engine_id, reg.rank))
         if peer is None:
-            self._apply(self.rdv.on_pushed(reg.transfer_id, reg.engine_id, reg.rank))
+            self._errors[reg.transfer_id] = f"D {reg.engine_id} rank {reg.rank} is gone"
+            self._pushed(reg)
             return
+        slot: int | None = None
         try:
             if reg.num_tokens > prefill.num_tokens:
                 raise KVPushError(f"D asks for {reg.num_tokens} tokens, P computed {prefill.num_tokens}")
@@ -329,14 +377,20 @@ class Sender(EngineLoop):
             )
             if plan.kind == "empty":
                 self.agent.send_notif(peer.agent, notif)
-                self._done(reg, prefill, plan, None, ok=True)
-                return
-            handle, state = self.agent.write(
-                plan.local, str(self.layout.mem), plan.remote, str(peer.layout.mem), peer.agent, notif
-            )
+            else:
+                handle, state = self.agent.write(
+                    plan.local, str(self.layout.mem), plan.remote, str(peer.layout.mem), peer.agent, notif
+                )
         except Exception as exc:
+            # Nothing was posted: free the slot and answer D, so neither side waits.
+            if slot is not None:
+                self._slots.free(slot)
+            self._errors[reg.transfer_id] = f"post failed: {exc}"
             self._fail(peer.ident, reg, "post", str(exc))
-            self._apply(self.rdv.on_pushed(reg.transfer_id, reg.engine_id, reg.rank))
+            self._pushed(reg)
+            return
+        if plan.kind == "empty":
+            self._done(reg, prefill, plan, None, ok=True)
             return
         t_post = time.perf_counter()
         stats = {
@@ -344,6 +398,10 @@ class Sender(EngineLoop):
             "plan_s": t_plan - t_ready,
             "pack_s": t_pack - t_plan,
             "post_s": t_post - t_pack,
+            "bytes": float(plan.nbytes),
+            "pieces": float(plan.pieces),
+            "descriptors": float(plan.descriptors),
+            f"plan_{plan.kind}": 1.0,
         }
         log.debug(
             "%s: push %s -> %s/%d plan=%s bytes=%d pieces=%d descs=%d est=%s",
@@ -406,6 +464,10 @@ class Sender(EngineLoop):
         self._flying = still
 
     def _finish(self, f: _InFlight, ok: bool) -> None:
+        f.stats["complete_s"] = time.perf_counter() - f.t_post
+        acc = self._tstats.setdefault(f.reg.transfer_id, {})
+        for k, v in f.stats.items():
+            acc[k] = acc.get(k, 0.0) + v  # summed over this P rank's pushes of the transfer
         self.agent.release(f.handle)
         self._done(f.reg, f.prefill, f.plan, f.slot, ok)
 
@@ -413,7 +475,28 @@ class Sender(EngineLoop):
         if slot is not None:
             self._slots.free(slot)
         if not ok:
+            self._errors[reg.transfer_id] = f"WRITE to D {reg.engine_id} rank {reg.rank} failed"
             peer = self._peers.get((reg.engine_id, reg.rank))
             if peer is not None:
                 self._fail(peer.ident, reg, "write", "NIXL reported an error for the WRITE")
-        self._apply(self.rdv.on_pushed(reg.transfer_id, reg.engine_id, reg.rank))
+        self._pushed(reg)
+
+    def _pushed(self, reg: protocol.Register) -> None:
+        """A push to one D rank ended; pair a deferred re-registration from that rank now."""
+        decisions = self.rdv.on_pushed(reg.transfer_id, reg.engine_id, reg.rank)
+        nxt = self._deferred.pop((reg.transfer_id, reg.engine_id, reg.rank), None)
+        if nxt is not None:
+            now = time.monotonic()
+            released = [d for d in decisions if isinstance(d, Release) and d.prefill.transfer_id == reg.transfer_id]
+            decisions = [d for d in decisions if not any(d is r for r in released)]
+            self._errors.pop(reg.transfer_id, None)  # only the new attempt's outcome counts
+            if released:
+                # The rendezvous let go of the prefill with this push; keep its
+                # blocks and pair them with the new attempt instead.
+                decisions += self.rdv.on_register(nxt, now, expected=1)
+                decisions += self.rdv.on_prefill(released[0].prefill, now)
+            else:
+                peer = self._peers.get((nxt.engine_id, nxt.rank))
+                expected = self._expected(peer) if peer is not None else 1
+                decisions += self.rdv.on_register(nxt, now, expected=expected)
+        self._apply(decisions)

@@ -21,6 +21,12 @@ class Result:
     On P: the request's blocks may be freed. On D: the KV arrived (``ok``) or
     will never arrive (``ok=False``, ``reason`` says why), and D's blocks are
     no longer written by anyone (fenced).
+
+    ``stats`` on P: ``plan_s``, ``pack_s``, ``post_s``, ``complete_s`` (post
+    to WRITE done), ``bytes``, ``pieces`` (descriptors before coalescing),
+    ``descriptors`` (posted) and ``plan_<kind>``, summed over this rank's
+    pushes of the transfer; on D: ``bytes``, ``descriptors``, ``unpack_s``,
+    ``latency_s`` (registration to result).
     """
 
     transfer_id: str

@@ -112,7 +112,13 @@ class Agent:
         return handle, self._agent.transfer(handle)
 
     def state(self, handle: Any) -> str:
-        return self._agent.check_xfer_state(handle)
+        """``DONE``/``PROC``/``ERR``; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
+        so one broken transfer cannot stall the engine loop that polls all of them."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            log.warning("%s: transfer failed: %s", self.name, exc)
+            return "ERR"
 
     def release(self, handle: Any) -> None:
         try:
@@ -122,7 +128,12 @@ class Agent:
 
     def notifs(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
-        for peer, msgs in self._agent.get_new_notifs().items():
+        try:
+            new = self._agent.get_new_notifs()
+        except Exception as exc:
+            log.warning("%s: reading notifications failed: %s", self.name, exc)
+            return out
+        for peer, msgs in new.items():
             p = peer.decode() if isinstance(peer, bytes) else peer
             out.extend((p, bytes(m)) for m in msgs)
         return out

@@ -18,6 +18,12 @@ from kvpush.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
+ZMQ_MAX_MSG_BYTES = 2 * protocol.MAX_FRAME_BYTES
+"""ZMQ's own cap, above the protocol's: a frame a little over the limit reaches
+``protocol.decode`` and is logged with its size (a buggy peer gets a clear
+line); a far larger one is cut by ZMQ, which drops the connection without
+buffering it (a hostile peer gets no allocation)."""
+
 
 class Server:
     """P's ROUTER socket; replies go to the identity a message came from."""
@@ -28,7 +34,7 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MSG_BYTES)
         try:
             if port == 0:
                 port = self.sock.bind_to_random_port(f"tcp://{host}")
@@ -75,7 +81,7 @@ class Client:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MSG_BYTES)
         self.sock.connect(f"tcp://{host}:{port}")
         self.host, self.port = host, port
 

@@ -1,0 +1,658 @@
+"""The push path end to end: real NIXL UCX agents in separate processes on loopback.
+
+P and D live in two long-lived worker processes (``procs.py``); every case
+creates fresh ``Sender``/``Receiver`` engines inside them, drives requests over
+the command queues and then checks D's whole KV cache against a reference built
+here token by token and head by head, without ``kvpush.layout``: a wrong offset
+in the mapping would otherwise be checked by the code that made it. Blocks D
+did not register must still hold the sentinel byte.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from procs import SENTINEL, Geom, Node, make_cache
+
+from kvpush import protocol
+from kvpush.engine.types import Result
+from kvpush.layout import KVLayout
+
+STAGING = 4 << 20
+
+
+# -- reference check (independent of kvpush.layout) ------------------------------------
+
+
+def _at(geom: Geom, block: int, tok: int, head: int) -> tuple[Any, ...]:
+    """Index of one token's one (local) head in every layer and K/V: shape (layers, 2, head_dim)."""
+    if geom.order == "NHD":
+        return (slice(None), slice(None), block, tok, head)
+    return (slice(None), slice(None), block, head, tok)
+
+
+@dataclass(frozen=True)
+class Req:
+    """One transfer as both sides see it."""
+
+    tid: str
+    p_rid: str
+    d_rid: str
+    p_blocks: list[int]
+    d_blocks: list[int]
+    n: int
+    start: int = 0
+
+
+def apply_reference(expected: np.ndarray, dg: Geom, src: np.ndarray, pg: Geom, req: Req) -> None:
+    """Write into ``expected`` what D must hold after P pushed ``req``: per token, per shared head."""
+    lo, hi = max(pg.head_start, dg.head_start), min(pg.head_start + pg.local_heads, dg.head_start + dg.local_heads)
+    for t in range(req.start, req.n):
+        pb, pt = req.p_blocks[t // pg.block_size], t % pg.block_size
+        db, dt = req.d_blocks[t // dg.block_size], t % dg.block_size
+        for h in range(lo, hi):
+            expected[_at(dg, db, dt, h - dg.head_start)] = src[_at(pg, pb, pt, h - pg.head_start)]
+
+
+def assert_same(actual: np.ndarray, expected: np.ndarray, geom: Geom) -> None:
+    """Byte-exact equality of two caches, naming the first differing byte's coordinates."""
+    assert actual.shape == expected.shape
+    bad = np.argwhere(actual != expected)
+    if bad.size:
+        names = ["layer", "kv", "block", *(("tok", "head") if geom.order == "NHD" else ("head", "tok")), "byte"]
+        where = ", ".join(f"{k}={v}" for k, v in zip(names, bad[0].tolist(), strict=True))
+        raise AssertionError(
+            f"{len(bad)} bytes differ; first at {where}: got {actual[tuple(bad[0])]}, want {expected[tuple(bad[0])]}"
+            + (" (sentinel: D never registered this byte)" if expected[tuple(bad[0])] == SENTINEL else "")
+        )
+
+
+def make_requests(
+    rng: np.random.Generator, count: int, pg: Geom, dg: Geom, prefix: str, max_tokens: int = 130
+) -> list[Req]:
+    """Random lengths, random P blocks, disjoint random D blocks.
+
+    Request 0 is shorter than a block; request 1 has zero new tokens (D holds
+    all of them, ``start_token == num_tokens``); about a quarter start after a
+    prefix D already has.
+    """
+    free = list(rng.permutation(dg.num_blocks))
+    out: list[Req] = []
+    for i in range(count):
+        n = int(rng.integers(1, max_tokens))
+        start = 0
+        if i == 0:
+            n = max(1, min(pg.block_size, dg.block_size) // 3)
+        elif i == 1:
+            start = n = 37
+        elif rng.random() < 0.25 and n > 1:
+            start = int(rng.integers(1, n))
+        pblocks = rng.choice(pg.num_blocks, math.ceil(n / pg.block_size), replace=False).tolist()
+        nd = math.ceil(n / dg.block_size)
+        dblocks, free = [int(b) for b in free[:nd]], free[nd:]
+        assert len(dblocks) == nd, "D pool too small for the requests"
+        out.append(Req(f"{prefix}-t{i}", f"{prefix}-p{i}", f"{prefix}-d{i}", pblocks, dblocks, n, start))
+    return out
+
+
+# -- fixtures ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[tuple[Node, Node]]:
+    p, d = Node("P"), Node("D")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield p, d
+        crashes = p.call("crashes") + d.call("crashes")
+        assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)
+    finally:
+        p.stop()
+        d.stop()
+
+
+_counter = iter(range(1_000_000))
+
+
+def _key(name: str) -> str:
+    return f"{name}{next(_counter)}"
+
+
+def _cfg(**kw: Any) -> dict[str, Any]:
+    return {"staging_bytes": STAGING, **kw}
+
+
+@contextmanager
+def engines(node: Node, kind: str, specs: list[tuple[str, Geom, dict[str, Any], str]]) -> Iterator[list[Any]]:
+    """Start ``kind`` engines (``sender``/``receiver``) in ``node``; close them afterwards."""
+    out = []
+    started: list[str] = []
+    try:
+        for i, (key, geom, cfg, engine_id) in enumerate(specs):
+            args = (key, geom, cfg, engine_id, 1000 + i) if kind == "sender" else (key, geom, cfg, engine_id)
+            out.append(node.call(kind, *args))
+            started.append(key)
+        yield out
+    finally:
+        for key in started:
+            node.call("close", key)
+        crashes = node.call("crashes")
+        assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)
+
+
+def by_rid(results: list[Result]) -> dict[str, Result]:
+    return {r.request_id: r for r in results}
+
+
+def free_port_base(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (P rank r binds base + r)."""
+    for _ in range(200):
+        base = int(np.random.default_rng().integers(20000, 60000))
+        socks = []
+        try:
+            for r in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + r))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def assert_idle(node: Node, key: str) -> None:
+    """P or D holds nothing any more."""
+    st = node.call("stats", key)
+    if "pending" in st:
+        assert st["pending"] == 0, st
+        assert st["staging_slots_in_use"] == 0, st
+    else:
+        assert (st["parked_prefills"], st["waiting_registrations"], st["in_flight"]) == (0, 0, 0), st
+
+
+# -- the checker can fail ------------------------------------------------------------------
+
+
+def test_reference_check_catches_a_flipped_byte() -> None:
+    pg, dg = Geom(num_blocks=8), Geom(num_blocks=8, block_size=32, order="HND")
+    src, exp = make_cache(pg, 1), make_cache(dg, None)
+    req = Req("t", "p", "d", [3, 1, 6], [5, 2], 40, 2)
+    apply_reference(exp, dg, src, pg, req)
+    # token 17 of P is block 1 slot 1; on D it is block 5 slot 17 (HND: head before token)
+    np.testing.assert_array_equal(exp[0, 1, 5, 2, 17], src[0, 1, 1, 1, 2])
+    got = exp.copy()
+    assert_same(got, exp, dg)
+    got[2, 0, 5, 3, 30, 7] ^= 1  # a written byte
+    with pytest.raises(AssertionError, match="1 bytes differ"):
+        assert_same(got, exp, dg)
+    got = exp.copy()
+    got[0, 0, 0, 0, 0, 0] ^= 1  # an untouched block
+    with pytest.raises(AssertionError, match="sentinel"):
+        assert_same(got, exp, dg)
+    got = exp.copy()
+    got[0, 0, 5, 0, 1, 0] = SENTINEL ^ 0xFF  # a prefix token D already had (start_token=2)
+    with pytest.raises(AssertionError):
+        assert_same(got, exp, dg)
+
+
+# -- many concurrent requests, both orders, every plan ---------------------------------------------
+
+
+@pytest.mark.parametrize("plan", ["direct", "staged", "auto"])
+def test_many_concurrent_requests(nodes: tuple[Node, Node], plan: str) -> None:
+    p, d = nodes
+    pg, dg = Geom(num_blocks=256), Geom(num_blocks=512)
+    k = _key(plan)
+    # auto: D grants staging to fragmented requests only, P's cost model decides
+    d_cfg = _cfg(plan=plan, staged_min_descriptors=1 if plan == "staged" else 40)
+    rng = np.random.default_rng(42)
+    reqs = make_requests(rng, 40, pg, dg, k)
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(plan=plan), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, d_cfg, "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        d_first, p_first = reqs[0::2], reqs[1::2]
+        for r in d_first:
+            d.call("register", k + "d", r.tid, r.d_rid, peer, r.d_blocks, r.n, r.start)
+        for r in p_first:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        time.sleep(0.3)  # the first half waits on P, the second half on D
+        for r in d_first:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        for r in p_first:
+            d.call("register", k + "d", r.tid, r.d_rid, peer, r.d_blocks, r.n, r.start)
+        d_res = by_rid(d.call("results", k + "d", len(reqs), 30.0))
+        p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+        assert sorted(d_res) == sorted(r.d_rid for r in reqs)
+        assert sorted(p_res) == sorted(r.p_rid for r in reqs)
+        assert all(x.ok for x in d_res.values()), [x for x in d_res.values() if not x.ok]
+        assert all(x.ok for x in p_res.values()), [x for x in p_res.values() if not x.ok]
+
+        src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
+        np.testing.assert_array_equal(src, make_cache(pg, 1000))
+        exp = make_cache(dg, None)
+        for r in reqs:
+            apply_reference(exp, dg, src, pg, r)
+        assert_same(got, exp, dg)
+
+        st = p.call("stats", k + "p")
+        nonempty = sum(r.n > r.start for r in reqs)
+        staged, direct = st.get("plan_staged_total", 0), st.get("plan_direct_total", 0)
+        assert staged + direct == nonempty
+        if plan == "direct":
+            assert staged == 0
+        elif plan == "staged":
+            assert direct == 0
+        else:
+            assert staged > 0 and direct > 0, st  # the cost model really chooses
+        assert d_res[reqs[1].d_rid].stats.get("bytes", -1) == 0  # zero new tokens: a bare completion
+        big = max(reqs, key=lambda r: r.n - r.start)
+        pst = p_res[big.p_rid].stats
+        assert pst["bytes"] == (big.n - big.start) * pg.num_heads * pg.head_dim * 2 * pg.layers, pst
+        assert pst["pieces"] >= pst["descriptors"] >= 1 and pst["complete_s"] >= 0, pst
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+        # idle: the threads sleep in zmq.poll (idle_poll_max_s=20 ms), they do not spin
+        before = (p.call("loops", k + "p"), d.call("loops", k + "d"))
+        time.sleep(1.0)
+        after = (p.call("loops", k + "p"), d.call("loops", k + "d"))
+        assert after[0] - before[0] < 150 and after[1] - before[1] < 150, (before, after)
+
+
+# -- different block sizes and in-block orders ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pbs", "dbs", "porder", "dorder", "plan"),
+    [
+        (16, 32, "NHD", "NHD", "direct"),
+        (32, 16, "NHD", "HND", "staged"),
+        (16, 64, "HND", "NHD", "direct"),
+        (16, 32, "HND", "HND", "staged"),
+        (32, 16, "HND", "NHD", "auto"),
+        (16, 64, "NHD", "HND", "staged"),
+    ],
+)
+def test_block_sizes_and_orders(
+    nodes: tuple[Node, Node], pbs: int, dbs: int, porder: str, dorder: str, plan: str
+) -> None:
+    p, d = nodes
+    pg = Geom(num_blocks=128, block_size=pbs, order=porder)
+    dg = Geom(num_blocks=96, block_size=dbs, order=dorder)
+    k = _key("bs")
+    reqs = make_requests(np.random.default_rng(pbs * 1000 + dbs), 8, pg, dg, k, max_tokens=200)
+    d_cfg = _cfg(plan=plan, staged_min_descriptors=1)
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(plan=plan), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, d_cfg, "D" + k)]),
+    ):
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        d_res = d.call("results", k + "d", len(reqs), 20.0)
+        assert len(d_res) == len(reqs) and all(x.ok for x in d_res), d_res
+        assert len(p.call("results", k + "p", len(reqs), 10.0)) == len(reqs)
+        src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
+        exp = make_cache(dg, None)
+        for r in reqs:
+            apply_reference(exp, dg, src, pg, r)
+        assert_same(got, exp, dg)
+
+
+# -- re-issued requests -----------------------------------------------------------------------
+
+
+def test_p_reissues_prefill_under_new_request_id(nodes: tuple[Node, Node]) -> None:
+    """P preempted and re-ran a prefill: D gets the re-run's bytes, P releases both request ids."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=64)
+    k = _key("rp")
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(), "D" + k)]),
+    ):
+        first = Req("t", "r1", "d1", [1, 2, 3, 4], [10, 20, 30, 40], 60)
+        again = Req("t", "r2", "d1", [50, 51, 52, 53], [10, 20, 30, 40], 60)
+        p.call("prefill", k + "p", first.tid, first.p_rid, first.p_blocks, first.n)
+        p.call("prefill", k + "p", again.tid, again.p_rid, again.p_blocks, again.n)
+        time.sleep(0.1)
+        d.call("register", k + "d", "t", "d1", (addr[0], addr[1], 1), again.d_blocks, again.n, 0)
+        [dr] = d.call("results", k + "d", 1, 10.0)
+        assert dr.ok, dr
+        pr = by_rid(p.call("results", k + "p", 2, 10.0))
+        assert set(pr) == {"r1", "r2"}
+        assert not pr["r1"].ok and "re-issued" in pr["r1"].reason
+        assert pr["r2"].ok
+        src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
+        exp = make_cache(dg, None)
+        apply_reference(exp, dg, src, pg, again)
+        assert_same(got, exp, dg)
+        assert_idle(p, k + "p")
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.3])
+def test_d_reregisters_with_new_blocks(nodes: tuple[Node, Node], gap_s: float) -> None:
+    """D preempted and re-allocated: the new blocks get the data, the old registration is reported fenced.
+
+    ``gap_s=0.3`` lets the first registration reach P before the second one
+    replaces it; with 0 both may leave D in one batch.
+    """
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=64)
+    k = _key("rd")
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(), "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        old = Req("t", "r", "d-old", [5, 6, 7], [1, 2, 3], 40)
+        new = Req("t", "r", "d-new", [5, 6, 7], [30, 31, 9], 40)
+        d.call("register", k + "d", old.tid, old.d_rid, peer, old.d_blocks, old.n, 0)
+        time.sleep(gap_s)
+        d.call("register", k + "d", new.tid, new.d_rid, peer, new.d_blocks, new.n, 0)
+        time.sleep(0.2)
+        p.call("prefill", k + "p", "t", "r", new.p_blocks, new.n)
+        dr = by_rid(d.call("results", k + "d", 2, 10.0))
+        assert set(dr) == {"d-old", "d-new"}, dr
+        assert dr["d-new"].ok, dr
+        assert not dr["d-old"].ok and "superseded" in dr["d-old"].reason, dr
+        [pr] = p.call("results", k + "p", 1, 10.0)
+        assert pr.ok, pr
+        src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
+        exp = make_cache(dg, None)
+        apply_reference(exp, dg, src, pg, new)  # old blocks keep the sentinel
+        assert_same(got, exp, dg)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+# -- tensor parallelism --------------------------------------------------------------------------
+
+
+def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node]) -> None:
+    """P tp=2 (half the heads each) into D tp=1: D completes after one completion per P rank."""
+    p, d = nodes
+    base = free_port_base(2)
+    pgs = [Geom(num_blocks=64, tp_rank=r, tp_size=2) for r in range(2)]
+    dg = Geom(num_blocks=64, block_size=32, order="HND")
+    k = _key("tp21")
+    p_cfg = _cfg(side_channel_port=base)
+    reqs = make_requests(np.random.default_rng(7), 6, pgs[0], dg, k, max_tokens=150)
+    with (
+        engines(p, "sender", [(f"{k}p{r}", pgs[r], p_cfg, "P" + k) for r in range(2)]) as addrs,
+        engines(d, "receiver", [(k + "d", dg, _cfg(staged_min_descriptors=1), "D" + k)]),
+    ):
+        assert [a[1] for a in addrs] == [base, base + 1]
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, ("127.0.0.1", base, 2), r.d_blocks, r.n, r.start)
+            for rank in range(2):
+                p.call("prefill", f"{k}p{rank}", r.tid, r.p_rid, r.p_blocks, r.n)
+        d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+        assert len(d_res) == len(reqs) and all(x.ok for x in d_res.values()), d_res
+        for r in reqs:
+            # both ranks' bytes counted: the result waited for both completions
+            want = (r.n - r.start) * dg.num_heads * dg.head_dim * 2 * dg.layers
+            assert d_res[r.d_rid].stats.get("bytes") == want, (r, d_res[r.d_rid])
+        exp = make_cache(dg, None)
+        for rank in range(2):
+            assert len(p.call("results", f"{k}p{rank}", len(reqs), 10.0)) == len(reqs)
+            src = p.call("snapshot", f"{k}p{rank}")
+            for r in reqs:
+                apply_reference(exp, dg, src, pgs[rank], r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+
+
+def test_one_p_rank_writes_two_d_ranks(nodes: tuple[Node, Node]) -> None:
+    """P tp=1 into D tp=2: P writes each D rank its half of the heads and releases once, after both."""
+    p, d = nodes
+    pg = Geom(num_blocks=64, order="HND")
+    dgs = [Geom(num_blocks=64, block_size=16, tp_rank=r, tp_size=2) for r in range(2)]
+    k = _key("tp12")
+    reqs = make_requests(np.random.default_rng(8), 6, pg, dgs[0], k, max_tokens=150)
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="auto"), "P" + k)]) as [addr],
+        engines(d, "receiver", [(f"{k}d{r}", dgs[r], _cfg(staged_min_descriptors=1), "D" + k) for r in range(2)]),
+    ):
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            for rank in range(2):
+                d.call("register", f"{k}d{rank}", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        src = p.call("snapshot", k + "p")
+        for rank in range(2):
+            d_res = d.call("results", f"{k}d{rank}", len(reqs), 20.0)
+            assert len(d_res) == len(reqs) and all(x.ok for x in d_res), d_res
+            exp = make_cache(dgs[rank], None)
+            for r in reqs:
+                apply_reference(exp, dgs[rank], src, pg, r)
+            assert_same(d.call("snapshot", f"{k}d{rank}"), exp, dgs[rank])
+        p_res = p.call("results", k + "p", len(reqs) + 1, 1.0)
+        assert len(p_res) == len(reqs) and all(x.ok for x in p_res), p_res  # one release per request
+        assert_idle(p, k + "p")
+
+
+# -- expiry ---------------------------------------------------------------------------------
+
+
+def test_unmatched_registration_and_prefill_expire(nodes: tuple[Node, Node]) -> None:
+    """A registration whose prefill never comes fails on D and leaves nothing on P;
+    a prefill whose registration never comes is released by P with ok=False."""
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = _key("exp")
+    with (
+        engines(p, "sender", [(k + "p", g, _cfg(prefill_lease_s=1.0), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", g, _cfg(transfer_timeout_s=1.5), "D" + k)]),
+    ):
+        t0 = time.monotonic()
+        d.call("register", k + "d", "lonely-reg", "d1", (addr[0], addr[1], 1), [1, 2], 20, 0)
+        p.call("prefill", k + "p", "lonely-prefill", "p1", [3, 4], 20)
+        time.sleep(0.3)
+        assert p.call("stats", k + "p")["waiting_registrations"] == 1
+        [pr] = p.call("results", k + "p", 1, 5.0)
+        assert (pr.request_id, pr.ok) == ("p1", False) and "lease expired" in pr.reason, pr
+        [dr] = d.call("results", k + "d", 1, 5.0)
+        elapsed = time.monotonic() - t0
+        assert (dr.request_id, dr.ok) == ("d1", False) and "no KV from P" in dr.reason, dr
+        assert 1.4 < elapsed < 4.0, elapsed
+        time.sleep(0.2)  # D's abort reaches P
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+# -- malformed messages ---------------------------------------------------------------------
+
+
+def _dealer(addr: tuple[str, int]) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://{addr[0]}:{addr[1]}")
+    return s
+
+
+def _reply(sock: zmq.Socket, timeout_s: float = 5.0) -> Any:
+    assert sock.poll(int(timeout_s * 1000)), "P did not answer"
+    return protocol.decode(sock.recv())
+
+
+def _wait_logs(node: Node, needles: list[str], timeout_s: float = 5.0) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines += node.call("logs")
+        if all(any(n in line for line in lines) for n in needles):
+            return lines
+        time.sleep(0.05)
+    missing = [n for n in needles if not any(n in line for line in lines)]
+    raise AssertionError(f"P never logged {missing}; it logged {lines}")
+
+
+def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = _key("bad")
+    with (
+        engines(p, "sender", [(k + "p", g, _cfg(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", g, _cfg(), "D" + k)]),
+    ):
+        p.call("logs")
+        d_layout = msgspec.msgpack.decode(d.call("layout", k + "d"), type=KVLayout)
+        reg = protocol.Register(
+            transfer_id="x", request_id="x", engine_id="raw", rank=0, block_ids=((1,),), num_tokens=4
+        )
+        raw = _dealer(addr)
+        raw.send(b"\xc1 not msgpack at all")
+        raw.send(protocol.encode(reg)[:-7])  # truncated
+        raw.send(msgspec.msgpack.encode([999, msgspec.to_builtins(reg)]))  # a future protocol version
+        raw.send_multipart([b"two", b"parts"])
+        raw.send(b"\x00" * (protocol.MAX_FRAME_BYTES + 1))  # over the frame limit
+        _wait_logs(
+            p,
+            [
+                "malformed message",
+                "truncated",
+                "protocol version mismatch: peer speaks v999",
+                "dropped frame with 3 parts",
+                "exceeds the",
+            ],
+        )
+        # a registration from a peer that never said hello: answered with a Failure naming why
+        raw.send(protocol.encode(reg))
+        fail = _reply(raw)
+        assert isinstance(fail, protocol.Failure) and "before a successful hello" in fail.reason, fail
+        # a valid hello (a real NIXL agent's metadata), then block ids D does not have
+        meta = d.call("bare_agent", k + "-raw")
+        hello = protocol.Hello(
+            engine_id="raw", rank=0, tp_size=1, agent_name=k + "-raw", agent_metadata=meta, layout=d_layout, model=""
+        )
+        raw.send(protocol.encode(hello))
+        assert _reply(raw).ok
+        raw.send(protocol.encode(msgspec.structs.replace(reg, block_ids=((g.num_blocks + 5,),))))
+        fail = _reply(raw)
+        assert isinstance(fail, protocol.Failure) and "out of range" in fail.reason, fail
+        # far over the limit: ZMQ itself cuts the connection before allocating it
+        huge = _dealer(addr)
+        huge.send(b"\x00" * (64 << 20))
+        time.sleep(0.3)
+        huge.close()
+        raw.close()
+        _wait_logs(p, ["out of range"])  # the failure is logged on P too
+        # P is alive and a correct transfer still succeeds
+        req = Req("good", "pg", "dg", [7, 8], [3, 9], 30)
+        p.call("prefill", k + "p", req.tid, req.p_rid, req.p_blocks, req.n)
+        d.call("register", k + "d", req.tid, req.d_rid, (addr[0], addr[1], 1), req.d_blocks, req.n, 0)
+        [dr] = d.call("results", k + "d", 1, 10.0)
+        assert dr.ok, dr
+        exp = make_cache(g, None)
+        apply_reference(exp, g, p.call("snapshot", k + "p"), g, req)
+        assert_same(d.call("snapshot", k + "d"), exp, g)
+
+
+# -- incompatible peers ---------------------------------------------------------------------
+
+
+def test_incompatible_peers_get_a_clear_error(nodes: tuple[Node, Node]) -> None:
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = _key("inc")
+    cases = {
+        "head_bytes": (Geom(num_blocks=32, head_dim=8), {}),
+        "dtype": (Geom(num_blocks=32, dtype="float16"), {}),
+        "number of regions": (Geom(num_blocks=32, layers=2), {}),
+        "num_heads": (Geom(num_blocks=32, num_heads=8, tp_size=2), {}),
+        "model differs": (g, {"model": "Qwen/Qwen3-8B"}),
+    }
+    specs = [(f"{k}d{i}", geom, _cfg(**extra), f"D{k}{i}") for i, (geom, extra) in enumerate(cases.values())]
+    with (
+        engines(p, "sender", [(k + "p", g, _cfg(model="Qwen/Qwen3-32B"), "P" + k)]) as [addr],
+        engines(d, "receiver", specs),
+    ):
+        t0 = time.monotonic()
+        for i, _ in enumerate(cases):
+            d.call("register", f"{k}d{i}", "t", f"d{i}", (addr[0], addr[1], 1), [1, 2], 20, 0)
+        for i, what in enumerate(cases):
+            [res] = d.call("results", f"{k}d{i}", 1, 5.0)
+            assert not res.ok and what in res.reason and "refused the handshake" in res.reason, (what, res)
+        assert time.monotonic() - t0 < 5.0
+        assert_idle(p, k + "p")
+
+
+def test_d_reregisters_while_the_old_attempt_is_written(nodes: tuple[Node, Node]) -> None:
+    """The re-registration reaches P while P writes the first attempt (a large WRITE).
+
+    P must not report the old blocks fenced before that WRITE ends, and must
+    still push into the new blocks afterwards. Whether the race is hit depends
+    on timing; the outcome must be right either way (the counter says which).
+    """
+    p, d = nodes
+    # 16 KiB per block and region, 8 MiB per request: the first WRITE to a new
+    # peer also pays UCX's endpoint wire-up, so it is in flight for a while
+    g = Geom(layers=4, num_blocks=64, num_heads=8, head_dim=128)
+    dg = Geom(layers=4, num_blocks=128, num_heads=8, head_dim=128)
+    k = _key("race")
+    n = 60 * 16
+    with (
+        engines(p, "sender", [(k + "p", g, _cfg(plan="direct"), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan="direct"), "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        pblocks = list(range(60))
+        old = Req("t", "r", "d-old", pblocks, list(range(0, 120, 2)), n)
+        new = Req("t", "r", "d-new", pblocks, list(range(1, 120, 2)), n)
+        d.call("register", k + "d", old.tid, old.d_rid, peer, old.d_blocks, n, 0)
+        time.sleep(0.3)
+        p.call("prefill", k + "p", "t", "r", pblocks, n)
+        d.call("register", k + "d", new.tid, new.d_rid, peer, new.d_blocks, n, 0)
+        dr = by_rid(d.call("results", k + "d", 2, 20.0))
+        assert set(dr) == {"d-old", "d-new"} and dr["d-new"].ok and not dr["d-old"].ok, dr
+        [pr] = p.call("results", k + "p", 1, 10.0)
+        assert pr.ok, pr
+        src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
+        exp = make_cache(dg, None)
+        apply_reference(exp, dg, src, g, new)
+        raced = p.call("stats", k + "p").get("deferred_registrations_total", 0) > 0
+        if raced:
+            apply_reference(exp, dg, src, g, old)  # the old WRITE landed, and was waited for
+        assert_same(got, exp, dg)
+        print("re-registration raced with the WRITE:", raced)
+
+
+def test_d_goes_away_mid_write(nodes: tuple[Node, Node]) -> None:
+    """D closes while P's WRITE is in flight: P releases the request with a reason and keeps running.
+
+    Whether the close lands before the WRITE ends depends on timing; either
+    way P must answer once, hold nothing, and not fail its loop.
+    """
+    p, d = nodes
+    g = Geom(layers=4, num_blocks=64, num_heads=8, head_dim=128)
+    k = _key("gone")
+    n = 60 * 16
+    with engines(p, "sender", [(k + "p", g, _cfg(plan="direct"), "P" + k)]) as [addr]:
+        p.call("logs")
+        d.call("receiver", k + "d", g, _cfg(plan="direct"), "D" + k)
+        d.call("register", k + "d", "t", "d", (addr[0], addr[1], 1), list(range(60)), n, 0)
+        time.sleep(0.3)
+        p.call("prefill", k + "p", "t", "r", list(range(60)), n)
+        time.sleep(0.05)
+        d.call("close", k + "d", True)
+        [pr] = p.call("results", k + "p", 1, 15.0)
+        assert pr.ok or "WRITE" in pr.reason or "post failed" in pr.reason, pr
+        assert_idle(p, k + "p")
+        logs = p.call("logs")
+        assert not [line for line in logs if "step failed" in line or "command failed" in line], logs
+        print("D closed before the WRITE ended:", not pr.ok, pr.reason)
