@@ -1,0 +1,633 @@
+"""``kvpush bench transfer``: what one large request costs to push, per plan and block pattern.
+
+A push's cost is set less by its bytes than by its descriptor count: UCX posts
+each descriptor for microseconds, so the same megabytes cost milliseconds when
+they are contiguous and far more when D's blocks are scattered. This benchmark
+moves one request shaped like a long prompt of a Qwen3-32B TP8 rank (64 layers
+x K/V, 1 KV head x 128 dims, 2-byte elements, 16-token blocks: 4 KiB per block
+and layer) between two processes over real NIXL agents, for
+
+- block patterns (both sides draw their block ids independently): ``shuffled``
+  (random ids), ``runs16`` (random runs of 16 consecutive ids), ``contiguous``;
+- plans: ``per-block`` (one descriptor per block and layer, what a connector
+  without coalescing posts; built here from the layouts and posted with
+  ``Agent.write``), ``coalesced`` (the engine, ``plan="direct"``), ``staged``
+  (the engine, ``plan="staged"``: pack, one WRITE, unpack) and ``auto`` (the
+  engine's cost model choosing).
+
+Each (pattern, plan) runs one warm-up and ``--iters`` measured transfers; the
+medians are printed, saved as JSON and drawn as a bar chart. D's cache is
+zeroed before every case and compared with P's bytes after it, so a plan that
+is fast because it moved the wrong bytes fails loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PATTERNS = ("shuffled", "runs16", "contiguous")
+PLANS = ("per-block", "coalesced", "staged", "auto")
+ENGINE_PLANS = {"coalesced": "direct", "staged": "staged", "auto": "auto"}
+RUN = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One rank's KV geometry and the request length; elements are ``dtype_bytes`` wide."""
+
+    tokens: int = 4096
+    layers: int = 64
+    kv_heads: int = 1
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    block_size: int = 16
+
+    @property
+    def blocks(self) -> int:
+        return math.ceil(self.tokens / self.block_size)
+
+    @property
+    def pool(self) -> int:
+        """Blocks per side: twice the request (rounded to runs), so patterns have room to scatter."""
+        return math.ceil(2 * self.blocks / RUN) * RUN
+
+    @property
+    def token_bytes(self) -> int:
+        return self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def request_bytes(self) -> int:
+        return self.tokens * self.token_bytes * self.layers * 2
+
+
+def block_ids(pattern: str, n: int, pool: int, rng: np.random.Generator) -> list[int]:
+    """``n`` distinct block ids out of ``pool`` laid out as ``pattern``."""
+    if pattern == "contiguous":
+        return list(range(n))
+    if pattern == "shuffled":
+        return [int(b) for b in rng.permutation(pool)[:n]]
+    if pattern == "runs16":
+        starts = rng.permutation(pool // RUN)[: math.ceil(n / RUN)] * RUN
+        return [int(s + i) for s in starts for i in range(RUN)][:n]
+    raise ValueError(f"unknown block pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+
+
+# -- the two processes --------------------------------------------------------------------
+
+
+def _cache(shape: Shape, seed: int | None) -> np.ndarray:
+    dims = (shape.layers, 2, shape.pool, shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes)
+    if seed is None:
+        return np.zeros(dims, dtype=np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, dims, dtype=np.uint8)
+
+
+def _digest(arr: np.ndarray, blocks: list[int], tokens: int) -> str:
+    """Hash of the request's tokens in token order: equal on P and D iff every byte arrived in place."""
+    sel = arr[:, :, blocks]
+    flat = sel.reshape(sel.shape[0], 2, -1, *sel.shape[4:])[:, :, :tokens]
+    return hashlib.blake2b(np.ascontiguousarray(flat).data, digest_size=16).hexdigest()
+
+
+def per_block_descriptors(src: Any, dst: Any, sblocks: list[int], dblocks: list[int], tokens: int) -> tuple:
+    """One descriptor per (block, region): the uncoalesced push a naive connector posts.
+
+    Both layouts must share block geometry (the benchmark's P and D do).
+    """
+    assert (src.block_size, src.block_bytes, src.order) == (dst.block_size, dst.block_bytes, dst.order)
+    n = math.ceil(tokens / src.block_size)
+    lens = np.full(n, src.block_bytes, dtype=np.int64)
+    lens[-1] = (tokens - (n - 1) * src.block_size) * src.token_bytes
+    sb, db = np.asarray(sblocks[:n], np.int64), np.asarray(dblocks[:n], np.int64)
+    local = np.empty((len(src.regions) * n, 3), dtype=np.int64)
+    remote = np.empty_like(local)
+    for i, (rs, rd) in enumerate(zip(src.regions, dst.regions, strict=True)):
+        rows = slice(i * n, (i + 1) * n)
+        local[rows, 0], local[rows, 1], local[rows, 2] = rs.base + sb * src.block_stride, lens, rs.device_id
+        remote[rows, 0], remote[rows, 1], remote[rows, 2] = rd.base + db * dst.block_stride, lens, rd.device_id
+    return local, remote
+
+
+class _Side:
+    """State of the P or D process: its cache, the engine or raw agent of the current plan."""
+
+    def __init__(self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...]) -> None:
+        from kvpush.backends.base import CacheSpec
+        from kvpush.backends.host import HostBackend
+
+        self.role, self.shape, self.nixl_backends = role, shape, nixl_backends
+        self.cache = _cache(shape, seed)
+        self.backend = HostBackend()
+        spec = CacheSpec(shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes, "bfloat16")
+        self.layout = self.backend.describe({f"layer{i}": self.cache[i] for i in range(shape.layers)}, spec)
+        self.engines: dict[str, Any] = {}
+        self.agent: Any = None
+        self.peer = ""
+        self.peer_layout: Any = None
+
+    def _config(self, plan: str) -> Any:
+        from kvpush.config import Config
+
+        mode = ENGINE_PLANS[plan]
+        staging = 0 if mode == "direct" else math.ceil(self.shape.request_bytes / (1 << 20) + 1) << 20
+        extra = {"staged_min_descriptors": 1} if mode == "staged" else {}
+        return Config(plan=mode, staging_bytes=staging, nixl_backends=self.nixl_backends, **extra)
+
+    def op_start(self, plan: str) -> Any:
+        from kvpush.engine import Receiver, Sender
+        from kvpush.transport.nixl_agent import Agent
+
+        if plan == "per-block":
+            self.agent = Agent(f"bench-{self.role}-{os.getpid()}", self.nixl_backends)
+            self.agent.register(self.backend.registrations(self.layout))
+            return self.agent.metadata(), _enc(self.layout)
+        cls = Sender if self.role == "P" else Receiver
+        self.engines[plan] = cls(self._config(plan), self.backend, self.layout, f"bench{self.role}{plan}")
+        return getattr(self.engines[plan], "address", None)
+
+    def op_stop(self) -> None:
+        for e in self.engines.values():
+            e.close()
+        if self.agent is not None:
+            self.agent.close()
+        self.engines, self.agent = {}, None
+
+    def op_raw_peer(self, metadata: bytes, layout: bytes) -> None:
+        from kvpush.layout import KVLayout
+
+        self.peer = self.agent.add_peer(metadata)
+        self.peer_layout = _dec(layout, KVLayout)
+
+    def op_clear(self) -> None:
+        self.cache.fill(0)
+
+    def op_digest(self, blocks: list[int]) -> str:
+        return _digest(self.cache, blocks, self.shape.tokens)
+
+    # P ----------------------------------------------------------------------
+    def op_push(self, plan: str, tid: str, blocks: list[int], timeout: float) -> dict[str, Any]:
+        """Wait until D's registration is here, hand the prefill over, wait for the release."""
+        engine = self.engines[plan]
+        deadline = time.monotonic() + timeout
+        while engine.stats()["waiting_registrations"] < 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tid}: D's registration never reached P")
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        engine.prefill_finished(tid, tid, [blocks], self.shape.tokens)
+        while True:
+            for r in engine.poll():
+                if r.transfer_id == tid:
+                    return {"t0": t0, "ok": r.ok, "reason": r.reason, **r.stats}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tid}: P never released the request")
+            time.sleep(0.0005)
+
+    def op_raw_push(self, tag: str, sblocks: list[int], dblocks: list[int], timeout: float) -> dict[str, Any]:
+        t0 = time.monotonic()
+        c0 = time.perf_counter()
+        local, remote = per_block_descriptors(self.layout, self.peer_layout, sblocks, dblocks, self.shape.tokens)
+        c1 = time.perf_counter()
+        handle, state = self.agent.write(local, "DRAM", remote, "DRAM", self.peer, tag.encode())
+        c2 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tag}: WRITE still in progress after {timeout}s")
+            time.sleep(0.0002)
+            state = self.agent.state(handle)
+        c3 = time.perf_counter()
+        self.agent.release(handle)
+        nbytes = int(local[:, 1].sum())
+        return {
+            "t0": t0,
+            "ok": state == "DONE",
+            "reason": "" if state == "DONE" else f"WRITE state {state}",
+            "plan_s": c1 - c0,
+            "pack_s": 0.0,
+            "post_s": c2 - c1,
+            "complete_s": c3 - c2,
+            "bytes": float(nbytes),
+            "pieces": float(local.shape[0]),
+            "descriptors": float(local.shape[0]),
+            "plan_per-block": 1.0,
+        }
+
+    # D ----------------------------------------------------------------------
+    def op_register(self, plan: str, tid: str, peer: tuple[str, int], blocks: list[int]) -> None:
+        from kvpush.engine import PeerAddress
+
+        self.engines[plan].register(tid, tid, PeerAddress(peer[0], peer[1], 1), [blocks], self.shape.tokens)
+
+    def op_wait(self, plan: str, tid: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for r in self.engines[plan].poll():
+                if r.transfer_id == tid:
+                    return {"t_done": time.monotonic(), "ok": r.ok, "reason": r.reason, **r.stats}
+            time.sleep(0.0002)
+        raise TimeoutError(f"{tid}: D saw no result in {timeout}s")
+
+    def op_wait_notif(self, tag: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for _, msg in self.agent.notifs():
+                if msg == tag.encode():
+                    return {"t_done": time.monotonic(), "ok": True, "reason": ""}
+            time.sleep(0.0002)
+        raise TimeoutError(f"{tag}: D saw no notification in {timeout}s")
+
+
+def _enc(obj: Any) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(obj)
+
+
+def _dec(data: bytes, typ: type) -> Any:
+    import msgspec
+
+    return msgspec.msgpack.decode(data, type=typ)
+
+
+def _side_main(conn: Connection, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...]) -> None:
+    """Process entry: build the side, then answer ``(op, args)`` commands until ``exit``."""
+    import traceback
+
+    try:
+        side = _Side(role, shape, seed, nixl_backends)
+        conn.send(("ok", None))
+    except Exception:
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        op, args = conn.recv()
+        if op == "exit":
+            side.op_stop()
+            conn.send(("ok", None))
+            conn.close()
+            # Everything is closed; skip the interpreter's slow teardown of NIXL/UCX globals (~3 s).
+            os._exit(0)
+        try:
+            conn.send(("ok", getattr(side, f"op_{op}")(*args)))
+        except Exception:
+            conn.send(("err", f"{role}.{op}:\n{traceback.format_exc()}"))
+
+
+class _Proc:
+    """Handle on one side's process; ``send``/``recv`` split a call so both sides can wait at once."""
+
+    def __init__(self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...]) -> None:
+        ctx = mp.get_context("spawn")
+        self.role = role
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_side_main, args=(child, role, shape, seed, nixl_backends), daemon=True)
+        self.proc.start()
+
+    def send(self, op: str, *args: Any) -> None:
+        self.conn.send((op, args))
+
+    def recv(self, timeout: float = 600.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.role} process did not answer in {timeout:.0f}s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(5.0)
+            raise RuntimeError(f"{self.role} process died (exit code {self.proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"{self.role} process failed: {value}")
+        return value
+
+    def call(self, op: str, *args: Any, timeout: float = 600.0) -> Any:
+        self.send(op, *args)
+        return self.recv(timeout)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("exit", timeout=30.0)
+        except Exception:
+            pass
+        self.proc.join(10.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# -- orchestration ------------------------------------------------------------------------
+
+
+def _one(p: _Proc, d: _Proc, plan: str, tid: str, sblocks: list[int], dblocks: list[int], addr: Any) -> dict:
+    """One measured transfer; times are seconds, ``total_s`` from P's hand-over to D's result."""
+    timeout = 120.0
+    if plan == "per-block":
+        d.send("wait_notif", tid, timeout)
+        ps = p.call("raw_push", tid, sblocks, dblocks, timeout)
+        ds = d.recv()
+    else:
+        d.call("register", plan, tid, addr, dblocks)
+        d.send("wait", plan, tid, timeout)
+        ps = p.call("push", plan, tid, sblocks, timeout)
+        ds = d.recv()
+    if not (ps["ok"] and ds["ok"]):
+        raise RuntimeError(f"{tid} failed: P: {ps.get('reason')!r}, D: {ds.get('reason')!r}")
+    kind = next((k.removeprefix("plan_") for k in ps if k.startswith("plan_") and k != "plan_s"), "?")
+    return {
+        "plan_chosen": kind,
+        "bytes": int(ps["bytes"]),
+        "pieces": int(ps["pieces"]),
+        "descriptors_posted": int(ps["descriptors"]),
+        "prep_s": ps.get("plan_s", 0.0),
+        "pack_s": ps.get("pack_s", 0.0),
+        "post_s": ps.get("post_s", 0.0),
+        "complete_s": ps.get("complete_s", 0.0),
+        "unpack_s": ds.get("unpack_s", 0.0),
+        "total_s": ds["t_done"] - ps["t0"],
+    }
+
+
+def _summary(pattern: str, plan: str, runs: list[dict], shape: Shape, verified: bool) -> dict[str, Any]:
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_s")}
+    total = med["total_s"]
+    blocks_layers = shape.blocks * shape.layers * 2
+    return {
+        "pattern": pattern,
+        "plan": plan,
+        "plan_chosen": runs[-1]["plan_chosen"],
+        "bytes": runs[-1]["bytes"],
+        "descriptors_before": blocks_layers,
+        "descriptors_after": runs[-1]["descriptors_posted"],
+        "pieces": runs[-1]["pieces"],
+        **{f"{k}_median": v for k, v in med.items()},
+        "total_s_min": min(r["total_s"] for r in runs),
+        "total_s_max": max(r["total_s"] for r in runs),
+        "gbps": runs[-1]["bytes"] / total / 1e9 if total > 0 else float("inf"),
+        # the run whose total is the median: its phases add up, unlike per-phase medians
+        "median_run": sorted(runs, key=lambda r: r["total_s"])[(len(runs) - 1) // 2],
+        "verified": verified,
+        "iters": runs,
+    }
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    """A tqdm bar when tqdm is installed, else a one-line counter on stderr."""
+    if quiet:
+        return None
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="xfer", file=sys.stderr, leave=False)
+    except ImportError:
+
+        class _Line:
+            n = 0
+
+            def update(self, k: int = 1) -> None:
+                self.n += k
+                print(f"\r{self.n}/{total} transfers", end="", file=sys.stderr, flush=True)
+
+            def set_description(self, s: str) -> None:
+                pass
+
+            def close(self) -> None:
+                print(file=sys.stderr)
+
+        return _Line()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every (pattern, plan) case in two fresh processes; return the report."""
+    shape = Shape(args.tokens, args.layers, args.kv_heads, args.head_dim, args.dtype_bytes, args.block_size)
+    rng = np.random.default_rng(args.seed)
+    patterns = {
+        pat: (block_ids(pat, shape.blocks, shape.pool, rng), block_ids(pat, shape.blocks, shape.pool, rng))
+        for pat in args.patterns
+    }
+    backends = tuple(args.nixl_backends)
+    load_start = os.getloadavg()
+    p, d = _Proc("P", shape, args.seed, backends), _Proc("D", shape, None, backends)
+    bar = _progress(len(args.plans) * len(args.patterns) * (args.iters + args.warmup + 1), args.quiet)
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(pat, plan): [] for pat in patterns for plan in args.plans}
+    try:
+        p.recv(300.0)
+        d.recv(300.0)
+        addrs = {}
+        for plan in args.plans:
+            addrs[plan] = p.call("start", plan)
+            d_start = d.call("start", plan)
+            if plan == "per-block":
+                p.call("raw_peer", *d_start)
+        # Round-robin over cases, so that load from other processes on a shared
+        # host spreads over every plan instead of biasing whichever ran then.
+        for i in range(args.warmup + args.iters):
+            for pat, (sblocks, dblocks) in patterns.items():
+                for plan in args.plans:
+                    if bar is not None:
+                        bar.set_description(f"{plan} {pat}")
+                    r = _one(p, d, plan, f"{plan}-{pat}-{i}", sblocks, dblocks, addrs[plan])
+                    if i >= args.warmup:
+                        runs[pat, plan].append(r)
+                    if bar is not None:
+                        bar.update(1)
+        # One more, unmeasured transfer per case into a zeroed cache, then
+        # compare: a plan that is fast because it moved the wrong bytes fails.
+        want = {pat: p.call("digest", sb) for pat, (sb, _) in patterns.items()}
+        for pat, (sblocks, dblocks) in patterns.items():
+            for plan in args.plans:
+                d.call("clear")
+                _one(p, d, plan, f"{plan}-{pat}-verify", sblocks, dblocks, addrs[plan])
+                if d.call("digest", dblocks) != want[pat]:
+                    raise RuntimeError(f"{plan}/{pat}: D's bytes differ from P's after the transfer")
+                if bar is not None:
+                    bar.update(1)
+        p.call("stop")
+        d.call("stop")
+    finally:
+        if bar is not None:
+            bar.close()
+        p.close()
+        d.close()
+    results = [_summary(pat, plan, runs[pat, plan], shape, True) for pat in patterns for plan in args.plans]
+    return {
+        "benchmark": "kvpush bench transfer",
+        "command": " ".join(["kvpush bench transfer", *args.argv]),
+        "shape": {**asdict(shape), "blocks": shape.blocks, "pool_blocks": shape.pool, "bytes": shape.request_bytes},
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "nixl_backends": list(backends),
+        "host": {
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "nixl": _version("nixl"),
+            "note": "P and D are two processes on one host (loopback); NIXL progress thread off",
+            # other work on the host skews every number: say how busy it was
+            "loadavg_1m_start": load_start[0],
+            "loadavg_1m_end": os.getloadavg()[0],
+        },
+        "time_unix": time.time(),
+        "results": results,
+    }
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as a fixed-width text table (medians; times in ms)."""
+    head = (
+        f"{'pattern':<11}{'plan':<10}{'chosen':<8}{'MiB':>7}{'desc before':>12}{'after':>8}"
+        f"{'prep':>8}{'pack':>8}{'post':>8}{'done':>8}{'unpack':>8}{'total':>9}{'GB/s':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        ms = {k: 1e3 * r[f"{k}_s_median"] for k in ("prep", "pack", "post", "complete", "unpack", "total")}
+        lines.append(
+            f"{r['pattern']:<11}{r['plan']:<10}{r['plan_chosen']:<8}{r['bytes'] / 2**20:>7.0f}"
+            f"{r['descriptors_before']:>12}{r['descriptors_after']:>8}"
+            f"{ms['prep']:>8.1f}{ms['pack']:>8.1f}{ms['post']:>8.1f}{ms['complete']:>8.1f}{ms['unpack']:>8.1f}"
+            f"{ms['total']:>9.1f}{r['gbps']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+PHASES = (
+    ("prep", "prep_s_median", "#8c8c8c"),
+    ("pack", "pack_s_median", "#e69f00"),
+    ("WRITE (post + done)", None, "#0072b2"),
+    ("unpack", "unpack_s_median", "#009e73"),
+    ("other (wake-ups, notification)", None, "#d0d0d0"),
+)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Stacked bars: median time per request split by phase, one bar per plan, grouped by block pattern."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    patterns = list(dict.fromkeys(r["pattern"] for r in res))
+    plans = list(dict.fromkeys(r["plan"] for r in res))
+    width = 0.8 / max(1, len(plans))
+    fig, ax = plt.subplots(figsize=(10, 5))
+    seen: set[str] = set()
+    for i, pat in enumerate(patterns):
+        for j, plan in enumerate(plans):
+            r = next((x for x in res if x["pattern"] == pat and x["plan"] == plan), None)
+            if r is None:
+                continue
+            x = i + (j - (len(plans) - 1) / 2) * width
+            m = r["median_run"]
+            parts = [m["prep_s"], m["pack_s"], m["post_s"] + m["complete_s"], m["unpack_s"]]
+            parts.append(max(0.0, m["total_s"] - sum(parts)))
+            bottom = 0.0
+            for (name, _, color), v in zip(PHASES, parts, strict=True):
+                ax.bar(x, 1e3 * v, width * 0.92, bottom=bottom, color=color, label=None if name in seen else name)
+                seen.add(name)
+                bottom += 1e3 * v
+            chosen = f" ({r['plan_chosen']})" if plan == "auto" else ""
+            ax.annotate(
+                f"{plan}{chosen}\n{r['descriptors_after']} desc\n{r['gbps']:.2f} GB/s",
+                (x, bottom),
+                ha="center",
+                va="bottom",
+                fontsize=6.5,
+            )
+    sh = report["shape"]
+    ax.set_xticks(range(len(patterns)), [f"D blocks: {p}" for p in patterns])
+    ax.set_ylabel("median time per request, ms")
+    ax.margins(y=0.18)
+    ax.set_title(
+        f"one request: {sh['tokens']} tokens x {sh['layers']} layers x K/V = {sh['bytes'] / 2**20:.0f} MiB, "
+        f"block {sh['block_size']} ({sh['blocks'] * sh['layers'] * 2} block-layer pieces)\n"
+        f"{'+'.join(report['nixl_backends'])} between two processes on one host; median of {report['iters']} runs",
+        fontsize=9,
+    )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="phase", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _csv(kind: tuple[str, ...]) -> Any:
+    def parse(s: str) -> list[str]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        bad = [x for x in items if x not in kind]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(kind)} (got {s!r})")
+        return items
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvpush bench transfer",
+        description="Push one long-prompt request between two processes over real NIXL, per plan and block pattern.",
+    )
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096: 128 MiB per request)")
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=1, help="KV heads on this rank (Qwen3-32B TP8: 1)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (bf16: 2)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--patterns", type=_csv(PATTERNS), default=list(PATTERNS))
+    ap.add_argument("--plans", type=_csv(PLANS), default=list(PLANS))
+    ap.add_argument("--iters", type=int, default=5, help="measured transfers per case (medians reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured transfers per case first")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nixl-backends", type=lambda s: s.split(","), default=["UCX"])
+    ap.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvpush bench transfer``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.tokens < 1 or args.iters < 1:
+        print("--tokens and --iters must be >= 1", file=sys.stderr)
+        return 2
+    args.argv = argv
+    report = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"transfer_{args.tokens}tok"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    print(table(report))
+    h = report["host"]
+    print(f"(host load average {h['loadavg_1m_start']:.1f} -> {h['loadavg_1m_end']:.1f} on {h['cpus']} CPUs)")
+    print(f"\nwrote {args.out / (stem + '.json')}", end="")
+    if not args.no_plot:
+        plot(report, args.out / f"{stem}.png")
+        print(f" and {args.out / (stem + '.png')}", end="")
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
