@@ -1,0 +1,628 @@
+"""The router against small in-process stand-ins for vLLM.
+
+The stand-ins record what they receive (bodies, headers, arrival and finish
+times, whether the router hung up on them) so these tests check the router's
+own behaviour: concurrency of P and D, one transfer id for both, D's stream
+passed through byte for byte, least-loaded choice, and failures that become
+fast, clear HTTP errors. The real-vLLM path is the e2e test's job.
+
+Tests are plain functions running ``asyncio.run`` so they need no async
+pytest plugin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvpush.integrations.router import (
+    Instance,
+    Pool,
+    Router,
+    RouterConfig,
+    concurrent,
+    config_from_args,
+    decode_body,
+    decode_params,
+    prefill_body,
+)
+
+STREAM_CHUNKS = [
+    b'data: {"id":"x","choices":[{"index":0,"text":" alpha"}]}\n\n',
+    b'data: {"id":"x","choices":[{"index":0,"te',  # an event split across chunks
+    b'xt":" beta\xc3',  # and a UTF-8 character split too
+    b'\xa9"}]}\n\ndata: {"id":"x","choices":[{"index":0,"text":" gamma","finish_reason":"length"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@dataclass
+class Seen:
+    """One request as an upstream stand-in received it."""
+
+    path: str
+    body: dict[str, Any]
+    headers: Mapping[str, str]  # case-insensitive, as received
+    t_arrive: float
+    t_finish: float | None = None
+    disconnected: bool = False
+
+
+@dataclass
+class Upstream:
+    """A vLLM stand-in. ``behavior`` may be changed between requests."""
+
+    role: str
+    delay: float = 0.05  # before answering (P) / before the first byte (D)
+    status: int = 200
+    behavior: str = "ok"  # ok | hang | error_body
+    health: int = 200
+    engine_id: str = "p-engine"
+    seen: list[Seen] = field(default_factory=list)
+    server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.make_url("")).rstrip("/")
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _health(self, _r: web.Request) -> web.Response:
+        return web.json_response({}, status=self.health)
+
+    async def _models(self, _r: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.role}]})
+
+    async def _handle(self, req: web.Request) -> web.StreamResponse:
+        seen = Seen(req.path, await req.json(), req.headers.copy(), time.monotonic())
+        self.seen.append(seen)
+        try:
+            if self.behavior == "hang":
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay)
+            if self.status != 200:
+                return web.json_response({"error": {"message": f"{self.role} says no"}}, status=self.status)
+            if self.role == "prefill":
+                params = {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": self.engine_id,
+                    "remote_block_ids": [[1, 2, 3]],
+                    "remote_host": "10.0.0.1",
+                    "remote_port": 5601,
+                    "tp_size": 1,
+                }
+                return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+            if seen.body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(req)
+                for chunk in STREAM_CHUNKS:
+                    await resp.write(chunk)
+                    await asyncio.sleep(0.01)
+                await resp.write_eof()
+                return resp
+            return web.json_response({"choices": [{"text": "decoded", "index": 0}], "served_by": self.url})
+        except asyncio.CancelledError:
+            seen.disconnected = True
+            raise
+        finally:
+            seen.t_finish = time.monotonic()
+
+
+def closed_port_url() -> str:
+    """A URL where nothing listens (connection refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Cluster:
+    router: Router
+    url: str
+    session: aiohttp.ClientSession
+    p: list[Upstream]
+    d: list[Upstream]
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes, float]:
+        t0 = time.monotonic()
+        async with self.session.post(self.url + path, json=body) as r:
+            data = await r.read()
+            return r.status, data, time.monotonic() - t0
+
+    async def get_json(self, path: str) -> tuple[int, Any]:
+        async with self.session.get(self.url + path) as r:
+            return r.status, await r.json(content_type=None)
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    n_p: int = 1,
+    n_d: int = 1,
+    mode: str = "kvpush",
+    dead_p: int = 0,
+    dead_d: int = 0,
+    engine_ids: bool = True,
+    **cfg: Any,
+) -> AsyncIterator[Cluster]:
+    """Upstream stand-ins (the first ``dead_*`` of each role are URLs where
+    nothing listens) and a router in front of them."""
+    ups_p = [Upstream("prefill") for _ in range(n_p)]
+    ups_d = [Upstream("decode") for _ in range(n_d)]
+    servers = []
+    for u in ups_p + ups_d:
+        u.server = TestServer(u.app(), handler_cancellation=True)
+        await u.server.start_server()
+        servers.append(u.server)
+    p_urls = [closed_port_url() for _ in range(dead_p)] + [u.url for u in ups_p]
+    d_urls = [closed_port_url() for _ in range(dead_d)] + [u.url for u in ups_d]
+    prefill = [
+        Instance(u, "prefill", "127.0.0.1", 5600 + i, 1, f"engine-{i}" if engine_ids else None)
+        for i, u in enumerate(p_urls)
+    ]
+    decode = [Instance(u, "decode") for u in d_urls]
+    cfg.setdefault("health_interval", 0)
+    router = Router(RouterConfig(prefill=prefill, decode=decode, mode=mode, **cfg))
+    rserver = TestServer(router.app(), handler_cancellation=True)
+    await rserver.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield Cluster(router, str(rserver.make_url("")).rstrip("/"), session, ups_p, ups_d)
+    finally:
+        await rserver.close()
+        for s in servers:
+            await s.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+COMPLETION = {"model": "tiny", "prompt": "the world", "max_tokens": 8, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+
+
+# --------------------------------------------------------------------------- #
+# Pure selection and parameter building.
+# --------------------------------------------------------------------------- #
+
+
+def test_pool_picks_least_loaded_then_rotates_ties() -> None:
+    a, b, c = (Instance(f"http://h{i}", "decode") for i in range(3))
+    pool = Pool([a, b, c])
+    a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
+    assert pool.pick() is b
+    a.in_flight = b.in_flight = c.in_flight = 0
+    assert [pool.pick() for _ in range(4)] == [c, a, b, c]  # cursor continues after b
+    b.healthy = False
+    assert pool.pick(exclude=[c]) is a
+    a.healthy = c.healthy = False
+    assert pool.pick() is None
+
+
+def test_prefill_body_cuts_to_one_token_and_tags_transfer() -> None:
+    body = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 4}
+    out = prefill_body(body, "kvpush", "t1")
+    assert out["max_tokens"] == 1 and out["stream"] is False
+    assert "stream_options" not in out and "min_tokens" not in out
+    assert out["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t1"}
+    assert body["stream"] is True and "kv_transfer_params" not in body  # the client's body is untouched
+    chat = prefill_body(CHAT, "kvpush", "t1")
+    assert chat["max_tokens"] == 1 and chat["max_completion_tokens"] == 1
+    pull = prefill_body(COMPLETION, "vllm-pull", "t1")["kv_transfer_params"]
+    assert pull["do_remote_decode"] is True and pull["do_remote_prefill"] is False
+    assert pull["remote_engine_id"] is None and pull["remote_block_ids"] is None
+    with pytest.raises(ValueError, match="mode"):
+        prefill_body(COMPLETION, "nope", "t1")
+
+
+def test_decode_params_per_mode() -> None:
+    p = Instance("http://p", "prefill", "10.1.1.1", 5600, 2, "eng-7")
+    assert decode_params("kvpush", "t9", p) == {
+        "do_remote_prefill": True,
+        "transfer_id": "t9",
+        "remote_host": "10.1.1.1",
+        "remote_port": 5600,
+        "remote_tp_size": 2,
+    }
+    returned = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[4]], "remote_engine_id": "e"}}
+    assert decode_params("vllm-pull", "t9", p, returned) == returned["kv_transfer_params"]
+    with pytest.raises(ValueError, match="no kv_transfer_params"):
+        decode_params("vllm-pull", "t9", p, {"choices": []})
+    push = decode_params("vllm-push", "t9", p)
+    assert push["remote_engine_id"] == "eng-7" and push["do_remote_prefill"] is True
+    assert (push["remote_host"], push["remote_port"], push["tp_size"]) == ("10.1.1.1", 5600, 2)
+    assert push["remote_request_id"] == "t9"
+    unknown = Instance("http://p", "prefill", "10.1.1.1", 5600)
+    assert not concurrent("vllm-push", unknown) and concurrent("vllm-push", p) and concurrent("kvpush", unknown)
+    with pytest.raises(ValueError, match="engine id"):
+        decode_params("vllm-push", "t9", unknown)
+    learned = decode_params("vllm-push", "t9", unknown, {"kv_transfer_params": {"remote_engine_id": "learned"}})
+    assert learned["remote_engine_id"] == "learned"
+    assert not concurrent("vllm-pull", p)
+    d = decode_body({**COMPLETION, "kv_transfer_params": {"junk": 1}}, {"x": 1})
+    assert d["kv_transfer_params"] == {"x": 1} and d["prompt"] == COMPLETION["prompt"]
+
+
+def test_cli_pairs_prefill_options_in_order() -> None:
+    cfg = config_from_args(
+        [
+            "--prefill=http://a:1",
+            "--prefill-kv=10.0.0.1:5600",
+            "--prefill=http://b:1/",
+            "--prefill-kv=10.0.0.2:5601",
+            "--prefill-tp=2",
+            "--decode=http://c:1",
+            "--decode=http://d:1",
+        ]
+    )
+    assert [(i.url, i.kv_host, i.kv_port, i.tp_size) for i in cfg.prefill] == [
+        ("http://a:1", "10.0.0.1", 5600, 2),
+        ("http://b:1", "10.0.0.2", 5601, 2),
+    ]
+    assert [i.url for i in cfg.decode] == ["http://c:1", "http://d:1"] and cfg.mode == "kvpush"
+    with pytest.raises(SystemExit):  # kvpush needs P's side channel
+        config_from_args(["--prefill=http://a:1", "--decode=http://c:1"])
+    with pytest.raises(SystemExit):  # two P, one KV address
+        config_from_args(["--prefill=http://a:1", "--prefill=http://b:1", "--prefill-kv=h:1", "--decode=http://c:1"])
+    pull = config_from_args(["--mode=vllm-pull", "--prefill=http://a:1", "--decode=http://c:1"])
+    assert pull.mode == "vllm-pull" and pull.prefill[0].kv_port is None
+
+
+# --------------------------------------------------------------------------- #
+# Over HTTP.
+# --------------------------------------------------------------------------- #
+
+
+def test_kvpush_sends_p_and_d_concurrently_with_one_transfer_id() -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            c.p[0].delay = c.d[0].delay = 0.4
+            status, data, elapsed = await c.post("/v1/completions", COMPLETION)
+            assert status == 200, data
+            assert json.loads(data)["choices"][0]["text"] == "decoded"
+            (p,), (d,) = c.p[0].seen, c.d[0].seen
+            # Overlap: each arrived before the other finished; total ~ one delay, not two.
+            assert p.t_finish is not None and d.t_finish is not None
+            assert d.t_arrive < p.t_finish and p.t_arrive < d.t_finish
+            assert elapsed < 0.75, elapsed
+            tid = p.body["kv_transfer_params"]["transfer_id"]
+            assert tid and d.body["kv_transfer_params"]["transfer_id"] == tid
+            assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"] == tid
+            assert d.body["kv_transfer_params"] == {
+                "do_remote_prefill": True,
+                "transfer_id": tid,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "remote_tp_size": 1,
+            }
+            assert p.body["max_tokens"] == 1 and p.body["stream"] is False
+            assert d.body["max_tokens"] == COMPLETION["max_tokens"] and d.body["prompt"] == COMPLETION["prompt"]
+            # A second request gets a different transfer id.
+            await c.post("/v1/completions", COMPLETION)
+            assert c.p[0].seen[1].body["kv_transfer_params"]["transfer_id"] != tid
+
+    run(go())
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_stream_is_returned_byte_for_byte(path: str, body: dict[str, Any]) -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            async with c.session.post(c.url + path, json={**body, "stream": True}) as r:
+                assert r.status == 200
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                tid = r.headers["X-Request-Id"]
+                got = b""
+                async for chunk in r.content.iter_any():
+                    got += chunk
+            assert got == b"".join(STREAM_CHUNKS)
+            (p,), (d,) = c.p[0].seen, c.d[0].seen
+            assert d.path == p.path == path
+            assert d.body["stream"] is True and p.body["stream"] is False
+            assert p.body["kv_transfer_params"]["transfer_id"] == tid == d.body["kv_transfer_params"]["transfer_id"]
+            if "messages" in body:
+                assert p.body["max_completion_tokens"] == 1
+
+    run(go())
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_non_streaming_returns_d_json(path: str, body: dict[str, Any]) -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            status, data, _ = await c.post(path, body)
+            assert status == 200
+            assert json.loads(data) == {"choices": [{"text": "decoded", "index": 0}], "served_by": c.d[0].url}
+
+    run(go())
+
+
+def test_least_loaded_decode_beats_round_robin() -> None:
+    async def go() -> None:
+        async with cluster(n_d=2) as c:
+            c.d[0].delay = 1.0
+            slow = asyncio.create_task(c.post("/v1/completions", COMPLETION))  # -> d0, stays busy
+            while not c.d[0].seen:
+                await asyncio.sleep(0.01)
+            c.d[0].delay = 0.05
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200  # -> d1 (least loaded)
+            # Round-robin would now pick d0 again; d0 still has the slow request.
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            assert len(c.d[0].seen) == 1 and len(c.d[1].seen) == 2
+            assert (await slow)[0] == 200
+            status, pending = await c.get_json("/kvpush/pending")
+            assert status == 200 and pending["pending"] == 0 and pending["pending_prefill"] == 0
+
+    run(go())
+
+
+def test_dead_prefill_gives_fast_502_naming_it() -> None:
+    async def go() -> None:
+        async with cluster(n_p=0, dead_p=1) as c:
+            c.d[0].delay = 5.0
+            status, data, elapsed = await c.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 502 and elapsed < 2.0
+            err = json.loads(data)["error"]
+            assert err["role"] == "prefill" and err["instance"] == c.router.prefill.instances[0].url
+            assert c.router.prefill.instances[0].url in err["message"]
+            # D's request was abandoned, not left running for 5 s.
+            await asyncio.sleep(0.2)
+            assert all(s.disconnected for s in c.d[0].seen)
+
+    run(go())
+
+
+def test_failing_prefill_cancels_decode() -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            c.p[0].status = 500
+            c.p[0].delay = 0.1
+            c.d[0].delay = 5.0
+            status, data, elapsed = await c.post("/v1/completions", COMPLETION)
+            assert status == 502 and elapsed < 2.0
+            assert "HTTP 500" in json.loads(data)["error"]["message"]
+            await asyncio.sleep(0.2)
+            (d,) = c.d[0].seen
+            assert d.disconnected and d.t_finish is not None and d.t_finish - d.t_arrive < 1.0
+            async with c.session.get(c.url + "/metrics") as r:
+                text = await r.text()
+            assert 'kvpush_router_requests_total{outcome="prefill_failures"} 1' in text
+            assert "kvpush_router_pending_transfers 0" in text
+
+    run(go())
+
+
+def test_hanging_prefill_times_out() -> None:
+    async def go() -> None:
+        async with cluster(prefill_timeout=0.5) as c:
+            c.p[0].behavior = "hang"
+            c.d[0].behavior = "hang"
+            status, data, elapsed = await c.post("/v1/completions", COMPLETION)
+            assert status == 502 and 0.4 < elapsed < 2.0
+            assert "no answer within 0.5 s" in json.loads(data)["error"]["message"]
+
+    run(go())
+
+
+def test_dead_decode_retries_on_another_decode() -> None:
+    async def go() -> None:
+        async with cluster(n_d=1, dead_d=1) as c:
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
+            assert status == 200, data
+            assert len(c.d[0].seen) == 1
+            # P ran again for the retry, with a new transfer id matching the live D's.
+            assert len(c.p[0].seen) == 2
+            tids = [s.body["kv_transfer_params"]["transfer_id"] for s in c.p[0].seen]
+            assert tids[0] != tids[1] == c.d[0].seen[0].body["kv_transfer_params"]["transfer_id"]
+            assert not c.router.decode.instances[0].healthy  # passive health took it out
+            assert c.router.counters["retries"] == 1
+
+    run(go())
+
+
+def test_decode_500_retries_then_502_when_no_other_decode() -> None:
+    async def go() -> None:
+        async with cluster(n_d=2) as c:
+            c.d[0].status = 500
+            status, _, _ = await c.post("/v1/completions", COMPLETION)
+            assert status == 200 and len(c.d[1].seen) == 1
+        async with cluster(n_d=1) as c:
+            c.d[0].status = 503
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
+            err = json.loads(data)["error"]
+            assert status == 502 and err["role"] == "decode" and "HTTP 503" in err["message"]
+
+    run(go())
+
+
+def test_client_error_passes_through_without_retry() -> None:
+    async def go() -> None:
+        async with cluster(n_d=2) as c:
+            c.d[0].status = c.d[1].status = 400
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
+            assert status == 400 and json.loads(data)["error"]["message"] == "decode says no"
+            assert len(c.d[0].seen) + len(c.d[1].seen) == 1
+
+    run(go())
+
+
+def test_all_unhealthy_gives_503() -> None:
+    async def go() -> None:
+        async with cluster(n_d=0, dead_d=2) as c:
+            await c.router.check_health()
+            status, body = await c.get_json("/health")
+            assert status == 503 and "no healthy decode instance" in body["error"]["message"]
+            status, data, elapsed = await c.post("/v1/completions", COMPLETION)
+            assert status == 503 and elapsed < 1.0
+            assert "no healthy decode instance" in json.loads(data)["error"]["message"]
+            assert c.p[0].seen == []  # nothing started on P
+
+    run(go())
+
+
+def test_health_check_marks_and_restores_instances() -> None:
+    async def go() -> None:
+        async with cluster(n_d=2) as c:
+            c.d[0].health = 503
+            await c.router.check_health()
+            d0, d1 = c.router.decode.instances
+            assert not d0.healthy and d1.healthy and "503" in d0.last_error
+            for _ in range(3):
+                assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            assert c.d[0].seen == [] and len(c.d[1].seen) == 3
+            c.d[0].health = 200
+            await c.router.check_health()
+            assert d0.healthy
+            status, body = await c.get_json("/health")
+            assert status == 200 and body["status"] == "ok"
+
+    run(go())
+
+
+def test_models_and_metrics() -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            status, models = await c.get_json("/v1/models")
+            assert status == 200 and models["data"][0]["id"] == "tiny"
+            await c.post("/v1/completions", COMPLETION)
+            async with c.session.get(c.url + "/metrics") as r:
+                text = await r.text()
+            assert "kvpush_router_pending_requests 0" in text
+            assert 'kvpush_router_requests_total{outcome="ok"} 1' in text
+            assert f'kvpush_router_instance_healthy{{role="decode",url="{c.d[0].url}"}} 1' in text
+
+    run(go())
+
+
+def test_invalid_json_is_400() -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            async with c.session.post(c.url + "/v1/completions", data=b"{nope") as r:
+                assert r.status == 400
+            assert c.p[0].seen == [] and c.d[0].seen == []
+
+    run(go())
+
+
+def test_vllm_pull_runs_p_first_and_hands_its_params_to_d() -> None:
+    async def go() -> None:
+        async with cluster(mode="vllm-pull") as c:
+            c.p[0].delay = 0.2
+            status, data, _ = await c.post("/v1/completions", {**COMPLETION, "stream": True})
+            assert status == 200 and data == b"".join(STREAM_CHUNKS)
+            (p,), (d,) = c.p[0].seen, c.d[0].seen
+            assert p.t_finish is not None and d.t_arrive >= p.t_finish
+            assert p.body["kv_transfer_params"]["do_remote_decode"] is True
+            assert d.body["kv_transfer_params"]["remote_block_ids"] == [[1, 2, 3]]
+            assert d.body["kv_transfer_params"]["remote_engine_id"] == "p-engine"
+
+    run(go())
+
+
+def test_vllm_push_learns_engine_id_then_goes_concurrent() -> None:
+    async def go() -> None:
+        async with cluster(mode="vllm-push", engine_ids=False) as c:
+            c.p[0].delay = c.d[0].delay = 0.3
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            p1, d1 = c.p[0].seen[0], c.d[0].seen[0]
+            assert p1.t_finish is not None and d1.t_arrive >= p1.t_finish  # sequential: id unknown
+            assert d1.body["kv_transfer_params"]["remote_engine_id"] == "p-engine"
+            assert p1.headers["X-Request-Id"] == d1.headers["X-Request-Id"]
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            p2, d2 = c.p[0].seen[1], c.d[0].seen[1]
+            assert p2.t_finish is not None and d2.t_arrive < p2.t_finish  # concurrent now
+            assert d2.body["kv_transfer_params"]["remote_engine_id"] == "p-engine"
+            assert p2.headers["X-Request-Id"] == d2.headers["X-Request-Id"]
+            assert d2.body["kv_transfer_params"]["remote_port"] == 5600
+
+    run(go())
+
+
+# --------------------------------------------------------------------------- #
+# The process launcher (kvpush.demo.servers) and the router's CLI, for real.
+# --------------------------------------------------------------------------- #
+
+
+def test_launcher_reports_a_dying_server_with_its_log(tmp_path: Any) -> None:
+    from kvpush.demo.servers import ServerError, ServerProcess
+
+    cmd = [sys.executable, "-c", "import sys; print('model not found: /nope', flush=True); sys.exit(3)"]
+    s = ServerProcess("victim", cmd, closed_port_url(), tmp_path / "victim.log").start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=r"(?s)victim exited with code 3.*model not found: /nope"):
+        s.wait_healthy(timeout=30)
+    assert time.monotonic() - t0 < 10
+    s.stop()
+
+
+def test_launcher_stop_kills_the_whole_process_group(tmp_path: Any) -> None:
+    from kvpush.demo.servers import ServerError, ServerProcess
+
+    # A leader that ignores SIGINT and a child that would outlive it.
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)'])\n"
+        "print(c.pid, flush=True)\ntime.sleep(600)\n"
+    )
+    s = ServerProcess("stubborn", [sys.executable, "-c", script], closed_port_url(), tmp_path / "s.log").start()
+    with pytest.raises(ServerError, match="not healthy after 1 s"):
+        s.wait_healthy(timeout=1)
+    child = int(s.log_tail(1).strip())
+    t0 = time.monotonic()
+    s.stop(grace=0.5)
+    assert time.monotonic() - t0 < 5 and not s.alive
+    deadline = time.monotonic() + 5
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(child), f"child {child} of the stopped server still runs"
+
+
+def _gone(pid: int) -> bool:
+    """Dead or a zombie (an orphan whose reaper is slow is still dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
+    from kvpush.demo.servers import free_port, port_is_free, router_server
+
+    async def go() -> None:
+        async with cluster() as c:
+            port = free_port()
+            args = ["--prefill", c.p[0].url, "--prefill-kv", "127.0.0.1:5600", "--decode", c.d[0].url]
+            r = router_server(args, port, log_dir=tmp_path).start()
+            try:
+                await asyncio.to_thread(r.wait_healthy, 30)
+                async with c.session.post(r.url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+                    assert resp.status == 200 and await resp.read() == b"".join(STREAM_CHUNKS)
+                assert c.d[0].seen[0].body["kv_transfer_params"]["remote_port"] == 5600
+            finally:
+                assert r.stop(grace=5) is not None
+            assert port_is_free(port)
+
+    run(go())
