@@ -1,0 +1,234 @@
+"""``CudaBackend``: the kvpush Backend for KV caches in NVIDIA GPU memory.
+
+- describe: vLLM's per-layer CUDA tensors (every variant in ``describe``) as
+  a VRAM layout with the tensors' device index.
+- registrations: one NIXL VRAM registration per allocation, never one that
+  spans two (UCX's cuda_ipc maps a registration through one IPC handle).
+- ordering: ``record_ready`` records a CUDA event on the producing stream;
+  ``wait_ready`` waits for that event alone on the push thread, so the model
+  keeps running and no device-wide synchronize is needed.
+- pack/unpack: one Triton gather/scatter launch on a side stream (see
+  ``copy``), which turns ~131k small pieces into one large WRITE.
+torch is imported when the backend is constructed, never at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvpush.backends.base import Backend, CacheSpec, MemRegistration, StagingBuffer
+from kvpush.errors import BackendError
+from kvpush.layout import KVLayout, MemKind
+from kvpush_cuda._torch import cuda_torch
+from kvpush_cuda.copy import Kernel, PieceCopier
+from kvpush_cuda.describe import allocation_registrations, describe_strided
+
+log = logging.getLogger(__name__)
+
+# Gather or scatter speed of the Triton kernel on H200 (bytes/s, read + write
+# counted once): measured by kvpush_cuda.bench, see docs/cuda.md.
+DEFAULT_PACK_BANDWIDTH = 1.0e12
+
+
+class CudaBackend(Backend):
+    """KV in CUDA device memory, registered with NIXL as VRAM.
+
+    ``device`` pins the device for staging and ordering when nothing was
+    described yet (else the KV tensors' device is used); ``kernel`` picks the
+    pack/unpack implementation (``auto`` = Triton when importable);
+    ``tile_bytes`` and ``num_warps`` shape the Triton launch (one program
+    copies one tile of at most ``tile_bytes``).
+    """
+
+    name = "cuda"
+    mem = MemKind.VRAM
+
+    def __init__(
+        self,
+        device: int | None = None,
+        kernel: Kernel = "auto",
+        tile_bytes: int = 4096,
+        num_warps: int = 4,
+        pack_bandwidth: float = DEFAULT_PACK_BANDWIDTH,
+    ) -> None:
+        self._torch = cuda_torch()
+        n = self._torch.cuda.device_count()
+        if device is not None and not 0 <= device < n:
+            raise BackendError(f"CUDA device {device} does not exist ({n} visible)")
+        self._device: int | None = device
+        self._kernel: Kernel = kernel
+        self._tile = int(tile_bytes)
+        self._warps = int(num_warps)
+        self._pack_bw = float(pack_bandwidth)
+        self._spans: dict[int, tuple[int, int]] = {}
+        self._staging: dict[int, tuple[int, int]] = {}  # addr -> (size, device)
+        self._copiers: dict[int, PieceCopier] = {}
+
+    @property
+    def device(self) -> int:
+        """The CUDA device this backend works on."""
+        if self._device is None:
+            self._device = int(self._torch.cuda.current_device())
+        return self._device
+
+    def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
+        layout, spans = describe_strided(kv_caches, spec, "cuda", MemKind.VRAM)
+        devices = {r.device_id for r in layout.regions}
+        if self._device is not None and devices != {self._device}:
+            raise BackendError(f"KV tensors are on CUDA devices {sorted(devices)}, backend pinned to {self._device}")
+        self._device = layout.regions[0].device_id
+        self._spans.update(spans)
+        return layout
+
+    def bind_thread(self) -> None:
+        """Make the backend's device current on the calling (kvpush) thread.
+
+        A new thread starts on device 0; UCX's CUDA transports and Triton use
+        the thread's current device, so kvpush's own threads switch to the KV
+        device before registering, packing or waiting. Never called on the
+        model's thread.
+        """
+        torch = self._torch
+        if torch.cuda.current_device() != self.device:
+            torch.cuda.set_device(self.device)
+
+    def registrations(self, layout: KVLayout) -> list[MemRegistration]:
+        """One registration per allocation holding regions; regions we did not describe are merged as by default."""
+        self.bind_thread()
+        regs, rest = allocation_registrations(layout, self._spans)
+        if rest:
+            regs += super().registrations(msgspec.structs.replace(layout, regions=tuple(rest)))
+        return regs
+
+    def record_ready(self) -> Any:
+        """A CUDA event on the caller's current stream of the KV device: the stream that wrote the KV."""
+        torch = self._torch
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait_ready(self, marker: Any) -> None:
+        """Wait for the producing stream's event(s) only; the device keeps running other work."""
+        if marker is None:
+            return
+        self.bind_thread()
+        events: Iterable[Any] = marker if isinstance(marker, list | tuple) else (marker,)
+        for ev in events:
+            if not hasattr(ev, "synchronize"):
+                raise BackendError(f"wait_ready got {type(ev).__name__}, expected a marker from record_ready")
+            ev.synchronize()
+
+    def alloc_staging(self, nbytes: int, device_id: int | None = None) -> StagingBuffer:
+        torch = self._torch
+        dev = self.device if device_id is None else int(device_id)
+        self.bind_thread()
+        try:
+            buf = torch.empty(int(nbytes), dtype=torch.uint8, device=f"cuda:{dev}")
+        except RuntimeError as exc:  # out of memory, bad device
+            raise BackendError(f"cannot allocate {nbytes} bytes of staging on cuda:{dev}: {exc}") from None
+        addr = int(buf.data_ptr())
+        self._staging[addr] = (int(nbytes), dev)
+        return StagingBuffer(addr, int(nbytes), dev, MemKind.VRAM, owner=buf)
+
+    def _copier(self, staging_addr: int) -> PieceCopier:
+        dev = self.device
+        for addr, (size, d) in self._staging.items():
+            if addr <= staging_addr < addr + size:
+                dev = d
+                break
+        return self._copier_on(dev)
+
+    def _copier_on(self, dev: int) -> PieceCopier:
+        if dev not in self._copiers:
+            self._copiers[dev] = PieceCopier(self._torch, f"cuda:{dev}", self._kernel, self._tile, self._warps)
+        return self._copiers[dev]
+
+    def pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
+        self.bind_thread()
+        self._copier(staging_addr).gather(regions, pieces, staging_addr)
+
+    def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
+        self.bind_thread()
+        self._copier(staging_addr).scatter(regions, pieces, staging_addr)
+
+    def prepare_pack(self, regions: list[int], pieces: np.ndarray, device_id: int | None = None) -> None:
+        """Optional hint: upload the piece table of a coming ``pack`` now (P, when it plans).
+
+        Not part of the Backend contract: pack works without it, only then it
+        uploads the table itself, on the critical path.
+        """
+        self.bind_thread()
+        self._copier_on(self.device if device_id is None else device_id).prepare_gather(regions, pieces)
+
+    def prepare_unpack(self, regions: list[int], pieces: np.ndarray, device_id: int | None = None) -> None:
+        """Optional hint: upload the piece table of a coming ``unpack`` now (D knows it when it registers)."""
+        self.bind_thread()
+        self._copier_on(self.device if device_id is None else device_id).prepare_scatter(regions, pieces)
+
+    def copy_stats(self) -> dict[str, float]:
+        """Pack/unpack counters summed over devices (calls, host prep, launch, wait seconds, uploads)."""
+        out: dict[str, float] = {}
+        for c in self._copiers.values():
+            for k, v in c.stats.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    @property
+    def kernel(self) -> str:
+        """The pack/unpack implementation in use (``triton`` or ``torch``)."""
+        return self._copier(0).kernel
+
+    def pack_bandwidth(self) -> float:
+        return self._pack_bw
+
+    # -- test support for kvpush.conformance (engines never call these) --------
+
+    def _test_shape(self, spec: CacheSpec, num_blocks: int) -> tuple[tuple[int, ...], Any]:
+        torch = self._torch
+        dtype = getattr(torch, spec.dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise BackendError(f"dtype {spec.dtype!r} is not a torch dtype")
+        local = max(1, spec.num_heads // spec.tp_size)
+        bs, d = spec.block_size, spec.head_dim
+        block = (bs, local, d) if spec.order == "NHD" else (local, bs, d)
+        return ((2, num_blocks, *block) if spec.kv_split else (num_blocks, *block)), dtype
+
+    def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:
+        """Per-layer CUDA tensors as vLLM's FlashAttention backend allocates them."""
+        shape, dtype = self._test_shape(spec, num_blocks)
+        return {f"layer{i}": self._torch.empty(shape, dtype=dtype, device=f"cuda:{device}") for i in range(num_layers)}
+
+    def write_bytes(self, tensor: Any, data: np.ndarray) -> None:
+        """Queue an upload on the caller's current stream, like a model kernel writing KV (may still run)."""
+        torch = self._torch
+        raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+        want = tensor.numel() * tensor.element_size()
+        if raw.size != want:
+            raise BackendError(f"write_bytes: {raw.size} bytes for a tensor of {want}")
+        src = torch.from_numpy(raw).pin_memory().to(tensor.device, non_blocking=True)
+        dst = tensor.view(torch.uint8)
+        dst.copy_(src.view(dst.shape))
+
+    def read_bytes(self, tensor: Any) -> np.ndarray:
+        """The tensor's bytes in logical C order, after all work on its device (every stream)."""
+        torch = self._torch
+        torch.cuda.synchronize(tensor.device)
+        return tensor.contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+
+    def foreign_test_tensors(self, spec: CacheSpec, num_blocks: int, device: int = 0) -> dict[str, dict[str, Any]]:
+        """Host tensors of the right shape: this backend must refuse them."""
+        shape, dtype = self._test_shape(spec, num_blocks)
+        return {"host memory": {"layer0": self._torch.empty(shape, dtype=dtype)}}
+
+    def close(self) -> None:
+        for c in self._copiers.values():
+            if c._stream is not None:
+                c._stream.synchronize()
+        self._copiers.clear()
+        self._staging.clear()
+        self._spans.clear()

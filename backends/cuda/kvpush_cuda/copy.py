@@ -1,0 +1,370 @@
+"""Device gather/scatter of byte pieces: the CUDA side of ``pack`` and ``unpack``.
+
+A fragmented request is ~131k pieces of 4 KiB spread over 128 regions
+(separate allocations). NIXL pays ~7 us per descriptor, so the pieces are
+gathered into one contiguous buffer on the device instead, which costs a
+read and a write of the bytes at HBM speed. Two implementations:
+- ``triton``: one kernel launch for all regions, addresses as raw integers.
+- ``torch``: index_select/index_copy_ per region over raw views; no compiler
+  needed, one launch per region, so slower on many regions.
+Both run on a side stream owned by the copier (never the model's stream) and
+are synchronous on return, as the Backend contract says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+
+from kvpush.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+Kernel = Literal["auto", "triton", "torch"]
+
+_TORCH_INT = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+_TYPESTR = {8: "<i8", 4: "<i4", 2: "<i2", 1: "|u1"}
+
+
+def split_pieces(offs: np.ndarray, poss: np.ndarray, lens: np.ndarray, chunk: int) -> tuple[np.ndarray, ...]:
+    """Cut pieces longer than ``chunk`` bytes so that one program never copies a whole region alone."""
+    if lens.size == 0 or int(lens.max()) <= chunk:
+        return offs, poss, lens
+    counts = -(-lens // chunk)
+    rep = np.repeat(np.arange(lens.size), counts)
+    within = (np.arange(rep.size) - np.repeat(np.cumsum(counts) - counts, counts)) * chunk
+    return offs[rep] + within, poss[rep] + within, np.minimum(chunk, lens[rep] - within)
+
+
+def unit_width(*arrays: np.ndarray | list[int]) -> tuple[int, bool]:
+    """Widest load (8, 4, 2 or 1 bytes) dividing every address and length, and whether all are 16-aligned."""
+    g = 0
+    for a in arrays:
+        arr = np.asarray(a, dtype=np.int64)
+        if arr.size:
+            g = int(np.gcd(g, np.gcd.reduce(arr)))
+    if g == 0:
+        return 8, True
+    low = g & -g
+    return min(8, low), low >= 16
+
+
+class _RawCuda:
+    """A ``__cuda_array_interface__`` over raw device memory, so torch can view it without a copy."""
+
+    def __init__(self, addr: int, count: int, width: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (count,),
+            "typestr": _TYPESTR[width],
+            "data": (addr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+@dataclass(frozen=True)
+class Bases:
+    """Region base addresses of one side of a copy: explicit (KV regions), or ``first + i * step`` (staging)."""
+
+    addrs: tuple[int, ...] | None
+    first: int = 0
+    step: int = 0
+    count: int = 0
+
+    @classmethod
+    def of(cls, addrs: list[int] | tuple[int, ...]) -> Bases:
+        t = tuple(int(a) for a in addrs)
+        return cls(t, count=len(t))
+
+    @classmethod
+    def linear(cls, first: int, step: int, count: int) -> Bases:
+        return cls(None, int(first), int(step), int(count))
+
+    def as_list(self) -> list[int]:
+        if self.addrs is not None:
+            return list(self.addrs)
+        return [self.first + i * self.step for i in range(self.count)]
+
+    def gcd(self) -> int:
+        return math.gcd(*self.addrs) if self.addrs is not None else math.gcd(self.first, self.step)
+
+
+class PieceCopier:
+    """Copies the same pieces of many regions between device memory areas, on one device.
+
+    Piece tables and region-base arrays are uploaded once and cached (LRU):
+    a request's pieces are reused by every chunk of a pipelined transfer and
+    the KV region bases never change, so a steady-state call issues no
+    host-to-device copy, which would queue behind NIXL's copies on the copy
+    engines.
+    """
+
+    def __init__(
+        self,
+        torch: ModuleType,
+        device: str,
+        kernel: Kernel = "auto",
+        tile_bytes: int = 4096,
+        num_warps: int = 4,
+        cache_entries: int = 32,
+    ) -> None:
+        if kernel not in ("auto", "triton", "torch"):
+            raise BackendError(f"unknown CUDA copy kernel {kernel!r}: choose auto, triton or torch")
+        if tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
+            raise BackendError(f"tile_bytes must be a power of two >= 16, got {tile_bytes}")
+        self._torch = torch
+        self.device = torch.device(device)
+        self.tile_bytes = int(tile_bytes)
+        self.num_warps = int(num_warps)
+        self.requested: str = kernel
+        self.kernel: str = kernel
+        self._stream: Any = None
+        self._launch: Any = None
+        self._cache_entries = cache_entries
+        self._tables: OrderedDict[bytes, tuple[Any, int, int]] = OrderedDict()
+        self._bases: OrderedDict[tuple[int, ...], tuple[Any, int]] = OrderedDict()
+        self.stats: dict[str, float] = {"calls": 0, "prep_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "uploads": 0}
+        if kernel in ("auto", "triton"):
+            try:
+                from kvpush_cuda._kernel import copy_pieces_kernel
+            except ImportError as exc:
+                if kernel == "triton":
+                    raise BackendError(f"Triton copy kernel requested but Triton is not importable: {exc}") from None
+                log.warning("Triton not importable (%s): CUDA pack/unpack use torch indexing (slower)", exc)
+                self.kernel = "torch"
+            else:
+                self._launch = copy_pieces_kernel
+                self.kernel = "triton"
+
+    @property
+    def stream(self) -> Any:
+        """The copier's own stream: pack/unpack never queue behind (or block) the model's work."""
+        if self._stream is None and self.device.type == "cuda":
+            self._stream = self._torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def gather(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
+        """Region 0's pieces, then region 1's, ... back to back from ``staging_addr``."""
+        offs, lens, poss, per_region = _unpack_pieces(pieces)
+        if per_region == 0 or not regions:
+            return
+        self._copy(Bases.of(regions), offs, Bases.linear(staging_addr, per_region, len(regions)), poss, lens)
+
+    def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
+        """Inverse of ``gather``."""
+        offs, lens, poss, per_region = _unpack_pieces(pieces)
+        if per_region == 0 or not regions:
+            return
+        self._copy(Bases.linear(staging_addr, per_region, len(regions)), poss, Bases.of(regions), offs, lens)
+
+    def copy(
+        self,
+        src_bases: list[int],
+        src_offs: np.ndarray,
+        dst_bases: list[int],
+        dst_offs: np.ndarray,
+        lens: np.ndarray,
+    ) -> None:
+        """Copy ``lens[p]`` bytes from ``src_bases[r] + src_offs[p]`` to ``dst_bases[r] + dst_offs[p]``, all r, p.
+
+        Synchronous: the bytes are in place when this returns.
+        """
+        if len(src_bases) != len(dst_bases):
+            raise BackendError(f"copy: {len(src_bases)} source regions but {len(dst_bases)} destinations")
+        self._copy(Bases.of(src_bases), np.asarray(src_offs), Bases.of(dst_bases), np.asarray(dst_offs), lens)
+
+    def _copy(self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray) -> None:
+        lens = np.asarray(lens, dtype=np.int64)
+        keep = lens > 0
+        if not keep.all():
+            src_offs, dst_offs, lens = src_offs[keep], dst_offs[keep], lens[keep]
+        if lens.size == 0 or src.count == 0:
+            return
+        self.stats["calls"] += 1
+        if self.kernel == "triton":
+            try:
+                self._copy_triton(src, src_offs, dst, dst_offs, lens)
+                return
+            except Exception as exc:
+                if self.requested == "triton":
+                    raise BackendError(f"Triton copy kernel failed on {self.device}: {exc}") from exc
+                log.warning("Triton copy kernel failed (%s); falling back to torch indexing", exc)
+                self.kernel = "torch"
+        width, _ = unit_width(src.as_list(), dst.as_list(), src_offs, dst_offs, lens)
+        self._copy_torch(src.as_list(), src_offs, dst.as_list(), dst_offs, lens, width)
+
+    def _context(self) -> Any:
+        torch = self._torch
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if torch.cuda.current_device() == self.device.index:
+            return torch.cuda.stream(self.stream)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+    def _finish(self) -> None:
+        if self.device.type == "cuda":
+            self.stream.synchronize()
+
+    def _upload(self, arr: np.ndarray) -> Any:
+        """Host int64 array -> device tensor, through pinned memory so the copy is asynchronous."""
+        host = self._torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+        self.stats["uploads"] += 1
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
+        """(device table, tiles, gcd of its offsets and lengths), cached by content."""
+        arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offs, dst_offs, lens)]
+        h = hashlib.blake2b(digest_size=16)
+        for a in arrs:
+            h.update(a.data)
+        key = h.digest()
+        hit = self._tables.get(key)
+        if hit is not None:
+            self._tables.move_to_end(key)
+            return hit
+        so, do, ln = split_pieces(*arrs, self.tile_bytes)
+        g = int(np.gcd.reduce(np.concatenate([so, do, ln])))
+        entry = (self._upload(np.concatenate([so, do, ln])), int(ln.size), g)
+        self._tables[key] = entry
+        while len(self._tables) > self._cache_entries:
+            self._tables.popitem(last=False)
+        return entry
+
+    def _bases_tensor(self, bases: Bases) -> tuple[Any, int]:
+        """(device array of explicit bases, their gcd), cached: KV region bases never change."""
+        assert bases.addrs is not None
+        hit = self._bases.get(bases.addrs)
+        if hit is None:
+            hit = (self._upload(np.asarray(bases.addrs, dtype=np.int64)), bases.gcd())
+            self._bases[bases.addrs] = hit
+            while len(self._bases) > self._cache_entries:
+                self._bases.popitem(last=False)
+        else:
+            self._bases.move_to_end(bases.addrs)
+        return hit
+
+    def prepare_gather(self, regions: list[int], pieces: np.ndarray) -> None:
+        """Upload what ``gather(regions, pieces, ...)`` needs now, off the critical path (any staging address)."""
+        offs, lens, poss, _ = _unpack_pieces(pieces)
+        if self.kernel == "triton" and lens.size and regions:
+            with self._context():
+                self._table(offs, poss, lens)
+                self._bases_tensor(Bases.of(regions))
+
+    def prepare_scatter(self, regions: list[int], pieces: np.ndarray) -> None:
+        """Upload what ``scatter(regions, pieces, ...)`` needs now (D knows its pieces when it registers)."""
+        offs, lens, poss, _ = _unpack_pieces(pieces)
+        if self.kernel == "triton" and lens.size and regions:
+            with self._context():
+                self._table(poss, offs, lens)
+                self._bases_tensor(Bases.of(regions))
+
+    def _copy_triton(
+        self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray
+    ) -> None:
+        t0 = time.perf_counter()
+        r = src.count
+        if r > 65535:
+            raise BackendError(f"{r} regions exceed the kernel grid's 65535")
+        with self._context():
+            table, m, g = self._table(src_offs, dst_offs, lens)
+            sb, db = table, table  # unused by the kernel on a linear side
+            if src.addrs is not None:
+                sb, gs = self._bases_tensor(src)
+            else:
+                gs = src.gcd()
+            if dst.addrs is not None:
+                db, gd = self._bases_tensor(dst)
+            else:
+                gd = dst.gcd()
+            g = math.gcd(g, gs, gd)
+            low = g & -g if g else 16
+            width = min(8, low)
+            t1 = time.perf_counter()
+            self._launch[(m, r)](
+                sb,
+                src.first,
+                src.step,
+                db,
+                dst.first,
+                dst.step,
+                table,
+                m,
+                S_ARRAY=src.addrs is not None,
+                D_ARRAY=dst.addrs is not None,
+                W=width,
+                BLOCK=self.tile_bytes // width,
+                ALIGN16=low >= 16,
+                num_warps=self.num_warps,
+            )
+            t2 = time.perf_counter()
+        self._finish()
+        t3 = time.perf_counter()
+        self.stats["prep_s"] += t1 - t0
+        self.stats["launch_s"] += t2 - t1
+        self.stats["wait_s"] += t3 - t2
+
+    def _view(self, addr: int, count: int, width: int) -> Any:
+        torch = self._torch
+        if self.device.type == "cuda":
+            return torch.as_tensor(_RawCuda(addr, count, width), device=self.device)
+        raw = (ctypes.c_uint8 * (count * width)).from_address(addr)
+        return torch.frombuffer(raw, dtype=getattr(torch, _TORCH_INT[width]), count=count)
+
+    def _copy_torch(
+        self,
+        src_bases: list[int],
+        src_offs: np.ndarray,
+        dst_bases: list[int],
+        dst_offs: np.ndarray,
+        lens: np.ndarray,
+        width: int,
+    ) -> None:
+        torch = self._torch
+        if lens.size == 0:
+            return
+        length = int(lens[0])
+        rows = bool((lens == length).all()) and not (src_offs % length).any() and not (dst_offs % length).any()
+        if rows:
+            # Equal aligned pieces: index whole rows of `length` bytes.
+            unit, sidx, didx = length, src_offs // length, dst_offs // length
+        else:
+            # Any pieces: index single elements of `width` bytes.
+            unit = width
+            n = lens // width
+            rep = np.repeat(np.arange(n.size), n)
+            within = np.arange(rep.size) - np.repeat(np.cumsum(n) - n, n)
+            sidx, didx = src_offs[rep] // width + within, dst_offs[rep] // width + within
+        per_row = unit // width
+        s_rows, d_rows = int(sidx.max()) + 1, int(didx.max()) + 1
+        with self._context():
+            si = torch.from_numpy(np.ascontiguousarray(sidx, dtype=np.int64)).to(self.device)
+            di = torch.from_numpy(np.ascontiguousarray(didx, dtype=np.int64)).to(self.device)
+            for sb, db in zip(src_bases, dst_bases, strict=True):
+                src = self._view(sb, s_rows * per_row, width).view(s_rows, per_row)
+                dst = self._view(db, d_rows * per_row, width).view(d_rows, per_row)
+                dst.index_copy_(0, di, src.index_select(0, si))
+        self._finish()
+
+
+def _unpack_pieces(pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(offsets, lengths, staging positions, bytes per region) of an ``(n, 2)`` piece array."""
+    p = np.asarray(pieces, dtype=np.int64).reshape(-1, 2)
+    offs, lens = p[:, 0], p[:, 1]
+    poss = np.cumsum(lens) - lens
+    return offs, lens, poss, int(lens.sum())

@@ -1,0 +1,190 @@
+"""CUDA backend parts that run without a GPU: import hygiene, the error without
+CUDA, stride-based description of every vLLM variant, and the gather/scatter
+code paths on host memory (torch indexing, and the Triton kernel itself under
+Triton's interpreter)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import blocks_equal, check_addresses, fill_random, spec_for
+from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
+from kvpush_cuda.describe import allocation_registrations, describe_strided
+from kvpush_cuda.variants import VARIANTS, kv_split, make_kv
+
+from kvpush.errors import BackendError
+from kvpush.layout import MemKind, TokenOrder, coalesce, map_pieces
+
+torch = pytest.importorskip("torch")
+
+
+def _py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+
+
+def test_import_and_entry_point_do_not_import_torch() -> None:
+    """vLLM loads plugins before forking workers: importing the backend must not touch torch (or CUDA)."""
+    r = _py(
+        """
+        import sys
+        import kvpush_cuda
+        from kvpush.backends.registry import available_backends
+        cls = available_backends()["cuda"].load()
+        assert cls is kvpush_cuda.CudaBackend, cls
+        print("torch" in sys.modules)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_clear_error_without_cuda() -> None:
+    """No visible GPU: constructing the backend (also through the registry) says why, as a BackendError."""
+    r = _py(
+        """
+        from kvpush.backends import load_backend
+        from kvpush.errors import BackendError
+        try:
+            load_backend("cuda")
+        except BackendError as e:
+            print("ERR", e)
+        else:
+            print("NO ERROR")
+        """,
+        CUDA_VISIBLE_DEVICES="",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ERR kvpush CUDA backend: no CUDA device is usable"), r.stdout
+    assert "backend 'host'" in r.stdout
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_describe_every_variant_matches_real_addresses(variant: str) -> None:
+    heads = 1 if variant == "mla" else 4
+    kv = make_kv(torch, variant, 3, 7, 16, heads, 8, torch.bfloat16, "cpu")
+    layout, spans = describe_strided(kv, spec_for(variant, 16, heads, 8), "cpu", MemKind.VRAM)
+    assert layout.mem is MemKind.VRAM
+    assert layout.num_blocks == 7
+    want = TokenOrder.HND if variant == "flash_hnd" else TokenOrder.NHD
+    assert layout.order is want
+    check_addresses(layout, kv, variant)
+    regs, rest = allocation_registrations(layout, spans)
+    assert not rest
+    shared = variant in ("cross_layer", "shared_buffer")
+    assert len(regs) == (1 if shared else 3)
+    for r in layout.regions:
+        assert any(g.addr <= r.base and r.base + r.size <= g.addr + g.size for g in regs)
+
+
+def test_describe_hnd_shaped_tensor_with_spec_order() -> None:
+    kv = {"l0": torch.empty((2, 5, 4, 16, 8), dtype=torch.bfloat16)}  # [2, nb, h, bs, d]
+    layout, _ = describe_strided(kv, spec_for("flash_nhd", 16, 4, 8, order="HND"), "cpu")
+    assert layout.order is TokenOrder.HND
+    c = {"l0": kv["l0"].permute(0, 1, 3, 2, 4)}  # canonical [kv, blk, tok, head]
+    check_addresses(layout, c, "flash_nhd")
+
+
+def test_describe_tp_rank_heads() -> None:
+    kv = make_kv(torch, "flash_nhd", 2, 4, 16, 2, 8, torch.float16, "cpu")
+    spec = spec_for("flash_nhd", 16, 8, 8)
+    spec = type(spec)(**{**spec.__dict__, "tp_rank": 3, "tp_size": 4})
+    layout, _ = describe_strided(kv, spec, "cpu")
+    assert (layout.head_start, layout.local_heads, layout.num_heads) == (6, 2, 8)
+    # More ranks than heads: vLLM replicates each head on tp/heads consecutive ranks.
+    kv1 = make_kv(torch, "flash_nhd", 2, 4, 16, 1, 8, torch.float16, "cpu")
+    rep = type(spec)(**{**spec.__dict__, "num_heads": 2, "tp_rank": 5, "tp_size": 8})
+    layout, _ = describe_strided(kv1, rep, "cpu")
+    assert (layout.head_start, layout.local_heads) == (1, 1)
+    with pytest.raises(BackendError, match="cannot be sharded"):
+        describe_strided(kv1, type(spec)(**{**spec.__dict__, "num_heads": 3, "tp_rank": 0, "tp_size": 2}), "cpu")
+
+
+@pytest.mark.parametrize(
+    ("make", "msg"),
+    [
+        (lambda: {"a": torch.empty((2, 4, 16, 2, 8))}, "is on cpu"),
+        (lambda: {"a": torch.empty((4, 16, 2, 8))}, "expected 5 dims"),
+        (lambda: {"a": torch.empty((3, 4, 16, 2, 8))}, "no K/V axis"),
+        (lambda: {"a": torch.empty((2, 4, 16, 3, 8))}, "neither NHD"),
+        (lambda: {"a": torch.empty((2, 4, 16, 4, 8))[:, :, :, :2]}, "not dense"),
+        (lambda: {"a": torch.empty((2, 4, 16, 2, 8)), "b": torch.empty((2, 5, 16, 2, 8))}, "differs"),
+    ],
+)
+def test_describe_rejects_what_it_cannot_move(make, msg: str) -> None:
+    device = "cuda" if msg == "is on cpu" else "cpu"
+    with pytest.raises(BackendError, match=msg):
+        describe_strided(make(), spec_for("flash_nhd", 16, 2, 8), device)
+
+
+def test_split_and_unit_width() -> None:
+    offs, poss, lens = np.array([0, 100_000]), np.array([0, 10]), np.array([10, 150_000])
+    o, p, ln = split_pieces(offs, poss, lens, 65536)
+    assert ln.tolist() == [10, 65536, 65536, 18928]
+    assert o.tolist() == [0, 100_000, 165_536, 231_072]
+    assert p.tolist() == [0, 10, 65_546, 131_082]
+    assert unit_width([4096], [256, 512]) == (8, True)
+    assert unit_width([4096], [258]) == (2, False)
+    assert unit_width([4096, 24], [8]) == (8, False)
+
+
+def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int) -> bool:
+    """P's blocks -> staging (gather) -> D's shuffled blocks (scatter), on host memory."""
+    rng = np.random.default_rng(seed)
+    heads = 1 if "mla" in (src_variant, dst_variant) else 2
+    p_kv = make_kv(torch, src_variant, 3, 12, 16, heads, 8, torch.bfloat16, "cpu")
+    d_kv = make_kv(torch, dst_variant, 3, 20, 16, heads, 8, torch.bfloat16, "cpu")
+    fill_random(p_kv, seed)
+    fill_random(d_kv, seed + 1)
+    sp = spec_for(src_variant, 16, heads, 8, order="NHD")
+    lp, _ = describe_strided(p_kv, sp, "cpu")
+    ld, _ = describe_strided(d_kv, spec_for(dst_variant, 16, heads, 8), "cpu")
+    src_ids = rng.permutation(12)[:5]
+    dst_ids = rng.permutation(20)[:5]
+    pieces = coalesce(map_pieces(lp, ld, src_ids, dst_ids, 5 * 16))
+    staging = torch.full((int(pieces[:, 2].sum()) * len(lp.regions),), 0xA5, dtype=torch.uint8)
+    copier = PieceCopier(torch, "cpu", kernel)  # type: ignore[arg-type]
+    p_bases, d_bases = [r.base for r in lp.regions], [r.base for r in ld.regions]
+    copier.prepare_gather(p_bases, pieces[:, [0, 2]])
+    copier.prepare_scatter(d_bases, pieces[:, [1, 2]])
+    uploads = copier.stats["uploads"]
+    copier.gather(p_bases, pieces[:, [0, 2]], staging.data_ptr())
+    copier.scatter(d_bases, pieces[:, [1, 2]], staging.data_ptr())
+    assert copier.kernel == kernel
+    assert copier.stats["uploads"] == uploads, "prepared tables were uploaded again on the critical path"
+    return blocks_equal(d_kv, dst_variant, dst_ids, p_kv, src_variant, src_ids)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [("flash_nhd", "flash_hnd"), ("flashinfer", "cross_layer"), ("shared_buffer", "flash_nhd"), ("mla", "mla")],
+)
+def test_torch_gather_scatter_moves_exact_bytes(src: str, dst: str) -> None:
+    assert kv_split(src) == kv_split(dst)
+    assert _transfer("torch", src, dst, seed=3)
+
+
+def test_triton_kernel_under_interpreter() -> None:
+    """The Triton kernel's own code, run by Triton's CPU interpreter on host memory."""
+    pytest.importorskip("triton")
+    r = _py(
+        """
+        import sys
+        sys.path.insert(0, "backends/cuda/tests")
+        from test_cpu import _transfer
+        print(_transfer("triton", "flash_nhd", "flash_hnd", 5), _transfer("triton", "flashinfer", "cross_layer", 6))
+        """,
+        TRITON_INTERPRET="1",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["True", "True"], r.stdout
