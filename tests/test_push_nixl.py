@@ -385,18 +385,22 @@ def test_d_reregisters_with_new_blocks(nodes: tuple[Node, Node], gap_s: float) -
 # -- tensor parallelism --------------------------------------------------------------------------
 
 
-def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node]) -> None:
-    """P tp=2 (half the heads each) into D tp=1: D completes after one completion per P rank."""
+@pytest.mark.parametrize("plan", ["direct", "staged"])
+def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node], plan: str) -> None:
+    """P tp=2 (half the heads each) into D tp=1: D completes after one completion per P rank.
+
+    Staged, each P rank packs its head slice into its own slot of D's staging region.
+    """
     p, d = nodes
     base = free_port_base(2)
     pgs = [Geom(num_blocks=64, tp_rank=r, tp_size=2) for r in range(2)]
     dg = Geom(num_blocks=64, block_size=32, order="HND")
     k = _key("tp21")
-    p_cfg = _cfg(side_channel_port=base)
+    p_cfg = _cfg(side_channel_port=base, plan=plan)
     reqs = make_requests(np.random.default_rng(7), 6, pgs[0], dg, k, max_tokens=150)
     with (
         engines(p, "sender", [(f"{k}p{r}", pgs[r], p_cfg, "P" + k) for r in range(2)]) as addrs,
-        engines(d, "receiver", [(k + "d", dg, _cfg(staged_min_descriptors=1), "D" + k)]),
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan=plan, staged_min_descriptors=1), "D" + k)]),
     ):
         assert [a[1] for a in addrs] == [base, base + 1]
         for r in reqs:
@@ -412,6 +416,8 @@ def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node]) -> None:
         exp = make_cache(dg, None)
         for rank in range(2):
             assert len(p.call("results", f"{k}p{rank}", len(reqs), 10.0)) == len(reqs)
+            st = p.call("stats", f"{k}p{rank}")
+            assert st.get(f"plan_{plan}_total") == sum(r.n > r.start for r in reqs), st
             src = p.call("snapshot", f"{k}p{rank}")
             for r in reqs:
                 apply_reference(exp, dg, src, pgs[rank], r)
@@ -419,14 +425,17 @@ def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node]) -> None:
 
 
 def test_one_p_rank_writes_two_d_ranks(nodes: tuple[Node, Node]) -> None:
-    """P tp=1 into D tp=2: P writes each D rank its half of the heads and releases once, after both."""
+    """P tp=1 into D tp=2: P writes each D rank its half of the heads and releases once, after both.
+
+    Staged (and HND on P, NHD on D): P packs each D rank's head slice separately.
+    """
     p, d = nodes
     pg = Geom(num_blocks=64, order="HND")
     dgs = [Geom(num_blocks=64, block_size=16, tp_rank=r, tp_size=2) for r in range(2)]
     k = _key("tp12")
     reqs = make_requests(np.random.default_rng(8), 6, pg, dgs[0], k, max_tokens=150)
     with (
-        engines(p, "sender", [(k + "p", pg, _cfg(plan="auto"), "P" + k)]) as [addr],
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged"), "P" + k)]) as [addr],
         engines(d, "receiver", [(f"{k}d{r}", dgs[r], _cfg(staged_min_descriptors=1), "D" + k) for r in range(2)]),
     ):
         for r in reqs:
@@ -443,6 +452,8 @@ def test_one_p_rank_writes_two_d_ranks(nodes: tuple[Node, Node]) -> None:
             assert_same(d.call("snapshot", f"{k}d{rank}"), exp, dgs[rank])
         p_res = p.call("results", k + "p", len(reqs) + 1, 1.0)
         assert len(p_res) == len(reqs) and all(x.ok for x in p_res), p_res  # one release per request
+        st = p.call("stats", k + "p")
+        assert st.get("plan_staged_total") == 2 * sum(r.n > r.start for r in reqs), st
         assert_idle(p, k + "p")
 
 
@@ -656,3 +667,29 @@ def test_d_goes_away_mid_write(nodes: tuple[Node, Node]) -> None:
         logs = p.call("logs")
         assert not [line for line in logs if "step failed" in line or "command failed" in line], logs
         print("D closed before the WRITE ended:", not pr.ok, pr.reason)
+
+
+# -- aborts -----------------------------------------------------------------------------------
+
+
+def test_aborts_on_either_side_free_everything(nodes: tuple[Node, Node]) -> None:
+    """D aborts a registration P is holding; P aborts a prefill nobody registered for."""
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = _key("abort")
+    with (
+        engines(p, "sender", [(k + "p", g, _cfg(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", g, _cfg(), "D" + k)]),
+    ):
+        d.call("register", k + "d", "t-d", "d1", (addr[0], addr[1], 1), [1, 2], 20, 0)
+        p.call("prefill", k + "p", "t-p", "p1", [3, 4], 20)
+        time.sleep(0.3)
+        assert p.call("stats", k + "p")["waiting_registrations"] == 1
+        d.call("abort", k + "d", "t-d", "client went away")
+        p.call("abort", k + "p", "t-p", "request cancelled")
+        [dr] = d.call("results", k + "d", 1, 5.0)
+        assert (dr.request_id, dr.ok) == ("d1", False) and "client went away" in dr.reason, dr
+        [pr] = p.call("results", k + "p", 1, 5.0)
+        assert (pr.request_id, pr.ok) == ("p1", False) and "request cancelled" in pr.reason, pr
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")

@@ -9,7 +9,11 @@ no NIXL thread-safety mode is needed.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,8 +24,47 @@ from kvpush.errors import ConfigError, KVPushError
 log = logging.getLogger(__name__)
 
 
-def _nixl() -> Any:
+def _torch_without_cuda_on_disk() -> bool:
+    """True when torch is installed but not imported and its build has no CUDA.
+
+    Read from ``torch/version.py`` alone, so that answering costs no torch import.
+    """
+    if "torch" in sys.modules:
+        return False
     try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.origin:
+            return False
+        vspec = importlib.util.spec_from_file_location("_kvpush_torch_version", Path(spec.origin).parent / "version.py")
+        if vspec is None or vspec.loader is None:
+            return False
+        mod = importlib.util.module_from_spec(vspec)
+        vspec.loader.exec_module(mod)
+    except Exception:
+        return False
+    return getattr(mod, "cuda", "unknown") is None
+
+
+def _nixl() -> Any:
+    """NIXL's agent classes.
+
+    The ``nixl`` meta package picks its wheel (``nixl_cu13``/``nixl_cu12``/
+    ``nixl_rocm``) from torch's CUDA version; with a CPU-only torch that is not
+    imported yet it imports torch just to learn there is no CUDA, which costs
+    3-10 s per process on a small host (every test and benchmark process). In
+    exactly that case the meta package then takes the first installed wheel in
+    that order, so kvpush imports that wheel itself; otherwise it defers to
+    ``nixl``.
+    """
+    try:
+        if "nixl._api" not in sys.modules and _torch_without_cuda_on_disk():
+            for wheel in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
+                try:
+                    api = importlib.import_module(f"{wheel}._api")
+                    return api.nixl_agent, api.nixl_agent_config
+                except ModuleNotFoundError as exc:
+                    if exc.name not in (wheel, f"{wheel}._api"):
+                        raise
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:  # pragma: no cover - depends on install
         raise KVPushError(f"NIXL is not importable ({exc}); install it with: pip install nixl==1.5.1") from None
