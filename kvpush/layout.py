@@ -111,6 +111,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"block_stride {self.block_stride} < block bytes {self.block_bytes}",
             ),
             (len(self.regions) > 0, "layout has no regions"),
+            (self.order in {o.value for o in TokenOrder}, f"order must be NHD or HND, got {self.order!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -177,7 +178,7 @@ def _segments(start: int, end: int, bs_a: int, bs_b: int) -> tuple[np.ndarray, n
 
 def _offsets(layout: KVLayout, block: np.ndarray, tok: np.ndarray, head: np.ndarray) -> np.ndarray:
     """Byte offset inside a region of (block id, token-in-block, local head)."""
-    if layout.order is TokenOrder.NHD:
+    if layout.order == TokenOrder.NHD:  # ==, not is: a plain "NHD" string must count too
         inner = (tok * layout.local_heads + head) * layout.head_bytes
     else:
         inner = (head * layout.block_size + tok) * layout.head_bytes
@@ -216,8 +217,8 @@ def map_pieces(
     sblk, stok = sb[s // src.block_size], s % src.block_size
     dblk, dtok = db[s // dst.block_size], s % dst.block_size
     hb = src.head_bytes
-    both_hnd = src.order is TokenOrder.HND and dst.order is TokenOrder.HND
-    both_nhd = src.order is TokenOrder.NHD and dst.order is TokenOrder.NHD
+    both_hnd = src.order == TokenOrder.HND and dst.order == TokenOrder.HND
+    both_nhd = src.order == TokenOrder.NHD and dst.order == TokenOrder.NHD
     if both_hnd:
         # One piece per (segment, head): a head's tokens are contiguous.
         heads = np.arange(lo, hi, dtype=np.int64)

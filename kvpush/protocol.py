@@ -17,7 +17,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.errors import ProtocolError
+from kvpush.errors import LayoutError, ProtocolError
 from kvpush.layout import KVLayout, Region
 
 MAX_FRAME_BYTES = 8 << 20
@@ -68,7 +68,7 @@ class HelloReply(_Msg, tag="hello_reply"):
     reason: Reason = ""
     engine_id: Name = ""
     rank: NonNeg = 0
-    tp_size: NonNeg = 1
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     agent_name: Name = ""
     agent_metadata: bytes = b""
     layout: KVLayout | None = None
@@ -137,7 +137,7 @@ class Heartbeat(_Msg, tag="hb"):
 Message = Union[Hello, HelloReply, Register, Completion, Failure, Abort, Heartbeat]
 
 
-class _Frame(msgspec.Struct, array_like=True, frozen=True):
+class _Frame(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     version: int
     msg: Message
 
@@ -156,6 +156,9 @@ def decode(data: bytes | memoryview, expected: type | tuple[type, ...] | None = 
         raise ProtocolError(f"frame of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
         frame = _decoder.decode(data)
+    except RecursionError:
+        # msgspec recurses when it skips a value (e.g. fields before the type tag).
+        raise ProtocolError("malformed message: nested too deeply") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         version = _peek_version(data)
         if version is not None and version != PROTOCOL_VERSION:
@@ -170,6 +173,8 @@ def decode(data: bytes | memoryview, expected: type | tuple[type, ...] | None = 
     msg = frame.msg
     if isinstance(msg, Register):
         _check_register(msg)
+    if isinstance(msg, (Hello, HelloReply)) and msg.layout is not None:
+        _check_layout(msg)
     if expected is not None and not isinstance(msg, expected):
         raise ProtocolError(f"unexpected message {type(msg).__name__} here")
     return msg
@@ -183,6 +188,16 @@ def _peek_version(data: bytes | memoryview) -> int | None:
     if isinstance(raw, list) and raw and isinstance(raw[0], int):
         return raw[0]
     return None
+
+
+def _check_layout(msg: Hello | HelloReply) -> None:
+    """A peer's layout is used for offset arithmetic later: reject one that cannot be right now."""
+    try:
+        msg.layout.validate()
+    except LayoutError as exc:
+        raise ProtocolError(
+            f"{msg.__struct_config__.tag} from {msg.engine_id!r} rank {msg.rank}: invalid layout: {exc}"
+        ) from None
 
 
 def _check_register(msg: Register) -> None:

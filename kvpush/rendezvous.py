@@ -76,6 +76,7 @@ class _Entry:
     in_flight: set[tuple[str, int]] = field(default_factory=set)
     done: set[tuple[str, int]] = field(default_factory=set)
     expected: int = 1
+    aborted: bool = False
     reg_deadline: float = float("inf")
     lease_deadline: float = float("inf")
 
@@ -119,6 +120,9 @@ class Rendezvous:
     def on_register(self, reg: Register, now: float, expected: int = 1) -> list[Decision]:
         """D rank registered its blocks; ``expected`` is how many D ranks this P rank writes to."""
         e = self._entries.setdefault(reg.transfer_id, _Entry())
+        if e.aborted:
+            # Aborted while a write was in flight; the entry lives on only until it lands.
+            return [Refuse(reg, "transfer was aborted")]
         e.expected = expected
         k = _key(reg)
         old = e.regs.get(k)
@@ -152,6 +156,7 @@ class Rendezvous:
         e.regs = {k: r for k, r in e.regs.items() if k in e.in_flight}
         if e.in_flight:
             e.expected = len(e.done) + len(e.in_flight)
+            e.aborted = True
             return []
         del self._entries[transfer_id]
         return [Release(e.prefill, reason)] if e.prefill is not None else []

@@ -64,8 +64,12 @@ def describe_paged(
     order = TokenOrder(spec.order)
     if spec.tp_size < 1 or not 0 <= spec.tp_rank < spec.tp_size:
         raise BackendError(f"bad TP rank {spec.tp_rank} of {spec.tp_size}")
+    if spec.num_heads < 1 or (spec.num_heads % spec.tp_size and spec.tp_size % spec.num_heads):
+        raise BackendError(f"{spec.num_heads} KV heads cannot be sharded over TP {spec.tp_size}")
     local = max(1, spec.num_heads // spec.tp_size)
-    head_start = (spec.tp_rank * local) % spec.num_heads
+    # As vLLM shards KV heads (QKVParallelLinear): with more ranks than heads, each head is
+    # replicated on tp/num_heads *consecutive* ranks, so rank r holds head r // (tp/num_heads).
+    head_start = spec.tp_rank * spec.num_heads // spec.tp_size
     regions: list[Region] = []
     first: tuple[int, int, int, int] | None = None
     for name, t in kv_caches.items():

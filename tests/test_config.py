@@ -1,0 +1,135 @@
+"""Configuration: a typo or a wrong type in ``kv_connector_extra_config`` is an error naming the key.
+
+Silently running with defaults after a misspelt key is the failure this guards
+against: the operator believes they set a lease or a plan and they did not.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvpush.config import Config
+from kvpush.errors import ConfigError
+
+
+def test_defaults() -> None:
+    c = Config.from_dict(None)
+    assert c == Config() == Config.from_dict({})
+    assert isinstance(c.backend, str) and c.backend
+    assert c.nixl_backends == ("UCX",)
+    assert c.side_channel_host == "127.0.0.1" and c.side_channel_port == 0
+    assert c.plan == "auto"
+    assert c.staging_bytes == 64 << 20
+    assert c.staged_min_descriptors == 512
+    assert c.registration_lease_s == 120.0 and c.prefill_lease_s == 60.0
+    assert c.transfer_timeout_s == 60.0
+    assert c.heartbeat_s < c.peer_dead_s
+    assert c.layerwise is False
+    assert c.load_failure_policy == "fail"
+
+
+def test_every_field_is_settable_and_round_trips() -> None:
+    values = {
+        "backend": "cuda",
+        "nixl_backends": ["LIBFABRIC", "UCX"],
+        "side_channel_host": "10.0.0.2",
+        "side_channel_port": 5600,
+        "plan": "staged",
+        "staging_bytes": 0,
+        "staged_min_descriptors": 1,
+        "descriptor_cost_us": 0.5,
+        "link_gbps": 100,
+        "registration_lease_s": 1.5,
+        "prefill_lease_s": 2,
+        "transfer_timeout_s": 3,
+        "heartbeat_s": 0.25,
+        "peer_dead_s": 4,
+        "idle_poll_max_s": 0.001,
+        "model": "meta-llama/Llama-3.1-8B",
+        "layerwise": True,
+        "load_failure_policy": "recompute",
+    }
+    assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
+    c = Config.from_dict(values)
+    assert c.nixl_backends == ("LIBFABRIC", "UCX")
+    assert c.link_gbps == 100.0 and isinstance(c.link_gbps, float)
+    assert Config.from_dict(msgspec.structs.asdict(c)) == c
+    assert Config.from_dict(msgspec.json.decode(msgspec.json.encode(c))) == c
+
+
+def test_cli_strings_are_converted() -> None:
+    """CLI flags arrive as strings; numeric fields accept them (lax conversion is deliberate)."""
+    c = Config.from_dict({"side_channel_port": "5600", "heartbeat_s": "0.5", "staging_bytes": "1024"})
+    assert (c.side_channel_port, c.heartbeat_s, c.staging_bytes) == (5600, 0.5, 1024)
+
+
+@pytest.mark.parametrize("key", ["backnd", "prefill_lease", "Plan", "extra"])
+def test_unknown_key_is_named(key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({"plan": "direct", key: 1})
+    assert key in str(info.value)
+    assert "unknown" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("backend", 3, ["str", "int"]),
+        ("nixl_backends", "UCX", ["array", "str"]),
+        ("nixl_backends", [1], ["str"]),
+        ("side_channel_port", 65536, ["<= 65535"]),
+        ("side_channel_port", -1, [">= 0"]),
+        ("side_channel_port", True, ["int", "bool"]),
+        ("side_channel_port", "http", ["int"]),
+        ("plan", "fast", ["fast"]),
+        ("staging_bytes", -1, [">= 0"]),
+        ("staged_min_descriptors", 0, [">= 1"]),
+        ("descriptor_cost_us", 0, ["> 0"]),
+        ("link_gbps", -25, ["> 0"]),
+        ("registration_lease_s", 0, ["> 0"]),
+        ("prefill_lease_s", -1.0, ["> 0"]),
+        ("transfer_timeout_s", float("nan"), ["> 0"]),
+        ("heartbeat_s", "soon", ["float"]),
+        ("peer_dead_s", None, ["float", "null"]),
+        ("idle_poll_max_s", [0.1], ["float", "array"]),
+        ("model", 7, ["str"]),
+        ("layerwise", "maybe", ["bool"]),
+        ("load_failure_policy", "retry", ["retry"]),
+    ],
+)
+def test_bad_values_name_the_key(key: str, value, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({key: value})
+    msg = str(info.value)
+    assert f"$.{key}" in msg, msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(["plan", "direct"])  # type: ignore[arg-type]
+    assert "object" in str(info.value)
+
+
+def test_config_error_is_a_value_error() -> None:
+    """Callers that catch ``ValueError`` for bad user input (vLLM's arg parsing) catch ours too."""
+    with pytest.raises(ValueError):
+        Config.from_dict({"plan": 1})
+
+
+def test_replace() -> None:
+    c = Config.from_dict({"model": "m"})
+    d = c.replace(plan="direct", prefill_lease_s=5)
+    assert (d.plan, d.prefill_lease_s, d.model) == ("direct", 5.0, "m")
+    assert c.plan == "auto", "replace must not mutate"
+    with pytest.raises(ConfigError, match="nope"):
+        c.replace(nope=1)
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        c.replace(staging_bytes=-5)
+
+
+def test_frozen() -> None:
+    with pytest.raises(AttributeError):
+        Config().plan = "direct"  # type: ignore[misc]
