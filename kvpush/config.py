@@ -20,8 +20,8 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """kvpush settings; durations in seconds, sizes in bytes."""
 
-    backend: str = "host"
-    """Name of the kvpush backend (entry point in ``kvpush.backends``)."""
+    backend: str = "auto"
+    """kvpush backend (entry point in ``kvpush.backends``); "auto" follows vLLM's platform."""
     nixl_backends: tuple[str, ...] = ("UCX",)
     """NIXL transport plugins, in order of preference: UCX here, LIBFABRIC on EFA hosts."""
     side_channel_host: str = "127.0.0.1"

@@ -43,6 +43,10 @@ class TokenOrder(enum.StrEnum):
 
     NHD = "NHD"
     HND = "HND"
+    BLOCK = "BLOCK"
+    """Opaque: the attention kernel packs a block its own way (vLLM's CPU
+    backend does), so only whole blocks can be copied; both sides must share
+    block size and head slice."""
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -202,6 +206,8 @@ def map_pieces(
     natural granularity of the two layouts; ``coalesce`` merges it.
     """
     check_compatible(src, dst)
+    if TokenOrder.BLOCK in (src.order, dst.order):
+        return _block_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     if not 0 <= start_token <= num_tokens:
         raise LayoutError(f"start_token {start_token} outside [0, {num_tokens}]")
     sb = np.asarray(src_blocks, dtype=np.int64)
@@ -246,6 +252,41 @@ def map_pieces(
             do = _offsets(dst, dblk[seg2], dtok[seg2] + t2, h - dst.head_start)
             ln = np.full(seg2.size, hb, dtype=np.int64)
     return np.stack([so, do, ln], axis=1).astype(np.int64)
+
+
+def _block_pieces(
+    src: KVLayout,
+    dst: KVLayout,
+    src_blocks: np.ndarray | list[int],
+    dst_blocks: np.ndarray | list[int],
+    num_tokens: int,
+    start_token: int,
+) -> np.ndarray:
+    """Whole-block pieces for opaque layouts: every block touching ``[start_token, num_tokens)``."""
+    same = (src.order, src.block_size, src.block_bytes, src.head_start, src.local_heads) == (
+        dst.order,
+        dst.block_size,
+        dst.block_bytes,
+        dst.head_start,
+        dst.local_heads,
+    )
+    if not same:
+        raise LayoutError(
+            f"opaque (BLOCK) layouts copy whole blocks only: P and D need the same order, block size, "
+            f"block bytes and heads (P: {src.order}/{src.block_size}/{src.block_bytes}/heads {src.head_start}+"
+            f"{src.local_heads}, D: {dst.order}/{dst.block_size}/{dst.block_bytes}/heads {dst.head_start}+"
+            f"{dst.local_heads})"
+        )
+    if not 0 <= start_token <= num_tokens or start_token % src.block_size:
+        raise LayoutError(f"start_token {start_token} must be block-aligned and within [0, {num_tokens}]")
+    sb = np.asarray(src_blocks, dtype=np.int64)
+    db = np.asarray(dst_blocks, dtype=np.int64)
+    n_blocks = -(-num_tokens // src.block_size)
+    _check_ids(sb, n_blocks, src.num_blocks, "P")
+    _check_ids(db, n_blocks, dst.num_blocks, "D")
+    idx = np.arange(start_token // src.block_size, n_blocks)
+    ln = np.full(idx.size, src.block_bytes, dtype=np.int64)
+    return np.stack([sb[idx] * src.block_stride, db[idx] * dst.block_stride, ln], axis=1).astype(np.int64)
 
 
 def coalesce(pieces: np.ndarray) -> np.ndarray:

@@ -77,6 +77,13 @@ def describe_paged(
         if info.device_type != device_type:
             raise BackendError(f"layer {name}: tensor is on {info.device_type}, this backend handles {device_type}")
         shape, strides = info.shape, info.strides
+        if spec.kv_inner:
+            regions.extend(_inner_kv_regions(name, info, spec, local))
+            geom = (shape[0], strides[0], info.itemsize, info.device_index)
+            if first is not None and geom != first:
+                raise BackendError(f"layer {name}: geometry {geom} differs from the first layer's {first}")
+            first = geom
+            continue
         kv_axes = 1 if spec.kv_split else 0
         if spec.kv_split and (len(shape) != 5 or shape[0] != 2):
             raise BackendError(f"layer {name}: expected [2, num_blocks, ...] with 5 dims, got shape {shape}")
@@ -110,12 +117,27 @@ def describe_paged(
         block_size=spec.block_size,
         num_blocks=first[0],
         block_stride=first[1],
-        head_bytes=spec.head_dim * first[2],
+        head_bytes=spec.head_dim * first[2] * (2 if spec.kv_inner else 1),
         num_heads=spec.num_heads,
         head_start=head_start,
         local_heads=local,
-        order=order,
+        order=TokenOrder.BLOCK if spec.kv_inner else order,
         mem=mem,
         dtype=spec.dtype,
         regions=tuple(regions),
     ).validate()
+
+
+def _inner_kv_regions(name: str, info: TensorInfo, spec: CacheSpec, local: int) -> list[Region]:
+    """One region per layer for vLLM's CPU cache ``[num_blocks, heads, block_size, 2 * dim]``.
+
+    The CPU attention kernels pack K and V inside a block their own way (the
+    tensor shape does not say how), so the layout is opaque: whole blocks.
+    """
+    shape, strides, item = info.shape, info.strides, info.itemsize
+    want = (local, spec.block_size, 2 * spec.head_dim)
+    if len(shape) != 4 or shape[1:] != want:
+        raise BackendError(f"layer {name}: expected [num_blocks, {', '.join(map(str, want))}], got {shape}")
+    if strides[0] != local * spec.block_size * 2 * spec.head_dim * item:
+        raise BackendError(f"layer {name}: blocks are not contiguous (strides {strides})")
+    return [Region(info.addr, shape[0] * strides[0], info.device_index)]

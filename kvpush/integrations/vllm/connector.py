@@ -1,0 +1,235 @@
+"""kvpush as a vLLM KV connector (vLLM >= 0.32).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.integrations.vllm.connector",
+        "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+        "kv_connector_extra_config": {"side_channel_port": 5600}}'
+
+This class only translates vLLM's hooks: the scheduler half is
+``SchedulerSide`` (bookkeeping), the worker half is ``WorkerSide`` (hands
+work to the engine threads). No protocol logic lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvpush.backends import CacheSpec, load_backend
+from kvpush.config import Config
+from kvpush.errors import BackendError, ConfigError
+from kvpush.integrations.vllm.scheduler_side import SchedulerSide, StepOrders
+from kvpush.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _share_vllm_logging() -> None:
+    """Make kvpush's log records appear in the server log.
+
+    By default they go through vLLM's handlers (same format and level);
+    ``KVPUSH_LOG_LEVEL=DEBUG`` gives kvpush its own handler at that level, so
+    the per-transfer lines show without turning on vLLM's debug output.
+    """
+    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
+    if ours.handlers:
+        return
+    level = os.environ.get("KVPUSH_LOG_LEVEL")
+    if level:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(level.upper())
+    else:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+@dataclass
+class KVPushMetadata(KVConnectorMetadata):
+    orders: StepOrders = field(default_factory=StepOrders)
+
+
+def platform_backend() -> str:
+    """The kvpush backend matching vLLM's platform (``backend: "auto"``)."""
+    from vllm.platforms import current_platform
+
+    name = getattr(current_platform, "device_type", "") or ""
+    if current_platform.is_cuda_alike():
+        return "cuda"
+    if name == "neuron" or "neuron" in type(current_platform).__name__.lower():
+        return "neuron"
+    return "host"
+
+
+def cache_spec(vllm_config: VllmConfig, first: torch.Tensor, rank: int, tp_size: int) -> CacheSpec:
+    """Read the KV tensor shape vLLM's attention backend chose.
+
+    Known shapes: ``[2, num_blocks, block_size, heads, dim]`` (FlashAttention,
+    NHD), ``[2, num_blocks, heads, block_size, dim]`` (HND), and the CPU
+    backend's ``[num_blocks, heads, block_size, 2 * dim]`` (K
+    side in each token row, so one region per layer whose "head" is K|V).
+    """
+    mc = vllm_config.model_config
+    block_size = vllm_config.cache_config.block_size
+    heads = mc.get_total_num_kv_heads()
+    dim = mc.get_head_size()
+    dtype = str(first.dtype).removeprefix("torch.")
+    shape = tuple(first.shape)
+    local = max(1, heads // tp_size)
+    if len(shape) == 5 and shape[0] == 2:
+        order = "NHD" if shape[2] == block_size and shape[3] == local else "HND"
+        return CacheSpec(block_size, heads, dim, dtype, rank, tp_size, order, kv_split=True)
+    if len(shape) == 4 and shape[1] == local and shape[2] == block_size and shape[3] == 2 * dim:
+        return CacheSpec(block_size, heads, dim, dtype, rank, tp_size, "HND", kv_split=False, kv_inner=True)
+    raise BackendError(
+        f"kvpush does not know this KV cache shape {shape} (block_size {block_size}, {local} local KV heads, "
+        f"head size {dim}); supported: [2,N,B,H,D], [2,N,H,B,D], CPU [N,H,B,2D]"
+    )
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    """Push-mode KV transfer: D registers its blocks, P writes into them."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        _share_vllm_logging()
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        try:
+            cfg = Config.from_dict(extra)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_connector_extra_config for KVPushConnector: {exc}") from None
+        if not cfg.model:
+            cfg = cfg.replace(model=str(vllm_config.model_config.model))
+        self.cfg = cfg
+        self.engine_id = str(ktc.engine_id)
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.sched = SchedulerSide()
+        else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            name = platform_backend() if cfg.backend == "auto" else cfg.backend
+            self.worker = WorkerSide(
+                cfg,
+                load_backend(name),
+                self.engine_id,
+                get_tensor_model_parallel_rank(),
+                get_tensor_model_parallel_world_size(),
+                producer=ktc.is_kv_producer,
+                consumer=ktc.is_kv_consumer,
+            )
+
+    # ---------------- scheduler hooks ----------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.sched is not None
+        return self.sched.matched_tokens(
+            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens
+        )
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.sched is not None
+        if num_external_tokens <= 0:
+            return
+        self.sched.after_alloc(
+            request.request_id,
+            request.kv_transfer_params,
+            blocks.get_block_ids(),
+            # request.num_computed_tokens is not updated yet at this hook: the
+            # local prefix hit is whatever the remote part does not cover.
+            request.num_prompt_tokens - num_external_tokens,
+            num_external_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.sched is not None
+        return KVPushMetadata(self.sched.take_orders())
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        assert self.sched is not None
+        normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else [block_ids or []]
+        delay = self.sched.finished(
+            request.request_id, request.kv_transfer_params, normal, groups, request.num_prompt_tokens
+        )
+        return delay, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.sched is not None
+        self.sched.on_output(connector_output.finished_sending, connector_output.finished_recving)
+
+    def has_pending_push_work(self) -> bool:
+        return self.sched is not None and self.sched.has_pending_work()
+
+    # ---------------- worker hooks ----------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        first = next(iter(kv_caches.values()))
+        spec = cache_spec(self._vllm_config, first, self.worker.rank, self.worker.tp_size)
+        log.info(
+            "kvpush: %d KV tensors, first %s %s stride %s -> %s",
+            len(kv_caches),
+            tuple(first.shape),
+            first.dtype,
+            tuple(first.stride()),
+            spec,
+        )
+        self.worker.register_kv_caches(dict(kv_caches), spec)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPushMetadata)
+        self.worker.apply(meta.orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.results(set(finished_req_ids))
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending, res.finished_recving
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,171 @@
+"""Scheduler half of the connector: bookkeeping only, no I/O.
+
+It turns vLLM's scheduler hooks into a per-step ``KVPushMetadata`` for the
+workers and tracks which requests still hold blocks for a transfer. It takes
+plain values (ids, block lists, counts), so it is tested without an engine.
+
+Invariants:
+- a P request whose prefill finished normally keeps its blocks until every
+  worker reports it in ``finished_sending``;
+- a D request aborted while its KV may still be written keeps its blocks
+  until the workers report the transfer fenced (also via ``finished_sending``);
+- a request without kv_transfer_params is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.integrations.vllm.params import DecodeSide, PrefillSide, parse
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Registration:
+    request_id: str
+    transfer_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    start_token: int
+
+
+@dataclass(frozen=True)
+class FinishedPrefill:
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class AbortOrder:
+    request_id: str
+    transfer_id: str
+    side: str  # "prefill" or "decode"
+
+
+@dataclass
+class StepOrders:
+    """What the scheduler tells the workers this step (wrapped in vLLM's metadata type)."""
+
+    registrations: list[Registration] = field(default_factory=list)
+    prefills: list[FinishedPrefill] = field(default_factory=list)
+    aborts: list[AbortOrder] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(self) -> None:
+        self._orders = StepOrders()
+        self._waiting_kv: dict[str, str] = {}  # D request -> transfer id, registered, KV not yet in
+        self._sending: dict[str, str] = {}  # P request -> transfer id, blocks held for the push
+        self._fencing: dict[str, str] = {}  # D request aborted while KV may land
+        self.counters: dict[str, int] = {}
+
+    def _bump(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    # D side -----------------------------------------------------------------
+    def matched_tokens(
+        self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, num_computed: int
+    ) -> tuple[int, bool]:
+        """Tokens P will push beyond D's local prefix hit (loaded asynchronously)."""
+        role = parse(params, request_id)
+        if not isinstance(role, DecodeSide) or request_id in self._waiting_kv:
+            return 0, False
+        count = num_prompt_tokens - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        block_ids: tuple[list[int], ...] | list[list[int]],
+        num_computed: int,
+        num_external: int,
+    ) -> None:
+        """D allocated blocks: register them with P now, while P still computes."""
+        role = parse(params, request_id)
+        if not isinstance(role, DecodeSide) or num_external <= 0 or request_id in self._waiting_kv:
+            return
+        reg = Registration(
+            request_id,
+            role.transfer_id,
+            role.peer.host,
+            role.peer.port,
+            role.peer.tp_size,
+            tuple(tuple(g) for g in block_ids),
+            num_computed + num_external,
+            num_computed,
+        )
+        self._orders.registrations.append(reg)
+        log.debug("kvpush scheduler: register %s", reg)
+        self._waiting_kv[request_id] = role.transfer_id
+        self._bump("registrations")
+        if params is not None:
+            # vLLM may ask again after the load; nothing more is remote then.
+            params["do_remote_prefill"] = False
+
+    # both sides ---------------------------------------------------------------
+    def finished(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        finished_normally: bool,
+        block_ids: tuple[list[int], ...] | list[list[int]],
+        num_prompt_tokens: int,
+    ) -> bool:
+        """vLLM's ``request_finished``: return True to keep the blocks for a transfer."""
+        if request_id in self._waiting_kv:
+            # D request ended before its KV arrived (abort, timeout): fence.
+            tid = self._waiting_kv.pop(request_id)
+            self._fencing[request_id] = tid
+            self._orders.aborts.append(AbortOrder(request_id, tid, "decode"))
+            self._bump("decode_aborts")
+            return True
+        role = parse(params, request_id)
+        if not isinstance(role, PrefillSide):
+            return False
+        if not finished_normally:
+            self._orders.aborts.append(AbortOrder(request_id, role.transfer_id, "prefill"))
+            self._bump("prefill_aborts")
+            return False
+        if not any(len(g) for g in block_ids):
+            return False
+        self._orders.prefills.append(
+            FinishedPrefill(request_id, role.transfer_id, tuple(tuple(g) for g in block_ids), num_prompt_tokens)
+        )
+        self._sending[request_id] = role.transfer_id
+        log.debug(
+            "kvpush scheduler: prefill finished %s %s blocks=%s tokens=%d",
+            request_id,
+            role.transfer_id,
+            block_ids,
+            num_prompt_tokens,
+        )
+        self._bump("prefills")
+        return True
+
+    def take_orders(self) -> StepOrders:
+        orders, self._orders = self._orders, StepOrders()
+        return orders
+
+    def on_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
+        for rid in finished_sending or ():
+            self._sending.pop(rid, None)
+            self._fencing.pop(rid, None)
+        for rid in finished_recving or ():
+            self._waiting_kv.pop(rid, None)
+
+    def has_pending_work(self) -> bool:
+        """Keep the engine stepping while blocks are held for transfers."""
+        o = self._orders
+        return bool(self._sending or self._fencing or o.registrations or o.prefills or o.aborts)
+
+    def pending(self) -> dict[str, int]:
+        return {"sending": len(self._sending), "waiting_kv": len(self._waiting_kv), "fencing": len(self._fencing)}

@@ -1,0 +1,163 @@
+"""Worker half of the connector: hands orders to the kvpush engine, collects results.
+
+Each worker (TP rank) owns a ``Sender`` (P role), a ``Receiver`` (D role) or
+both. The engine threads do every transfer; this object only moves ids
+between vLLM's hooks and the engine, so the forward loop never waits on I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from kvpush.backends.base import Backend, CacheSpec
+from kvpush.config import Config
+from kvpush.engine import PeerAddress, Receiver, Sender
+from kvpush.integrations.vllm.scheduler_side import StepOrders
+from kvpush.layout import KVLayout, map_pieces
+
+log = logging.getLogger(__name__)
+DEBUG_CHECKSUM = bool(os.environ.get("KVPUSH_DEBUG_CHECKSUM"))
+
+
+def kv_checksum(layout: KVLayout, block_ids: tuple[int, ...], num_tokens: int, start: int = 0) -> str:
+    """Hash of a request's KV bytes (debugging aid: compare P's and D's logs)."""
+    import ctypes
+    import hashlib
+
+    pieces = map_pieces(layout, layout, block_ids, block_ids, num_tokens, start)
+    h = hashlib.sha256()
+    for r in layout.regions:
+        for off, _, ln in pieces.tolist():
+            h.update(ctypes.string_at(r.base + off, ln))
+    return h.hexdigest()[:16]
+
+
+class WorkerSide:
+    def __init__(
+        self, cfg: Config, backend: Backend, engine_id: str, rank: int, tp_size: int, producer: bool, consumer: bool
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.engine_id = engine_id
+        self.rank = rank
+        self.tp_size = tp_size
+        self.producer = producer
+        self.consumer = consumer
+        self.layout: KVLayout | None = None
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        self._fencing: set[str] = set()  # D requests aborted: report in finished_sending once fenced
+        self._done_sending: set[str] = set()  # pushed, waiting for vLLM to list them as finished
+        self._finished_seen: set[str] = set()
+        self._expect: set[str] = set()
+        self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], spec: CacheSpec) -> None:
+        self.layout = self.backend.describe(kv_caches, spec)
+        log.info(
+            "kvpush worker %s rank %d: %d regions, %d blocks of %d tokens, %s, %s",
+            self.engine_id,
+            self.rank,
+            len(self.layout.regions),
+            self.layout.num_blocks,
+            self.layout.block_size,
+            self.layout.order.value,
+            self.layout.mem.value,
+        )
+        if self.producer:
+            self.sender = Sender(self.cfg, self.backend, self.layout, self.engine_id, self.rank, self.tp_size)
+        if self.consumer:
+            self.receiver = Receiver(self.cfg, self.backend, self.layout, self.engine_id, self.rank, self.tp_size)
+
+    def apply(self, orders: StepOrders) -> None:
+        """Hand this step's orders to the engine threads (non-blocking)."""
+        if orders.prefills:
+            assert self.sender is not None, "prefill orders on a worker without the producer role"
+            ready = self.backend.record_ready()
+            for p in orders.prefills:
+                self._expect.add(p.request_id)
+                if DEBUG_CHECKSUM and self.layout is not None:
+                    log.info(
+                        "kvpush P %s kv sha %s", p.transfer_id, kv_checksum(self.layout, p.block_ids[0], p.num_tokens)
+                    )
+                self.sender.prefill_finished(p.transfer_id, p.request_id, p.block_ids, p.num_tokens, ready)
+        for r in orders.registrations:
+            assert self.receiver is not None, "registration orders on a worker without the consumer role"
+            if DEBUG_CHECKSUM:
+                self._regs[r.request_id] = r
+            self.receiver.register(
+                r.transfer_id,
+                r.request_id,
+                PeerAddress(r.host, r.port, r.tp_size),
+                r.block_ids,
+                r.num_tokens,
+                r.start_token,
+            )
+        for a in orders.aborts:
+            if a.side == "decode" and self.receiver is not None:
+                self._fencing.add(a.request_id)
+                self._expect.add(a.request_id)
+                self.receiver.abort(a.transfer_id, "request aborted on D")
+            elif a.side == "prefill" and self.sender is not None:
+                self.sender.abort(a.transfer_id, "request aborted on P before its prefill finished")
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for vLLM."""
+        self._finished_seen |= finished_req_ids & self._expect
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        if self.sender is not None:
+            for res in self.sender.poll():
+                if not res.ok:
+                    log.warning(
+                        "kvpush: transfer %s (request %s) released unpushed: %s",
+                        res.transfer_id,
+                        res.request_id,
+                        res.reason,
+                    )
+                self._done_sending.add(res.request_id)
+        if self.receiver is not None:
+            for res in self.receiver.poll():
+                if res.request_id in self._fencing:
+                    self._fencing.discard(res.request_id)
+                    self._done_sending.add(res.request_id)
+                    continue
+                recving.add(res.request_id)
+                r = self._regs.pop(res.request_id, None)
+                if DEBUG_CHECKSUM and r is not None and self.layout is not None:
+                    sha = kv_checksum(self.layout, r.block_ids[0], r.num_tokens, r.start_token)
+                    log.info("kvpush D %s kv sha %s ok=%s", r.transfer_id, sha, res.ok)
+                if not res.ok:
+                    log.error(
+                        "kvpush: KV for request %s (transfer %s) did not arrive: %s",
+                        res.request_id,
+                        res.transfer_id,
+                        res.reason,
+                    )
+                    failed.add(res.request_id)
+        # vLLM accepts a finished_sending id only once it has listed the request as finished.
+        ready = self._done_sending & self._finished_seen
+        self._done_sending -= ready
+        self._finished_seen -= ready
+        self._expect -= ready
+        sending |= ready
+        if sending or recving or failed:
+            log.debug("kvpush worker: finished_sending=%s finished_recving=%s failed=%s", sending, recving, failed)
+        return sending, recving, failed
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.sender is not None:
+            out["sender"] = self.sender.stats()
+        if self.receiver is not None:
+            out["receiver"] = self.receiver.stats()
+        return out
+
+    def close(self) -> None:
+        for e in (self.sender, self.receiver):
+            if e is not None:
+                e.close()
+        self.sender = self.receiver = None
