@@ -693,3 +693,24 @@ def test_aborts_on_either_side_free_everything(nodes: tuple[Node, Node]) -> None
         assert (pr.request_id, pr.ok) == ("p1", False) and "request cancelled" in pr.reason, pr
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
+
+
+def test_d_restarts_with_the_same_identity(nodes: tuple[Node, Node]) -> None:
+    """A D rank comes back (new process, same engine id and rank, so the same NIXL agent name):
+    P forgets the old session and serves the new one (NIXL refuses to load one agent name twice)."""
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = _key("restart")
+    with engines(p, "sender", [(k + "p", g, _cfg(), "P" + k)]) as [addr]:
+        for life in range(2):
+            with engines(d, "receiver", [(f"{k}d{life}", g, _cfg(), "D" + k)]):
+                req = Req(f"t{life}", f"p{life}", f"d{life}", [life + 1, 9], [4, life + 6], 20)
+                p.call("prefill", k + "p", req.tid, req.p_rid, req.p_blocks, req.n)
+                d.call("register", f"{k}d{life}", req.tid, req.d_rid, (addr[0], addr[1], 1), req.d_blocks, req.n, 0)
+                [dr] = d.call("results", f"{k}d{life}", 1, 10.0)
+                assert dr.ok, (life, dr)
+                exp = make_cache(g, None)
+                apply_reference(exp, g, p.call("snapshot", k + "p"), g, req)
+                assert_same(d.call("snapshot", f"{k}d{life}"), exp, g)
+        assert len(p.call("results", k + "p", 2, 5.0)) == 2
+        assert p.call("stats", k + "p")["peers"] == 1

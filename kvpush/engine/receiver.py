@@ -34,6 +34,9 @@ from kvpush.transport.side_channel import Client
 log = logging.getLogger(__name__)
 
 TIMER_PERIOD_S = 0.05
+REFUSED_RETRY_S = 5.0
+"""A P rank that refused the handshake is asked again after this long, on the next registration:
+the refusal may have been transient (a restart in progress) or fixed by redeploying P."""
 
 
 class ConnState(enum.StrEnum):
@@ -181,7 +184,12 @@ class Receiver(EngineLoop):
     def _conn(self, host: str, port: int, now: float) -> _Conn:
         key = (host, port)
         conn = self._conns.get(key)
-        if conn is None or conn.state is ConnState.DEAD:
+        stale = conn is not None and (
+            (conn.state is ConnState.REFUSED and now - conn.since >= REFUSED_RETRY_S)
+            # P stopped answering heartbeats (it restarted and does not know us): say hello again
+            or (conn.state is ConnState.READY and now - conn.last_seen > self.cfg.peer_dead_s)
+        )
+        if conn is None or conn.state is ConnState.DEAD or stale:
             if conn is not None:
                 conn.client.close()
                 self.poller.unregister(conn.client.sock)
@@ -293,6 +301,7 @@ class Receiver(EngineLoop):
         if isinstance(msg, protocol.HelloReply):
             if not msg.ok or msg.layout is None:
                 conn.state, conn.reason = ConnState.REFUSED, f"P {key[0]}:{key[1]} refused the handshake: {msg.reason}"
+                conn.since = now
                 log.error("%s: %s", self.name, conn.reason)
             else:
                 conn.state, conn.p_rank, conn.agent, conn.layout = ConnState.READY, msg.rank, msg.agent_name, msg.layout

@@ -155,7 +155,10 @@ class Sender(EngineLoop):
         if peer is not None:
             peer.last_seen = now
         if isinstance(msg, protocol.Heartbeat):
-            self.server.send(ident, protocol.Heartbeat(self.engine_id, self.rank, msg.seq, time.time()))
+            # Only known peers get an answer: a D rank whose hello this P never
+            # saw (P restarted) then sees P fall silent and says hello again.
+            if peer is not None:
+                self.server.send(ident, protocol.Heartbeat(self.engine_id, self.rank, msg.seq, time.time()))
         elif isinstance(msg, protocol.Register):
             self._on_register(ident, peer, msg, now)
         elif isinstance(msg, protocol.Abort):
@@ -183,6 +186,16 @@ class Sender(EngineLoop):
             log.warning("%s: refused D %s rank %d: %s", self.name, msg.engine_id, msg.rank, reason)
             self.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
             return
+        key = (msg.engine_id, msg.rank)
+        if key in self._peers:
+            # The same D rank says hello again: it restarted (or declared this P
+            # dead and came back). Its old registrations point into memory of a
+            # previous session, and NIXL refuses to load an agent name twice.
+            if any((f.reg.engine_id, f.reg.rank) == key for f in self._flying):
+                reason = "an earlier session of this D rank still has WRITEs in flight; say hello again shortly"
+                self.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
+                return
+            self._drop_peer(key, "said hello again (restarted?)", now)
         try:
             agent_name = self.agent.add_peer(msg.agent_metadata)
         except Exception as exc:
@@ -313,17 +326,20 @@ class Sender(EngineLoop):
     def _check_peers(self, now: float) -> None:
         for key, peer in list(self._peers.items()):
             if now - peer.last_seen > self.cfg.peer_dead_s:
-                log.warning(
-                    "%s: D %s rank %d silent for %.1fs: declared dead", self.name, key[0], key[1], now - peer.last_seen
-                )
                 self._bump("dead_peers_total")
-                del self._peers[key]
-                for dk in [dk for dk in self._deferred if dk[1:] == key]:
-                    del self._deferred[dk]
-                for tid in self.rdv.transfers_of(peer.engine_id):
-                    self._apply(self.rdv.on_abort(tid, now, f"D {peer.engine_id} rank {peer.rank} dead"))
-                if not any(p.agent == peer.agent for p in self._peers.values()):
-                    self.agent.remove_peer(peer.agent)
+                self._drop_peer(key, f"silent for {now - peer.last_seen:.1f}s: declared dead", now)
+
+    def _drop_peer(self, key: tuple[str, int], why: str, now: float) -> None:
+        """Forget a D rank: abort the transfers it registered for and unload its NIXL agent."""
+        peer = self._peers.pop(key)
+        log.warning("%s: D %s rank %d %s", self.name, key[0], key[1], why)
+        for dk in [dk for dk in self._deferred if dk[1:] == key]:
+            del self._deferred[dk]
+        for tid in self.rdv.transfers_of(peer.engine_id):
+            if any((r.engine_id, r.rank) == key for r, _ in self.rdv.registrations(tid)):
+                self._apply(self.rdv.on_abort(tid, now, f"D {key[0]} rank {key[1]} {why}"))
+        if not any(p.agent == peer.agent for p in self._peers.values()):
+            self.agent.remove_peer(peer.agent)
 
     def _apply(self, decisions: list[Decision]) -> None:
         for d in decisions:
