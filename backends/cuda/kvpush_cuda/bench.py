@@ -904,16 +904,16 @@ def plot(res: dict[str, Any], path: str) -> None:
     except ImportError:
         _log("matplotlib missing: no plot")
         return
-    labels = [f"{c['pattern']}\n{c['strategy']}" for c in res["cases"]]
-    labels += [f"{e['pattern']}\nengine" for e in res["engine"]]
+    labels = [f"{c['pattern']} {c['strategy']}" for c in res["cases"]]
+    labels += [f"{e['pattern']} engine:{e['plan']}" for e in res["engine"]]
     vals = [c["median_ms"] for c in res["cases"]] + [e["median_ms"] for e in res["engine"]]
-    fig, ax = plt.subplots(figsize=(max(8, len(vals) * 0.7), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, len(vals) * 0.45), 5.5))
     ax.bar(range(len(vals)), vals, color="tab:blue")
     ax.axhline(res["micro"]["peer_copy_ms"], color="tab:red", ls="--", label="peer copy")
     ax.axhline(1.5 * res["micro"]["peer_copy_ms"], color="tab:orange", ls=":", label="1.5x peer copy (goal)")
     ax.set_yscale("log")
     ax.set_ylabel("ms, P ready -> D in place (median)")
-    ax.set_xticks(range(len(vals)), labels, fontsize=7)
+    ax.set_xticks(range(len(vals)), labels, fontsize=7, rotation=60, ha="right")
     ax.legend()
     ax.set_title(f"{res['config']['tokens']} tokens, {res['config']['total_bytes'] >> 20} MiB")
     fig.tight_layout()

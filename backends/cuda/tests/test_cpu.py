@@ -12,7 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import blocks_equal, check_addresses, fill_random, spec_for
+from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
 from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
 from kvpush_cuda.describe import allocation_registrations, describe_strided
 from kvpush_cuda.variants import VARIANTS, kv_split, make_kv

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import blocks_equal, check_addresses, fill_random, spec_for
+from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
 from kvpush_cuda import CudaBackend
 from kvpush_cuda.variants import canonical, make_kv
 

@@ -1,4 +1,4 @@
-"""Shared helpers for the CUDA backend tests (CPU and GPU)."""
+"""Shared helpers for the CUDA backend tests (CPU and GPU); a plain module with a unique name, not a conftest."""
 
 from __future__ import annotations
 
