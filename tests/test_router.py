@@ -67,7 +67,7 @@ class Upstream:
     role: str
     delay: float = 0.05  # before answering (P) / before the first byte (D)
     status: int = 200
-    behavior: str = "ok"  # ok | hang | error_body
+    behavior: str = "ok"  # ok | hang | cut (streams one chunk, then drops the connection)
     health: int = 200
     engine_id: str = "p-engine"
     seen: list[Seen] = field(default_factory=list)
@@ -117,6 +117,10 @@ class Upstream:
                 for chunk in STREAM_CHUNKS:
                     await resp.write(chunk)
                     await asyncio.sleep(0.01)
+                    if self.behavior == "cut":  # D dies mid-stream
+                        assert req.transport is not None
+                        req.transport.close()
+                        return resp
                 await resp.write_eof()
                 return resp
             return web.json_response({"choices": [{"text": "decoded", "index": 0}], "served_by": self.url})
@@ -372,6 +376,40 @@ def test_least_loaded_decode_beats_round_robin() -> None:
             assert (await slow)[0] == 200
             status, pending = await c.get_json("/kvpush/pending")
             assert status == 200 and pending["pending"] == 0 and pending["pending_prefill"] == 0
+
+    run(go())
+
+
+def test_decode_may_finish_before_prefill_answers() -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            c.p[0].delay, c.d[0].delay = 0.6, 0.05
+            status, _, elapsed = await c.post("/v1/completions", COMPLETION)
+            assert status == 200 and elapsed < 0.5  # D's answer is not held back by P's reply
+            _, pending = await c.get_json("/kvpush/pending")
+            assert pending["pending"] == 0 and pending["pending_prefill"] == 1
+            assert pending["prefill"][0]["in_flight"] == 1  # P's load follows P's own request
+            await asyncio.sleep(0.8)
+            _, pending = await c.get_json("/kvpush/pending")
+            assert pending["pending_prefill"] == 0 and pending["prefill"][0]["in_flight"] == 0
+            assert not c.p[0].seen[0].disconnected  # P was allowed to finish
+
+    run(go())
+
+
+def test_decode_dying_mid_stream_cuts_the_stream() -> None:
+    async def go() -> None:
+        async with cluster(n_d=2) as c:
+            c.d[0].behavior = "cut"
+            got = b""
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                async with c.session.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+                    assert r.status == 200
+                    async for chunk in r.content.iter_any():
+                        got += chunk
+            # The client already had bytes: no retry on the other D, no 502 glued on.
+            assert got == STREAM_CHUNKS[0] and c.d[1].seen == []
+            assert c.router.counters["decode_failures"] == 1 and c.router.counters["ok"] == 0
 
     run(go())
 

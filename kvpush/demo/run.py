@@ -62,13 +62,14 @@ class Plan:
         if self.mode == "kvpush":
             return srv.kvpush_transfer_config("kv_producer", self.p_kv_port), {}
         connector = "NixlConnector" if self.mode == "vllm-pull" else "NixlPushConnector"
-        return srv.vllm_nixl_transfer_config(connector, engine_id=P_ENGINE_ID), srv.vllm_nixl_env(self.p_kv_port)
+        cfg = srv.vllm_nixl_transfer_config(connector, "kv_producer", engine_id=P_ENGINE_ID)
+        return cfg, srv.vllm_nixl_env(self.p_kv_port)
 
     def decode_config(self) -> tuple[dict[str, Any], dict[str, str]]:
         if self.mode == "kvpush":
             return srv.kvpush_transfer_config("kv_consumer", self.d_kv_port), {}
         connector = "NixlConnector" if self.mode == "vllm-pull" else "NixlPushConnector"
-        return srv.vllm_nixl_transfer_config(connector), srv.vllm_nixl_env(self.d_kv_port)
+        return srv.vllm_nixl_transfer_config(connector, "kv_consumer"), srv.vllm_nixl_env(self.d_kv_port)
 
     def router_args(self) -> list[str]:
         args = ["--mode", self.mode, "--prefill", f"http://127.0.0.1:{self.p_port}"]

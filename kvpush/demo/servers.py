@@ -146,19 +146,26 @@ class ServerProcess:
         assert self.ready_after is not None
         return self.ready_after
 
-    def stop(self, grace: float = 20.0) -> int | None:
-        """SIGINT the process group, SIGKILL it after ``grace`` seconds.
+    def interrupt(self) -> None:
+        """Ask for an orderly shutdown: SIGINT to the server process only.
 
-        Idempotent. Returns the exit code (None if never started)."""
+        vLLM's API server then shuts its engine down itself; signalling the
+        whole group at once would kill the engine core under it (noisy
+        tracebacks, and its NIXL agent gets no chance to close)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        """SIGINT the server, then SIGKILL its whole process group after
+        ``grace`` seconds or as soon as the server has exited (so no engine
+        child outlives it). Idempotent. Returns the exit code (None if never
+        started)."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # The leader may be gone while children (engine core, worker) linger.
+        self.interrupt()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace)
         _signal_group(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
@@ -268,10 +275,14 @@ def _last_line(s: ServerProcess) -> str:
 
 
 def stop_all(servers: Iterable[ServerProcess], grace: float = 20.0) -> None:
-    """Stop servers in reverse start order; never raises."""
-    for s in reversed(list(servers)):
+    """Stop several servers, in parallel (one shared grace period); never raises."""
+    servers = list(servers)
+    for s in servers:
+        s.interrupt()
+    deadline = time.monotonic() + grace
+    for s in reversed(servers):
         with contextlib.suppress(Exception):
-            s.stop(grace)
+            s.stop(max(0.0, deadline - time.monotonic()))
 
 
 # --------------------------------------------------------------------------- #
@@ -378,15 +389,18 @@ def kvpush_transfer_config(role: str, side_channel_port: int, **extra: Any) -> d
     }
 
 
-def vllm_nixl_transfer_config(connector: str = "NixlConnector", engine_id: str | None = None) -> dict[str, Any]:
+def vllm_nixl_transfer_config(
+    connector: str = "NixlConnector", role: str = "kv_both", engine_id: str | None = None
+) -> dict[str, Any]:
     """vLLM's own ``NixlConnector`` (pull) or ``NixlPushConnector`` (push).
 
-    ``engine_id`` fixes the NIXL engine id (the router's vllm-push mode needs
-    P's up front to run P and D concurrently)."""
+    ``role``: ``kv_producer`` for P, ``kv_consumer`` for D (vLLM 0.32
+    deprecates ``kv_both`` for these connectors). ``engine_id`` fixes the
+    NIXL engine id (the router's vllm-push mode needs P's up front to run P
+    and D concurrently)."""
     cfg: dict[str, Any] = {
         "kv_connector": connector,
-        # Both connectors decide P or D per request (kv_transfer_params).
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }

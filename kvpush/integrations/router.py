@@ -538,13 +538,12 @@ class Router:
         mode = self.cfg.mode
         headers = _forward_headers(req, tid)
         stream = bool(body.get("stream"))
-        p.in_flight += 1
         d.in_flight += 1
         p_task: asyncio.Task[dict[str, Any]] | None = None
         d_resp: aiohttp.ClientResponse | None = None
         ok = False
         try:
-            p_task = asyncio.create_task(self._run_prefill(p, endpoint, prefill_body(body, mode, tid), headers))
+            p_task = self._start_prefill(p, endpoint, prefill_body(body, mode, tid), headers)
             if concurrent(mode, p):
                 params = decode_params(mode, tid, p)
             else:
@@ -565,13 +564,12 @@ class Router:
                     body=data, status=d_resp.status, content_type=d_resp.content_type, headers={"X-Request-Id": tid}
                 )
             first = await self._race(p_task, self._read_chunk(d, d_resp))
-            ok = True
-            return await self._forward_stream(req, d, d_resp, first, tid)
+            out, ok = await self._forward_stream(req, d, d_resp, first, tid)
+            return out
         except UpstreamError as e:
             e.inst.failures += 1
             return e
         finally:
-            p.in_flight -= 1
             d.in_flight -= 1
             if ok:
                 d.served += 1
@@ -586,9 +584,10 @@ class Router:
 
     async def _forward_stream(
         self, req: web.Request, d: Instance, d_resp: aiohttp.ClientResponse, first: bytes, tid: str
-    ) -> web.StreamResponse:
-        """Send D's stream to the client chunk by chunk, unchanged. The client
-        has bytes from here on, so a later D failure can only end the stream."""
+    ) -> tuple[web.StreamResponse, bool]:
+        """Send D's stream to the client chunk by chunk, unchanged; True if it
+        ended normally. The client has bytes from here on, so a later D
+        failure can only cut the stream short."""
         out = web.StreamResponse(status=d_resp.status, headers={"X-Request-Id": tid})
         out.content_type = d_resp.content_type
         await out.prepare(req)
@@ -601,9 +600,9 @@ class Router:
             d.failures += 1
             self.counters["decode_failures"] += 1
             log.error("%s (after streaming started; stream cut)", e)
-            return out
+            return out, False
         await out.write_eof()
-        return out
+        return out, True
 
     def _settle_prefill(self, p: Instance, task: asyncio.Task[dict[str, Any]], cancel: bool) -> None:
         """After a pairing ends: a failed pairing cancels a still-running P
@@ -648,10 +647,26 @@ class Router:
                 with contextlib.suppress(BaseException):
                     await d_task
 
+    def _start_prefill(
+        self, p: Instance, endpoint: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> asyncio.Task[dict[str, Any]]:
+        """Start P's request as a task. P's load and the pending-transfer
+        gauge follow the task itself (not the pairing), since P may answer
+        after D is done, or be cancelled before it ever ran."""
+        p.in_flight += 1
+        self.pending_prefill += 1
+        task = asyncio.create_task(self._run_prefill(p, endpoint, body, headers))
+
+        def done(_t: asyncio.Task[dict[str, Any]]) -> None:
+            p.in_flight -= 1
+            self.pending_prefill -= 1
+
+        task.add_done_callback(done)
+        return task
+
     async def _run_prefill(
         self, p: Instance, endpoint: str, body: dict[str, Any], headers: dict[str, str]
     ) -> dict[str, Any]:
-        self.pending_prefill += 1
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
             async with self.session.post(p.url + endpoint, json=body, headers=headers, timeout=timeout) as r:
@@ -669,8 +684,6 @@ class Router:
             raise UpstreamError(p, "prefill", f"cannot connect: {e}") from None
         except aiohttp.ClientError as e:
             raise UpstreamError(p, "prefill", f"{type(e).__name__}: {e}") from None
-        finally:
-            self.pending_prefill -= 1
 
     async def _open_decode(
         self, d: Instance, endpoint: str, body: dict[str, Any], headers: dict[str, str]
