@@ -14,6 +14,7 @@ import itertools
 import numpy as np
 import pytest
 from helpers_layout import (
+    ORDERS,
     Scenario,
     apply_descriptors,
     byte_map,
@@ -122,7 +123,7 @@ def test_descriptors_cover_every_region(scn: Scenario) -> None:
 
 
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 2), (2, 1), (1, 4), (4, 2), (2, 4), (2, 2)])
-@pytest.mark.parametrize(("order_p", "order_d"), list(itertools.product(TokenOrder, repeat=2)))
+@pytest.mark.parametrize(("order_p", "order_d"), list(itertools.product(ORDERS, repeat=2)))
 def test_tp_splits(tp_p: int, tp_d: int, order_p: TokenOrder, order_d: TokenOrder) -> None:
     """Every (P rank, D rank) pair with overlapping heads, as TP sharding produces them (4 KV heads)."""
     heads = 4
