@@ -554,7 +554,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 (x, bottom),
                 ha="center",
                 va="bottom",
-                fontsize=6.5,
+                fontsize=6,
             )
     sh = report["shape"]
     ax.set_xticks(range(len(patterns)), [f"D blocks: {p}" for p in patterns])
@@ -567,6 +567,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
         fontsize=9,
     )
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="phase", title_fontsize=8)
+    h = report.get("host", {})
+    if "loadavg_1m_start" in h:
+        fig.text(
+            0.01,
+            0.01,
+            f"host: {h['cpus']} CPUs, load average {h['loadavg_1m_start']:.1f} -> {h['loadavg_1m_end']:.1f} "
+            f"(other work on the host inflates every bar); nixl {h['nixl']}",
+            fontsize=7,
+            color="#555555",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
