@@ -239,7 +239,12 @@ def map_pieces(
         seg = np.repeat(np.arange(s.size), ntok)
         first = np.cumsum(ntok) - ntok
         t = np.arange(seg.size, dtype=np.int64) - first[seg]
-        if both_nhd:
+        if both_nhd and nh == src.local_heads == dst.local_heads:
+            # Same head slice on both sides: a run of tokens is one range.
+            so = _offsets(src, sblk, stok, np.zeros(s.size, dtype=np.int64))
+            do = _offsets(dst, dblk, dtok, np.zeros(s.size, dtype=np.int64))
+            ln = ntok * nh * hb
+        elif both_nhd:
             so = _offsets(src, sblk[seg], stok[seg] + t, np.full(seg.size, lo - src.head_start))
             do = _offsets(dst, dblk[seg], dtok[seg] + t, np.full(seg.size, lo - dst.head_start))
             ln = np.full(seg.size, nh * hb, dtype=np.int64)

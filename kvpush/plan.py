@@ -109,10 +109,11 @@ def build_plan(
         return Plan("empty", 0, 0, 0, empty, empty)
     ordered = _dst_order(pieces)
     merged = coalesce(ordered)
-    local, remote = merge_descriptors(*descriptors(merged, src, dst))
     nbytes = int(merged[:, 2].sum()) * nregions
     pack = _merge_on(ordered[:, [0, 2]])
-    est = estimate(cfg, local.shape[0], nbytes, pack.shape[0] * nregions, pack_bw)
+    # Descriptor count before cross-region merging: an upper bound, and exact
+    # unless regions sit back to back; enough to choose without building them.
+    est = estimate(cfg, merged.shape[0] * nregions, nbytes, pack.shape[0] * nregions, pack_bw)
     can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
     want_staged = cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
     if can_stage and want_staged:
@@ -120,6 +121,7 @@ def build_plan(
         lo = np.array([[staging_local[0], nbytes, staging_local[1]]], dtype=np.int64)
         ro = np.array([[staging_remote[0], nbytes, staging_remote[2]]], dtype=np.int64)
         return Plan("staged", nbytes, npieces, 1, lo, ro, pack=pack, estimate=est)
+    local, remote = merge_descriptors(*descriptors(merged, src, dst))
     return Plan("direct", nbytes, npieces, local.shape[0], local, remote, estimate=est)
 
 

@@ -1,8 +1,8 @@
 """Which P rank writes to which D rank when TP degrees differ (pure).
 
 Heads are split as vLLM splits them: rank r of a TP group of size t holds
-``max(1, H // t)`` heads starting at ``(r * local) % H``; when ``t > H`` the
-heads are replicated. Each D rank takes each of its heads from exactly one P
+``max(1, H // t)`` heads starting at ``r * H // t``; when ``t > H`` each head
+is replicated on ``t // H`` consecutive ranks. Each D rank takes each of its heads from exactly one P
 rank, so replicated P ranks share the work deterministically and both sides
 compute the same answer without asking each other.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 def head_range(rank: int, tp: int, num_heads: int) -> tuple[int, int]:
     local = max(1, num_heads // tp)
-    start = (rank * local) % num_heads
+    start = rank * num_heads // tp
     return start, start + local
 
 
