@@ -11,12 +11,19 @@ A backend answers four questions for the core, and nothing else:
    a contiguous staging buffer and ``unpack`` scatters them back, so a
    fragmented request becomes one large WRITE.
 The core owns the protocol, the transfer plan and the threads.
+
+An optional *test-support surface* (``conformance_setup``,
+``make_test_cache``, ``write_bytes``, ``read_bytes``, ``free_test_cache``,
+``foreign_test_tensors``) lets ``kvpush.conformance``, which knows nothing of
+the device, allocate KV caches and move their bytes; engines never call it.
 """
 
 from __future__ import annotations
 
 import abc
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -123,3 +130,65 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release staging buffers and anything else the backend holds."""
+
+    # -- test support (optional): what the conformance suite needs ------------
+    # Engines never call these. A backend that leaves them out still works in
+    # kvpush; it just cannot be checked by ``kvpush conformance``.
+
+    @classmethod
+    def conformance_setup(cls, workdir: Path) -> AbstractContextManager[dict[str, str]]:
+        """Prepare this host for the conformance suite, before any instance exists.
+
+        Entered once per suite run; yields environment variables the suite
+        sets for itself and the P/D worker processes it spawns (the Neuron
+        backend builds its stand-in runtime into ``workdir`` here and names it
+        in ``KVPUSH_NRT_LIB``). The default prepares nothing.
+        """
+        return nullcontext({})
+
+    def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:
+        """Allocate KV tensors the way an engine on ``device`` would, one per layer, in layer order.
+
+        Each tensor's *logical* shape is ``[2, num_blocks, *block]`` (``[num_blocks,
+        *block]`` when ``spec.kv_split`` is false), the block ``[block_size,
+        local_heads, head_dim]`` for NHD or ``[local_heads, block_size,
+        head_dim]`` for HND, in ``spec.dtype``; ``describe(result, spec)``
+        must accept it. Contents are undefined.
+        """
+        raise NotImplementedError(self._no_test_support("make_test_cache"))
+
+    def write_bytes(self, tensor: Any, data: np.ndarray) -> None:
+        """Overwrite ``tensor`` with ``data``: uint8, the tensor's bytes in logical C order.
+
+        Behaves like the engine's producer: the write may still be running on
+        the device when this returns, and a marker from a later
+        ``record_ready()`` covers it. That is what lets the suite check the
+        ordering guarantee.
+        """
+        raise NotImplementedError(self._no_test_support("write_bytes"))
+
+    def read_bytes(self, tensor: Any) -> np.ndarray:
+        """The tensor's bytes in logical C order (1-D uint8), after all device work issued before the call."""
+        raise NotImplementedError(self._no_test_support("read_bytes"))
+
+    def free_test_cache(self, kv_caches: dict[str, Any]) -> None:
+        """Release a cache from ``make_test_cache`` or ``foreign_test_tensors``.
+
+        Default: nothing (dropping the references frees it).
+        """
+
+    def foreign_test_tensors(self, spec: CacheSpec, num_blocks: int, device: int = 0) -> dict[str, dict[str, Any]]:
+        """Caches of the right shape that ``describe`` must refuse with ``BackendError``, by label.
+
+        E.g. host memory for a device backend, or another device type. The
+        suite adds generic cases of its own (non-tensor objects, wrong
+        geometry). Default: none.
+        """
+        return {}
+
+    def _no_test_support(self, what: str) -> str:
+        return (
+            f"backend {self.name!r} ({type(self).__module__}.{type(self).__qualname__}) does not implement "
+            f"{what}, part of the optional test-support surface the conformance suite needs "
+            "(see docs/backends.md, 'Test support')"
+        )
