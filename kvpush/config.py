@@ -52,10 +52,6 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Longest sleep of the progress thread when it has nothing in flight."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
-    layerwise: bool = False
-    """Push each layer as soon as it is computed (needs a registration present)."""
-    load_failure_policy: Literal["fail", "recompute"] = "fail"
-    """What D does when a push fails: fail the request, or prefill locally."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:

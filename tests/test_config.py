@@ -25,8 +25,6 @@ def test_defaults() -> None:
     assert c.registration_lease_s == 120.0 and c.prefill_lease_s == 60.0
     assert c.transfer_timeout_s == 60.0
     assert c.heartbeat_s < c.peer_dead_s
-    assert c.layerwise is False
-    assert c.load_failure_policy == "fail"
 
 
 def test_every_field_is_settable_and_round_trips() -> None:
@@ -47,8 +45,6 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "peer_dead_s": 4,
         "idle_poll_max_s": 0.001,
         "model": "meta-llama/Llama-3.1-8B",
-        "layerwise": True,
-        "load_failure_policy": "recompute",
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)
@@ -94,8 +90,7 @@ def test_unknown_key_is_named(key: str) -> None:
         ("peer_dead_s", None, ["float", "null"]),
         ("idle_poll_max_s", [0.1], ["float", "array"]),
         ("model", 7, ["str"]),
-        ("layerwise", "maybe", ["bool"]),
-        ("load_failure_policy", "retry", ["retry"]),
+        ("plan", "retry", ["retry"]),
     ],
 )
 def test_bad_values_name_the_key(key: str, value, words: list[str]) -> None:

@@ -486,3 +486,21 @@ def test_all_arrival_orders_two_ranks(order) -> None:
     assert releases == []
     releases += rv.on_pushed("t1", "d", 0) + rv.on_pushed("t1", "d", 1)
     assert releases == [Release(p, "pushed")]
+
+
+def test_prefill_finishing_after_an_abort_is_released_at_once() -> None:
+    """A transfer D aborted before P's prefill finished must not hold P's blocks for a lease."""
+    from kvpush.protocol import Register
+    from kvpush.rendezvous import Prefill, Release, Rendezvous
+
+    r = Rendezvous(prefill_lease_s=60)
+    reg = Register(transfer_id="t", request_id="d", engine_id="D", rank=0, block_ids=((1,),), num_tokens=8)
+    assert r.on_register(reg, now=0.0) == []
+    assert r.on_abort("t", now=1.0) == []
+    (rel,) = r.on_prefill(Prefill("t", "p", ((3,),), 8), now=2.0)
+    assert isinstance(rel, Release) and "aborted" in rel.reason
+    assert len(r) == 0
+    # The memory of the abort expires with the lease; a new transfer under the id then pairs normally.
+    r.expire(now=100.0)
+    assert r.on_prefill(Prefill("t", "p2", ((3,),), 8), now=101.0) == []
+    assert len(r) == 1
