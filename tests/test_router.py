@@ -16,10 +16,12 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -613,21 +615,27 @@ def test_launcher_reports_a_dying_server_with_its_log(tmp_path: Any) -> None:
     s.stop()
 
 
+STUBBORN = """
+import signal, subprocess, sys, time
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+if sys.argv[1:] != ["child"]:
+    c = subprocess.Popen([sys.executable, __file__, "child"])
+    print("child", c.pid, flush=True)
+time.sleep(600)
+"""
+
+
 def test_launcher_stop_kills_the_whole_process_group(tmp_path: Any) -> None:
     from kvpush.demo.servers import ServerError, ServerProcess
 
-    # A leader that ignores SIGINT and a child that would outlive it.
-    script = (
-        "import signal, subprocess, sys, time\n"
-        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-        "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)'])\n"
-        "print(c.pid, flush=True)\ntime.sleep(600)\n"
-    )
-    s = ServerProcess("stubborn", [sys.executable, "-c", script], closed_port_url(), tmp_path / "s.log").start()
+    # A server that ignores SIGINT, with a child that would outlive it.
+    (tmp_path / "stubborn.py").write_text(STUBBORN)
+    cmd = [sys.executable, str(tmp_path / "stubborn.py")]
+    s = ServerProcess("stubborn", cmd, closed_port_url(), tmp_path / "s.log").start()
     with pytest.raises(ServerError, match="not healthy after 1 s"):
         s.wait_healthy(timeout=1)
-    child = int(s.log_tail(1).strip())
+    child = _logged_child(s.log_path)
     t0 = time.monotonic()
     s.stop(grace=0.5)
     assert time.monotonic() - t0 < 5 and not s.alive
@@ -635,6 +643,46 @@ def test_launcher_stop_kills_the_whole_process_group(tmp_path: Any) -> None:
     while not _gone(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(child), f"child {child} of the stopped server still runs"
+
+
+def test_launcher_dying_takes_its_servers_along(tmp_path: Any) -> None:
+    """A launcher killed outright (CI timeout) must leave no server behind,
+    even one that ignores SIGINT and SIGTERM, nor that server's children."""
+    (tmp_path / "stubborn.py").write_text(STUBBORN)
+    (tmp_path / "launcher.py").write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from kvpush.demo.servers import ServerProcess\n"
+        "d = Path(sys.argv[1])\n"
+        "cmd = [sys.executable, str(d / 'stubborn.py')]\n"
+        "s = ServerProcess('x', cmd, 'http://127.0.0.1:1', d / 'x.log', guard_grace=1.0).start()\n"
+        "print(s.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    lp = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        assert lp.stdout is not None
+        guard = int(lp.stdout.readline())
+        grandchild = _logged_child(tmp_path / "x.log")
+        lp.kill()
+        lp.wait()
+        deadline = time.monotonic() + 8
+        while not (_gone(guard) and _gone(grandchild)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(guard) and _gone(grandchild)
+    finally:
+        lp.kill()
+
+
+def _logged_child(log: Path) -> int:
+    """The pid STUBBORN printed into its server log."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if "child " in text:
+            return int(text.split("child ", 1)[1].split()[0])
+        time.sleep(0.05)
+    raise AssertionError(f"no child pid in {log}")
 
 
 def _gone(pid: int) -> bool:

@@ -112,6 +112,17 @@ async def stream_one(session: Any, url: str, body: dict[str, Any]) -> dict[str, 
     return {"text": "".join(text), "ttft": ttft, "total": time.perf_counter() - t0, "tokens": tokens}
 
 
+def prompt_token_sources(metrics: str) -> dict[str, float]:
+    """vLLM's ``vllm:prompt_tokens_by_source`` counter from a /metrics text,
+    summed per source (local_compute, local_cache_hit, external_kv_transfer)."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{") and 'source="' in line:
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def report(label: str, res: dict[str, Any]) -> bool:
     """Print one request's result; False if it failed."""
     if "error" in res:
@@ -167,6 +178,14 @@ async def drive(plan: Plan, lengths: list[int], max_tokens: int, concurrent: boo
             print()
             failures = sum(not report(label, res) for (label, _), res in zip(bodies, results, strict=True))
             print()
+            async with session.get(f"http://127.0.0.1:{plan.d_port}/metrics") as r:
+                sources = prompt_token_sources(await r.text())
+            if sources:
+                say(
+                    "decode instance's prompt tokens by source: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sources.items()))
+                    + " (external_kv_transfer = received from P, not recomputed)"
+                )
             async with session.get(url + "/kvpush/pending") as r:
                 pending = await r.json()
             say(f"router: {pending['pending']} requests pending, {router.counters['ok']} ok, {failures} failed")

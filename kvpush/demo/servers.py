@@ -93,6 +93,7 @@ class ServerProcess:
     cwd: str | None = None
     ports: tuple[int, ...] = ()  # checked free before starting
     cpu_affinity: frozenset[int] | None = None  # pin the whole process tree
+    guard_grace: float = 15.0  # after SIGINT, the guard SIGKILLs the group after this long
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after: float | None = None  # seconds from start to healthy
@@ -111,8 +112,11 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== {time.strftime('%F %T')} starting {self.name}: {' '.join(self.cmd)}\n".encode())
             log.flush()
+            # The guard (this file run as a script, stdlib only) is the group
+            # leader; see _guard for why.
+            guard = [sys.executable, os.path.abspath(__file__), "--guard", str(self.guard_grace), "--"]
             self.proc = subprocess.Popen(
-                self.cmd,
+                guard + self.cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -190,9 +194,9 @@ class ServerProcess:
         self.stop()
 
     def _preexec(self) -> None:
-        """In the child before exec: get SIGTERM if the launching process dies
-        (even by SIGKILL), so a crashed test or demo leaves no orphan server;
-        apply the CPU pinning, which its children inherit."""
+        """In the child (the guard) before exec: get SIGTERM if the launching
+        process dies, even by SIGKILL, so a killed test or demo leaves no
+        orphan server; apply the CPU pinning, which all children inherit."""
         try:
             import ctypes
 
@@ -216,6 +220,37 @@ def parse_cpus(spec: str) -> frozenset[int]:
     if not cpus:
         raise ValueError(f"no CPUs in {spec!r}")
     return frozenset(cpus)
+
+
+def _guard(argv: list[str]) -> int:
+    """``servers.py --guard GRACE -- CMD...``: run CMD in this process group,
+    turn SIGINT/SIGTERM into SIGINT for CMD, and SIGKILL the whole group if it
+    is not gone ``GRACE`` seconds later. Exits with CMD's status.
+
+    Why a guard: the launcher may die without cleaning up (a CI timeout
+    SIGKILLs pytest). The kernel then sends the guard SIGTERM (parent-death
+    signal), and the guard stops the server's whole tree. vLLM itself could
+    not be trusted with that signal: while it is still starting up it may
+    ignore it, and its engine-core children do not notice that their parent
+    died, so they would keep both cores busy for nothing.
+    """
+    import threading
+
+    grace = float(argv[0])
+    cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+    child = subprocess.Popen(cmd)
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGINT)
+        timer = threading.Timer(grace, os.killpg, (0, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    rc = child.wait()
+    return rc if rc >= 0 else 128 - rc
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -320,7 +355,8 @@ def vllm_command(
         "--block-size",
         str(block_size),
         "--enforce-eager",
-        "--disable-log-stats",
+        # Not --disable-log-stats: it also turns off /metrics, whose
+        # prompt_tokens_by_source counters show D used transferred KV.
     ]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
@@ -422,3 +458,7 @@ def router_server(
     return ServerProcess(
         name="router", cmd=cmd, url=f"http://{host}:{port}", log_path=Path(log_dir) / "router.log", ports=(port,)
     )
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--guard"]:
+    sys.exit(_guard(sys.argv[2:]))
