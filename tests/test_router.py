@@ -303,14 +303,13 @@ def test_kvpush_sends_p_and_d_concurrently_with_one_transfer_id() -> None:
     async def go() -> None:
         async with cluster() as c:
             c.p[0].delay = c.d[0].delay = 0.4
-            status, data, elapsed = await c.post("/v1/completions", COMPLETION)
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
             assert status == 200, data
             assert json.loads(data)["choices"][0]["text"] == "decoded"
             (p,), (d,) = c.p[0].seen, c.d[0].seen
-            # Overlap: each arrived before the other finished; total ~ one delay, not two.
+            # Overlap: each arrived before the other finished.
             assert p.t_finish is not None and d.t_finish is not None
             assert d.t_arrive < p.t_finish and p.t_arrive < d.t_finish
-            assert elapsed < 0.75, elapsed
             tid = p.body["kv_transfer_params"]["transfer_id"]
             assert tid and d.body["kv_transfer_params"]["transfer_id"] == tid
             assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"] == tid
@@ -366,7 +365,7 @@ def test_non_streaming_returns_d_json(path: str, body: dict[str, Any]) -> None:
 def test_least_loaded_decode_beats_round_robin() -> None:
     async def go() -> None:
         async with cluster(n_d=2) as c:
-            c.d[0].delay = 1.0
+            c.d[0].delay = 2.5
             slow = asyncio.create_task(c.post("/v1/completions", COMPLETION))  # -> d0, stays busy
             while not c.d[0].seen:
                 await asyncio.sleep(0.01)
@@ -385,13 +384,13 @@ def test_least_loaded_decode_beats_round_robin() -> None:
 def test_decode_may_finish_before_prefill_answers() -> None:
     async def go() -> None:
         async with cluster() as c:
-            c.p[0].delay, c.d[0].delay = 0.6, 0.05
+            c.p[0].delay, c.d[0].delay = 1.5, 0.05
             status, _, elapsed = await c.post("/v1/completions", COMPLETION)
-            assert status == 200 and elapsed < 0.5  # D's answer is not held back by P's reply
+            assert status == 200 and elapsed < 1.2  # D's answer is not held back by P's reply
             _, pending = await c.get_json("/kvpush/pending")
             assert pending["pending"] == 0 and pending["pending_prefill"] == 1
             assert pending["prefill"][0]["in_flight"] == 1  # P's load follows P's own request
-            await asyncio.sleep(0.8)
+            await asyncio.sleep(1.6)
             _, pending = await c.get_json("/kvpush/pending")
             assert pending["pending_prefill"] == 0 and pending["prefill"][0]["in_flight"] == 0
             assert not c.p[0].seen[0].disconnected  # P was allowed to finish
@@ -582,7 +581,7 @@ def test_vllm_pull_runs_p_first_and_hands_its_params_to_d() -> None:
 def test_vllm_push_learns_engine_id_then_goes_concurrent() -> None:
     async def go() -> None:
         async with cluster(mode="vllm-push", engine_ids=False) as c:
-            c.p[0].delay = c.d[0].delay = 0.3
+            c.p[0].delay = c.d[0].delay = 0.5
             assert (await c.post("/v1/completions", COMPLETION))[0] == 200
             p1, d1 = c.p[0].seen[0], c.d[0].seen[0]
             assert p1.t_finish is not None and d1.t_arrive >= p1.t_finish  # sequential: id unknown
@@ -712,3 +711,18 @@ def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
             assert port_is_free(port)
 
     run(go())
+
+
+def test_tiny_model_prompts_have_exactly_n_tokens() -> None:
+    """The e2e test relies on prompt lengths in tokens; checked on the tiny
+    model's tokenizer itself (built without transformers, so it is quick)."""
+    from kvpush.demo.tiny_model import MIN_VOCAB_SIZE, UNK, _tokenizer, prompt_words, vocabulary
+
+    words = vocabulary(2048)
+    assert len(set(words)) == 2048 and vocabulary(MIN_VOCAB_SIZE) == words[:MIN_VOCAB_SIZE]
+    tok = _tokenizer({w: i for i, w in enumerate(words)}, lambda tokenizer_object, **_: tokenizer_object)
+    for n in (1, 31, 32, 33, 1000, 3000):
+        ids = tok.encode(prompt_words(n, seed=n)).ids
+        assert len(ids) == n and words.index(UNK) not in ids
+    assert prompt_words(50, seed=1) == prompt_words(50, seed=1) != prompt_words(50, seed=2)
+    assert prompt_words(10, seed=3).split()[:5] != prompt_words(10, seed=4).split()[:5]

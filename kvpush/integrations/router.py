@@ -813,7 +813,10 @@ def _per_prefill(ap: argparse.ArgumentParser, name: str, values: Sequence[Any], 
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Parse the CLI into a validated :class:`RouterConfig`."""
     ap = build_parser()
-    a = ap.parse_args(argv)
+    return _config(ap, ap.parse_args(argv))
+
+
+def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
     if not a.prefill or not a.decode:
         ap.error("give at least one --prefill and one --decode")
     n = len(a.prefill)
@@ -866,8 +869,10 @@ async def serve(config: RouterConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvpush router ...``: run the router in the foreground (Ctrl-C stops it)."""
-    config = config_from_args(argv)
-    logging.basicConfig(level=build_parser().parse_args(argv).log_level.upper(), format="%(asctime)s %(message)s")
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    config = _config(ap, args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config))
     return 0
