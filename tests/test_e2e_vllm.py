@@ -12,6 +12,7 @@ import concurrent.futures as cf
 import json
 import os
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,8 +70,9 @@ def _stream_text(url: str, body: dict[str, Any]) -> str:
 
 
 class Cluster:
-    def __init__(self, model: str, single: str, p: str, d: str, router: str) -> None:
+    def __init__(self, model: str, single: str, p: str, d: str, router: str, router_kv: tuple[str, int]) -> None:
         self.model, self.single, self.p, self.d, self.router = model, single, p, d, router
+        self.router_kv = router_kv  # P's side channel
 
     def complete(self, base: str, prompt: str, **kw: Any) -> str:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
@@ -102,7 +104,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             d_port,
             log_dir=logs,
             cpus=cpus_d,
-            kv_transfer_config=srv.kvpush_transfer_config("kv_consumer", 0),
+            kv_transfer_config={
+                **srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=3.0),
+                # A transfer that fails is prefilled locally (fault tests below).
+                "kv_load_failure_policy": "recompute",
+            },
         ),
     ]
     router = srv.router_server(
@@ -123,7 +129,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         srv.wait_all_healthy(servers, timeout=900, progress=print)
         router.start()
         srv.wait_all_healthy([router], timeout=60)
-        yield Cluster(model, *(s.url for s in servers), router.url)
+        yield Cluster(model, *(s.url for s in servers), router.url, ("127.0.0.1", kv_port))
     except srv.ServerError as exc:
         pytest.fail(str(exc))
     finally:
@@ -186,6 +192,88 @@ def test_prefix_cached_on_d_is_not_pushed_again(cluster: Cluster) -> None:
 def test_plain_requests_to_a_kvpush_server_pass_through(cluster: Cluster) -> None:
     prompt = prompt_words(200, seed=9)
     assert cluster.complete(cluster.d, prompt) == cluster.complete(cluster.single, prompt)
+
+
+def test_dead_prefill_peer_falls_back_to_local_prefill(cluster: Cluster) -> None:
+    """P gone: D notices within peer_dead_s, fails the transfer, and (policy recompute) prefills itself."""
+    prompt = prompt_words(300, seed=21)
+    dead_port = srv.free_port()
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": "dead-peer-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": dead_port,
+        "remote_tp_size": 1,
+    }
+    computed0 = _metric(cluster.d, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    t0 = time.monotonic()
+    got = cluster.complete(cluster.d, prompt, kv_transfer_params=params)
+    assert time.monotonic() - t0 < 60
+    assert got == cluster.complete(cluster.single, prompt)
+    assert _metric(cluster.d, "vllm:prompt_tokens_by_source_total", source="local_compute") - computed0 >= 299
+
+
+def test_abort_on_d_while_waiting_for_kv_frees_its_blocks(cluster: Cluster) -> None:
+    """Client gives up while D waits for a prefill that never comes: D fences, frees, P forgets."""
+    prompt = prompt_words(500, seed=22)
+    p_host, p_port = cluster.router_kv
+    body = {
+        "model": cluster.model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "transfer_id": "abandoned-1",
+            "remote_host": p_host,
+            "remote_port": p_port,
+            "remote_tp_size": 1,
+        },
+    }
+    req = urllib.request.Request(
+        cluster.d + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with pytest.raises((TimeoutError, urllib.error.URLError)), urllib.request.urlopen(req, timeout=3) as r:
+        r.read()  # D holds the request waiting for KV: no token comes; the client disconnects
+    deadline = time.monotonic() + 30
+    while _metric(cluster.d, "vllm:kv_cache_usage_perc") != 0.0:
+        assert time.monotonic() < deadline, "D kept the aborted request's blocks"
+        time.sleep(0.5)
+    # The pair still works afterwards.
+    p2 = prompt_words(120, seed=23)
+    assert cluster.complete(cluster.router, p2) == cluster.complete(cluster.single, p2)
+
+
+def test_router_turns_a_dead_prefill_into_a_clear_error(cluster: Cluster, tmp_path: Path) -> None:
+    dead = srv.free_port()
+    port = srv.free_port()
+    router = srv.router_server(
+        [
+            "--prefill",
+            f"http://127.0.0.1:{dead}",
+            "--prefill-kv",
+            f"127.0.0.1:{srv.free_port()}",
+            "--decode",
+            cluster.d,
+            "--health-interval",
+            "0",
+        ],
+        port,
+        log_dir=tmp_path,
+    )
+    try:
+        router.start()
+        srv.wait_all_healthy([router], timeout=60)
+        body = {"model": cluster.model, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            _post(router.url + "/v1/completions", body, timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert info.value.code in (502, 503)
+        assert str(dead) in info.value.read().decode()
+    finally:
+        router.stop()
 
 
 def test_everything_released_afterwards(cluster: Cluster) -> None:

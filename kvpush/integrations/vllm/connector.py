@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
@@ -73,16 +74,25 @@ class KVPushMetadata(KVConnectorMetadata):
     orders: StepOrders = field(default_factory=StepOrders)
 
 
-def platform_backend() -> str:
-    """The kvpush backend matching vLLM's platform (``backend: "auto"``)."""
+def platform_backend(cfg: Config) -> tuple[str, dict[str, Any]]:
+    """The kvpush backend (and its options) for vLLM's platform, for ``backend: "auto"``.
+
+    vLLM-Neuron reports ``device_type == "cpu"``, so Neuron is recognised by
+    the Neuron backend's own test of the platform object when it is installed.
+    """
     from vllm.platforms import current_platform
 
-    name = getattr(current_platform, "device_type", "") or ""
-    if current_platform.is_cuda_alike():
-        return "cuda"
-    if name == "neuron" or "neuron" in type(current_platform).__name__.lower():
-        return "neuron"
-    return "host"
+    try:
+        from kvpush_neuron import vllm_neuron
+    except ImportError:
+        vllm_neuron = None
+    neuron = vllm_neuron is not None and vllm_neuron.is_neuron_platform(current_platform)
+    name = cfg.backend
+    if name == "auto":
+        name = "neuron" if neuron else "cuda" if current_platform.is_cuda_alike() else "host"
+    if name == "neuron" and vllm_neuron is not None:
+        return name, dict(vllm_neuron.backend_options(cfg.nixl_backends))
+    return name, {}
 
 
 def cache_spec(vllm_config: VllmConfig, first: torch.Tensor, rank: int, tp_size: int) -> CacheSpec:
@@ -114,6 +124,8 @@ def cache_spec(vllm_config: VllmConfig, first: torch.Tensor, rank: int, tp_size:
 class KVPushConnector(KVConnectorBase_V1):
     """Push-mode KV transfer: D registers its blocks, P writes into them."""
 
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
@@ -137,10 +149,10 @@ class KVPushConnector(KVConnectorBase_V1):
                 get_tensor_model_parallel_world_size,
             )
 
-            name = platform_backend() if cfg.backend == "auto" else cfg.backend
+            name, options = platform_backend(cfg)
             self.worker = WorkerSide(
                 cfg,
-                load_backend(name),
+                load_backend(name, **options),
                 self.engine_id,
                 get_tensor_model_parallel_rank(),
                 get_tensor_model_parallel_world_size(),
