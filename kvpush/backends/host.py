@@ -8,18 +8,48 @@ through numpy views of the raw memory.
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any
 
 import numpy as np
 
 from kvpush.backends.base import Backend, CacheSpec, StagingBuffer
-from kvpush.backends.tensors import describe_paged
+from kvpush.backends.tensors import describe_paged, tensor_info
+from kvpush.errors import BackendError
 from kvpush.layout import KVLayout, MemKind
+
+# Element sizes of dtypes numpy lacks; test caches hold them as unsigned ints of that size.
+_RAW_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def _view(addr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 view of raw memory, no copy."""
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def _np_dtype(name: str) -> np.dtype:
+    """numpy's dtype for ``name``, or a same-sized unsigned int where numpy has none (bfloat16, fp8)."""
+    if name in _RAW_ITEMSIZE:
+        return np.dtype(f"u{_RAW_ITEMSIZE[name]}")
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise BackendError(f"host backend: unknown dtype {name!r}") from None
+
+
+def _dense_bytes(t: Any) -> tuple[int, int]:
+    """(address, byte count) of a C-contiguous numpy array or CPU torch tensor; BackendError otherwise."""
+    info = tensor_info(t)
+    n = int(np.prod(info.shape)) * info.itemsize
+    expect, acc = [], info.itemsize
+    for dim in reversed(info.shape):
+        expect.append(acc)
+        acc *= dim
+    if info.device_type != "cpu" or (n and tuple(reversed(expect)) != info.strides):
+        raise BackendError(
+            f"host backend: need a C-contiguous CPU tensor, got {info.device_type} with strides {info.strides}"
+        )
+    return info.addr, n
 
 
 def gather(regions: list[int], pieces: np.ndarray, out: np.ndarray) -> None:
@@ -78,6 +108,50 @@ class HostBackend(Backend):
         total = int(pieces[:, 1].sum()) * len(regions) if pieces.size else 0
         gather(regions, pieces, _view(staging_addr, total) if total else np.zeros(0, np.uint8))
 
+    def pack_bandwidth(self) -> float:
+        # Measured here (kvpush bench transfer): numpy gathers run at ~1.4-2.6 GB/s,
+        # so staging only pays when descriptors are very many.
+        return 2e9
+
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         total = int(pieces[:, 1].sum()) * len(regions) if pieces.size else 0
         scatter(regions, pieces, _view(staging_addr, total) if total else np.zeros(0, np.uint8))
+
+    # -- test support (kvpush.conformance) ---------------------------------
+    def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:
+        """numpy arrays shaped as ``describe`` expects (``[2, blocks, *block]`` or ``[blocks, *block]``)."""
+        local = max(1, spec.num_heads // spec.tp_size)
+        bs, d = spec.block_size, spec.head_dim
+        block = (bs, local, d) if spec.order == "NHD" else (local, bs, d)
+        shape = ((2,) if spec.kv_split else ()) + (num_blocks, *block)
+        return {f"layer{i}": np.empty(shape, dtype=_np_dtype(spec.dtype)) for i in range(num_layers)}
+
+    def write_bytes(self, tensor: Any, data: np.ndarray) -> None:
+        """memcpy into the tensor: host memory written by this thread is ready at once."""
+        addr, n = _dense_bytes(tensor)
+        src = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+        if src.size != n:
+            raise BackendError(f"write_bytes: {src.size} bytes given for a tensor of {n}")
+        if n:
+            _view(addr, n)[:] = src
+
+    def read_bytes(self, tensor: Any) -> np.ndarray:
+        addr, n = _dense_bytes(tensor)
+        return _view(addr, n).copy() if n else np.zeros(0, np.uint8)
+
+    def foreign_test_tensors(self, spec: CacheSpec, num_blocks: int, device: int = 0) -> dict[str, dict[str, Any]]:
+        """Memory the host backend cannot describe: strided heads; torch meta tensors when torch is loaded."""
+        base = self.make_test_cache(spec, 2, num_blocks)
+        out: dict[str, dict[str, Any]] = {
+            # every other element of a twice-as-wide head: a block's bytes are not dense
+            "strided head_dim (not a dense block)": {
+                name: np.empty((*t.shape[:-1], 2 * t.shape[-1]), t.dtype)[..., ::2] for name, t in base.items()
+            }
+        }
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return out  # importing torch only for this example would cost seconds
+        out["torch meta tensors (not host memory)"] = {
+            name: torch.empty(t.shape, dtype=torch.float16, device="meta") for name, t in base.items()
+        }
+        return out

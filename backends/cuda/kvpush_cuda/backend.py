@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 # Gather or scatter speed of the Triton kernel on H200 (bytes/s, read + write
 # counted once): measured by kvpush_cuda.bench, see docs/cuda.md.
 DEFAULT_PACK_BANDWIDTH = 1.0e12
+# Test support: GPU cycles (~25 ms on an H200) that write_bytes keeps the stream busy before its copy, like
+# a long prefill, so the conformance suite's ordering test fails when record_ready does not order the write
+# (checked on 2x H200: with the copy alone a marker of None went unnoticed).
+TEST_WRITE_DELAY_CYCLES = 50_000_000
 
 
 class CudaBackend(Backend):
@@ -210,6 +214,8 @@ class CudaBackend(Backend):
         want = tensor.numel() * tensor.element_size()
         if raw.size != want:
             raise BackendError(f"write_bytes: {raw.size} bytes for a tensor of {want}")
+        with torch.cuda.device(tensor.device):
+            torch.cuda._sleep(TEST_WRITE_DELAY_CYCLES)  # on the stream the copy below is queued on
         src = torch.from_numpy(raw).pin_memory().to(tensor.device, non_blocking=True)
         dst = tensor.view(torch.uint8)
         dst.copy_(src.view(dst.shape))

@@ -55,6 +55,7 @@ from kvpush.layout import KVLayout, MemKind
 from kvpush_neuron.runs import DEFAULT_GAP, read_runs
 from kvpush_neuron.runtime import Placement, Runtime, load_runtime
 from kvpush_neuron.tensor import DEVICE_TYPE, ForeignTensor, NeuronTensor, torch_device
+from kvpush_neuron.testing import NeuronTestSupport
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,11 @@ class ReadyMarker:
     fence: Callable[[], None] | None = None
 
 
-class NeuronBackend(Backend):
-    """Neuron device memory, registered directly or staged through host memory."""
+class NeuronBackend(NeuronTestSupport, Backend):
+    """Neuron device memory, registered directly or staged through host memory.
+
+    ``NeuronTestSupport`` adds the optional test-support surface ``kvpush
+    conformance`` uses (caches through the runtime; builds the stand-in)."""
 
     name = "neuron"
 

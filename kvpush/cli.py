@@ -1,0 +1,69 @@
+"""The ``kvpush`` command: one entry point, subcommands dispatched lazily.
+
+Each subcommand lives in its own module with a ``main(argv) -> int``; this
+file only maps names to modules and imports the one asked for, so ``kvpush
+--help`` stays fast and a subcommand whose module is not part of this install
+says so instead of failing on import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with main(argv), one-line help); "bench" has subcommands of its own.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "conformance": ("kvpush.conformance.cli", "run the backend conformance suite against one backend"),
+    "router": ("kvpush.integrations.router", "run the P/D router in front of vLLM servers"),
+    "demo": ("kvpush.demo.run", "run the end-to-end demo"),
+    "doctor": ("kvpush.doctor", "check this host: NIXL plugins, devices, backends"),
+    "timeline": ("kvpush.timeline", "render a transfer timeline"),
+}
+BENCH: dict[str, tuple[str, str]] = {
+    "transfer": ("kvpush.bench.transfer", "benchmark pushes between two processes"),
+    "serve": ("kvpush.bench.serve", "TTFT/TPOT of kvpush vs vLLM's NIXL connectors under Poisson load"),
+    "plot": ("kvpush.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
+    "idle": ("kvpush.bench.idle", "CPU used by an idle P/D pair, per connector"),
+}
+
+
+def _run(module: str, name: str, argv: list[str]) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            print(f"kvpush {name}: not available in this install ({module} is missing)", file=sys.stderr)
+            return 2
+        raise
+    entry = getattr(mod, "main", None)
+    if entry is None:
+        print(f"kvpush {name}: {module} has no main(argv)", file=sys.stderr)
+        return 2
+    return int(entry(argv) or 0)
+
+
+def _parser(prog: str, table: dict[str, tuple[str, str]]) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {n:<12} {h}" for n, (_, h) in table.items()),
+    )
+    ap.add_argument("command", choices=sorted(table), metavar="COMMAND")
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command (see kvpush COMMAND --help)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``kvpush COMMAND ...``; returns the command's exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    table = {**COMMANDS, "bench": ("", "benchmarks: " + ", ".join(BENCH))}
+    args = _parser("kvpush", table).parse_args(argv)
+    if args.command == "bench":
+        sub = _parser("kvpush bench", BENCH).parse_args(args.args)
+        return _run(BENCH[sub.command][0], f"bench {sub.command}", sub.args)
+    return _run(COMMANDS[args.command][0], args.command, args.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

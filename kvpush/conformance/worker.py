@@ -1,0 +1,310 @@
+"""P and D worker processes for the two-process part of the suite.
+
+A worker hosts any number of kvpush engines (``Sender``s and ``Receiver``s),
+each with its own backend instance and test cache, and runs the commands the
+test process sends over a queue. One P and one D worker serve the whole
+suite: the first NIXL agent of a process costs seconds (UCX start-up) while
+later ones cost milliseconds, so a process per case would blow the budget.
+
+Commands are ``(op, args)``; each runs ``Worker.op_<op>(*args)`` and answers
+``("ok", value)`` or ``("err", traceback)``, so a failure inside a worker is
+a test failure with the worker's traceback, not a hang. Workers are spawned
+(never forked: a device runtime initialised in the test process must not be
+inherited) and end by returning from ``worker_main``, so a backend that
+leaves a non-daemon thread or crashes in interpreter teardown shows up as a
+worker that does not exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpush.conformance.model import Geom, payload
+from kvpush.conformance.target import Target
+
+
+class _Capture(logging.Handler):
+    """Keeps exceptions that escaped into an engine loop (``log.exception``): always a bug."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.crashes: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info is not None:
+            exc = "".join(traceback.format_exception(*record.exc_info))
+            self.crashes.append(f"{record.name}: {record.getMessage()}\n{exc}")
+
+
+@dataclass
+class _Rank:
+    """One engine with the backend and cache it runs on."""
+
+    engine: Any
+    backend: Any
+    kv: dict[str, Any]
+    geom: Geom
+
+
+class Worker:
+    """State of one worker process."""
+
+    def __init__(self, name: str, target: Target) -> None:
+        self.name = name
+        self.target = target
+        self.ranks: dict[str, _Rank] = {}
+        self.capture = _Capture()
+        logging.getLogger("kvpush").addHandler(self.capture)
+        from kvpush.transport.nixl_agent import Agent
+
+        # Pay UCX's start-up here, in both workers at once, not in the first test.
+        self._warmup = Agent(f"conformance-warmup-{name}-{id(self)}", target.nixl_backends)
+
+    def _backend(self, reference: bool) -> Any:
+        if reference:
+            from kvpush.backends.host import HostBackend
+
+            return HostBackend()
+        return self.target.make()
+
+    def _cache(self, backend: Any, geom: Geom, device: int, seed: int) -> dict[str, Any]:
+        kv = backend.make_test_cache(geom.spec(), geom.layers, geom.num_blocks, device)
+        if len(kv) != geom.layers:
+            raise AssertionError(f"make_test_cache gave {len(kv)} tensors for {geom.layers} layers")
+        self._fill(backend, kv, geom, seed)
+        # Setup, not a prefill: the cache holds its bytes before any engine sees it (D's blocks in particular
+        # are never written by the model while P writes into them); only the ordering case writes late.
+        # read_bytes returns after all earlier device work, and needs no describe first (record_ready may).
+        for t in kv.values():
+            backend.read_bytes(t)
+        return kv
+
+    @staticmethod
+    def _fill(backend: Any, kv: dict[str, Any], geom: Geom, seed: int) -> None:
+        data = payload(geom, seed)
+        for i, t in enumerate(kv.values()):
+            backend.write_bytes(t, data[i].reshape(-1))
+
+    def _config(self, cfg: dict[str, Any]) -> Any:
+        from kvpush.config import Config
+
+        return Config.from_dict({"nixl_backends": list(self.target.nixl_backends), **cfg})
+
+    def _start(self, key: str, kind: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int, ref: bool) -> Any:
+        from kvpush.engine import Receiver, Sender
+
+        backend = self._backend(ref)
+        device = 0 if ref else (self.target.p_device if kind == "sender" else self.target.d_device)
+        kv: dict[str, Any] = {}
+        try:
+            kv = self._cache(backend, geom, device, seed)
+            layout = backend.describe(kv, geom.spec())
+            cls = Sender if kind == "sender" else Receiver
+            engine = cls(self._config(cfg), backend, layout, engine_id, rank=geom.tp_rank, tp_size=geom.tp_size)
+        except BaseException:
+            backend.free_test_cache(kv)
+            backend.close()
+            raise
+        self.ranks[key] = _Rank(engine, backend, kv, geom)
+        return engine
+
+    # -- ops -------------------------------------------------------------------
+    def op_sender(
+        self, key: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int, ref: bool = False
+    ) -> tuple[str, int]:
+        """A P rank over a cache filled from ``seed``; returns its side-channel address."""
+        return self._start(key, "sender", geom, cfg, engine_id, seed, ref).address
+
+    def op_receiver(
+        self, key: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int, ref: bool = False
+    ) -> None:
+        self._start(key, "receiver", geom, cfg, engine_id, seed, ref)
+
+    def op_prefill(self, key: str, tid: str, rid: str, blocks: list[int], n: int, rewrite: int | None = None) -> None:
+        """Hand a finished prefill to P, with the marker the connector would take.
+
+        ``rewrite``: first overwrite the whole cache with the payload of that
+        seed, then record the marker and hand over at once: the ordering case.
+        """
+        r = self.ranks[key]
+        if rewrite is not None:
+            self._fill(r.backend, r.kv, r.geom, rewrite)
+        marker = r.backend.record_ready()
+        r.engine.prefill_finished(tid, rid, [blocks], n, ready=marker)
+
+    def op_register(
+        self, key: str, tid: str, rid: str, peer: tuple[str, int, int], blocks: list[int], n: int, start: int
+    ) -> None:
+        from kvpush.engine import PeerAddress
+
+        self.ranks[key].engine.register(tid, rid, PeerAddress(*peer), [blocks], n, start)
+
+    def op_results(self, key: str, count: int, timeout: float) -> list[Any]:
+        """Up to ``count`` results within ``timeout`` s (fewer on timeout)."""
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count and time.monotonic() < deadline:
+            out.extend(self.ranks[key].engine.poll())
+            if len(out) < count:
+                time.sleep(0.005)
+        return out
+
+    def op_stats(self, key: str) -> dict[str, Any]:
+        return self.ranks[key].engine.stats()
+
+    def op_wait_stat(self, key: str, name: str, at_least: float, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ranks[key].engine.stats().get(name, 0) >= at_least:
+                return True
+            time.sleep(0.005)
+        return False
+
+    def op_snapshot(self, key: str) -> np.ndarray:
+        """The whole cache's logical bytes, read back through the backend."""
+        r = self.ranks[key]
+        layers = [np.asarray(r.backend.read_bytes(t), dtype=np.uint8).reshape(-1) for t in r.kv.values()]
+        for i, raw in enumerate(layers):
+            if raw.size != r.geom.layer_bytes:
+                raise AssertionError(f"read_bytes of layer {i} gave {raw.size} bytes, expected {r.geom.layer_bytes}")
+        return np.stack(layers).reshape(r.geom.shape())
+
+    def op_close(self, key: str) -> dict[str, Any]:
+        """Close an engine and its backend; report what is left of them."""
+        r = self.ranks.pop(key)
+        name = f"kvpush-{r.engine.name}"
+        r.engine.close()
+        agent = getattr(r.engine, "agent", None)
+        report = {
+            "registered_after_close": agent.registered if agent is not None else 0,
+            "thread_alive": any(t.name == name for t in threading.enumerate()),
+        }
+        r.backend.free_test_cache(r.kv)
+        r.backend.close()
+        return report
+
+    def op_check(self, name: str, *args: Any) -> None:
+        """Run one of ``kvpush.conformance.checks`` here, where NIXL is already loaded and warm."""
+        from kvpush.conformance.checks import CHECKS
+
+        CHECKS[name](self.target, *args)
+
+    def op_leaks(self) -> dict[str, Any]:
+        """Engines still open, threads that outlive them, exceptions that escaped engine loops.
+
+        A thread counts when it is a kvpush engine thread, or any non-daemon
+        thread but this one: such a thread keeps the process from exiting.
+        """
+        crashes, self.capture.crashes = self.capture.crashes, []
+        main = threading.current_thread()
+        threads = [t for t in threading.enumerate() if t is not main and (t.name.startswith("kvpush-") or not t.daemon)]
+        return {"open_engines": sorted(self.ranks), "threads": sorted(t.name for t in threads), "crashes": crashes}
+
+    def op_exit(self) -> dict[str, Any]:
+        """Close whatever is open (reported as a leak first), then the warm-up agent."""
+        report = self.op_leaks()
+        for key in list(self.ranks):
+            self.op_close(key)
+        self._warmup.close()
+        return report
+
+
+def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) -> None:
+    """Entry point of a worker process (spawn target); returns after ``exit``."""
+    logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(name)s: %(message)s")
+    try:
+        w = Worker(name, target)
+    except BaseException:
+        answers.put(("err", f"{name} failed to start:\n{traceback.format_exc()}"))
+        return
+    answers.put(("ok", "ready"))
+    while True:
+        op, args = cmds.get()
+        try:
+            answers.put(("ok", getattr(w, f"op_{op}")(*args)))
+        except Exception:
+            answers.put(("err", f"{name}.{op}{args!r:.300}:\n{traceback.format_exc()}"))
+        if op == "exit":
+            return
+
+
+class Node:
+    """Test-side handle of one worker process."""
+
+    def __init__(self, name: str, target: Target) -> None:
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.cmds: mp.Queue = ctx.Queue()
+        self.answers: mp.Queue = ctx.Queue()
+        self.proc = ctx.Process(target=worker_main, args=(name, target, self.cmds, self.answers), daemon=True)
+        self.proc.start()
+        self._ready = False
+        self.exit_report: dict[str, Any] | None = None
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        if not self._ready:
+            self._answer(timeout)
+            self._ready = True
+
+    def call(self, op: str, *args: Any, timeout: float = 60.0) -> Any:
+        self.wait_ready()
+        self.cmds.put((op, args))
+        return self._answer(timeout)
+
+    def _answer(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status, value = self.answers.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"worker {self.name} died (exit code {self.proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {self.name} did not answer in {timeout}s") from None
+        if status != "ok":
+            raise RuntimeError(f"worker {self.name} failed: {value}")
+        return value
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Ask the worker to close everything and return; kill it if it does not. Returns its exit code."""
+        if self.proc.is_alive() and self.exit_report is None:
+            try:
+                self.exit_report = self.call("exit", timeout=timeout)
+            except Exception as exc:
+                self.exit_report = {"error": str(exc)}
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+            return None  # did not exit by itself
+        return self.proc.exitcode
+
+
+class Pair:
+    """The P worker and the D worker shared by every two-process case of a suite run."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.p = Node("P", target)
+        self.d = Node("D", target)
+        self.exit_codes: tuple[int | None, int | None] | None = None
+
+    def ready(self) -> tuple[Node, Node]:
+        self.p.wait_ready()
+        self.d.wait_ready()
+        return self.p, self.d
+
+    def stop(self) -> tuple[int | None, int | None]:
+        if self.exit_codes is None:
+            self.exit_codes = (self.p.stop(), self.d.stop())
+        return self.exit_codes

@@ -1,0 +1,105 @@
+"""The backend conformance suite in CI: who must pass it, and proof that it can fail.
+
+Each case runs ``kvpush conformance`` as a user would, in a subprocess (the
+suite spawns its own P/D worker processes and NIXL agents, which must not
+share this process), and reads the outcome of every packaged test from a
+JUnit report. The host backend, the Neuron backend on its stand-in runtime
+(both modes) and the minimal example backend must pass everything; a backend
+with known bugs must fail exactly the tests that name those contracts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MINIMAL = ROOT / "examples" / "minimal_backend"
+TESTS = Path(__file__).resolve().parent
+SUITE_TIMEOUT_S = 300
+
+
+def run_suite(
+    tmp_path: Path, backend: str, *options: str, pythonpath: tuple[Path, ...] = (), extra: tuple[str, ...] = ()
+) -> tuple[int, dict[str, str], str]:
+    """Run the suite; returns (exit status, outcome per test id, output tail)."""
+    report = tmp_path / f"junit-{len(list(tmp_path.iterdir()))}.xml"
+    cmd = [sys.executable, "-m", "kvpush.cli", "conformance", "--backend", backend]
+    cmd += [f"--option={o}" for o in options]
+    cmd += ["--", "-q", f"--junitxml={report}", *extra]
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, check=False)
+    out = (proc.stdout + proc.stderr)[-6000:]
+    outcomes: dict[str, str] = {}
+    if report.exists():
+        for case in ET.parse(report).getroot().iter("testcase"):
+            kinds = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
+            outcomes[f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"] = (
+                kinds[0] if kinds else "passed"
+            )
+    return proc.returncode, outcomes, out
+
+
+def assert_conforms(rc: int, outcomes: dict[str, str], out: str, skipped: int = 0) -> None:
+    bad = {k: v for k, v in outcomes.items() if v not in ("passed", "skipped")}
+    assert rc == 0 and not bad, f"exit {rc}; not passed: {bad}\n{out}"
+    assert len(outcomes) >= 30, f"only {len(outcomes)} tests ran:\n{out}"
+    assert sum(v == "skipped" for v in outcomes.values()) == skipped, outcomes
+
+
+def test_host_backend_conforms(tmp_path: Path) -> None:
+    assert_conforms(*run_suite(tmp_path, "host"))
+
+
+@pytest.mark.parametrize(("mode", "skipped"), [("direct", 0), ("host_staging", 6)])
+def test_neuron_backend_conforms_on_the_standin(tmp_path: Path, mode: str, skipped: int) -> None:
+    """Host staging registers no KV, so the 6 cases that force a direct plan are skipped, not failed."""
+    if find_spec("kvpush_neuron") is None:
+        pytest.skip("kvpush-neuron is not installed (pip install -e backends/neuron)")
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler to build the stand-in Neuron runtime")
+    assert_conforms(*run_suite(tmp_path, "neuron", f"mode={mode}"), skipped=skipped)
+
+
+def test_minimal_example_backend_conforms(tmp_path: Path) -> None:
+    """The example of docs/backends.md passes, uninstalled, named as module:Class."""
+    assert_conforms(*run_suite(tmp_path, "kvpush_minimal:MinimalBackend", pythonpath=(MINIMAL,)))
+
+
+# Each bug of the broken backend and the tests whose contracts it breaks; every other test must pass.
+EXPECTED_FAILURES = {
+    "test_push::test_interoperates_with_the_host_reference[backend-to-host]": "swap_kv",
+    "test_push::test_interoperates_with_the_host_reference[host-to-backend]": "swap_kv",
+    "test_backend::test_foreign_tensors_are_refused": "accept_foreign",
+    "test_push::test_data_written_just_before_handoff_arrives[direct]": "late_write",
+    "test_push::test_data_written_just_before_handoff_arrives[staged]": "late_write",
+}
+
+
+def test_suite_catches_a_broken_backend(tmp_path: Path) -> None:
+    """The suite is able to fail: a K/V swap that cancels out between two instances of one backend,
+    a describe that accepts foreign memory, and a ready marker that misses late writes are each caught
+    by the test named for that contract, and by no other."""
+    bugs = ",".join(sorted(set(EXPECTED_FAILURES.values())))
+    rc, outcomes, out = run_suite(
+        tmp_path, "helpers_broken_backend:BrokenBackend", f"bug={bugs}", pythonpath=(MINIMAL, TESTS)
+    )
+    failed = {k for k, v in outcomes.items() if v in ("failure", "error")}
+    assert rc != 0, out
+    assert failed == set(EXPECTED_FAILURES), f"failed {sorted(failed)}, expected {sorted(EXPECTED_FAILURES)}\n{out}"
+
+
+def test_docs_show_the_minimal_backend_verbatim() -> None:
+    """docs/backends.md shows the example file itself, so the page cannot drift from the code CI runs."""
+    code = (MINIMAL / "kvpush_minimal.py").read_text()
+    doc = (ROOT / "docs" / "backends.md").read_text()
+    assert f"```python\n{code}```" in doc, "update the code block in docs/backends.md from the example file"
