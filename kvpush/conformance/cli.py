@@ -61,6 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    from kvpush.conformance.target import parse_devices, parse_options, resolve_backend_class
+    from kvpush.errors import ConfigError
+
+    try:  # one clear message now rather than the same error from every test
+        resolve_backend_class(args.backend)
+        parse_options(args.option)
+        parse_devices(args.devices)
+    except ConfigError as exc:
+        print(f"kvpush conformance: {exc}", file=sys.stderr)
+        return 2
     import pytest
 
     return int(pytest.main(pytest_args(args, extra)))
