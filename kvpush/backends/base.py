@@ -47,6 +47,8 @@ class CacheSpec:
     tp_size: int = 1
     order: str = "NHD"
     kv_split: bool = True
+    kv_inner: bool = False
+    """vLLM CPU layout ``[num_blocks, heads, block_size, 2 * dim]``: kernel-packed, moved as whole blocks."""
 
 
 @dataclass(frozen=True)
