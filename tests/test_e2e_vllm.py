@@ -105,7 +105,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             log_dir=logs,
             cpus=cpus_d,
             kv_transfer_config={
-                **srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=3.0),
+                **srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=5.0),
                 # A transfer that fails is prefilled locally (fault tests below).
                 "kv_load_failure_policy": "recompute",
             },
