@@ -134,7 +134,26 @@ class Heartbeat(_Msg, tag="hb"):
     sent_at: float
 
 
-Message = Union[Hello, HelloReply, Register, Completion, Failure, Abort, Heartbeat]
+class TimeQuery(_Msg, tag="time_query"):
+    """Anyone asks a P rank for its wall clock (``kvpush doctor --peer``, clock skew).
+
+    Unlike ``Heartbeat``, P answers it without a hello: it reveals only the
+    time, and a heartbeat answer to an unknown peer would mean "I know you".
+    """
+
+    seq: NonNeg
+    sent_at: float
+
+
+class TimeReply(_Msg, tag="time_reply"):
+    """P's answer: the query's ``seq`` and ``sent_at`` echoed, and P's ``time.time()`` when it answered."""
+
+    seq: NonNeg
+    sent_at: float
+    now: float
+
+
+Message = Union[Hello, HelloReply, Register, Completion, Failure, Abort, Heartbeat, TimeQuery, TimeReply]
 
 
 class _Frame(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

@@ -27,6 +27,8 @@ from kvpush.protocol import (
     HelloReply,
     Register,
     StagingGrant,
+    TimeQuery,
+    TimeReply,
     decode,
     encode,
 )
@@ -91,6 +93,11 @@ MESSAGES = [
     Abort(transfer_id="t", request_id="r", reason="client disconnected"),
     Heartbeat(engine_id="e", rank=0, seq=2**40, sent_at=1712345678.25),
 ]
+# Kept apart so that the fixed indices into MESSAGES used below stay valid.
+TIME_MESSAGES = [
+    TimeQuery(seq=3, sent_at=1712345678.5),
+    TimeReply(seq=3, sent_at=1712345678.5, now=1712345679.125),
+]
 
 
 def _raw(msg) -> dict:
@@ -111,7 +118,7 @@ def _err(data, expected=None) -> str:
 # -- round trips -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", MESSAGES + TIME_MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg) -> None:
     data = encode(msg)
     got = decode(data)
@@ -134,7 +141,7 @@ def test_every_message_type_is_covered() -> None:
     """A new message type must get a round-trip case here."""
     from kvpush.protocol import Message
 
-    assert {type(m) for m in MESSAGES} == set(Message.__args__)
+    assert {type(m) for m in MESSAGES + TIME_MESSAGES} == set(Message.__args__)
 
 
 def test_frame_is_version_then_message() -> None:
@@ -170,7 +177,7 @@ def test_malformed(data: bytes, words: list[str]) -> None:
         assert w in msg, msg
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", MESSAGES + TIME_MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_truncation_is_a_protocol_error(msg) -> None:
     """A frame cut anywhere (a lost tail of a notification) is reported, never half-decoded."""
     data = encode(msg)

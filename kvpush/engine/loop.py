@@ -19,7 +19,9 @@ from typing import Any
 
 import zmq
 
+from kvpush import timeline
 from kvpush.engine.types import Result
+from kvpush.metrics import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,9 @@ BUSY_BACKOFF_MAX_S = 1e-3
 
 class EngineLoop:
     """Base of ``Sender`` and ``Receiver``: thread, inbox, wake-up, results."""
+
+    SIDE = ""
+    """``"prefill"`` or ``"decode"``: the label this engine's metrics and timeline lines carry."""
 
     def __init__(self, name: str, idle_poll_max_s: float) -> None:
         self.name = name
@@ -46,6 +51,12 @@ class EngineLoop:
         self._start_error: BaseException | None = None
         self.wakeups = 0
         self.loops = 0
+        # Observability: every Result feeds the recorder (kvpush.metrics) and,
+        # with debug logging on, one kvpush.timeline line. ``gauges`` is a
+        # snapshot the engine thread replaces (never mutates), so other threads
+        # read it without a call into the engine.
+        self.recorder = Recorder(self.SIDE)
+        self.gauges: dict[str, float] = {}
 
     # -- caller side ---------------------------------------------------
     def start(self) -> None:
@@ -103,7 +114,17 @@ class EngineLoop:
 
     # -- engine thread -------------------------------------------------
     def emit(self, result: Result) -> None:
+        try:
+            # Gauges as of this result: a report sent with it must not show the transfer as pending.
+            self.refresh_gauges()
+            self.recorder.observe(result)
+            timeline.log_result(self.SIDE, self.name, result)
+        except Exception:
+            log.exception("%s: recording metrics for %s failed", self.name, result.transfer_id)
         self._results.put(result)
+
+    def refresh_gauges(self) -> None:
+        """Replace ``self.gauges`` with current values (engine thread; on timer ticks and results)."""
 
     def setup(self) -> None:
         """Create agent and sockets (on the engine thread)."""

@@ -90,10 +90,13 @@ class _Incoming:
     aborting: str = ""
     abort_deadline: float = float("inf")
     stats: dict[str, float] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)
 
 
 class Receiver(EngineLoop):
     """One D rank's receive engine."""
+
+    SIDE = "decode"
 
     def __init__(
         self,
@@ -178,7 +181,15 @@ class Receiver(EngineLoop):
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
             self._timers(now)
+            self.refresh_gauges()
         return bool(self._transfers or self._superseded)
+
+    def refresh_gauges(self) -> None:
+        self.gauges = {
+            "pending_registrations": float(len(self._transfers)),
+            "fencing": float(len(self._superseded)),
+            "connections": float(sum(c.state is ConnState.READY for c in self._conns.values())),
+        }
 
     # registration ---------------------------------------------------------
     def _conn(self, host: str, port: int, now: float) -> _Conn:
@@ -253,6 +264,7 @@ class Receiver(EngineLoop):
             now,
             attempt,
         )
+        inc.times["registered"] = now
         self._transfers[transfer_id] = inc
         for w in inc.writers.values():
             conn = self._conn(*w.conn_key, now)
@@ -293,6 +305,8 @@ class Receiver(EngineLoop):
             )
         )
         w.sent = ok
+        if ok:
+            inc.times["sent"] = time.monotonic()  # the last writer's: D waits for every P rank
         if not ok:
             self._writer_final(inc, w, ok=False, reason="side channel send failed")
 
@@ -347,6 +361,7 @@ class Receiver(EngineLoop):
         inc.stats["bytes"] = inc.stats.get("bytes", 0.0) + msg.nbytes
         inc.stats["descriptors"] = inc.stats.get("descriptors", 0.0) + msg.descriptors
         inc.stats[f"plan_{msg.plan}"] = 1.0
+        inc.times["completed"] = time.monotonic()
         self._writer_final(inc, w, ok=True, reason="")
 
     def _on_failure(self, msg: protocol.Failure) -> None:
@@ -395,9 +410,10 @@ class Receiver(EngineLoop):
                 del self._transfers[inc.transfer_id]
             good = all(x.ok for x in inc.writers.values()) and not inc.aborting
             why = "" if good else (inc.aborting or next(x.reason for x in inc.writers.values() if not x.ok))
-            inc.stats["latency_s"] = time.monotonic() - inc.t_register
+            inc.times["result"] = time.monotonic()
+            inc.stats["latency_s"] = inc.times["result"] - inc.t_register
             self._bump("completed_total" if good else "failed_total")
-            self.emit(Result(inc.transfer_id, inc.request_id, good, why, inc.stats))
+            self.emit(Result(inc.transfer_id, inc.request_id, good, why, inc.stats, inc.times))
 
     def _on_abort(self, transfer_id: str, reason: str, now: float) -> None:
         inc = self._transfers.get(transfer_id)
@@ -435,6 +451,11 @@ class Receiver(EngineLoop):
                     for inc in list(self._transfers.values()):
                         for w in inc.writers.values():
                             if w.conn_key == key and not w.final:
+                                # Best effort: if P is only slow, not dead, the
+                                # Abort reaches it before it posts the write.
+                                conn.client.send(
+                                    protocol.Abort(inc.transfer_id, inc.request_id, conn.reason, inc.attempt)
+                                )
                                 self._writer_final(inc, w, ok=False, reason=conn.reason)
         for inc in [*self._transfers.values(), *self._superseded]:
             if not inc.aborting and now >= inc.deadline:

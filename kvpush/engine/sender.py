@@ -59,6 +59,8 @@ class _InFlight:
 class Sender(EngineLoop):
     """One P rank's push engine."""
 
+    SIDE = "prefill"
+
     def __init__(
         self,
         config: Config,
@@ -84,6 +86,7 @@ class Sender(EngineLoop):
         self._deferred: dict[tuple[str, str, int], protocol.Register] = {}
         self._errors: dict[str, str] = {}  # transfer id -> why one of its pushes failed
         self._tstats: dict[str, dict[str, float]] = {}  # transfer id -> push timings, for its Result
+        self._times: dict[str, dict[str, float]] = {}  # transfer id -> when each stage happened (monotonic)
         self._next_timer = 0.0
         self._staging: StagingBuffer | None = None
         self._slots = SlotAllocator(0)
@@ -102,7 +105,8 @@ class Sender(EngineLoop):
     ) -> None:
         """Hand over a finished prefill; its blocks stay untouched until ``poll`` returns it."""
         prefill = Prefill(transfer_id, request_id, tuple(tuple(int(b) for b in g) for g in block_ids), num_tokens)
-        self.call(lambda: self._on_prefill(prefill, ready))
+        t_done = time.monotonic()  # the caller's moment, not when the engine thread gets to it
+        self.call(lambda: self._on_prefill(prefill, ready, t_done))
 
     def abort(self, transfer_id: str, reason: str = "aborted on P") -> None:
         self.call(lambda: self._on_local_abort(transfer_id, reason))
@@ -145,11 +149,18 @@ class Sender(EngineLoop):
             self._next_timer = now + TIMER_PERIOD_S
             self._apply(self.rdv.expire(now))
             self._check_peers(now)
+            self.refresh_gauges()
+            if len(self._times) > len(self.rdv):
+                self._prune_times()
         return bool(self._flying)
 
     def _on_message(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.Hello):
             self._on_hello(ident, msg, now)
+            return
+        if isinstance(msg, protocol.TimeQuery):
+            # Anyone may ask the time (``kvpush doctor --peer``): it reveals nothing else.
+            self.server.send(ident, protocol.TimeReply(msg.seq, msg.sent_at, time.time()))
             return
         peer = self._peer_by_ident(ident)
         if peer is not None:
@@ -246,6 +257,7 @@ class Sender(EngineLoop):
             self._deferred[(reg.transfer_id, reg.engine_id, reg.rank)] = reg
             self._bump("deferred_registrations_total")
             return
+        self._times.setdefault(reg.transfer_id, {}).setdefault("registered", now)
         decisions = self.rdv.on_register(reg, now, expected=self._expected(peer))
         if prev is not None:
             # The rendezvous replaced the earlier attempt, which will never be
@@ -276,6 +288,7 @@ class Sender(EngineLoop):
 
     def _fail(self, ident: bytes, reg: protocol.Register, stage: str, reason: str) -> None:
         self._bump("failures_total")
+        self._bump(f"refused_{stage}_total")
         log.warning(
             "%s: transfer %s from D %s rank %d failed at %s: %s",
             self.name,
@@ -290,9 +303,11 @@ class Sender(EngineLoop):
             protocol.Failure(reg.transfer_id, reg.request_id, self.rank, stage, reason, attempt=reg.attempt),
         )
 
-    def _on_prefill(self, prefill: Prefill, ready: Any) -> None:
+    def _on_prefill(self, prefill: Prefill, ready: Any, t_done: float | None = None) -> None:
         self._markers[prefill.transfer_id] = ready
-        self._apply(self.rdv.on_prefill(prefill, time.monotonic()))
+        now = time.monotonic()
+        self._times.setdefault(prefill.transfer_id, {})["prefill_done"] = now if t_done is None else t_done
+        self._apply(self.rdv.on_prefill(prefill, now))
 
     def _on_remote_abort(self, msg: protocol.Abort, now: float) -> None:
         self._bump("aborts_total")
@@ -351,10 +366,16 @@ class Sender(EngineLoop):
                 err = self._errors.pop(d.prefill.transfer_id, "")
                 ok = d.reason == "pushed" and not err
                 self._bump("released_total")
+                if d.reason.startswith("lease expired"):
+                    self._bump("expired_prefills_total")
                 why = "" if ok else (err if d.reason == "pushed" else d.reason)
                 stats = self._tstats.pop(d.prefill.transfer_id, {})
-                self.emit(Result(d.prefill.transfer_id, d.prefill.request_id, ok, why, stats))
+                times = self._times.pop(d.prefill.transfer_id, {})
+                times["released"] = time.monotonic()
+                self.emit(Result(d.prefill.transfer_id, d.prefill.request_id, ok, why, stats, times))
             elif isinstance(d, Refuse):
+                if "expired" in d.reason:
+                    self._bump("expired_registrations_total")
                 peer = self._peers.get((d.reg.engine_id, d.reg.rank))
                 if peer is not None:
                     self._fail(peer.ident, d.reg, "rendezvous", d.reason)
@@ -405,10 +426,20 @@ class Sender(EngineLoop):
             self._fail(peer.ident, reg, "post", str(exc))
             self._pushed(reg)
             return
+        # perf_counter and monotonic are the same clock on Linux (CLOCK_MONOTONIC).
+        tt = self._times.setdefault(reg.transfer_id, {})
+        tt["push_start"] = min(tt.get("push_start", t0), t0)
+        tt.setdefault("ready", t_ready)
+        tt.setdefault("planned", t_plan)
+        tt.setdefault("packed", t_pack)
         if plan.kind == "empty":
+            tt["posted"] = tt["completed"] = time.perf_counter()
+            self._bump("plan_empty_total")
+            self._tstats.setdefault(reg.transfer_id, {})["plan_empty"] = 1.0
             self._done(reg, prefill, plan, None, ok=True)
             return
         t_post = time.perf_counter()
+        tt["posted"] = max(tt.get("posted", t_post), t_post)
         stats = {
             "wait_ready_s": t_ready - t0,
             "plan_s": t_plan - t_ready,
@@ -467,6 +498,15 @@ class Sender(EngineLoop):
             slot = None
         return plan, slot
 
+    def refresh_gauges(self) -> None:
+        self.gauges = {**self.rdv.pending(), "peers": float(len(self._peers))}
+
+    def _prune_times(self) -> None:
+        """Forget stage times of transfers that ended without a Result (aborted or expired before pairing)."""
+        live = {f.reg.transfer_id for f in self._flying} | {k[0] for k in self._deferred}
+        for tid in [t for t in self._times if t not in live and self.rdv.stage(t) is None]:
+            del self._times[tid]
+
     def _progress(self) -> None:
         if not self._flying:
             return
@@ -480,7 +520,10 @@ class Sender(EngineLoop):
         self._flying = still
 
     def _finish(self, f: _InFlight, ok: bool) -> None:
-        f.stats["complete_s"] = time.perf_counter() - f.t_post
+        t_end = time.perf_counter()
+        f.stats["complete_s"] = t_end - f.t_post
+        tt = self._times.setdefault(f.reg.transfer_id, {})
+        tt["completed"] = max(tt.get("completed", t_end), t_end)
         acc = self._tstats.setdefault(f.reg.transfer_id, {})
         for k, v in f.stats.items():
             acc[k] = acc.get(k, 0.0) + v  # summed over this P rank's pushes of the transfer

@@ -27,6 +27,14 @@ class Result:
     ``descriptors`` (posted) and ``plan_<kind>``, summed over this rank's
     pushes of the transfer; on D: ``bytes``, ``descriptors``, ``unpack_s``,
     ``latency_s`` (registration to result).
+
+    ``times`` holds when each stage happened, as ``time.monotonic()`` values
+    (P: ``registered``, ``prefill_done``, ``push_start``, ``ready``,
+    ``planned``, ``packed``, ``posted``, ``completed``, ``released``; D:
+    ``registered``, ``sent``, ``completed``, ``result``). They stay monotonic
+    here because they are subtracted from each other; ``kvpush.timeline``
+    turns them into wall-clock time when it logs them, so P's and D's lines
+    from two processes can be joined.
     """
 
     transfer_id: str
@@ -34,3 +42,4 @@ class Result:
     ok: bool
     reason: str = ""
     stats: dict[str, float] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)

@@ -59,6 +59,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.metrics import LATENCY_BUCKETS, MetricSpec, TextExposition
+
 log = logging.getLogger("kvpush.router")
 
 MODES = ("kvpush", "vllm-pull", "vllm-push")
@@ -279,6 +281,46 @@ class UpstreamError(Exception):
         return self.status >= 500
 
 
+ROUTER_METRICS = (
+    MetricSpec(
+        "kvpush_router_request_seconds",
+        "histogram",
+        "Router-side time per successful request and stage: prefill (P's one-token answer), decode_first_byte "
+        "(D's first bytes, i.e. the pushed KV arrived and D produced output), total.",
+        ("stage",),
+        LATENCY_BUCKETS,
+    ),
+    MetricSpec(
+        "kvpush_router_failures_total",
+        "counter",
+        "Upstream failures by role and cause (connect, timeout, http_5xx, http_4xx, bad_response, stream_cut, other).",
+        ("role", "cause"),
+    ),
+    MetricSpec(
+        "kvpush_router_prefill_aborts_total",
+        "counter",
+        "P requests cancelled because their pairing failed first (vLLM aborts them and frees their blocks).",
+        (),
+    ),
+)
+
+
+def failure_cause(err: UpstreamError) -> str:
+    """A small fixed label for an upstream failure (the detail text stays in the log)."""
+    d = err.detail
+    if err.status < 500:
+        return "http_4xx"
+    if d.startswith("cannot connect"):
+        return "connect"
+    if "within" in d or "silent" in d:
+        return "timeout"
+    if d.startswith("HTTP 5"):
+        return "http_5xx"
+    if "JSON" in d or "kv_transfer_params" in d or "engine id" in d:
+        return "bad_response"
+    return "other"
+
+
 def _error(status: int, message: str, typ: str, **extra: Any) -> web.Response:
     payload = {"error": {"message": message, "type": typ, "code": status, **extra}}
     return web.json_response(payload, status=status)
@@ -304,6 +346,7 @@ class Router:
         }
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self.prom = TextExposition(ROUTER_METRICS)  # latency, failures by cause, aborts
 
     # -- lifecycle --------------------------------------------------------- #
 
@@ -462,7 +505,8 @@ class Router:
         lines += ["# HELP kvpush_router_instance_healthy 1 if healthy.", "# TYPE kvpush_router_instance_healthy gauge"]
         for i in insts:
             lines.append(f'kvpush_router_instance_healthy{{role="{i.role}",url="{i.url}"}} {int(i.healthy)}')
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+        text = "\n".join(lines) + "\n" + self.prom.render()
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     # -- proxying ---------------------------------------------------------- #
 
@@ -504,6 +548,7 @@ class Router:
             self.pending -= 1
 
     def _fail(self, err: UpstreamError) -> web.Response:
+        self.prom.inc("kvpush_router_failures_total", role=err.inst.role, cause=failure_cause(err))
         if err.status < 500:
             self.counters["client_errors"] += 1
             return web.Response(
@@ -535,6 +580,7 @@ class Router:
             return self._unavailable() or _error(503, "no healthy decode instance left to try", "service_unavailable")
         tried.append(d)
         tid = new_transfer_id()
+        t_start = loop_time()
         mode = self.cfg.mode
         headers = _forward_headers(req, tid)
         stream = bool(body.get("stream"))
@@ -559,11 +605,13 @@ class Router:
             d_resp = await self._race(p_task, self._open_decode(d, endpoint, decode_body(body, params), headers))
             if not stream:
                 data = await self._race(p_task, self._read_decode(d, d_resp))
+                self.prom.observe("kvpush_router_request_seconds", loop_time() - t_start, stage="decode_first_byte")
                 ok = True
                 return web.Response(
                     body=data, status=d_resp.status, content_type=d_resp.content_type, headers={"X-Request-Id": tid}
                 )
             first = await self._race(p_task, self._read_chunk(d, d_resp))
+            self.prom.observe("kvpush_router_request_seconds", loop_time() - t_start, stage="decode_first_byte")
             out, ok = await self._forward_stream(req, d, d_resp, first, tid)
             return out
         except UpstreamError as e:
@@ -574,6 +622,7 @@ class Router:
             if ok:
                 d.served += 1
                 self.counters["ok"] += 1
+                self.prom.observe("kvpush_router_request_seconds", loop_time() - t_start, stage="total")
             if d_resp is not None:
                 if ok:
                     d_resp.release()
@@ -599,6 +648,7 @@ class Router:
         except UpstreamError as e:
             d.failures += 1
             self.counters["decode_failures"] += 1
+            self.prom.inc("kvpush_router_failures_total", role="decode", cause="stream_cut")
             log.error("%s (after streaming started; stream cut)", e)
             return out, False
         await out.write_eof()
@@ -620,6 +670,7 @@ class Router:
 
         if cancel and not task.done():
             task.cancel()
+            self.prom.inc("kvpush_router_prefill_aborts_total")
         if task.done():
             done(task)
         else:
@@ -667,12 +718,14 @@ class Router:
     async def _run_prefill(
         self, p: Instance, endpoint: str, body: dict[str, Any], headers: dict[str, str]
     ) -> dict[str, Any]:
+        t0 = loop_time()
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
             async with self.session.post(p.url + endpoint, json=body, headers=headers, timeout=timeout) as r:
                 data = await r.read()
                 if r.status != 200:
                     raise UpstreamError(p, "prefill", _status_detail(r.status, data), _client_status(r.status), data)
+                self.prom.observe("kvpush_router_request_seconds", loop_time() - t0, stage="prefill")
                 try:
                     return json.loads(data)
                 except ValueError:
@@ -724,6 +777,11 @@ class Router:
             raise UpstreamError(d, "decode", f"stream silent for {self.cfg.decode_timeout:g} s") from None
         except aiohttp.ClientError as e:
             raise UpstreamError(d, "decode", f"{type(e).__name__}: {e}") from None
+
+
+def loop_time() -> float:
+    """The running event loop's monotonic clock (what asyncio timeouts use)."""
+    return asyncio.get_running_loop().time()
 
 
 def _client_status(status: int) -> int:

@@ -31,6 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
 from kvpush.errors import BackendError, ConfigError
+from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 
@@ -245,3 +246,22 @@ class KVPushConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+    # ---------------- metrics (kvpush.metrics through vLLM's stats hooks) ----------------
+    def get_kv_connector_stats(self) -> KVPushConnectorStats | None:
+        stats = self.worker.take_stats() if self.worker is not None else None
+        return None if stats is None else KVPushConnectorStats(data=stats.data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushConnectorStats:
+        return KVPushConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPushPromMetrics:
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

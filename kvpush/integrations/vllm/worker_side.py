@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from kvpush.backends.base import Backend, CacheSpec
@@ -16,8 +17,11 @@ from kvpush.config import Config
 from kvpush.engine import PeerAddress, Receiver, Sender
 from kvpush.integrations.vllm.scheduler_side import StepOrders
 from kvpush.layout import KVLayout, map_pieces
+from kvpush.metrics import TransferStats, layout_gauges, take_engine
 
 log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 1.0
+"""Longest gap between two metric reports while vLLM steps; a step that ended a transfer reports at once."""
 DEBUG_CHECKSUM = bool(os.environ.get("KVPUSH_DEBUG_CHECKSUM"))
 
 
@@ -53,6 +57,7 @@ class WorkerSide:
         self._finished_seen: set[str] = set()
         self._expect: set[str] = set()
         self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
+        self._stats_at = -1e9  # monotonic time of the last metrics report
 
     def register_kv_caches(self, kv_caches: dict[str, Any], spec: CacheSpec) -> None:
         self.layout = self.backend.describe(kv_caches, spec)
@@ -154,6 +159,26 @@ class WorkerSide:
             out["sender"] = self.sender.stats()
         if self.receiver is not None:
             out["receiver"] = self.receiver.stats()
+        return out
+
+    def take_stats(self, now: float | None = None) -> TransferStats | None:
+        """Metrics since the last report, for vLLM's ``get_kv_connector_stats`` (called every step).
+
+        ``None`` (nothing to send) unless a transfer ended since the last report
+        or ``STATS_INTERVAL_S`` passed, so idle steps ship no payload.
+        """
+        engines = [e for e in (self.sender, self.receiver) if e is not None]
+        if not engines or self.layout is None:
+            return None
+        now = time.monotonic() if now is None else now
+        pending = any(e.recorder.results_pending for e in engines)
+        if not pending and now - self._stats_at < STATS_INTERVAL_S:
+            return None
+        self._stats_at = now
+        out = TransferStats()
+        extra = layout_gauges(self.layout)
+        for e in engines:
+            out.aggregate(take_engine(e, self.rank, extra))
         return out
 
     def close(self) -> None:
