@@ -80,6 +80,7 @@ class Sender(EngineLoop):
         self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s)
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._markers: dict[str, Any] = {}
+        self._queued_pushes: list[Push] = []
         self._flying: list[_InFlight] = []
         # A re-issued registration whose earlier attempt is being written now:
         # it waits here until that WRITE ends, then is paired again.
@@ -144,6 +145,10 @@ class Sender(EngineLoop):
     def step(self, now: float) -> bool:
         for ident, msg in self.server.recv():
             self._on_message(ident, msg, now)
+        while self._queued_pushes:
+            batch, self._queued_pushes = self._queued_pushes, []
+            for push in batch:
+                self._push(push.prefill, push.reg)
         self._progress()
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
@@ -320,6 +325,12 @@ class Sender(EngineLoop):
     def _abort(self, transfer_id: str, reason: str, now: float) -> None:
         # Registrations not being written get an explicit answer so D can free
         # its blocks; those in flight answer with their completion.
+        cancelled = [p for p in self._queued_pushes if p.reg.transfer_id == transfer_id]
+        self._queued_pushes = [p for p in self._queued_pushes if p.reg.transfer_id != transfer_id]
+        for push in cancelled:
+            peer = self._peers.get((push.reg.engine_id, push.reg.rank))
+            if peer is not None:
+                self._fail(peer.ident, push.reg, "aborted", reason)
         for key in [k for k in self._deferred if k[0] == transfer_id]:
             reg = self._deferred.pop(key)
             peer = self._peers.get((reg.engine_id, reg.rank))
@@ -337,6 +348,8 @@ class Sender(EngineLoop):
                         protocol.Failure(reg.transfer_id, reg.request_id, self.rank, "aborted", reason, reg.attempt),
                     )
         self._apply(self.rdv.on_abort(transfer_id, now, reason))
+        for push in cancelled:
+            self._apply(self.rdv.on_pushed(transfer_id, push.reg.engine_id, push.reg.rank))
 
     def _check_peers(self, now: float) -> None:
         for key, peer in list(self._peers.items()):
@@ -359,7 +372,9 @@ class Sender(EngineLoop):
     def _apply(self, decisions: list[Decision]) -> None:
         for d in decisions:
             if isinstance(d, Push):
-                self._push(d.prefill, d.reg)
+                # Posted at the end of the step, after every message read in
+                # it: an Abort that arrived with the Register cancels the push.
+                self._queued_pushes.append(d)
             elif isinstance(d, Release):
                 self._markers.pop(d.prefill.transfer_id, None)
                 # "pushed" means every expected push ended, not that each succeeded.
