@@ -299,7 +299,8 @@ def draw_waterfall(joined: Sequence[Joined], path: str | Path, sample: int = 20)
     if len(rows) > sample:
         step = len(rows) / sample
         rows = [rows[int(i * step)] for i in range(sample)]
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * max(1, len(rows))))
+    height = 1.6 + 0.45 * max(1, len(rows))
+    fig, ax = plt.subplots(figsize=(11, height))
     d_segments = (
         ("d_handshake", "registered", "sent"),
         ("wait_kv", "sent", "completed"),
@@ -321,15 +322,9 @@ def draw_waterfall(joined: Sequence[Joined], path: str | Path, sample: int = 20)
     ax.set_yticklabels([f"{j.transfer_id[:10]} D/P" for j in reversed(rows)], fontsize=7)
     ax.set_xlabel("ms since D registered the blocks (wall clock; P bars include the P-D clock offset)")
     ax.set_title(f"kvpush transfer waterfall ({len(rows)} of {len(joined)} transfers)")
-    ax.legend(
-        handles=[Patch(color=c, label=n) for n, c in _COLORS.items()],
-        fontsize=7,
-        ncol=5,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.12 - 0.2 / max(1, len(rows))),
-    )
+    fig.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()], fontsize=7, ncol=5, loc="lower center")
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1))  # room for the legend below the axis label
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return len(rows)
