@@ -20,8 +20,13 @@ from typing import Any
 import zmq
 
 from kvpush import timeline
+from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
+from kvpush.config import Config
 from kvpush.engine.types import Result
+from kvpush.layout import KVLayout
 from kvpush.metrics import Recorder
+from kvpush.staging import SlotAllocator
+from kvpush.transport.nixl_agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +40,19 @@ class EngineLoop:
     SIDE = ""
     """``"prefill"`` or ``"decode"``: the label this engine's metrics and timeline lines carry."""
 
-    def __init__(self, name: str, idle_poll_max_s: float) -> None:
-        self.name = name
-        self.idle_poll_max_s = idle_poll_max_s
+    def __init__(
+        self, kind: str, config: Config, backend: Backend, layout: KVLayout, engine_id: str, rank: int, tp_size: int
+    ) -> None:
+        self.name = f"{kind}-{engine_id}-{rank}"
+        self.idle_poll_max_s = config.idle_poll_max_s
+        self.cfg = config
+        self.backend = backend
+        self.layout = layout.validate()
+        self.engine_id = engine_id
+        self.rank = rank
+        self.tp_size = tp_size
+        self._staging: StagingBuffer | None = None
+        self._slots = SlotAllocator(0)
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -129,6 +144,16 @@ class EngineLoop:
     def setup(self) -> None:
         """Create agent and sockets (on the engine thread)."""
 
+    def open_agent(self, suffix: str) -> None:
+        """NIXL agent with the KV cache and, unless plans are direct only, a staging region registered."""
+        self.agent = Agent(f"{self.engine_id}-{suffix}{self.rank}", self.cfg.nixl_backends)
+        self.agent.register(self.backend.registrations(self.layout))
+        if self.cfg.staging_bytes > 0 and self.cfg.plan != "direct":
+            s = self.backend.alloc_staging(self.cfg.staging_bytes, self.layout.regions[0].device_id)
+            self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
+            self._staging = s
+            self._slots = SlotAllocator(s.size)
+
     def teardown(self) -> None:
         """Release agent and sockets (on the engine thread)."""
 
@@ -137,6 +162,7 @@ class EngineLoop:
         raise NotImplementedError
 
     def _run(self) -> None:
+        _name_os_thread(f"kvpush-{self.name.split('-', 1)[0]}")
         try:
             self.setup()
         except BaseException as exc:
@@ -181,3 +207,19 @@ class EngineLoop:
                 self.teardown()
             except Exception:
                 log.exception("%s: teardown failed", self.name)
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-visible name (``top -H``, ``/proc/*/task/*/comm``).
+
+    Python's thread names stay inside Python; without this the engine thread
+    shows up as its process (e.g. ``VLLM::EngineCore``) and its CPU use
+    cannot be told apart from vLLM's own threads. Linux only, best effort.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

@@ -19,16 +19,14 @@ from typing import Any
 import numpy as np
 
 from kvpush import protocol
-from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
+from kvpush.backends.base import Backend
 from kvpush.config import Config
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress, Result
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout, Region
 from kvpush.plan import staged_bytes, unpack_pieces, wants_staging
-from kvpush.staging import SlotAllocator
 from kvpush.topology import writers_for
-from kvpush.transport.nixl_agent import Agent
 from kvpush.transport.side_channel import Client
 
 log = logging.getLogger(__name__)
@@ -107,19 +105,11 @@ class Receiver(EngineLoop):
         rank: int = 0,
         tp_size: int = 1,
     ) -> None:
-        super().__init__(f"recv-{engine_id}-{rank}", config.idle_poll_max_s)
-        self.cfg = config
-        self.backend = backend
-        self.layout = layout.validate()
-        self.engine_id = engine_id
-        self.rank = rank
-        self.tp_size = tp_size
+        super().__init__("recv", config, backend, layout, engine_id, rank, tp_size)
         self._conns: dict[tuple[str, int], _Conn] = {}
         self._by_agent: dict[str, tuple[str, int]] = {}
         self._transfers: dict[str, _Incoming] = {}
         self._superseded: list[_Incoming] = []
-        self._staging: StagingBuffer | None = None
-        self._slots = SlotAllocator(0)
         self._next_timer = 0.0
         self.counters: dict[str, float] = {}
         self.start()
@@ -154,13 +144,7 @@ class Receiver(EngineLoop):
 
     # -- engine thread -----------------------------------------------------
     def setup(self) -> None:
-        self.agent = Agent(f"{self.engine_id}-d{self.rank}", self.cfg.nixl_backends)
-        self.agent.register(self.backend.registrations(self.layout))
-        if self.cfg.staging_bytes > 0 and self.cfg.plan != "direct":
-            s = self.backend.alloc_staging(self.cfg.staging_bytes, self.layout.regions[0].device_id)
-            self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
-            self._staging = s
-            self._slots = SlotAllocator(s.size)
+        self.open_agent("d")
 
     def teardown(self) -> None:
         for c in self._conns.values():
@@ -290,6 +274,7 @@ class Receiver(EngineLoop):
             else:
                 self._bump("staging_full_total")
         w.grant = grant
+        t_send = time.monotonic()  # before the send: P may read the message before this thread runs again
         ok = conn.client.send(
             protocol.Register(
                 transfer_id=inc.transfer_id,
@@ -306,7 +291,7 @@ class Receiver(EngineLoop):
         )
         w.sent = ok
         if ok:
-            inc.times["sent"] = time.monotonic()  # the last writer's: D waits for every P rank
+            inc.times["sent"] = t_send  # the last writer's: D waits for every P rank
         if not ok:
             self._writer_final(inc, w, ok=False, reason="side channel send failed")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush import protocol
-from kvpush.backends.base import Backend, StagingBuffer
+from kvpush.backends.base import Backend
 from kvpush.config import Config
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import Result
@@ -21,9 +21,7 @@ from kvpush.errors import KVPushError, LayoutError
 from kvpush.layout import KVLayout, check_compatible
 from kvpush.plan import Plan, build_plan
 from kvpush.rendezvous import Decision, Prefill, Push, Refuse, Release, Rendezvous
-from kvpush.staging import SlotAllocator
 from kvpush.topology import targets_for
-from kvpush.transport.nixl_agent import Agent
 from kvpush.transport.side_channel import Server
 
 log = logging.getLogger(__name__)
@@ -70,13 +68,7 @@ class Sender(EngineLoop):
         rank: int = 0,
         tp_size: int = 1,
     ) -> None:
-        super().__init__(f"push-{engine_id}-{rank}", config.idle_poll_max_s)
-        self.cfg = config
-        self.backend = backend
-        self.layout = layout.validate()
-        self.engine_id = engine_id
-        self.rank = rank
-        self.tp_size = tp_size
+        super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
         self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s)
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._markers: dict[str, Any] = {}
@@ -89,8 +81,6 @@ class Sender(EngineLoop):
         self._tstats: dict[str, dict[str, float]] = {}  # transfer id -> push timings, for its Result
         self._times: dict[str, dict[str, float]] = {}  # transfer id -> when each stage happened (monotonic)
         self._next_timer = 0.0
-        self._staging: StagingBuffer | None = None
-        self._slots = SlotAllocator(0)
         self.counters: dict[str, float] = {}
         self.address: tuple[str, int] = ("", 0)
         self.start()
@@ -118,16 +108,7 @@ class Sender(EngineLoop):
 
     # -- engine thread ---------------------------------------------------
     def setup(self) -> None:
-        self.agent = Agent(f"{self.engine_id}-p{self.rank}", self.cfg.nixl_backends)
-        self.agent.register(self.backend.registrations(self.layout))
-        if self.cfg.staging_bytes > 0 and self.cfg.plan != "direct":
-            dev = self.layout.regions[0].device_id
-            self._staging = self.backend.alloc_staging(self.cfg.staging_bytes, dev)
-            from kvpush.backends.base import MemRegistration
-
-            s = self._staging
-            self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
-            self._slots = SlotAllocator(s.size)
+        self.open_agent("p")
         self.server = Server(self.ctx, self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank)
         self.poller.register(self.server.sock, 1)
         self.address = (self.server.host, self.server.port)
