@@ -243,7 +243,8 @@ class Sender(EngineLoop):
             self._deferred[(reg.transfer_id, reg.engine_id, reg.rank)] = reg
             self._bump("deferred_registrations_total")
             return
-        self._times.setdefault(reg.transfer_id, {}).setdefault("registered", now)
+        # Its own clock reading: ``now`` is the step's start, which can precede the message's arrival.
+        self._times.setdefault(reg.transfer_id, {}).setdefault("registered", time.monotonic())
         decisions = self.rdv.on_register(reg, now, expected=self._expected(peer))
         if prev is not None:
             # The rendezvous replaced the earlier attempt, which will never be
