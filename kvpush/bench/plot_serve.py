@@ -1,0 +1,201 @@
+"""``kvpush bench plot``: summary table and TTFT/TPOT-vs-QPS figures of a ``bench serve`` folder.
+
+Reads every ``<mode>_qps<q>_in<in>_out<out>_iter<i>.json`` in the folder
+(ours, or ``vllm bench serve`` files renamed to that scheme), pools the
+requests of all iterations per (input length, QPS, mode), and writes:
+
+* ``summary.json``: per point and mode the p50/p90/p99 of TTFT, TPOT and E2E,
+  completed and failed counts, per-iteration medians; the ratios
+  kvpush/vllm-pull and kvpush/vllm-push of the median TTFT and TPOT (and of
+  the p90/p99 TTFT) per point;
+* ``summary.txt``: the table printed at the end of a sweep;
+* ``ttft_vs_qps.png`` and ``tpot_vs_qps.png``: the seed's four-panel figures,
+  one panel per input length with one line per mode (median solid, p90
+  dashed), and a last panel with the kvpush/vLLM median ratios.
+
+``--compact-to DIR`` copies the run files without their per-token ``itls``
+(the bulk of each file) plus the summary and figures, which is what
+``docs/results/serve/`` holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench import loadgen
+from kvpush.bench.loadgen import MODES
+
+COLORS = {"kvpush": "#d62728", "vllm-pull": "#1f77b4", "vllm-push": "#2ca02c"}
+LABELS = {"kvpush": "kvpush (push)", "vllm-pull": "vLLM NixlConnector (pull)", "vllm-push": "vLLM NixlPushConnector"}
+Agg = Mapping[tuple[int, float, str], Mapping[str, Any]]
+
+
+def plot_metric(agg: Agg, metric: str, path: Path, title: str = "") -> Path:
+    """One figure: a panel per input length (``metric`` vs QPS, one line per
+    mode; median solid, p90 dashed), then a panel of kvpush/vLLM median ratios.
+
+    With three input lengths that is the seed's four panels (2 x 2)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inputs = sorted({k[0] for k in agg})
+    modes = [m for m in MODES if any(k[2] == m for k in agg)]
+    npanels = len(inputs) + 1
+    ncols = 2 if npanels > 1 else 1
+    nrows = math.ceil(npanels / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    name = metric.upper()
+    for ax, inp in zip(flat, inputs, strict=False):
+        for mode in modes:
+            rows = sorted((r for k, r in agg.items() if k[0] == inp and k[2] == mode), key=lambda r: r["qps"])
+            if not rows:
+                continue
+            qps = [r["qps"] for r in rows]
+            ax.plot(
+                qps,
+                [r[f"p50_{metric}_ms"] for r in rows],
+                "o-",
+                color=COLORS[mode],
+                label=f"{LABELS[mode]} p50",
+            )
+            ax.plot(qps, [r[f"p90_{metric}_ms"] for r in rows], "--", color=COLORS[mode], alpha=0.6, lw=1)
+            for r in rows:
+                if r["failed"]:
+                    ax.annotate(f"{r['failed']} failed", (r["qps"], r[f"p50_{metric}_ms"]), fontsize=7)
+        ax.set_title(f"{name}, input {inp} tokens")
+        ax.set_xlabel("request rate (QPS)")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    ax = flat[len(inputs)]
+    marks = "osd^v<>"
+    for i, inp in enumerate(inputs):
+        sub = {k: v for k, v in agg.items() if k[0] == inp}
+        for other, style in (("vllm-pull", "-"), ("vllm-push", ":")):
+            pts = [
+                (r["qps"], r[f"kvpush/{other}"])
+                for r in loadgen.ratios(sub, f"median_{metric}_ms")
+                if r[f"kvpush/{other}"] is not None
+            ]
+            if pts:
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    marker=marks[i % len(marks)],
+                    color=COLORS[other],
+                    label=f"kvpush/{other.removeprefix('vllm-')}, in {inp}",
+                )
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_title(f"median {name} ratio (< 1: kvpush lower)")
+    ax.set_xlabel("request rate (QPS)")
+    ax.set_ylabel("ratio")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    for extra in flat[npanels:]:
+        extra.set_visible(False)
+    handles, labels = flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(
+            handles,
+            labels,
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.962),
+            ncol=len(handles),
+            fontsize=8,
+            frameon=False,
+        )
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.suptitle(title or f"{name} vs QPS (solid: median, dashed: p90)", y=0.99, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(results: Sequence[Mapping[str, Any]], out_dir: Path, plot: bool = True) -> tuple[str, int]:
+    """summary.json, summary.txt and (``plot``) the two figures; returns the
+    table and the total number of failed requests."""
+    agg = loadgen.aggregate(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = loadgen.summary_table(agg)
+    info = _sweep_info(results)
+    (out_dir / "summary.json").write_text(json.dumps({"sweep": info, **loadgen.summary_json(agg)}, indent=1) + "\n")
+    (out_dir / "summary.txt").write_text(table + "\n")
+    if plot and agg:
+        outs = "/".join(map(str, info["output_lens"]))
+        its = info["iterations"]
+        subtitle = f"{outs} output tokens, {its} iteration{'s' if its != 1 else ''}, 1P1D"
+        plot_metric(agg, "ttft", out_dir / "ttft_vs_qps.png", f"TTFT vs QPS ({subtitle}; solid: median, dashed: p90)")
+        plot_metric(agg, "tpot", out_dir / "tpot_vs_qps.png", f"TPOT vs QPS ({subtitle}; solid: median, dashed: p90)")
+    return table, sum(int(r["failed"]) for r in agg.values())
+
+
+def _sweep_info(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    ks = [r["kvpush"] for r in results]
+    loads = [k["loadavg_start"][0] for k in ks if k.get("loadavg_start")]
+    return {
+        "runs": len(results),
+        "iterations": len({k["iteration"] for k in ks}),
+        "output_lens": sorted({int(k["output_len"]) for k in ks}),
+        "requests": sum(len(r.get("ttfts", [])) for r in results),
+        "loadavg_1min_min_median_max": ([min(loads), sorted(loads)[len(loads) // 2], max(loads)] if loads else None),
+    }
+
+
+def compact_copy(src: Path, dst: Path) -> int:
+    """Copy every run file of ``src`` into ``dst`` without per-token ITLs; returns bytes written."""
+    dst.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for path in sorted(src.glob("*.json")):
+        if loadgen.parse_result_name(path.name) is None:
+            continue
+        data = loadgen.compact(json.loads(path.read_text()))
+        text = json.dumps(data, separators=(",", ":")) + "\n"
+        (dst / path.name).write_text(text)
+        total += len(text)
+    return total
+
+
+def report(results_dir: Path, plot: bool = True, out_dir: Path | None = None) -> int:
+    """Print the summary of ``results_dir`` and write its files; 1 if any request failed."""
+    results = loadgen.load_results(results_dir)
+    if not results:
+        print(f"no result files in {results_dir}", file=sys.stderr)
+        return 2
+    out = out_dir or results_dir
+    table, failed = write_outputs(results, out, plot)
+    print(table)
+    print("\nratios are kvpush / vLLM of the medians over all iterations' requests: below 1 means kvpush is faster.")
+    print(f"summary, table{' and figures' if plot else ''} in {out}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvpush bench plot RESULTS [--out DIR] [--compact-to DIR]``."""
+    ap = argparse.ArgumentParser(prog="kvpush bench plot", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", type=Path, help="a kvpush bench serve results folder")
+    ap.add_argument("--out", type=Path, default=None, help="where summary and figures go (default: RESULTS)")
+    ap.add_argument("--compact-to", type=Path, default=None, help="also copy the runs without ITL arrays there")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    rc = report(args.results, plot=not args.no_plot, out_dir=args.out)
+    if args.compact_to is not None and rc != 2:
+        n = compact_copy(args.results, args.compact_to)
+        write_outputs(loadgen.load_results(args.compact_to), args.compact_to, plot=not args.no_plot)
+        print(f"compact copy: {n / 1024:.0f} KiB of run files in {args.compact_to}")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,545 @@
+"""``kvpush bench serve``: kvpush against vLLM's NIXL connectors under a Poisson load.
+
+For each mode -- ``kvpush`` (our connector), ``vllm-pull`` (vLLM's
+``NixlConnector``) and ``vllm-push`` (vLLM's ``NixlPushConnector``) -- a 1P1D
+pair with the same tiny model and flags runs behind the router in the
+matching mode (see :mod:`kvpush.bench.stacks`). A streaming client sends
+Poisson arrivals and measures, per request, TTFT, the inter-token gaps
+(ITL), TPOT and end-to-end latency, the way ``vllm bench serve`` does.
+
+The sweep is QPS x input length, several iterations, with the modes
+*interleaved*: for each iteration, for each point, every mode runs once, in
+an order rotated from point to point. Drift of a shared machine (other
+people's jobs come and go) then hits all modes alike, and each mode runs
+first, second and third equally often. All three stacks stay up; the two
+not being measured are paused (SIGSTOP), so they cost neither CPU nor
+restarts. Every mode of a point sees the same arrival times and the same
+prompts.
+
+Each run is written as ``<mode>_qps<q>_in<in>_out<out>_iter<i>.json``
+(fields of ``vllm bench serve`` where they overlap, see
+:mod:`kvpush.bench.loadgen`); at the end come ``summary.json``, a table with
+the ratios kvpush/vllm-pull and kvpush/vllm-push per point, and the
+TTFT/TPOT-vs-QPS figures (:mod:`kvpush.bench.plot_serve`).
+
+Examples::
+
+    kvpush bench serve --quick                       # one point, one iteration (~5 min with startup)
+    kvpush bench serve                               # the default sweep (~30-40 min on 2 busy cores)
+    kvpush bench serve --inputs 1024 --qps 1,2 --iterations 3
+    kvpush bench serve --attach kvpush=http://127.0.0.1:8000 --modes kvpush
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench import loadgen
+from kvpush.bench.loadgen import MODES, RequestOutput
+from kvpush.bench.stacks import (
+    MODEL_NAME,
+    Stack,
+    attach_stack,
+    build_stack,
+    histogram_means_ms,
+    http_get,
+    prompt_token_sources,
+    server_histograms,
+    start_stacks,
+    stop_stacks,
+)
+from kvpush.demo.servers import ServerError
+
+DEFAULT_INPUTS = (256, 1024, 2048)
+DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0)
+DEFAULT_OUTPUT = 64
+
+
+def say(msg: str) -> None:
+    """A timestamped line that does not tear the progress bar."""
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    try:
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
+    except ImportError:
+        print(line, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- #
+# Streaming client
+# --------------------------------------------------------------------------- #
+
+
+def request_body(prompt: str, output_len: int, model: str = MODEL_NAME) -> dict[str, Any]:
+    """A streamed completion of exactly ``output_len`` tokens (``ignore_eos``),
+    greedy, with the usage chunk that carries the token count."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def send_one(session: Any, url: str, body: dict[str, Any], prompt_len: int, t_run: float) -> RequestOutput:
+    """One streamed request, timed as ``vllm bench serve`` times it: TTFT at the
+    first chunk with a choice (its text may be empty), one ITL per later such
+    chunk, latency to the last such chunk."""
+    out = RequestOutput(prompt_len=prompt_len)
+    st = time.perf_counter()
+    out.start_time = st - t_run
+    last = st
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                out.error = f"HTTP {r.status}: {(await r.text())[:300]}"
+                return out
+            buf = b""
+            first = True
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    data = event.strip().removeprefix(b"data:").strip()
+                    if not data or data.startswith(b":") or data == b"[DONE]":
+                        continue
+                    msg = json.loads(data)
+                    if msg.get("choices"):
+                        now = time.perf_counter()
+                        if first:
+                            out.ttft = now - st
+                            first = False
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                    elif msg.get("usage"):
+                        out.output_tokens = int(msg["usage"].get("completion_tokens") or 0)
+                    elif msg.get("error"):
+                        out.error = f"stream error: {str(msg['error'])[:300]}"
+            if first:
+                out.error = out.error or "no chunk with a choice (stream ended without output)"
+            elif not out.error:
+                out.ok = True
+            out.latency = last - st
+    except Exception as exc:  # the client must survive any server failure
+        out.error = f"{type(exc).__name__}: {exc}"[:400]
+    return out
+
+
+async def run_load(
+    url: str,
+    prompts: Sequence[str],
+    prompt_lens: Sequence[int],
+    arrivals: Sequence[float],
+    output_len: int,
+    on_done: Callable[[RequestOutput], None] | None = None,
+    timeout_s: float = 900.0,
+) -> tuple[list[RequestOutput], float]:
+    """Send ``prompts[i]`` at ``arrivals[i]`` seconds; returns outputs (in send
+    order) and the duration from the first send to the last answer."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        t0 = time.perf_counter()
+
+        async def launch(i: int) -> RequestOutput:
+            delay = arrivals[i] - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            res = await send_one(session, url, request_body(prompts[i], output_len), prompt_lens[i], t0)
+            if on_done is not None:
+                on_done(res)
+            return res
+
+        outs = await asyncio.gather(*(launch(i) for i in range(len(prompts))))
+        return list(outs), time.perf_counter() - t0
+
+
+def warm_up(stack: Stack, input_len: int, seed: int, n: int = 2, tries: int = 4) -> dict[str, Any]:
+    """After a resume: a few short requests until ``n`` succeed in a row.
+
+    Resuming from SIGSTOP makes peers look silent for the paused time;
+    connectors then re-handshake on the next request. That cost belongs to
+    the pause, not to the mode, so it is paid here, outside the measurement.
+    """
+    from kvpush.demo.tiny_model import prompt_words
+
+    t0 = time.perf_counter()
+    ok = failed = 0
+    errors: list[str] = []
+    for i in range(n + tries):
+        body = request_body(prompt_words(min(input_len, 256), seed=seed + i), 4)
+        res = asyncio.run(run_load(stack.url, [body["prompt"]], [0], [0.0], 4, timeout_s=120))[0][0]
+        if res.ok:
+            ok += 1
+            if ok >= n:
+                break
+        else:
+            failed += 1
+            ok = 0
+            errors.append(res.error[:200])
+            time.sleep(1.0)
+    return {"seconds": time.perf_counter() - t0, "failed": failed, "errors": errors}
+
+
+def wait_drained(stack: Stack, timeout: float = 30.0) -> bool:
+    """Until the router has no request or P request pending (P may answer
+    after D's stream ended); True if it drained."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body = http_get(stack.url + "/kvpush/pending", timeout=3.0)
+        if status != 200:
+            return True  # an attached router without this endpoint
+        with contextlib.suppress(ValueError, KeyError):
+            p = json.loads(body)
+            if p["pending"] == 0 and p["pending_prefill"] == 0:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+# --------------------------------------------------------------------------- #
+# The sweep
+# --------------------------------------------------------------------------- #
+
+
+def sweep_plan(
+    inputs: Sequence[int], qps: Sequence[float], modes: Sequence[str], iterations: int
+) -> list[tuple[int, int, float, list[str]]]:
+    """(iteration, input_len, qps, mode order) for every run group, in run order.
+
+    Points go by input length, then QPS; the mode order rotates by one per
+    point, so over any three consecutive points each mode runs first, second
+    and third once.
+    """
+    out = []
+    k = 0
+    for it in range(iterations):
+        for inp in inputs:
+            for q in qps:
+                r = k % len(modes)
+                out.append((it, inp, q, [*modes[r:], *modes[:r]]))
+                k += 1
+    return out
+
+
+def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path) -> list[Path]:
+    """Run every (iteration, point, mode); returns the JSON files written."""
+    from kvpush.demo.tiny_model import prompt_words
+
+    plan = sweep_plan(args.inputs, args.qps, args.modes, args.iterations)
+    sizes = {q: loadgen.requests_for(q, args.window, args.min_requests) for q in args.qps}
+    sizes = {q: min(n, args.max_requests) for q, n in sizes.items()}
+    total = sum(sizes[q] * len(order) for _, _, q, order in plan)
+    bar = _bar(total, args.no_progress)
+    written: list[Path] = []
+    try:
+        for it, inp, q, order in plan:
+            n = sizes[q]
+            seed = loadgen.point_seed(args.seed, it, inp, q)
+            arrivals = loadgen.poisson_arrivals(n, q, seed, args.burstiness)
+            prompts = [prompt_words(inp, seed=seed * 1000 + j) for j in range(n)]
+            for pos, mode in enumerate(order):
+                stack = stacks[mode]
+                for other in stacks.values():
+                    if other is not stack:
+                        other.pause()
+                stack.resume()
+                stack.wait_healthy(60)
+                warm = warm_up(stack, inp, seed + 7919)
+                time.sleep(args.settle)
+                bar.set_description(f"iter {it} in {inp} qps {loadgen.fmt_qps(q)} {mode}")
+                src0 = prompt_token_sources(stack.d_url)
+                h0 = {side: server_histograms(u) for side, u in _server_urls(stack).items()}
+                load0 = os.getloadavg()
+                t_wall = time.time()
+                outs, dur = asyncio.run(
+                    run_load(stack.url, prompts, [inp] * n, arrivals, args.output, on_done=lambda _r: bar.update(1))
+                )
+                drained = wait_drained(stack)
+                src1 = prompt_token_sources(stack.d_url)
+                h1 = {side: server_histograms(u) for side, u in _server_urls(stack).items()}
+                result = _result(args, stack, outs, dur, it, inp, q, seed, pos, order, warm, src0, src1, load0, t_wall)
+                result["kvpush"]["drained"] = drained
+                result["kvpush"]["server_means_ms"] = {
+                    side: histogram_means_ms(h0[side], h1[side]) for side in h1 if h1[side]
+                }
+                written.append(loadgen.write_result(out_dir, result))
+                stack.pause()
+                fails = result["failed"]
+                say(
+                    f"iter {it} in {inp:>5} qps {loadgen.fmt_qps(q):>4} {mode:<9}: "
+                    f"TTFT p50 {result['median_ttft_ms']:7.0f} ms p99 {result['p99_ttft_ms']:7.0f} ms, "
+                    f"TPOT p50 {result['median_tpot_ms']:6.1f} ms, {result['completed']}/{n} ok"
+                    + (f", {fails} FAILED ({_first_error(outs)})" if fails else "")
+                    + f", load {load0[0]:.1f}"
+                )
+    finally:
+        bar.close()
+    return written
+
+
+def _server_urls(stack: Stack) -> dict[str, str | None]:
+    """P's and D's own URLs (P unknown for an attached stack)."""
+    return {"prefill": stack.prefill.url if stack.prefill is not None else None, "decode": stack.d_url}
+
+
+def _first_error(outs: Sequence[RequestOutput]) -> str:
+    return next((o.error for o in outs if o.error), "")[:160]
+
+
+def _result(
+    args: argparse.Namespace,
+    stack: Stack,
+    outs: list[RequestOutput],
+    dur: float,
+    it: int,
+    inp: int,
+    q: float,
+    seed: int,
+    pos: int,
+    order: list[str],
+    warm: dict[str, Any],
+    src0: dict[str, float],
+    src1: dict[str, float],
+    load0: tuple[float, float, float],
+    t_wall: float,
+) -> dict[str, Any]:
+    """One run's JSON: vLLM's top-level keys, then kvpush's bookkeeping."""
+    res: dict[str, Any] = {
+        "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(t_wall)),
+        "endpoint_type": "openai",
+        "backend": "openai",
+        "label": stack.mode,
+        "model_id": MODEL_NAME,
+        "tokenizer_id": MODEL_NAME,
+        "num_prompts": len(outs),
+        "request_rate": q if not math.isinf(q) else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": None,
+    }
+    res.update(loadgen.summarize(outs, dur, loadgen.DEFAULT_PERCENTILES))
+    res["kvpush"] = {
+        "mode": stack.mode,
+        "qps": q,
+        "input_len": inp,
+        "output_len": args.output,
+        "iteration": it,
+        "seed": seed,
+        "position_in_point": pos,
+        "mode_order": order,
+        "warmup": warm,
+        "settle_s": args.settle,
+        "d_prompt_tokens_by_source": {k: src1.get(k, 0.0) - src0.get(k, 0.0) for k in sorted(set(src0) | set(src1))},
+        "loadavg_start": list(load0),
+        "loadavg_end": list(os.getloadavg()),
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()},
+        "stack": stack.info,
+    }
+    return res
+
+
+class _NoBar:
+    """Stand-in when tqdm is missing or ``--no-progress``: prints nothing per request."""
+
+    def update(self, _n: int) -> None:
+        return
+
+    def set_description(self, _d: str) -> None:
+        return
+
+    def close(self) -> None:
+        return
+
+
+def _bar(total: int, disabled: bool) -> Any:
+    if disabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------- #
+# CLI
+# --------------------------------------------------------------------------- #
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvpush bench serve",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument("--inputs", type=_ints, default=list(DEFAULT_INPUTS), help="input lengths in tokens")
+    ap.add_argument("--qps", type=_floats, default=list(DEFAULT_QPS), help="request rates (requests/s)")
+    ap.add_argument("--output", type=int, default=DEFAULT_OUTPUT, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--window", type=float, default=10.0, help="seconds of arrivals per point: N = ceil(qps*window)")
+    ap.add_argument("--min-requests", type=int, default=6, help="at least this many requests per point")
+    ap.add_argument("--max-requests", type=int, default=24, help="at most this many requests per point")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson (gamma shape of the gaps)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds between warm-up and a run")
+    ap.add_argument("--quick", action="store_true", help="one point (1024 tokens, 1 QPS), one iteration, 6 requests")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default results/bench_serve/<time>)")
+    ap.add_argument("--model-dir", default="models/tiny-qwen3", help="where the tiny model is created (reused)")
+    ap.add_argument("--prefill-cpus", default="0")
+    ap.add_argument("--decode-cpus", default="1")
+    ap.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache per server (all modes alike)")
+    ap.add_argument("--debug-log", action="store_true", help="KVPUSH_LOG_LEVEL=DEBUG on kvpush servers")
+    ap.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="MODE=URL",
+        help="use a running router for MODE instead of starting a stack (never paused)",
+    )
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--startup-timeout", type=float, default=1500.0)
+    ap.add_argument(
+        "--vllm-no-progress-thread",
+        action="store_true",
+        help="ablation: vLLM's NIXL agents without their (spinning) progress thread; not a vLLM option",
+    )
+    ap.add_argument(
+        "--kvpush-config",
+        default=None,
+        metavar="JSON",
+        help="extra kv_connector_extra_config keys for kvpush, e.g. '{\"idle_poll_max_s\": 0.05}'",
+    )
+    return ap
+
+
+def source_state() -> dict[str, Any]:
+    """The commit benchmarked and the kvpush files that differed from it.
+
+    Servers import kvpush from the working tree (editable install), which
+    others edit concurrently; a result is only reproducible with this."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "kvpush").splitlines()]
+    return {"commit": git("rev-parse", "HEAD"), "dirty_kvpush_files": dirty}
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; 0 when every request of every run succeeded, 1 if some failed."""
+    args = build_parser().parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        print(f"unknown mode(s) {bad}; choose from {MODES}", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.inputs, args.qps, args.iterations = [1024], [1.0], 1
+        args.min_requests = args.max_requests = 6
+    attached = dict(a.split("=", 1) for a in args.attach)
+    out_dir = args.out or Path("results/bench_serve") / time.strftime("run-%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    say(f"results in {out_dir}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+    stacks: dict[str, Stack] = {}
+    try:
+        model = None
+        for mode in args.modes:
+            if mode in attached:
+                stacks[mode] = attach_stack(mode, attached[mode])
+                continue
+            if model is None:
+                from kvpush.demo.tiny_model import make_tiny_model
+
+                model = make_tiny_model(args.model_dir)
+            stacks[mode] = build_stack(
+                mode,
+                model,
+                out_dir / "logs",
+                p_cpus=args.prefill_cpus,
+                d_cpus=args.decode_cpus,
+                kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+                vllm_no_progress_thread=args.vllm_no_progress_thread,
+                kvpush_extra=json.loads(args.kvpush_config) if args.kvpush_config else None,
+                debug_log=args.debug_log,
+            )
+        t0 = time.monotonic()
+        start_stacks(list(stacks.values()), say, timeout=args.startup_timeout)
+        say(f"all stacks healthy after {time.monotonic() - t0:.0f} s")
+        (out_dir / "sweep.json").write_text(
+            json.dumps(
+                {
+                    "argv": sys.argv[1:] if argv is None else argv,
+                    "modes": args.modes,
+                    "inputs": args.inputs,
+                    "qps": args.qps,
+                    "output": args.output,
+                    "iterations": args.iterations,
+                    "window_s": args.window,
+                    "min_requests": args.min_requests,
+                    "max_requests": args.max_requests,
+                    "stacks": {m: s.info for m, s in stacks.items()},
+                    "source": source_state(),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        t1 = time.monotonic()
+        run_sweep(args, stacks, out_dir)
+        say(f"sweep done in {(time.monotonic() - t1) / 60:.1f} min")
+    except KeyboardInterrupt:
+        say("interrupted; stopping servers")
+        return 130
+    except ServerError as exc:
+        say(f"ERROR: {exc}")
+        return 2
+    finally:
+        say("stopping servers")
+        stop_stacks(list(stacks.values()))
+    from kvpush.bench import plot_serve
+
+    return plot_serve.report(out_dir, plot=not args.no_plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
