@@ -196,6 +196,15 @@ def test_results_load_aggregate_and_ratios(tmp_path: Path) -> None:
     assert "k/pull" in table and " 0.67 " in table and " 0.80 " in table
 
 
+def test_server_histogram_means_between_scrapes() -> None:
+    from kvpush.bench.stacks import histogram_means_ms
+
+    before = {"vllm:request_queue_time_seconds": (1.0, 10.0), "vllm:time_to_first_token_seconds": (2.0, 4.0)}
+    after = {"vllm:request_queue_time_seconds": (1.5, 15.0), "vllm:time_to_first_token_seconds": (2.0, 4.0)}
+    # 0.5 s over 5 new requests; TTFT had no new observation and is left out.
+    assert histogram_means_ms(before, after) == {"request_queue_time": pytest.approx(100.0)}
+
+
 def test_ratio_is_none_when_a_mode_is_missing() -> None:
     agg = {(256, 1.0, "kvpush"): {"median_ttft_ms": 10.0}}
     assert loadgen.ratios(agg) == [{"input_len": 256, "qps": 1.0, "kvpush/vllm-pull": None, "kvpush/vllm-push": None}]
@@ -218,6 +227,14 @@ def test_plot_and_compact_copy_from_synthetic_results(tmp_path: Path) -> None:
     a = loadgen.aggregate(loadgen.load_results(d))
     b = loadgen.aggregate(loadgen.load_results(tmp_path / "compact"))
     assert a[(2048, 2.0, "kvpush")]["p99_ttft_ms"] == pytest.approx(b[(2048, 2.0, "kvpush")]["p99_ttft_ms"])
+
+
+def test_compact_keeps_statistics_and_drops_bulk() -> None:
+    res = {**loadgen.summarize(_outputs(), 2.0), "kvpush": {"mode": "kvpush", "stack": {"server_args": ["--x"]}}}
+    small = loadgen.compact(res)
+    assert "itls" not in small and small["itls_dropped"] is True
+    assert small["kvpush"] == {"mode": "kvpush"} and res["kvpush"]["stack"]  # the original is untouched
+    assert small["ttfts"] == res["ttfts"] and small["p99_ttft_ms"] == res["p99_ttft_ms"]
 
 
 def test_report_returns_1_when_requests_failed(tmp_path: Path) -> None:

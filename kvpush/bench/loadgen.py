@@ -251,10 +251,14 @@ def compact(result: Mapping[str, Any]) -> dict[str, Any]:
     What a committed results folder keeps: every statistic, and per request
     its TTFT, latency and token counts, enough to recompute TTFT/TPOT/E2E
     percentiles across iterations; only ITL percentiles are then frozen at
-    the per-run values.
+    the per-run values. The stack description (server flags, connector
+    configs), equal for all runs of a sweep, is left to ``sweep.json``.
     """
     out = {k: v for k, v in result.items() if k not in ("itls", "generated_texts")}
     out["itls_dropped"] = True
+    if isinstance(out.get("kvpush"), dict) and "stack" in out["kvpush"]:
+        # The same for every run of a sweep: sweep.json holds it once.
+        out["kvpush"] = {k: v for k, v in out["kvpush"].items() if k != "stack"}
     return out
 
 
@@ -303,6 +307,9 @@ def aggregate(results: Iterable[Mapping[str, Any]]) -> dict[tuple[int, float, st
         agg["completed"] += int(r.get("completed", 0))
         agg["failed"] += int(r.get("failed", 0))
         agg["runs"] += 1
+        for side, means in (k.get("server_means_ms") or {}).items():
+            for name, v in means.items():
+                agg.setdefault("server", {}).setdefault(side, {}).setdefault(name, []).append(v)
         agg["iters"][int(k["iteration"])] = {
             "median_ttft_ms": percentile(m["ttft"], 50) * 1000,
             "median_tpot_ms": percentile(m["tpot"], 50) * 1000,
@@ -325,6 +332,12 @@ def aggregate(results: Iterable[Mapping[str, Any]]) -> dict[tuple[int, float, st
         its = [agg["iters"][i] for i in sorted(agg["iters"])]
         row["iter_median_ttft_ms"] = [x["median_ttft_ms"] for x in its]
         row["iter_median_tpot_ms"] = [x["median_tpot_ms"] for x in its]
+        if agg.get("server"):
+            # vLLM's own per-request histograms (queue, prefill, decode, TTFT) on P and D, averaged over runs.
+            row["server_means_ms"] = {
+                side: {name: statistics.fmean(v) for name, v in sorted(names.items())}
+                for side, names in agg["server"].items()
+            }
         out[key] = row
     return out
 

@@ -451,12 +451,12 @@ def source_state() -> dict[str, Any]:
 
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=20).stdout.strip()
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=20).stdout.rstrip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "kvpush").splitlines()]
-    return {"commit": git("rev-parse", "HEAD"), "dirty_kvpush_files": dirty}
+    return {"commit": git("rev-parse", "HEAD").strip(), "dirty_kvpush_files": dirty}
 
 
 def _interrupt(signum: int, _frame: object) -> None:
