@@ -25,6 +25,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "serve": ("kvpush.bench.serve", "TTFT/TPOT of kvpush vs vLLM's NIXL connectors under Poisson load"),
     "plot": ("kvpush.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
     "idle": ("kvpush.bench.idle", "CPU used by an idle P/D pair, per connector"),
+    "layerwise": ("kvpush.bench.layerwise", "TTFT vs prompt length: single vLLM, whole-request push, layer-wise push"),
 }
 
 

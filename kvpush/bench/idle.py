@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -46,8 +45,17 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.bench.loadgen import MODES
-from kvpush.bench.stacks import BASELINE, Stack, build_stack, start_stacks, stop_stacks
-from kvpush.demo.servers import ServerError
+from kvpush.bench.stacks import (
+    BASELINE,
+    Stack,
+    activate,
+    add_stack_arguments,
+    build_stacks,
+    run_with_stacks,
+    stack_options,
+    start_stacks,
+    stop_stacks,
+)
 
 PHASES = ("fresh", "connected", "after_burst")
 GOAL_PCT = 5.0
@@ -266,10 +274,6 @@ def plot(results: Sequence[Mapping[str, Any]], path: Path) -> Path:
     return path
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Measure every mode; 0 on success (the numbers are reported, not judged)."""
     ap = argparse.ArgumentParser(prog="kvpush bench idle", description=__doc__.split("\n\n")[0])
@@ -284,22 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst-input", type=int, default=1024)
     ap.add_argument("--burst-output", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None, help="default results/bench_idle/<time>")
-    ap.add_argument("--model-dir", default="models/tiny-qwen3")
-    ap.add_argument("--prefill-cpus", default="0")
-    ap.add_argument("--decode-cpus", default="1")
-    ap.add_argument("--kv-cache-mib", type=int, default=512)
-    ap.add_argument("--startup-timeout", type=float, default=1500.0)
-    ap.add_argument(
-        "--vllm-no-progress-thread",
-        action="store_true",
-        help="ablation: vLLM's NIXL agents without their (spinning) progress thread; not a vLLM option",
-    )
-    ap.add_argument(
-        "--kvpush-config",
-        default=None,
-        metavar="JSON",
-        help="extra kv_connector_extra_config keys for kvpush, e.g. '{\"idle_poll_max_s\": 0.05}'",
-    )
+    add_stack_arguments(ap, debug_log=False)
     ap.add_argument(
         "--together",
         action="store_true",
@@ -312,48 +301,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or Path("results/bench_idle") / time.strftime("run-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)
-    from kvpush.demo.tiny_model import make_tiny_model
 
-    model = make_tiny_model(args.model_dir)
-    stacks = {
-        m: build_stack(
-            m,
-            model,
-            out / "logs",
-            p_cpus=args.prefill_cpus,
-            d_cpus=args.decode_cpus,
-            kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
-            vllm_no_progress_thread=args.vllm_no_progress_thread,
-            kvpush_extra=json.loads(args.kvpush_config) if args.kvpush_config else None,
-        )
-        for m in modes
-    }
-    results = []
-    try:
+    def make_model() -> Path:
+        from kvpush.demo.tiny_model import make_tiny_model
+
+        return make_tiny_model(args.model_dir)
+
+    stacks = build_stacks(modes, make_model, out / "logs", stack_options(args))
+    results: list[dict[str, Any]] = []
+
+    def run() -> None:
         if args.together:
             start_stacks(list(stacks.values()), say, timeout=args.startup_timeout)
         for m in modes:
             st = stacks[m]
             if not args.together:
                 start_stacks([st], say, timeout=args.startup_timeout)
-            st.resume()
-            st.wait_healthy(60)
+            activate(stacks, st)
             results.append(measure_mode(st, args))
             if args.together:
                 st.pause()
             else:
                 say(f"stopping {m}")
                 stop_stacks([st])
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    except ServerError as exc:
-        say(f"ERROR: {exc}")
-        return 2
-    finally:
-        say("stopping servers")
-        stop_stacks(list(stacks.values()))
+
+    rc = run_with_stacks(stacks, run, say)
+    if rc:
+        return rc
     doc = {
         "goal_pct_of_one_core_per_pair": GOAL_PCT,
         "settle_s": args.settle,

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import platform
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,16 +50,17 @@ from kvpush.bench.loadgen import MODES, RequestOutput
 from kvpush.bench.stacks import (
     MODEL_NAME,
     Stack,
-    attach_stack,
-    build_stack,
+    activate,
+    add_stack_arguments,
+    build_stacks,
     histogram_means_ms,
     http_get,
     prompt_token_sources,
+    run_with_stacks,
     server_histograms,
+    stack_options,
     start_stacks,
-    stop_stacks,
 )
-from kvpush.demo.servers import ServerError
 
 DEFAULT_INPUTS = (256, 1024, 2048)
 DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0)
@@ -258,11 +258,7 @@ def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path)
             prompts = [prompt_words(inp, seed=seed * 1000 + j) for j in range(n)]
             for pos, mode in enumerate(order):
                 stack = stacks[mode]
-                for other in stacks.values():
-                    if other is not stack:
-                        other.pause()
-                stack.resume()
-                stack.wait_healthy(60)
+                activate(stacks, stack)
                 warm = warm_up(stack, inp, seed + 7919)
                 time.sleep(args.settle)
                 bar.set_description(f"iter {it} in {inp} qps {loadgen.fmt_qps(q)} {mode}")
@@ -411,11 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--settle", type=float, default=1.0, help="seconds between warm-up and a run")
     ap.add_argument("--quick", action="store_true", help="one point (1024 tokens, 1 QPS), one iteration, 6 requests")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default results/bench_serve/<time>)")
-    ap.add_argument("--model-dir", default="models/tiny-qwen3", help="where the tiny model is created (reused)")
-    ap.add_argument("--prefill-cpus", default="0")
-    ap.add_argument("--decode-cpus", default="1")
-    ap.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache per server (all modes alike)")
-    ap.add_argument("--debug-log", action="store_true", help="KVPUSH_LOG_LEVEL=DEBUG on kvpush servers")
+    add_stack_arguments(ap)
     ap.add_argument(
         "--attach",
         action="append",
@@ -425,18 +417,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--startup-timeout", type=float, default=1500.0)
-    ap.add_argument(
-        "--vllm-no-progress-thread",
-        action="store_true",
-        help="ablation: vLLM's NIXL agents without their (spinning) progress thread; not a vLLM option",
-    )
-    ap.add_argument(
-        "--kvpush-config",
-        default=None,
-        metavar="JSON",
-        help="extra kv_connector_extra_config keys for kvpush, e.g. '{\"idle_poll_max_s\": 0.05}'",
-    )
     return ap
 
 
@@ -459,10 +439,6 @@ def source_state() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD").strip(), "dirty_kvpush_files": dirty}
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; 0 when every request of every run succeeded, 1 if some failed."""
     args = build_parser().parse_args(argv)
@@ -477,31 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     attached = dict(a.split("=", 1) for a in args.attach)
     out_dir = args.out or Path("results/bench_serve") / time.strftime("run-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _interrupt)
     say(f"results in {out_dir}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
-    stacks: dict[str, Stack] = {}
-    try:
-        model = None
-        for mode in args.modes:
-            if mode in attached:
-                stacks[mode] = attach_stack(mode, attached[mode])
-                continue
-            if model is None:
-                from kvpush.demo.tiny_model import make_tiny_model
+    def make_model() -> Path:
+        from kvpush.demo.tiny_model import make_tiny_model
 
-                model = make_tiny_model(args.model_dir)
-            stacks[mode] = build_stack(
-                mode,
-                model,
-                out_dir / "logs",
-                p_cpus=args.prefill_cpus,
-                d_cpus=args.decode_cpus,
-                kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
-                vllm_no_progress_thread=args.vllm_no_progress_thread,
-                kvpush_extra=json.loads(args.kvpush_config) if args.kvpush_config else None,
-                debug_log=args.debug_log,
-            )
+        return make_tiny_model(args.model_dir)
+
+    stacks = build_stacks(args.modes, make_model, out_dir / "logs", stack_options(args), attached)
+
+    def run() -> None:
         t0 = time.monotonic()
         start_stacks(list(stacks.values()), say, timeout=args.startup_timeout)
         say(f"all stacks healthy after {time.monotonic() - t0:.0f} s")
@@ -527,15 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.monotonic()
         run_sweep(args, stacks, out_dir)
         say(f"sweep done in {(time.monotonic() - t1) / 60:.1f} min")
-    except KeyboardInterrupt:
-        say("interrupted; stopping servers")
-        return 130
-    except ServerError as exc:
-        say(f"ERROR: {exc}")
-        return 2
-    finally:
-        say("stopping servers")
-        stop_stacks(list(stacks.values()))
+
+    rc = run_with_stacks(stacks, run, say)
+    if rc:
+        return rc
     from kvpush.bench import plot_serve
 
     return plot_serve.report(out_dir, plot=not args.no_plot)

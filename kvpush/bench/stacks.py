@@ -19,11 +19,21 @@ resume), because:
 
 Pinning: every P on ``p_cpus`` and every D on ``d_cpus`` (whole process
 trees, see :mod:`kvpush.demo.servers`), router and client float.
+
+The benchmarks share one life cycle, kept here: the command-line options
+that shape a stack (:func:`add_stack_arguments`, :func:`stack_options`),
+building them (:func:`build_stacks`), owning them for the length of a run
+(:func:`run_with_stacks`: SIGTERM becomes an orderly stop, every owned
+server is stopped whatever happens, the exit codes 130/2 on interrupt or a
+server that did not come up) and switching the machine to one of them
+(:func:`activate`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import signal
 import time
@@ -38,6 +48,7 @@ from kvpush.demo import servers as srv
 
 MODES = ("kvpush", "vllm-pull", "vllm-push")
 BASELINE = "none"  # plain vLLM servers, no KV connector: what an idle server costs anyway
+SINGLE = "single"  # one plain vLLM server (on the prefill cores), no router: P/D without any transfer
 MODEL_NAME = "tiny-qwen3"
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 ABLATION_DIR = Path(__file__).resolve().parent / "ablation_no_prog_thread"
@@ -49,7 +60,7 @@ def connector_configs(
     mode: str, p_kv_port: int, d_kv_port: int, engine_id: str
 ) -> tuple[dict[str, Any] | None, dict[str, str], dict[str, Any] | None, dict[str, str]]:
     """(P kv_transfer_config, P env, D kv_transfer_config, D env) of one mode."""
-    if mode == BASELINE:
+    if mode in (BASELINE, SINGLE):
         return None, {}, None, {}
     if mode == "kvpush":
         return (
@@ -122,9 +133,11 @@ class Stack:
         marks it unhealthy."""
         if self.attached or self.paused:
             return
-        for s in (self.router, *self.servers):
-            if s is not None and s.proc is not None:
-                _killpg(s.proc.pid, signal.SIGSTOP)
+        started = [s for s in (self.router, *self.servers) if s is not None and s.proc is not None]
+        if not started:
+            return  # nothing to pause yet (a stack started later, one at a time)
+        for s in started:
+            _killpg(s.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
         self.paused = True
 
     def resume(self) -> None:
@@ -185,9 +198,17 @@ def build_stack(
     extra_server_args: Sequence[str] = (),
     vllm_no_progress_thread: bool = False,
     kvpush_extra: Mapping[str, Any] | None = None,
+    max_model_len: int | None = None,
+    name: str | None = None,
 ) -> Stack:
     """A (not started) stack of ``mode`` on fresh ports (``"none"``: two plain
-    vLLM servers without connector or router, the idle baseline).
+    vLLM servers without connector or router, the idle baseline;
+    ``"single"``: one plain vLLM server on ``p_cpus``, no router, the
+    no-transfer baseline of latency; it sits in the stack's ``prefill`` slot).
+
+    ``name`` labels the stack (``Stack.mode``, server names, log folder) when
+    two stacks of one mode differ only in ``kvpush_extra`` (default: ``mode``).
+    ``max_model_len`` overrides :data:`kvpush.demo.servers.DEFAULT_MAX_MODEL_LEN`.
 
     Identical for every mode except the connector: ``--no-enable-prefix-caching``
     on P and D (every request transfers its whole prompt's KV), the same KV
@@ -199,8 +220,9 @@ def build_stack(
     ``kvpush_extra``: more ``kv_connector_extra_config`` keys for kvpush's P
     and D (e.g. ``{"idle_poll_max_s": 0.05}``), for experiments.
     """
+    name = name or mode
     p_port, d_port, r_port, p_kv, d_kv = (srv.free_port() for _ in range(5))
-    engine_id = f"bench-{mode}-prefill-{p_port}"
+    engine_id = f"bench-{name}-prefill-{p_port}"
     p_cfg, p_env, d_cfg, d_env = connector_configs(mode, p_kv, d_kv, engine_id)
     if mode == "kvpush" and kvpush_extra:
         for cfg in (p_cfg, d_cfg):
@@ -213,10 +235,17 @@ def build_stack(
     if ablation:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ABLATION_DIR), os.environ.get("PYTHONPATH", "")) if p)
     args = ["--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_cache_bytes), *extra_server_args]
-    logs = Path(log_dir) / mode
+    logs = Path(log_dir) / name
     common: dict[str, Any] = {"log_dir": logs, "served_model_name": MODEL_NAME, "fast_start": True, "extra_args": args}
+    if max_model_len is not None:
+        common["max_model_len"] = max_model_len
+    if mode == SINGLE:
+        single = srv.vllm_server(name, model, p_port, cpus=p_cpus, env=env, **common)
+        _unset_kvcache_space(single)
+        info = {"mode": mode, "name": name, "cpus": p_cpus, "server_args": args, "log_dir": str(logs)}
+        return Stack(name, single.url, single, None, None, single.url, info=info)
     prefill = srv.vllm_server(
-        f"{mode}-prefill",
+        f"{name}-prefill",
         model,
         p_port,
         cpus=p_cpus,
@@ -226,7 +255,7 @@ def build_stack(
         **common,
     )
     decode = srv.vllm_server(
-        f"{mode}-decode",
+        f"{name}-decode",
         model,
         d_port,
         cpus=d_cpus,
@@ -236,16 +265,12 @@ def build_stack(
         **common,
     )
     for server in (prefill, decode):
-        # An explicit KV size (--kv-cache-memory-bytes) instead of
-        # VLLM_CPU_KVCACHE_SPACE's whole GiB: six servers must fit in memory
-        # next to other people's work. vLLM lets that variable override the
-        # flag and rejects it empty, so it must be absent from the environment.
-        server.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        server.cmd = ["env", "-u", "VLLM_CPU_KVCACHE_SPACE", *server.cmd]
+        _unset_kvcache_space(server)
     rargs = router_args(mode, prefill.url, decode.url, p_kv, engine_id) if mode != BASELINE else []
     router = srv.router_server(rargs, r_port, log_dir=logs) if mode != BASELINE else None
     info = {
         "mode": mode,
+        **({"name": name} if name != mode else {}),
         "prefill_cpus": p_cpus,
         "decode_cpus": d_cpus,
         "server_args": args,
@@ -257,7 +282,16 @@ def build_stack(
     }
     # The baseline has no router: clients talk to its D directly.
     url = router.url if router is not None else decode.url
-    return Stack(mode, url, prefill, decode, router, decode.url, info=info)
+    return Stack(name, url, prefill, decode, router, decode.url, info=info)
+
+
+def _unset_kvcache_space(server: srv.ServerProcess) -> None:
+    """An explicit KV size (--kv-cache-memory-bytes) instead of
+    VLLM_CPU_KVCACHE_SPACE's whole GiB: six servers must fit in memory next
+    to other people's work. vLLM lets that variable override the flag and
+    rejects it empty, so it must be absent from the environment."""
+    server.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    server.cmd = ["env", "-u", "VLLM_CPU_KVCACHE_SPACE", *server.cmd]
 
 
 def attach_stack(mode: str, url: str) -> Stack:
@@ -381,3 +415,139 @@ def histogram_means_ms(
         if c1 > c0:
             out[name.removeprefix("vllm:").removesuffix("_seconds")] = 1000 * (s1 - s0) / (c1 - c0)
     return out
+
+
+# --------------------------------------------------------------------------- #
+# The life cycle the benchmarks share: options, building, owning, switching
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    """What shapes every stack of a run alike (keyword arguments of :func:`build_stack`)."""
+
+    p_cpus: str = "0"
+    d_cpus: str = "1"
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    debug_log: bool = False
+    vllm_no_progress_thread: bool = False
+    kvpush_extra: Mapping[str, Any] | None = None
+    max_model_len: int | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "p_cpus": self.p_cpus,
+            "d_cpus": self.d_cpus,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "debug_log": self.debug_log,
+            "vllm_no_progress_thread": self.vllm_no_progress_thread,
+            "kvpush_extra": self.kvpush_extra,
+            "max_model_len": self.max_model_len,
+        }
+
+
+def add_stack_arguments(
+    ap: argparse.ArgumentParser,
+    *,
+    model_dir: str = "models/tiny-qwen3",
+    kv_cache_mib: int = 512,
+    vllm_ablation: bool = True,
+    debug_log: bool = True,
+) -> None:
+    """The command-line options of :class:`StackOptions` (and ``--model-dir``,
+    ``--startup-timeout``), the same in every benchmark."""
+    ap.add_argument("--model-dir", default=model_dir, help="where the tiny model is created (reused)")
+    ap.add_argument("--prefill-cpus", default="0")
+    ap.add_argument("--decode-cpus", default="1")
+    ap.add_argument("--kv-cache-mib", type=int, default=kv_cache_mib, help="KV cache per server (all modes alike)")
+    if debug_log:
+        ap.add_argument("--debug-log", action="store_true", help="KVPUSH_LOG_LEVEL=DEBUG on kvpush servers")
+    ap.add_argument("--startup-timeout", type=float, default=1500.0)
+    if vllm_ablation:
+        ap.add_argument(
+            "--vllm-no-progress-thread",
+            action="store_true",
+            help="ablation: vLLM's NIXL agents without their (spinning) progress thread; not a vLLM option",
+        )
+    ap.add_argument(
+        "--kvpush-config",
+        default=None,
+        metavar="JSON",
+        help="extra kv_connector_extra_config keys for kvpush, e.g. '{\"idle_poll_max_s\": 0.05}'",
+    )
+
+
+def stack_options(args: argparse.Namespace, **override: Any) -> StackOptions:
+    """:class:`StackOptions` from the options of :func:`add_stack_arguments`."""
+    opts: dict[str, Any] = {
+        "p_cpus": args.prefill_cpus,
+        "d_cpus": args.decode_cpus,
+        "kv_cache_bytes": args.kv_cache_mib * 1024 * 1024,
+        "debug_log": getattr(args, "debug_log", False),
+        "vllm_no_progress_thread": getattr(args, "vllm_no_progress_thread", False),
+        "kvpush_extra": json.loads(args.kvpush_config) if args.kvpush_config else None,
+    }
+    opts.update(override)
+    return StackOptions(**opts)
+
+
+def build_stacks(
+    modes: Sequence[str],
+    model: Callable[[], str | os.PathLike[str]],
+    log_dir: Path,
+    opts: StackOptions,
+    attached: Mapping[str, str] | None = None,
+) -> dict[str, Stack]:
+    """One stack per mode, in order: attached to a running router where
+    ``attached`` names one, else built (not started) with ``opts``. ``model``
+    is called once, and only if some stack is built (it may create the model)."""
+    attached = attached or {}
+    stacks: dict[str, Stack] = {}
+    path: str | os.PathLike[str] | None = None
+    for mode in modes:
+        if mode in attached:
+            stacks[mode] = attach_stack(mode, attached[mode])
+            continue
+        if path is None:
+            path = model()
+        stacks[mode] = build_stack(mode, path, log_dir, **opts.kwargs())
+    return stacks
+
+
+def activate(stacks: Mapping[str, Stack] | Sequence[Stack], stack: Stack, timeout: float = 60.0) -> None:
+    """Make ``stack`` the only one running: pause every other, resume it, wait
+    until it is healthy end to end."""
+    for other in stacks.values() if isinstance(stacks, Mapping) else stacks:
+        if other is not stack:
+            other.pause()
+    stack.resume()
+    stack.wait_healthy(timeout)
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_with_stacks(stacks: Mapping[str, Stack] | Sequence[Stack], body: Callable[[], int | None], say: Say) -> int:
+    """Run ``body`` while owning ``stacks``; returns its status (None: 0).
+
+    SIGTERM is turned into KeyboardInterrupt for the duration, so a killed
+    benchmark still stops its servers; every owned stack is stopped at the
+    end, whatever happened (attached ones are left alone). An interrupt
+    returns 130, a :class:`~kvpush.demo.servers.ServerError` (a server that
+    did not come up, or died) 2, after saying why."""
+    every = list(stacks.values()) if isinstance(stacks, Mapping) else list(stacks)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        rc = body()
+        return 0 if rc is None else int(rc)
+    except KeyboardInterrupt:
+        say("interrupted; stopping servers")
+        return 130
+    except srv.ServerError as exc:
+        say(f"ERROR: {exc}")
+        return 2
+    finally:
+        say("stopping servers")
+        stop_stacks(every)
+        signal.signal(signal.SIGTERM, previous)
