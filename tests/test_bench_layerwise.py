@@ -24,16 +24,17 @@ from kvpush.bench import stacks
 # --------------------------------------------------------------------------- #
 
 
-def test_visit_plan_rotates_modes_per_repetition() -> None:
-    plan = lw.visit_plan(list(lw.MODES), 3)
-    assert len(plan) == 9
-    assert [m for _, m in plan[:3]] == ["single", "request", "layer"]
-    assert [m for _, m in plan[3:6]] == ["request", "layer", "single"]
-    assert [m for _, m in plan[6:]] == ["layer", "single", "request"]
-    for rep in range(3):
-        assert sorted(m for r, m in plan if r == rep) == sorted(lw.MODES)
-    firsts = [plan[i][1] for i in (0, 3, 6)]
-    assert sorted(firsts) == sorted(lw.MODES)
+def test_visit_plan_interleaves_modes_per_point_and_rotates() -> None:
+    plan = lw.visit_plan(list(lw.MODES), 2, [256, 1024, 2048])
+    assert len(plan) == 2 * 3 * 3
+    assert plan[:3] == [(0, 256, "single"), (0, 256, "request"), (0, 256, "layer")]
+    assert plan[3:6] == [(0, 1024, "request"), (0, 1024, "layer"), (0, 1024, "single")]
+    for rep in range(2):
+        for n in (256, 1024, 2048):
+            assert sorted(m for r, k, m in plan if (r, k) == (rep, n)) == sorted(lw.MODES)
+    # Each mode goes first equally often over the 6 points.
+    firsts = [plan[i][2] for i in range(0, len(plan), 3)]
+    assert {m: firsts.count(m) for m in lw.MODES} == {m: 2 for m in lw.MODES}
 
 
 def test_prompt_seed_shared_by_modes_distinct_per_point() -> None:
@@ -108,17 +109,16 @@ TTFT = {"single": 1000.0, "request": 1100.0, "layer": 1020.0}
 def synthetic_records(reps: int = 3, lengths: tuple[int, ...] = (256, 1024)) -> list[dict[str, Any]]:
     """TTFT = base * length/256 + rep noise; kvpush modes with push numbers."""
     out = []
-    for rep, mode in lw.visit_plan(list(lw.MODES), reps):
-        for n in lengths:
-            scale = n / 256
-            r: dict[str, Any] = {"mode": mode, "rep": rep, "length": n, "ok": True}
-            r["ttft_ms"] = TTFT[mode] * scale + 10 * rep
-            r["p_prefill_ms"] = 900.0 * scale
-            if mode != "single":
-                r["p_transfer_ms"] = (90.0 if mode == "request" else 40.0) * scale
-                r["size_mib"] = 16.0 * scale
-                r["stages_ms"] = {"p_completion": 30.0 * scale, "d_transfer": 950.0 * scale}
-            out.append(r)
+    for rep, n, mode in lw.visit_plan(list(lw.MODES), reps, lengths):
+        scale = n / 256
+        r: dict[str, Any] = {"mode": mode, "rep": rep, "length": n, "ok": True}
+        r["ttft_ms"] = TTFT[mode] * scale + 10 * rep
+        r["p_prefill_ms"] = 900.0 * scale + 10 * rep  # prefill carries the noise
+        if mode != "single":
+            r["p_transfer_ms"] = (90.0 if mode == "request" else 40.0) * scale
+            r["size_mib"] = 16.0 * scale
+            r["stages_ms"] = {"p_completion": 30.0 * scale, "d_transfer": 950.0 * scale}
+        out.append(r)
     return out
 
 
@@ -130,11 +130,17 @@ def test_summary_overheads_and_layer_fraction() -> None:
     assert p["layer"]["overhead_ms"] == pytest.approx(20.0)
     assert p["layer"]["overhead_paired_ms"] == pytest.approx(20.0)
     assert p["layer_fraction"] == pytest.approx(0.2)
+    # Net of P's prefill time: single 100, request 200, layer 120 after the prefill.
+    assert p["single"]["median_after_prefill_ms"] == pytest.approx(100.0)
+    assert p["request"]["overhead_net_ms"] == pytest.approx(100.0)
+    assert p["layer_fraction_net"] == pytest.approx(0.2)
     assert s["1024"]["layer_fraction"] == pytest.approx(0.2)
     assert s["1024"]["request"]["median_p_transfer_ms"] == pytest.approx(360.0)
     assert s["1024"]["request"]["median_stages_ms"]["p_completion"] == pytest.approx(120.0)
     assert "overhead_ms" not in p["single"]
     assert p["single"]["n"] == 3 and p["single"]["failed"] == 0
+    assert (p["single"]["p25_ttft_ms"], p["single"]["p75_ttft_ms"]) == (1005.0, 1015.0)
+    assert (p["single"]["min_ttft_ms"], p["single"]["max_ttft_ms"]) == (1000.0, 1020.0)
 
 
 def test_summary_counts_failures_and_survives_missing_modes() -> None:
@@ -189,7 +195,7 @@ def test_json_shape_and_size(tmp_path: Path) -> None:
 def test_table_lists_every_length_and_ratio() -> None:
     t = lw.table(synthetic_doc())
     lines = t.splitlines()
-    assert "single TTFT" in lines[0] and "layer/req" in lines[0]
+    assert "single TTFT" in lines[0] and "layer/req" in lines[0] and "net l/r" in lines[0]
     assert sum(1 for line in lines if line.strip().split(" ")[0] in {str(n) for n in lw.DEFAULT_LENGTHS}) == 4
     assert "0.20" in t
     assert "FAILED" not in t

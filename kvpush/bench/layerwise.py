@@ -17,16 +17,19 @@ load), streamed, ``max_tokens`` 4 with ``ignore_eos``, each a distinct prompt
 of exactly the length asked (:func:`kvpush.demo.tiny_model.prompt_words`;
 prefix caching is off, so every request transfers its whole prompt).
 
-**Interleaving.** For each repetition every mode is visited once, in an order
-rotated by one per repetition, and measures every prompt length during its
-visit. All stacks stay up; the ones not being measured are paused with
-SIGSTOP (:func:`kvpush.bench.stacks.activate`), as in ``bench serve``:
+**Interleaving.** For each repetition, for each prompt length, every mode
+sends one request, the mode order rotated from point to point, so the modes
+of one point run seconds apart and a burst of other people's load (load
+average 4-14 here) hits them alike. All stacks stay up; the ones not being
+measured are paused with SIGSTOP (:func:`kvpush.bench.stacks.activate`), as
+in ``bench serve``:
 restarting vLLM costs minutes per pair here, so keeping one stack at a time
 would forbid interleaving, and drift of this shared machine (other people's
 jobs) would then land on whichever mode ran last; idle kvpush and plain vLLM
 servers cost little CPU, but a paused one costs none and cannot take the
-core from the measured P. Each visit starts with warm-up requests that
-absorb the pause's side effects (peers looking silent, re-handshakes).
+core from the measured P. Each request follows a resume and two short
+warm-up requests, which absorb the pause's side effects (peers looking
+silent, re-handshakes).
 
 **What is reported**, per (mode, length): the median client TTFT; the
 overhead ``TTFT(mode) - TTFT(single)`` (difference of the medians, and the
@@ -149,13 +152,20 @@ def say(msg: str) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def visit_plan(modes: Sequence[str], reps: int) -> list[tuple[int, str]]:
-    """(repetition, mode) of every visit in run order: each repetition visits
-    every mode once, the order rotated by one per repetition."""
+def visit_plan(modes: Sequence[str], reps: int, lengths: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(repetition, length, mode) of every measured request, in run order.
+
+    For each repetition, for each length, every mode once, the order rotated
+    by one from point to point: the modes of one point run within seconds of
+    each other (a burst of other people's load hits them alike), and each
+    mode goes first, second and third equally often."""
     out = []
+    k = 0
     for rep in range(reps):
-        r = rep % len(modes)
-        out.extend((rep, m) for m in [*modes[r:], *modes[:r]])
+        for length in lengths:
+            r = k % len(modes)
+            out.extend((rep, length, m) for m in [*modes[r:], *modes[:r]])
+            k += 1
     return out
 
 
@@ -258,6 +268,17 @@ def _median(xs: Iterable[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _percentile(xs: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between order statistics (numpy's default)."""
+    if not xs:
+        return None
+    v = sorted(xs)
+    pos = (len(v) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
 def _r(x: float | None, nd: int = 1) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -280,9 +301,14 @@ def summarize(records: Sequence[Mapping[str, Any]], modes: Sequence[str], length
                 "n": len(rs),
                 "failed": len(rs) - len(ok),
                 "median_ttft_ms": _r(ttft[mode]),
+                "p25_ttft_ms": _r(_percentile([r["ttft_ms"] for r in ok], 25)),
+                "p75_ttft_ms": _r(_percentile([r["ttft_ms"] for r in ok], 75)),
                 "min_ttft_ms": _r(min((r["ttft_ms"] for r in ok), default=None)),
                 "max_ttft_ms": _r(max((r["ttft_ms"] for r in ok), default=None)),
             }
+            after = _median(r["ttft_ms"] - r["p_prefill_ms"] for r in ok if r.get("p_prefill_ms") is not None)
+            if after is not None:
+                cell["median_after_prefill_ms"] = _r(after)
             for f in ("p_prefill_ms", "d_prefill_ms", "p_transfer_ms", "d_transfer_ms", "size_mib"):
                 m = _median(r.get(f) for r in ok)
                 if m is not None:
@@ -299,9 +325,15 @@ def summarize(records: Sequence[Mapping[str, Any]], modes: Sequence[str], length
                 continue
             row[mode]["overhead_ms"] = _r(ttft[mode] - base)  # type: ignore[operator]
             row[mode]["overhead_paired_ms"] = _r(_paired_median(by, mode, length))
-        req, lay = row.get("request", {}).get("overhead_ms"), row.get("layer", {}).get("overhead_ms")
-        if req is not None and lay is not None:
-            row["layer_fraction"] = round(lay / req, 3) if req > 0 else None
+        base_after = row.get(SINGLE, {}).get("median_after_prefill_ms")
+        for mode in modes:
+            after = row[mode].get("median_after_prefill_ms")
+            if mode != SINGLE and base_after is not None and after is not None:
+                row[mode]["overhead_net_ms"] = _r(after - base_after)
+        for key, field in (("layer_fraction", "overhead_ms"), ("layer_fraction_net", "overhead_net_ms")):
+            req, lay = row.get("request", {}).get(field), row.get("layer", {}).get(field)
+            if req is not None and lay is not None:
+                row[key] = round(lay / req, 3) if req > 0 else None
         points[str(length)] = row
     return {"points": points}
 
@@ -321,27 +353,32 @@ def table(doc: Mapping[str, Any]) -> str:
     """The summary as text: one line per prompt length."""
     modes = doc["modes"]
     pts = doc["summary"]["points"]
-    head = f"{'tokens':>6} {'KV MiB':>7} |" + "".join(f" {m + ' TTFT':>13}" for m in modes)
     kv_modes = [m for m in modes if m != SINGLE]
-    head += " |" + "".join(f" {m + ' ovh':>11}" for m in kv_modes)
-    if "layer" in modes and "request" in modes:
-        head += f" {'layer/req':>9}"
-    head += " |" + "".join(f" {m + ' push':>12}" for m in kv_modes)
+    both = "layer" in modes and "request" in modes
+    cols: list[tuple[str, Any]] = [(f"{m} TTFT", (m, "median_ttft_ms", 0)) for m in modes]
+    cols += [(f"{m} P-pref", (m, "median_p_prefill_ms", 0)) for m in modes]
+    cols += [(f"{m} ovh", (m, "overhead_ms", 0)) for m in kv_modes]
+    cols += [("layer/req", (None, "layer_fraction", 2))] if both else []
+    cols += [(f"{m} net", (m, "overhead_net_ms", 0)) for m in kv_modes]
+    cols += [("net l/r", (None, "layer_fraction_net", 2))] if both else []
+    cols += [(f"{m} push", (m, "median_p_transfer_ms", 1)) for m in kv_modes]
+    widths = [max(len(name), 7) for name, _ in cols]
+    head = f"{'tokens':>6} {'KV MiB':>6} " + " ".join(f"{n:>{w}}" for (n, _), w in zip(cols, widths, strict=True))
     lines = [head, "-" * len(head)]
     bpt = doc.get("model", {}).get("kv_bytes_per_token")
     for length in doc["lengths"]:
         row = pts.get(str(length), {})
         kv = _fmt(length * bpt / 2**20, 0) if bpt else "-"
-        line = f"{length:>6} {kv:>7} |"
-        line += "".join(f" {_fmt(row.get(m, {}).get('median_ttft_ms')):>13}" for m in modes)
-        line += " |" + "".join(f" {_fmt(row.get(m, {}).get('overhead_ms')):>11}" for m in kv_modes)
-        if "layer" in modes and "request" in modes:
-            line += f" {_fmt(row.get('layer_fraction'), 2):>9}"
-        line += " |" + "".join(f" {_fmt(row.get(m, {}).get('median_p_transfer_ms'), 1):>12}" for m in kv_modes)
-        lines.append(line)
+        cells = []
+        for (_, (mode, field, nd)), w in zip(cols, widths, strict=True):
+            v = row.get(field) if mode is None else row.get(mode, {}).get(field)
+            cells.append(f"{_fmt(v, nd):>{w}}")
+        lines.append(f"{length:>6} {kv:>6} " + " ".join(cells))
     lines.append(
-        "(ms, medians over repetitions; ovh = TTFT(mode) - TTFT(single); layer/req = remaining fraction "
-        "of the whole-request overhead; push = kvpush_transfer_latency_seconds on P)"
+        "ms, medians over repetitions. P-pref: vLLM's request_prefill_time on P (single: on its server); "
+        "ovh: TTFT(mode) - TTFT(single); layer/req: (layer - single) / (request - single); "
+        "net: the same on TTFT - P-pref per request (prefill noise removed); "
+        "push: kvpush_transfer_latency_seconds on P"
     )
     failed = sum(c.get("failed", 0) for row in pts.values() for c in row.values() if isinstance(c, dict))
     if failed:
@@ -350,7 +387,7 @@ def table(doc: Mapping[str, Any]) -> str:
 
 
 def plot(doc: Mapping[str, Any], path: Path) -> Path:
-    """Left: median TTFT vs prompt length per mode (min-max as a band).
+    """Left: median TTFT vs prompt length per mode (p25-p75 as a band).
     Right: overhead over ``single`` per kvpush mode, with kvpush's own push time."""
     import matplotlib
 
@@ -367,13 +404,13 @@ def plot(doc: Mapping[str, Any], path: Path) -> Path:
                 continue
             xs.append(length)
             ys.append(c["median_ttft_ms"])
-            lo.append(c["min_ttft_ms"])
-            hi.append(c["max_ttft_ms"])
+            lo.append(c.get("p25_ttft_ms", c["min_ttft_ms"]))
+            hi.append(c.get("p75_ttft_ms", c["max_ttft_ms"]))
         if xs:
             a1.plot(xs, ys, "o-", color=COLORS.get(mode), label=LABELS.get(mode, mode))
             a1.fill_between(xs, lo, hi, color=COLORS.get(mode), alpha=0.12)
     a1.set_xlabel("prompt tokens")
-    a1.set_ylabel("TTFT (ms), median; band: min-max")
+    a1.set_ylabel("TTFT (ms): median, band p25-p75")
     a1.set_title("Time to first token, one request at a time")
     a1.grid(True, alpha=0.3)
     a1.legend(fontsize=8)
@@ -386,6 +423,15 @@ def plot(doc: Mapping[str, Any], path: Path) -> Path:
                 "o-",
                 color=COLORS.get(mode),
                 label=f"{mode}: TTFT - TTFT(single)",
+            )
+        xs = [n for n in lengths if pts.get(str(n), {}).get(mode, {}).get("overhead_net_ms") is not None]
+        if xs:
+            a2.plot(
+                xs,
+                [pts[str(n)][mode]["overhead_net_ms"] for n in xs],
+                "^:",
+                color=COLORS.get(mode),
+                label=f"{mode}: same, net of P's prefill time",
             )
         xs = [n for n in lengths if pts.get(str(n), {}).get(mode, {}).get("median_p_transfer_ms") is not None]
         if xs:
@@ -434,7 +480,7 @@ def measure_one(stack: Stack, prompt: str, length: int, max_tokens: int) -> dict
     outs, _ = asyncio.run(run_load(stack.url, [body["prompt"]], [length], [0.0], max_tokens, timeout_s=600))
     res = outs[0]
     wait_drained(stack)
-    p1, d1 = _scrape_until(p_url, p0, "kvpush_transfer_latency_seconds|side=prefill", stack.decode is not None)
+    p1 = _scrape_until(p_url, p0, "kvpush_transfer_latency_seconds|side=prefill", stack.decode is not None)
     d1 = scrape(d_url)
     rec: dict[str, Any] = {"ok": res.ok, "ttft_ms": round(res.ttft * 1e3, 2) if res.ok else None}
     if res.ok:
@@ -448,7 +494,7 @@ def measure_one(stack: Stack, prompt: str, length: int, max_tokens: int) -> dict
 
 def _scrape_until(
     url: str | None, before: Mapping[str, Any], key: str, expect: bool, timeout: float = 3.0
-) -> tuple[dict[str, Any], None]:
+) -> dict[str, Any]:
     """Scrape ``url`` until ``key``'s count grew (P reports a transfer in the
     engine step after it completed; vLLM keeps stepping while a push is
     pending, so this is quick), or ``timeout``."""
@@ -456,39 +502,38 @@ def _scrape_until(
     while True:
         now = scrape(url)
         if not expect or now.get(key, (0, 0))[1] > before.get(key, (0, 0))[1] or time.monotonic() > deadline:
-            return now, None
+            return now
         time.sleep(0.1)
 
 
 def run_visits(args: argparse.Namespace, stacks: Mapping[str, Stack]) -> list[dict[str, Any]]:
+    """Every request of :func:`visit_plan`; the stack measured is resumed (the
+    others paused) and warmed up before each."""
     from kvpush.bench.serve import warm_up
     from kvpush.demo.tiny_model import prompt_words
 
     records: list[dict[str, Any]] = []
-    plan = visit_plan(args.modes, args.reps)
-    for i, (rep, mode) in enumerate(plan):
+    for i, (rep, length, mode) in enumerate(visit_plan(args.modes, args.reps, args.lengths)):
         stack = stacks[mode]
         activate(stacks, stack)
         warm = warm_up(stack, 256, seed=args.seed + 7919 + i, n=args.warmup)
         time.sleep(args.settle)
-        for length in args.lengths:
-            prompt = prompt_words(length, seed=prompt_seed(args.seed, rep, length))
-            load = os.getloadavg()[0]
-            rec = {"mode": mode, "rep": rep, "length": length, "visit": i, "loadavg": round(load, 2)}
-            rec.update(measure_one(stack, prompt, length, args.max_tokens))
-            if warm["failed"]:
-                rec["warmup_failed"] = warm["failed"]
-            records.append(rec)
-            say(
-                f"rep {rep} {mode:<8} {length:>5} tokens: "
-                + (f"TTFT {rec['ttft_ms']:8.1f} ms" if rec["ok"] else f"FAILED {rec.get('error', '')[:120]}")
-                + (f", push {rec['p_transfer_ms']:.1f} ms" if "p_transfer_ms" in rec else "")
-                + (f" ({rec['size_mib']:.0f} MiB)" if "size_mib" in rec else "")
-                + (f", prefill {rec['p_prefill_ms']:.0f} ms" if "p_prefill_ms" in rec else "")
-                + f", load {load:.1f}"
-            )
-            time.sleep(args.gap)
+        prompt = prompt_words(length, seed=prompt_seed(args.seed, rep, length))
+        load = os.getloadavg()[0]
+        rec: dict[str, Any] = {"mode": mode, "rep": rep, "length": length, "seq": i, "loadavg": round(load, 2)}
+        rec.update(measure_one(stack, prompt, length, args.max_tokens))
+        if warm["failed"]:
+            rec["warmup_failed"] = warm["failed"]
+        records.append(rec)
         stack.pause()
+        say(
+            f"rep {rep} {length:>5} tokens {mode:<8}: "
+            + (f"TTFT {rec['ttft_ms']:8.1f} ms" if rec["ok"] else f"FAILED {rec.get('error', '')[:120]}")
+            + (f", P prefill {rec['p_prefill_ms']:.0f} ms" if "p_prefill_ms" in rec else "")
+            + (f", push {rec['p_transfer_ms']:.1f} ms" if "p_transfer_ms" in rec else "")
+            + (f" ({rec['size_mib']:.0f} MiB)" if "size_mib" in rec else "")
+            + f", load {load:.1f}"
+        )
     return records
 
 
@@ -558,8 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=DEFAULT_REPS, help="repetitions (one request per mode and length)")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="output tokens per request")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests after each resume")
-    ap.add_argument("--settle", type=float, default=1.0, help="seconds between warm-up and the first request")
-    ap.add_argument("--gap", type=float, default=0.3, help="seconds between two measured requests")
+    ap.add_argument("--settle", type=float, default=0.5, help="seconds between warm-up and the measured request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--layer-config",
