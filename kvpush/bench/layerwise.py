@@ -387,78 +387,61 @@ def table(doc: Mapping[str, Any]) -> str:
 
 
 def plot(doc: Mapping[str, Any], path: Path) -> Path:
-    """Left: median TTFT vs prompt length per mode (p25-p75 as a band).
-    Right: overhead over ``single`` per kvpush mode, with kvpush's own push time."""
+    """Three panels against prompt length. Left: median TTFT per mode (p25-p75
+    band). Middle: overhead over ``single`` per kvpush mode (difference of the
+    medians, and median of the paired differences). Right: what comes after
+    the prefill, TTFT minus P's prefill time, per mode (robust to the prefill's
+    noise), with kvpush's push time on P."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes, lengths, pts = doc["modes"], doc["lengths"], doc["summary"]["points"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.4))
+
+    def series(mode: str, field: str) -> tuple[list[int], list[float]]:
+        xs = [n for n in lengths if pts.get(str(n), {}).get(mode, {}).get(field) is not None]
+        return xs, [pts[str(n)][mode][field] for n in xs]
+
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.4))
     for mode in modes:
-        xs, ys, lo, hi = [], [], [], []
-        for length in lengths:
-            c = pts.get(str(length), {}).get(mode, {})
-            if c.get("median_ttft_ms") is None:
-                continue
-            xs.append(length)
-            ys.append(c["median_ttft_ms"])
-            lo.append(c.get("p25_ttft_ms", c["min_ttft_ms"]))
-            hi.append(c.get("p75_ttft_ms", c["max_ttft_ms"]))
-        if xs:
-            a1.plot(xs, ys, "o-", color=COLORS.get(mode), label=LABELS.get(mode, mode))
-            a1.fill_between(xs, lo, hi, color=COLORS.get(mode), alpha=0.12)
-    a1.set_xlabel("prompt tokens")
+        xs, ys = series(mode, "median_ttft_ms")
+        if not xs:
+            continue
+        c = COLORS.get(mode)
+        a1.plot(xs, ys, "o-", color=c, label=LABELS.get(mode, mode))
+        _, lo = series(mode, "p25_ttft_ms")
+        _, hi = series(mode, "p75_ttft_ms")
+        if len(lo) == len(xs) == len(hi):
+            a1.fill_between(xs, lo, hi, color=c, alpha=0.12)
+        if mode != SINGLE:
+            a2.plot(*series(mode, "overhead_ms"), "o-", color=c, label=f"{mode}: difference of medians")
+            a2.plot(*series(mode, "overhead_paired_ms"), "^:", color=c, label=f"{mode}: median of paired differences")
+            push = series(mode, "median_p_transfer_ms")
+            a3.plot(*push, "s--", color=c, alpha=0.7, label=f"{mode}: push on P (kvpush)")
+        a3.plot(*series(mode, "median_after_prefill_ms"), "o-", color=c, label=f"{mode}: TTFT - prefill")
     a1.set_ylabel("TTFT (ms): median, band p25-p75")
     a1.set_title("Time to first token, one request at a time")
-    a1.grid(True, alpha=0.3)
-    a1.legend(fontsize=8)
-    for mode in (m for m in modes if m != SINGLE):
-        xs = [n for n in lengths if pts.get(str(n), {}).get(mode, {}).get("overhead_ms") is not None]
-        if xs:
-            a2.plot(
-                xs,
-                [pts[str(n)][mode]["overhead_ms"] for n in xs],
-                "o-",
-                color=COLORS.get(mode),
-                label=f"{mode}: TTFT - TTFT(single)",
-            )
-        xs = [n for n in lengths if pts.get(str(n), {}).get(mode, {}).get("overhead_net_ms") is not None]
-        if xs:
-            a2.plot(
-                xs,
-                [pts[str(n)][mode]["overhead_net_ms"] for n in xs],
-                "^:",
-                color=COLORS.get(mode),
-                label=f"{mode}: same, net of P's prefill time",
-            )
-        xs = [n for n in lengths if pts.get(str(n), {}).get(mode, {}).get("median_p_transfer_ms") is not None]
-        if xs:
-            a2.plot(
-                xs,
-                [pts[str(n)][mode]["median_p_transfer_ms"] for n in xs],
-                "s--",
-                color=COLORS.get(mode),
-                alpha=0.7,
-                label=f"{mode}: push on P (kvpush metric)",
-            )
+    a2.set_ylabel("ms")
+    a2.set_title("TTFT(mode) - TTFT(single)")
     a2.axhline(0, color="k", lw=0.6)
-    a2.set_xlabel("prompt tokens")
-    a2.set_ylabel("ms (medians)")
-    a2.set_title("Cost of disaggregation over a single instance")
-    a2.grid(True, alpha=0.3)
-    a2.legend(fontsize=8)
+    a3.set_ylabel("ms, medians")
+    a3.set_title("After the prefill: TTFT - P's prefill time")
+    for ax in (a1, a2, a3):
+        ax.set_xlabel("prompt tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     shape = doc.get("model", {}).get("shape", {})
     if shape:
         fig.suptitle(
             f"tiny Qwen3: {shape.get('num_layers')} layers, {shape.get('num_kv_heads')} KV heads x "
             f"{shape.get('head_dim')}, {shape.get('dtype')}: "
-            f"{doc['model'].get('kv_bytes_per_token', 0) // 1024} KiB of KV per token",
+            f"{doc['model'].get('kv_bytes_per_token', 0) // 1024} KiB of KV per token; "
+            f"{doc.get('reps', '?')} repetitions",
             fontsize=10,
         )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=70)
     plt.close(fig)
     return path
 
