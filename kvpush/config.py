@@ -48,8 +48,19 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Interval of liveness messages between peers."""
     peer_dead_s: Pos = 10.0
     """A peer silent for this long is declared dead and its transfers fail."""
-    idle_poll_max_s: Pos = 0.02
-    """Longest sleep of the progress thread when it has nothing in flight."""
+    idle_poll_max_s: Pos = 0.05
+    """Longest sleep of the progress thread when it has nothing in flight (its timers run every 50 ms;
+    messages and calls wake it at once)."""
+    busy_poll_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 1e-3
+    """Longest sleep between two NIXL polls while transfers are in flight (the back-off grows from 20 us
+    to this). Lower it where a core is cheap next to latency (GPU hosts): a layer-wise push's last
+    part is noticed up to this late."""
+    push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB), so packing,
+    the wire and D's unpacking overlap; 1 disables the pipelining."""
+    layerwise: bool = False
+    """vLLM connector: push each layer as soon as P's forward has written it (requests whose final
+    prefill chunk runs in a step, when D registered), instead of the whole request after the prefill."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
 

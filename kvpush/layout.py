@@ -316,17 +316,20 @@ def sort_coalesce(pieces: np.ndarray) -> np.ndarray:
     return coalesce(pieces[np.argsort(pieces[:, 0], kind="stable")])
 
 
-def descriptors(pieces: np.ndarray, src: KVLayout, dst: KVLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Absolute NIXL descriptors ``(addr, len, dev)`` for every region pair.
+def descriptors(
+    pieces: np.ndarray, src: KVLayout, dst: KVLayout, r0: int = 0, r1: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute NIXL descriptors ``(addr, len, dev)`` for region pairs ``[r0, r1)`` (default all).
 
     Returns ``(local, remote)`` arrays of shape ``(regions * pieces, 3)``.
     """
     n = pieces.shape[0]
-    r = len(src.regions)
-    sbase = np.array([x.base for x in src.regions], dtype=np.int64)
-    dbase = np.array([x.base for x in dst.regions], dtype=np.int64)
-    sdev = np.array([x.device_id for x in src.regions], dtype=np.int64)
-    ddev = np.array([x.device_id for x in dst.regions], dtype=np.int64)
+    sreg, dreg = src.regions[r0:r1], dst.regions[r0:r1]
+    r = len(sreg)
+    sbase = np.array([x.base for x in sreg], dtype=np.int64)
+    dbase = np.array([x.base for x in dreg], dtype=np.int64)
+    sdev = np.array([x.device_id for x in sreg], dtype=np.int64)
+    ddev = np.array([x.device_id for x in dreg], dtype=np.int64)
     local = np.empty((r * n, 3), dtype=np.int64)
     remote = np.empty((r * n, 3), dtype=np.int64)
     local[:, 0] = (sbase[:, None] + pieces[None, :, 0]).reshape(-1)

@@ -40,11 +40,12 @@ if TYPE_CHECKING:  # the engine imports this module; Result is only read here
 
 SIDES = ("prefill", "decode")
 
-P_STAGES = ("registration_wait", "rendezvous_wait", "ready_wait", "plan", "pack", "post", "completion")
+P_STAGES = ("registration_wait", "rendezvous_wait", "plan", "ready_wait", "pack", "post", "completion")
 """P's stages, in order. ``registration_wait``: the finished prefill waited for D's registration (D late);
-``rendezvous_wait``: D's registration waited for P's prefill and a free push thread (P late); ``ready_wait``:
-the KV-written marker (device backends); ``plan``: descriptor lists built; ``pack``: gathered into staging;
-``post``: WRITE handed to NIXL; ``completion``: NIXL reported the WRITE done."""
+``rendezvous_wait``: D's registration waited for P's prefill and a free push thread (P late); ``plan``: pieces
+mapped and the plan chosen (at pairing); ``ready_wait``: from then until the KV-written marker (device backends;
+in layer-wise mode the rest of the forward); ``pack``: gathered into staging; ``post``: WRITEs handed to NIXL;
+``completion``: the last WRITE's post to NIXL reporting it done."""
 
 D_STAGES = ("handshake", "transfer", "unpack")
 """D's stages. ``handshake``: registration to the Register leaving (a first request to a P pays the hello);
@@ -108,8 +109,8 @@ def stage_durations(side: str, result: Result) -> dict[str, float]:
             if "push_start" in tt:
                 out["rendezvous_wait"] = max(0.0, tt["push_start"] - tt["registered"])
         for stage, key in (
-            ("ready_wait", "wait_ready_s"),
             ("plan", "plan_s"),
+            ("ready_wait", "wait_ready_s"),
             ("pack", "pack_s"),
             ("post", "post_s"),
             ("completion", "complete_s"),
@@ -290,6 +291,9 @@ _P_COUNTERS = {
     "dead_peers_total": "dead_peers",
     "expired_prefills_total": "expirations",
     "expired_registrations_total": "expirations",
+    "parts_total": "parts",
+    "layerwise_prefills_total": "layerwise_prefills",
+    "layer_reports_total": "layer_reports",
 }
 _D_COUNTERS = {
     "registrations_total": "registrations",
@@ -299,6 +303,7 @@ _D_COUNTERS = {
     "aborts_total": "aborts",
     "stale_notifications_total": "stale_notifications",
     "rejected_messages_total": "rejected_messages",
+    "parts_total": "parts",
 }
 
 
@@ -429,7 +434,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "kvpush_transfer_stage_seconds",
         "histogram",
-        "Time per transfer stage: P registration_wait, rendezvous_wait, ready_wait, plan, pack, post, completion; "
+        "Time per transfer stage: P registration_wait, rendezvous_wait, plan, ready_wait, pack, post, completion; "
         "D handshake, transfer, unpack.",
         ("side", "stage"),
         LATENCY_BUCKETS,
@@ -444,6 +449,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvpush_transfers_total", "counter", "Transfers ended, by outcome (ok, failed).", ("side", "outcome")),
     MetricSpec("kvpush_transfer_bytes_total", "counter", "Bytes moved by successful transfers."),
     MetricSpec(
+        "kvpush_transfer_parts_total",
+        "counter",
+        "WRITEs posted (P) or received (D); a layer-wise or pipelined push is several per transfer.",
+    ),
+    MetricSpec(
         "kvpush_transfer_plans_total",
         "counter",
         "Successful transfers by the plan chosen (direct, staged, empty).",
@@ -454,6 +464,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "Failed transfers by cause (" + ", ".join(CAUSES) + ").",
         ("side", "cause"),
+    ),
+    MetricSpec(
+        "kvpush_layerwise_prefills_total",
+        "counter",
+        "P: prefills announced for layer-wise push (their final chunk ran with the layerwise option).",
+    ),
+    MetricSpec(
+        "kvpush_layer_reports_total",
+        "counter",
+        "P: 'layers written' reports from the forward (one per layer per step when vLLM calls save_kv_layer; "
+        "one per step when only the end-of-forward fallback ran).",
     ),
     MetricSpec("kvpush_registrations_total", "counter", "Registrations received (P) or made (D)."),
     MetricSpec(
@@ -492,6 +513,9 @@ _COUNT_TO_METRIC: dict[str, tuple[str, dict[str, str]]] = {
     "transfers_ok": ("kvpush_transfers_total", {"outcome": "ok"}),
     "transfers_failed": ("kvpush_transfers_total", {"outcome": "failed"}),
     "bytes": ("kvpush_transfer_bytes_total", {}),
+    "parts": ("kvpush_transfer_parts_total", {}),
+    "layerwise_prefills": ("kvpush_layerwise_prefills_total", {}),
+    "layer_reports": ("kvpush_layer_reports_total", {}),
     "registrations": ("kvpush_registrations_total", {}),
     "expirations": ("kvpush_expirations_total", {}),
     "aborts": ("kvpush_aborts_total", {}),

@@ -15,6 +15,7 @@ P knows its source offsets for that order; D knows its destination offsets.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,16 +32,31 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the push thread posts for one (request, D rank)."""
+    """What the push thread posts for one (request, D rank), in one or more parts.
+
+    A *part* is a contiguous range of regions ``[r0, r1)`` (whole layers when the
+    backend lists a layer's regions together): the unit a layer-wise push posts
+    when a layer is computed, and the unit a large staged push is pipelined in.
+    Every region carries the same pieces, so a part's descriptors are derived
+    from ``merged`` (direct) or from the region's share of the staging slot
+    (staged) without planning again.
+    """
 
     kind: str  # "direct" or "staged" or "empty"
     nbytes: int
     pieces: int  # uncoalesced pieces x regions: what a naive push would post
-    descriptors: int  # descriptors actually posted
-    local: np.ndarray  # (n, 3) addr, len, dev on P
-    remote: np.ndarray  # (n, 3) on D
+    descriptors: int  # descriptors of a whole-request push (upper bound for direct)
+    nregions: int
+    merged: np.ndarray  # (n, 3) coalesced src offset, dst offset, length (relative to region bases)
     pack: np.ndarray | None = None  # (m, 2) source offset, length for backend.pack
+    staging_local: tuple[int, int] | None = None  # P slot (address, device)
+    staging_remote: tuple[int, int] | None = None  # D slot (address, device)
     estimate: Estimate | None = None
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes one region contributes; a part of k regions moves ``k * region_bytes``."""
+        return self.nbytes // self.nregions if self.nregions else 0
 
 
 def _dst_order(pieces: np.ndarray) -> np.ndarray:
@@ -105,24 +121,48 @@ def build_plan(
     nregions = len(src.regions)
     npieces = pieces.shape[0] * nregions
     if pieces.shape[0] == 0:
-        empty = np.zeros((0, 3), dtype=np.int64)
-        return Plan("empty", 0, 0, 0, empty, empty)
+        return Plan("empty", 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
     ordered = _dst_order(pieces)
     merged = coalesce(ordered)
     nbytes = int(merged[:, 2].sum()) * nregions
     pack = _merge_on(ordered[:, [0, 2]])
     # Descriptor count before cross-region merging: an upper bound, and exact
     # unless regions sit back to back; enough to choose without building them.
-    est = estimate(cfg, merged.shape[0] * nregions, nbytes, pack.shape[0] * nregions, pack_bw)
+    ndesc = merged.shape[0] * nregions
+    est = estimate(cfg, ndesc, nbytes, pack.shape[0] * nregions, pack_bw)
     can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
     want_staged = cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
     if can_stage and want_staged:
         assert staging_local is not None and staging_remote is not None
-        lo = np.array([[staging_local[0], nbytes, staging_local[1]]], dtype=np.int64)
-        ro = np.array([[staging_remote[0], nbytes, staging_remote[2]]], dtype=np.int64)
-        return Plan("staged", nbytes, npieces, 1, lo, ro, pack=pack, estimate=est)
-    local, remote = merge_descriptors(*descriptors(merged, src, dst))
-    return Plan("direct", nbytes, npieces, local.shape[0], local, remote, estimate=est)
+        remote = (staging_remote[0], staging_remote[2])
+        return Plan("staged", nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est)
+    return Plan("direct", nbytes, npieces, ndesc, nregions, merged, estimate=est)
+
+
+def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+    """NIXL descriptors (local, remote) moving regions ``[r0, r1)`` of ``plan``.
+
+    Staged: the regions' share of the slots (the payload is region-major).
+    Direct: the merged pieces made absolute for those regions only, merged
+    again where regions sit back to back.
+    """
+    if not 0 <= r0 < r1 <= plan.nregions:
+        raise ValueError(f"part [{r0}, {r1}) outside the plan's {plan.nregions} regions")
+    if plan.kind == "staged":
+        assert plan.staging_local is not None and plan.staging_remote is not None
+        off, ln = r0 * plan.region_bytes, (r1 - r0) * plan.region_bytes
+        lo = np.array([[plan.staging_local[0] + off, ln, plan.staging_local[1]]], dtype=np.int64)
+        ro = np.array([[plan.staging_remote[0] + off, ln, plan.staging_remote[1]]], dtype=np.int64)
+        return lo, ro
+    return merge_descriptors(*descriptors(plan.merged, src, dst, r0, r1))
+
+
+def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:
+    """Cut ``[r0, r1)`` into at most ``parts`` near-equal contiguous ranges."""
+    n = r1 - r0
+    k = max(1, min(parts, n))
+    cuts = [r0 + (n * i) // k for i in range(k + 1)]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndarray) -> bool:

@@ -95,7 +95,14 @@ class Register(_Msg, tag="register"):
 
 
 class Completion(_Msg, tag="done"):
-    """P rank ``rank`` finished writing (NIXL notification, after the data)."""
+    """P rank ``rank`` finished writing regions ``[region_start, region_end)`` (NIXL notification, after the data).
+
+    A push may come in several parts (one per layer in layer-wise mode, or a
+    large staged push pipelined in chunks), each its own WRITE carrying its own
+    completion. D does not rely on WRITEs being delivered in order (EFA's SRD
+    does not order them): it counts regions, and the writer is done when its
+    parts cover every region exactly once. ``region_end == 0`` means all regions.
+    """
 
     transfer_id: Id
     request_id: Id
@@ -105,6 +112,8 @@ class Completion(_Msg, tag="done"):
     descriptors: NonNeg = 0
     staging: StagingGrant | None = None
     attempt: NonNeg = 0
+    region_start: NonNeg = 0
+    region_end: NonNeg = 0
 
 
 class Failure(_Msg, tag="fail"):
@@ -192,6 +201,8 @@ def decode(data: bytes | memoryview, expected: type | tuple[type, ...] | None = 
     msg = frame.msg
     if isinstance(msg, Register):
         _check_register(msg)
+    if isinstance(msg, Completion) and msg.region_end and msg.region_start >= msg.region_end:
+        raise ProtocolError(f"completion {msg.transfer_id}: empty region range [{msg.region_start}, {msg.region_end})")
     if isinstance(msg, (Hello, HelloReply)) and msg.layout is not None:
         _check_layout(msg)
     if expected is not None and not isinstance(msg, expected):

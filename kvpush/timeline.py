@@ -39,8 +39,8 @@ LOGGER = logging.getLogger("kvpush.timeline")
 MARKER = "kvpush.timeline "
 VERSION = 1
 
-P_EVENTS = ("registered", "prefill_done", "push_start", "ready", "planned", "packed", "posted", "completed", "released")
-D_EVENTS = ("registered", "sent", "completed", "result")
+P_EVENTS = ("registered", "prefill_done", "push_start", "planned", "ready", "packed", "posted", "completed", "released")
+D_EVENTS = ("registered", "sent", "first_part", "completed", "result")
 
 
 # --------------------------------------------------------------------------- #
@@ -143,9 +143,9 @@ STAGES = (
     Stage("register_delivery", "Register sent (D) -> received (P)", "d", "sent", "p", "registered"),
     Stage("registration_wait", "P: prefill done -> D's registration there", "p", "prefill_done", "p", "registered"),
     Stage("rendezvous_wait", "P: registration there -> push starts", "p", "registered", "p", "push_start"),
-    Stage("ready_wait", "P: KV-written marker", "p", "push_start", "p", "ready"),
-    Stage("plan", "P: descriptor lists built", "p", "ready", "p", "planned"),
-    Stage("pack", "P: gather into staging", "p", "planned", "p", "packed"),
+    Stage("plan", "P: pieces mapped, plan chosen", "p", "push_start", "p", "planned"),
+    Stage("ready_wait", "P: planned -> KV-written marker (layer-wise: the forward)", "p", "planned", "p", "ready"),
+    Stage("pack", "P: gather into staging (first part)", "p", "ready", "p", "packed"),
     Stage("post", "P: WRITE posted to NIXL", "p", "packed", "p", "posted"),
     Stage("completion", "P: WRITE in flight", "p", "posted", "p", "completed"),
     Stage("notify", "P WRITE done -> D saw the completion", "p", "completed", "d", "completed"),

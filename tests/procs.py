@@ -132,6 +132,24 @@ class Worker:
     def op_prefill(self, key: str, tid: str, rid: str, blocks: list[int], n: int) -> None:
         self.engines[key].prefill_finished(tid, rid, [blocks], n)
 
+    def op_prefill_started(self, key: str, tid: str, rid: str, blocks: list[int], n: int) -> None:
+        self.engines[key].prefill_started(tid, rid, [blocks], n)
+
+    def op_compute_layers(self, key: str, lo: int, hi: int, seed: int) -> None:
+        """Stand-in for P's forward writing layers ``[lo, hi)``: fresh bytes there, nothing else touched."""
+        arr = self.caches[key]
+        arr[lo:hi] = np.random.default_rng(seed).integers(0, 256, arr[lo:hi].shape, dtype=np.uint8)
+
+    def op_kv_ready(self, key: str, tids: list[str], regions: int) -> None:
+        self.engines[key].kv_ready(tids, regions)
+
+    def op_min_part_bytes(self, nbytes: int) -> int:
+        """Lower the size under which staged pushes are not split (test caches are small); returns the old one."""
+        from kvpush.engine import sender
+
+        old, sender.MIN_PART_BYTES = sender.MIN_PART_BYTES, nbytes
+        return old
+
     def op_register(
         self, key: str, tid: str, rid: str, peer: tuple[str, int, int], blocks: list[int], n: int, start: int
     ) -> None:

@@ -44,6 +44,9 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "heartbeat_s": 0.25,
         "peer_dead_s": 4,
         "idle_poll_max_s": 0.001,
+        "push_parts": 2,
+        "busy_poll_max_s": 1e-4,
+        "layerwise": True,
         "model": "meta-llama/Llama-3.1-8B",
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"

@@ -87,6 +87,8 @@ MESSAGES = [
         descriptors=12,
         staging=StagingGrant(0, 8),
         attempt=1,
+        region_start=4,
+        region_end=8,
     ),
     Completion(transfer_id="t", request_id="r", rank=0),
     Failure(transfer_id="t", request_id="", rank=2, stage="post_write", reason="peer gone", attempt=3),
@@ -395,3 +397,8 @@ def test_fuzz_structured(msg, key: str, value, version: int) -> None:
     _decode_or_protocol_error(_frame({**body, field: value}, version=version))
     _decode_or_protocol_error(msgspec.msgpack.encode([version, value]))
     _decode_or_protocol_error(msgspec.msgpack.encode(value))
+
+
+def test_completion_with_an_empty_region_range_is_rejected() -> None:
+    data = encode(Completion(transfer_id="t", request_id="r", rank=0, region_start=3, region_end=3))
+    assert "empty region range [3, 3)" in _err(data)

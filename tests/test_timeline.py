@@ -148,7 +148,7 @@ def test_real_engines_log_lines_that_join(caplog: pytest.LogCaptureFixture, tmp_
     assert sorted(j.transfer_id for j in joined) == ["a", "b"] and only_p == only_d == 0
     for j in joined:
         assert j.ok and j.bytes > 0
-        chain = [j.p[e] for e in ("push_start", "ready", "planned", "packed", "posted", "completed", "released")]
+        chain = [j.p[e] for e in ("push_start", "planned", "ready", "packed", "posted", "completed", "released")]
         assert chain == sorted(chain)
         for st in timeline.STAGES:
             v = st.seconds(j)

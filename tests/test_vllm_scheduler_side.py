@@ -78,3 +78,76 @@ def test_bad_params_name_the_field(params, needle):
         SchedulerSide().matched_tokens(
             "r", params, 10, 0
         ) if "do_remote_prefill" in params else SchedulerSide().finished("r", params, True, ([1],), 10)
+
+
+# -- layer-wise (P side) ---------------------------------------------------------------
+
+P_PARAMS = {"do_remote_decode": True, "transfer_id": "tp"}
+
+
+def _chunk(rid, blocks, computed, scheduled, replace=False):
+    from kvpush.integrations.vllm.scheduler_side import ScheduledChunk
+
+    return ScheduledChunk(rid, None if blocks is None else (tuple(blocks),), replace, computed, scheduled)
+
+
+def test_layerwise_announces_only_the_final_chunk_with_all_blocks():
+    s = SchedulerSide(layerwise=True)
+    s.prefill_admitted("r", dict(P_PARAMS), 100, 1)
+    s.scheduled([_chunk("r", [1, 2], 0, 64, replace=True)])  # chunk 1 of 2
+    assert not s.take_orders().layer_prefills
+    s.scheduled([_chunk("r", [3, 4], 64, 36)])  # final chunk: blocks appended
+    (lp,) = s.take_orders().layer_prefills
+    assert (lp.request_id, lp.transfer_id, lp.block_ids, lp.num_tokens) == ("r", "tp", ((1, 2, 3, 4),), 100)
+    # Announced once; the finish keeps the blocks without a second (whole-request) order.
+    s.scheduled([_chunk("r", None, 100, 1)])
+    assert s.finished("r", dict(P_PARAMS), True, ([1, 2, 3, 4],), 100) is True
+    orders = s.take_orders()
+    assert not orders.layer_prefills and not orders.prefills and not orders.aborts
+    assert s.has_pending_work()
+    s.on_output({"r"}, set())
+    assert not s.has_pending_work()
+
+
+def test_layerwise_resumed_request_replaces_its_blocks():
+    s = SchedulerSide(layerwise=True)
+    s.prefill_admitted("r", dict(P_PARAMS), 100, 1)
+    s.scheduled([_chunk("r", [1, 2], 0, 64, replace=True)])
+    s.scheduled([_chunk("r", [7, 8, 9, 10], 0, 100, replace=True)])  # preempted, resumed from scratch
+    (lp,) = s.take_orders().layer_prefills
+    assert lp.block_ids == ((7, 8, 9, 10),)
+
+
+def test_layerwise_abort_after_announce_keeps_blocks_and_forwards_the_abort():
+    s = SchedulerSide(layerwise=True)
+    s.prefill_admitted("r", dict(P_PARAMS), 40, 1)
+    s.scheduled([_chunk("r", [5, 6], 0, 40, replace=True)])
+    s.take_orders()
+    assert s.finished("r", dict(P_PARAMS), False, ([5, 6],), 40) is True  # a layer may be in flight
+    (ab,) = s.take_orders().aborts
+    assert (ab.request_id, ab.transfer_id, ab.side) == ("r", "tp", "prefill")
+    s.on_output({"r"}, set())
+    assert not s.has_pending_work()
+
+
+@pytest.mark.parametrize(
+    ("layerwise", "params", "max_tokens"),
+    [(False, P_PARAMS, 1), (True, P_PARAMS, 16), (True, None, 1), (True, D_PARAMS, 1)],
+    ids=["mode-off", "keeps-decoding-on-P", "plain-request", "decode-request"],
+)
+def test_layerwise_leaves_other_requests_alone(layerwise, params, max_tokens):
+    s = SchedulerSide(layerwise=layerwise)
+    s.prefill_admitted("r", None if params is None else dict(params), 40, max_tokens)
+    s.scheduled([_chunk("r", [5, 6], 0, 40, replace=True)])
+    assert not s.take_orders().layer_prefills
+
+
+def test_layerwise_candidate_aborted_before_its_final_chunk_is_forgotten():
+    s = SchedulerSide(layerwise=True)
+    s.prefill_admitted("r", dict(P_PARAMS), 100, 1)
+    s.scheduled([_chunk("r", [1, 2], 0, 64, replace=True)])
+    assert s.finished("r", dict(P_PARAMS), False, ([1, 2],), 100) is False  # nothing was pushed yet
+    s.scheduled([_chunk("r", [3], 64, 36)])
+    orders = s.take_orders()
+    assert not orders.layer_prefills
+    assert [a.side for a in orders.aborts] == ["prefill"]

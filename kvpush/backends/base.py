@@ -110,6 +110,15 @@ class Backend(abc.ABC):
     def wait_ready(self, marker: Any) -> None:
         """Block the push thread (never the engine) until ``marker`` is reached."""
 
+    def poll_ready(self, marker: Any) -> bool:
+        """Whether ``marker`` is reached, without blocking if the backend can tell.
+
+        The push thread asks this before posting a layer, so it keeps serving
+        messages while the device still computes. The default waits.
+        """
+        self.wait_ready(marker)
+        return True
+
     @abc.abstractmethod
     def alloc_staging(self, nbytes: int, device_id: int) -> StagingBuffer:
         """Allocate a contiguous buffer for packed transfers on ``device_id``."""
@@ -125,6 +134,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         """Inverse of ``pack``: scatter the staging bytes back into the regions."""
+
+    def prepare_pack(self, regions: list[int], pieces: np.ndarray) -> None:
+        """Hint: a ``pack`` of these pieces is coming (P calls it when it plans, before the KV is ready).
+
+        A device backend uploads its piece table here, off the critical path. Optional.
+        """
+
+    def prepare_unpack(self, regions: list[int], pieces: np.ndarray) -> None:
+        """Hint: an ``unpack`` of these pieces is coming (D calls it when it registers). Optional."""
 
     def pack_bandwidth(self) -> float:
         """Bytes per second of pack or unpack, for the plan's cost model."""

@@ -31,7 +31,6 @@ from kvpush.transport.nixl_agent import Agent
 log = logging.getLogger(__name__)
 
 BUSY_BACKOFF_MIN_S = 20e-6
-BUSY_BACKOFF_MAX_S = 1e-3
 
 
 class EngineLoop:
@@ -199,7 +198,7 @@ class EngineLoop:
                     busy = False
                 if busy and not events:
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, BUSY_BACKOFF_MAX_S)
+                    backoff = min(backoff * 2, self.cfg.busy_poll_max_s)
                 else:
                     backoff = BUSY_BACKOFF_MIN_S
         finally:

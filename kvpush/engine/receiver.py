@@ -72,6 +72,8 @@ class _Writer:
     reason: str = ""
     grant: protocol.StagingGrant | None = None
     unpack: np.ndarray | None = None
+    covered: bytearray | None = None  # regions whose part arrived (a push may come in several)
+    ncovered: int = 0
 
 
 @dataclass
@@ -271,6 +273,10 @@ class Receiver(EngineLoop):
             if off is not None:
                 grant = protocol.StagingGrant(off, size)
                 w.unpack = pieces
+                try:
+                    self.backend.prepare_unpack([r.base for r in self.layout.regions], pieces)
+                except Exception:
+                    log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
             else:
                 self._bump("staging_full_total")
         w.grant = grant
@@ -335,17 +341,34 @@ class Receiver(EngineLoop):
         inc, w = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=True)
         if inc is None or w is None:
             return
+        n = len(self.layout.regions)
+        r0, r1 = (msg.region_start, msg.region_end) if msg.region_end else (0, n)
+        if w.covered is None:
+            w.covered = bytearray(n)
+        if r1 > n or any(w.covered[r0:r1]):
+            why = "outside D's regions" if r1 > n else "announced twice"
+            self._writer_final(inc, w, ok=False, reason=f"completion for regions [{r0}, {r1}) {why} ({n} regions)")
+            return
         if msg.plan == "staged":
             if w.grant is None or msg.staging != w.grant or w.unpack is None or self._staging is None:
                 self._writer_final(inc, w, ok=False, reason="staged completion does not match the granted slot")
                 return
             t0 = time.perf_counter()
-            bases = [r.base for r in self.layout.regions]
-            self.backend.unpack(bases, w.unpack, self._staging.addr + w.grant.offset)
+            # The payload is region-major: this part's regions sit at their own offset in the slot.
+            region_bytes = int(w.unpack[:, 1].sum())
+            bases = [r.base for r in self.layout.regions[r0:r1]]
+            self.backend.unpack(bases, w.unpack, self._staging.addr + w.grant.offset + r0 * region_bytes)
             inc.stats["unpack_s"] = inc.stats.get("unpack_s", 0.0) + time.perf_counter() - t0
+        w.covered[r0:r1] = b"\x01" * (r1 - r0)
+        w.ncovered += r1 - r0
         inc.stats["bytes"] = inc.stats.get("bytes", 0.0) + msg.nbytes
         inc.stats["descriptors"] = inc.stats.get("descriptors", 0.0) + msg.descriptors
+        inc.stats["parts"] = inc.stats.get("parts", 0.0) + 1
+        self._bump("parts_total")
         inc.stats[f"plan_{msg.plan}"] = 1.0
+        inc.times.setdefault("first_part", time.monotonic())
+        if w.ncovered < n:
+            return
         inc.times["completed"] = time.monotonic()
         self._writer_final(inc, w, ok=True, reason="")
 

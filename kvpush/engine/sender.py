@@ -1,8 +1,15 @@
-"""P side: pair registrations with finished prefills and push the KV.
+"""P side: pair registrations with prefills and push the KV.
 
 Runs entirely on its own thread: the engine hands over a finished prefill
-with ``prefill_finished`` and later learns from ``poll`` which requests' blocks
-it may free. Nothing here blocks the caller.
+with ``prefill_finished`` (whole-request push) or announces it with
+``prefill_started`` and then reports layers as they are written with
+``kv_ready`` (layer-wise push), and later learns from ``poll`` which
+requests' blocks it may free. Nothing here blocks the caller.
+
+A push to one D rank is a *job*: planned once when the registration meets
+the prefill (for a layer-wise push that is before the KV exists, so planning
+is off the critical path), then posted in parts, each a WRITE of a range of
+regions with its own completion, as those regions become ready.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import Result
 from kvpush.errors import KVPushError, LayoutError
 from kvpush.layout import KVLayout, check_compatible
-from kvpush.plan import Plan, build_plan
+from kvpush.plan import Plan, build_plan, part_descriptors, split_regions
 from kvpush.rendezvous import Decision, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.topology import targets_for
 from kvpush.transport.side_channel import Server
@@ -27,6 +34,8 @@ from kvpush.transport.side_channel import Server
 log = logging.getLogger(__name__)
 
 TIMER_PERIOD_S = 0.05
+MIN_PART_BYTES = 16 << 20
+"""A staged push is pipelined only in parts at least this large."""
 
 
 @dataclass
@@ -44,13 +53,32 @@ class _Peer:
 
 
 @dataclass
-class _InFlight:
+class _Part:
+    """One posted WRITE of regions ``[r0, r1)``."""
+
     handle: Any
+    r0: int
+    r1: int
+
+
+@dataclass
+class _Job:
+    """The push of one transfer to one D rank, from pairing until its last part completes."""
+
     reg: protocol.Register
     prefill: Prefill
-    plan: Plan
-    slot: int | None
-    t_post: float
+    peer_key: tuple[str, int]
+    t_start: float
+    plan: Plan | None = None
+    slot: int | None = None
+    sent: int = 0  # regions [0, sent) are posted
+    flying: list[_Part] = field(default_factory=list)
+    waiting: bool = False  # regions are reported ready but their marker is not reached yet
+    error: str = ""
+    error_stage: str = ""
+    cancel: str = ""
+    t_post: float = 0.0
+    t_complete: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -71,9 +99,12 @@ class Sender(EngineLoop):
         super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
         self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s)
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._markers: dict[str, Any] = {}
+        # transfer id -> milestones (regions [0, n) written, marker ordering them), ascending: the
+        # forward is issued ahead of the device, so several layers are reported before the first is
+        # done, and each layer is pushed as soon as *its* marker is reached.
+        self._ready: dict[str, list[tuple[int, Any]]] = {}
         self._queued_pushes: list[Push] = []
-        self._flying: list[_InFlight] = []
+        self._jobs: list[_Job] = []
         # A re-issued registration whose earlier attempt is being written now:
         # it waits here until that WRITE ends, then is paired again.
         self._deferred: dict[tuple[str, str, int], protocol.Register] = {}
@@ -99,6 +130,27 @@ class Sender(EngineLoop):
         t_done = time.monotonic()  # the caller's moment, not when the engine thread gets to it
         self.call(lambda: self._on_prefill(prefill, ready, t_done))
 
+    def prefill_started(
+        self,
+        transfer_id: str,
+        request_id: str,
+        block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
+        num_tokens: int,
+    ) -> None:
+        """Announce a prefill whose KV will be reported by ``kv_ready`` (layer-wise push).
+
+        Its blocks must stay untouched until ``poll`` returns it, even if it is
+        aborted: a layer may be being written to D.
+        """
+        prefill = Prefill(transfer_id, request_id, tuple(tuple(int(b) for b in g) for g in block_ids), num_tokens)
+        self.call(lambda: (self._bump("layerwise_prefills_total"), self._on_prefill(prefill, None, None, 0)))
+
+    def kv_ready(self, transfer_ids: list[str], regions: int, marker: Any = None) -> None:
+        """Regions ``[0, regions)`` of these started prefills are written (ordered by ``marker``)."""
+        t = time.monotonic()
+        tids = list(transfer_ids)
+        self.call(lambda: self._on_kv_ready(tids, regions, marker, t))
+
     def abort(self, transfer_id: str, reason: str = "aborted on P") -> None:
         self.call(lambda: self._on_local_abort(transfer_id, reason))
 
@@ -115,8 +167,9 @@ class Sender(EngineLoop):
         log.info("%s: side channel on %s:%d", self.name, *self.address)
 
     def teardown(self) -> None:
-        for f in self._flying:
-            self.agent.release(f.handle)
+        for job in self._jobs:
+            for part in job.flying:
+                self.agent.release(part.handle)
         self.server.close()
         self.agent.close()
 
@@ -129,7 +182,7 @@ class Sender(EngineLoop):
         while self._queued_pushes:
             batch, self._queued_pushes = self._queued_pushes, []
             for push in batch:
-                self._push(push.prefill, push.reg)
+                self._start_job(push.prefill, push.reg)
         self._progress()
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
@@ -138,7 +191,9 @@ class Sender(EngineLoop):
             self.refresh_gauges()
             if len(self._times) > len(self.rdv):
                 self._prune_times()
-        return bool(self._flying)
+        # Busy (short polls) only while WRITEs fly or a ready marker is awaited;
+        # a job waiting for layers is woken by ``kv_ready``'s call.
+        return any(j.flying or j.waiting for j in self._jobs)
 
     def _on_message(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.Hello):
@@ -188,11 +243,12 @@ class Sender(EngineLoop):
             # The same D rank says hello again: it restarted (or declared this P
             # dead and came back). Its old registrations point into memory of a
             # previous session, and NIXL refuses to load an agent name twice.
-            if any((f.reg.engine_id, f.reg.rank) == key for f in self._flying):
+            if any(j.peer_key == key and j.flying for j in self._jobs):
                 reason = "an earlier session of this D rank still has WRITEs in flight; say hello again shortly"
                 self.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
                 return
             self._drop_peer(key, "said hello again (restarted?)", now)
+            self._progress()  # jobs to the old session end now, before it is known again
         try:
             agent_name = self.agent.add_peer(msg.agent_metadata)
         except Exception as exc:
@@ -290,11 +346,32 @@ class Sender(EngineLoop):
             protocol.Failure(reg.transfer_id, reg.request_id, self.rank, stage, reason, attempt=reg.attempt),
         )
 
-    def _on_prefill(self, prefill: Prefill, ready: Any, t_done: float | None = None) -> None:
-        self._markers[prefill.transfer_id] = ready
+    def _on_prefill(
+        self, prefill: Prefill, ready: Any, t_done: float | None = None, ready_regions: int | None = None
+    ) -> None:
         now = time.monotonic()
-        self._times.setdefault(prefill.transfer_id, {})["prefill_done"] = now if t_done is None else t_done
-        self._apply(self.rdv.on_prefill(prefill, now))
+        n = len(self.layout.regions) if ready_regions is None else ready_regions
+        tt = self._times.setdefault(prefill.transfer_id, {})
+        if n == len(self.layout.regions):
+            tt["prefill_done"] = now if t_done is None else t_done
+        else:
+            tt["prefill_start"] = now
+        decisions = self.rdv.on_prefill(prefill, now)
+        if not any(isinstance(d, Release) and d.prefill is prefill for d in decisions):
+            # A re-issued prefill replaces the old one's readiness (its blocks are new).
+            self._ready[prefill.transfer_id] = [(n, ready)] if n else []
+        self._apply(decisions)
+
+    def _on_kv_ready(self, transfer_ids: list[str], regions: int, marker: Any, t: float) -> None:
+        n = len(self.layout.regions)
+        self._bump("layer_reports_total")
+        for tid in transfer_ids:
+            milestones = self._ready.get(tid)
+            if milestones is None or (milestones and milestones[-1][0] >= regions):
+                continue  # unknown, already released, or a stale report
+            milestones.append((min(regions, n), marker))
+            if regions >= n:
+                self._times.setdefault(tid, {})["prefill_done"] = t
 
     def _on_remote_abort(self, msg: protocol.Abort, now: float) -> None:
         self._bump("aborts_total")
@@ -321,6 +398,9 @@ class Sender(EngineLoop):
                     peer.ident,
                     protocol.Failure(reg.transfer_id, reg.request_id, self.rank, "aborted", reason, reg.attempt),
                 )
+        for job in self._jobs:
+            if job.reg.transfer_id == transfer_id and not job.cancel:
+                job.cancel = reason
         for reg, flying in self.rdv.registrations(transfer_id):
             if not flying:
                 peer = self._peers.get((reg.engine_id, reg.rank))
@@ -345,6 +425,9 @@ class Sender(EngineLoop):
         log.warning("%s: D %s rank %d %s", self.name, key[0], key[1], why)
         for dk in [dk for dk in self._deferred if dk[1:] == key]:
             del self._deferred[dk]
+        for job in self._jobs:
+            if job.peer_key == key and not job.cancel:
+                job.cancel = f"D {key[0]} rank {key[1]} {why}"
         for tid in self.rdv.transfers_of(peer.engine_id):
             if any((r.engine_id, r.rank) == key for r, _ in self.rdv.registrations(tid)):
                 self._apply(self.rdv.on_abort(tid, now, f"D {key[0]} rank {key[1]} {why}"))
@@ -358,7 +441,8 @@ class Sender(EngineLoop):
                 # it: an Abort that arrived with the Register cancels the push.
                 self._queued_pushes.append(d)
             elif isinstance(d, Release):
-                self._markers.pop(d.prefill.transfer_id, None)
+                if self.rdv.stage(d.prefill.transfer_id) is None:
+                    self._ready.pop(d.prefill.transfer_id, None)
                 # "pushed" means every expected push ended, not that each succeeded.
                 err = self._errors.pop(d.prefill.transfer_id, "")
                 ok = d.reason == "pushed" and not err
@@ -377,78 +461,38 @@ class Sender(EngineLoop):
                 if peer is not None:
                     self._fail(peer.ident, d.reg, "rendezvous", d.reason)
 
-    def _push(self, prefill: Prefill, reg: protocol.Register) -> None:
+    # -- pushes ---------------------------------------------------------------
+    def _start_job(self, prefill: Prefill, reg: protocol.Register) -> None:
+        """Pair made: plan now (often before the KV exists), post parts as regions become ready."""
         t0 = time.perf_counter()
         peer = self._peers.get((reg.engine_id, reg.rank))
         if peer is None:
             self._errors[reg.transfer_id] = f"D {reg.engine_id} rank {reg.rank} is gone"
             self._pushed(reg)
             return
-        slot: int | None = None
+        job = _Job(reg, prefill, (reg.engine_id, reg.rank), t0)
         try:
             if reg.num_tokens > prefill.num_tokens:
                 raise KVPushError(f"D asks for {reg.num_tokens} tokens, P computed {prefill.num_tokens}")
-            self.backend.wait_ready(self._markers.get(prefill.transfer_id))
-            t_ready = time.perf_counter()
-            plan, slot = self._plan(prefill, reg, peer)
-            t_plan = time.perf_counter()
-            if plan.kind == "staged":
-                assert plan.pack is not None and self._staging is not None and slot is not None
-                bases = [r.base for r in self.layout.regions]
-                self.backend.pack(bases, plan.pack, self._staging.addr + slot)
-            t_pack = time.perf_counter()
-            notif = protocol.encode(
-                protocol.Completion(
-                    reg.transfer_id,
-                    reg.request_id,
-                    self.rank,
-                    plan.kind,
-                    plan.nbytes,
-                    plan.descriptors,
-                    reg.staging if plan.kind == "staged" else None,
-                    reg.attempt,
-                )
-            )
-            if plan.kind == "empty":
-                self.agent.send_notif(peer.agent, notif)
-            else:
-                handle, state = self.agent.write(
-                    plan.local, str(self.layout.mem), plan.remote, str(peer.layout.mem), peer.agent, notif
-                )
+            job.plan, job.slot = self._plan(prefill, reg, peer)
         except Exception as exc:
-            # Nothing was posted: free the slot and answer D, so neither side waits.
-            if slot is not None:
-                self._slots.free(slot)
-            self._errors[reg.transfer_id] = f"post failed: {exc}"
+            self._errors[reg.transfer_id] = f"planning failed: {exc}"
             self._fail(peer.ident, reg, "post", str(exc))
             self._pushed(reg)
             return
-        # perf_counter and monotonic are the same clock on Linux (CLOCK_MONOTONIC).
+        if job.plan.kind == "staged" and job.plan.pack is not None:
+            try:
+                self.backend.prepare_pack([r.base for r in self.layout.regions], job.plan.pack)
+            except Exception:
+                log.exception("%s: prepare_pack failed (pack will do it)", self.name)
+        t_plan = time.perf_counter()
+        job.stats["plan_s"] = t_plan - t0
         tt = self._times.setdefault(reg.transfer_id, {})
         tt["push_start"] = min(tt.get("push_start", t0), t0)
-        tt.setdefault("ready", t_ready)
         tt.setdefault("planned", t_plan)
-        tt.setdefault("packed", t_pack)
-        if plan.kind == "empty":
-            tt["posted"] = tt["completed"] = time.perf_counter()
-            self._bump("plan_empty_total")
-            self._tstats.setdefault(reg.transfer_id, {})["plan_empty"] = 1.0
-            self._done(reg, prefill, plan, None, ok=True)
-            return
-        t_post = time.perf_counter()
-        tt["posted"] = max(tt.get("posted", t_post), t_post)
-        stats = {
-            "wait_ready_s": t_ready - t0,
-            "plan_s": t_plan - t_ready,
-            "pack_s": t_pack - t_plan,
-            "post_s": t_post - t_pack,
-            "bytes": float(plan.nbytes),
-            "pieces": float(plan.pieces),
-            "descriptors": float(plan.descriptors),
-            f"plan_{plan.kind}": 1.0,
-        }
+        plan = job.plan
         log.debug(
-            "%s: push %s -> %s/%d plan=%s bytes=%d pieces=%d descs=%d est=%s",
+            "%s: push %s -> %s/%d plan=%s bytes=%d pieces=%d descs<=%d est=%s",
             self.name,
             reg.transfer_id,
             reg.engine_id,
@@ -460,15 +504,126 @@ class Sender(EngineLoop):
             plan.estimate,
         )
         self._bump(f"plan_{plan.kind}_total")
-        self._bump("bytes_total", plan.nbytes)
-        self._bump("descriptors_total", plan.descriptors)
-        f = _InFlight(handle, reg, prefill, plan, slot, t_post, stats)
-        if state == "ERR":
-            self._finish(f, ok=False)
-        elif state == "DONE":
-            self._finish(f, ok=True)
-        else:
-            self._flying.append(f)
+        self._jobs.append(job)
+
+    def _advance(self, job: _Job) -> bool:
+        """Post what became ready, reap finished parts; True when the job is over."""
+        plan, peer = job.plan, self._peers.get(job.peer_key)
+        assert plan is not None
+        if peer is None and not job.cancel:
+            job.cancel = f"D {job.peer_key[0]} rank {job.peer_key[1]} is gone"
+        if plan.kind == "empty" and not (job.cancel or job.error):
+            assert peer is not None
+            try:
+                self.agent.send_notif(peer.agent, self._completion(job, 0, plan.nregions, 0))
+            except Exception as exc:
+                job.error, job.error_stage = f"post failed: {exc}", "post"
+            job.sent = plan.nregions
+        ready, job.waiting = job.sent, False
+        if not (job.cancel or job.error):
+            for regions, marker in self._ready.get(job.reg.transfer_id, ()):
+                if regions <= job.sent:
+                    continue
+                if not self.backend.poll_ready(marker):
+                    job.waiting = True
+                    break
+                ready = regions
+        if ready > job.sent:
+            assert peer is not None
+            tt = self._times.setdefault(job.reg.transfer_id, {})
+            t_ready = time.perf_counter()
+            tt.setdefault("ready", t_ready)
+            if "wait_ready_s" not in job.stats:
+                # Planned at pairing; this is how long the KV took after that (layer-wise: the forward).
+                job.stats["wait_ready_s"] = max(0.0, t_ready - job.t_start - job.stats.get("plan_s", 0.0))
+            for r0, r1 in split_regions(job.sent, ready, self._parts(plan, ready - job.sent)):
+                if not self._post_part(job, peer, r0, r1):
+                    break
+        still: list[_Part] = []
+        for part in job.flying:
+            state = self.agent.state(part.handle)
+            if state == "PROC":
+                still.append(part)
+                continue
+            self.agent.release(part.handle)
+            job.t_complete = time.perf_counter()
+            if state != "DONE":
+                job.error, job.error_stage = f"WRITE to D {job.peer_key[0]} rank {job.peer_key[1]} failed", "write"
+        job.flying = still
+        return not job.flying and (job.sent == plan.nregions or bool(job.cancel or job.error))
+
+    def _parts(self, plan: Plan, nregions: int) -> int:
+        """How many WRITEs a run of ready regions is cut into.
+
+        A staged push is pipelined (P packs part k+1 and D unpacks part k while
+        part k flies); a part is kept large enough that its fixed costs (a pack
+        launch, a post, a notification) stay small next to its bytes.
+        """
+        if plan.kind != "staged":
+            return 1
+        return max(1, min(self.cfg.push_parts, nregions * plan.region_bytes // max(1, MIN_PART_BYTES)))
+
+    def _completion(self, job: _Job, r0: int, r1: int, ndesc: int) -> bytes:
+        plan = job.plan
+        assert plan is not None
+        staged = plan.kind == "staged"
+        return protocol.encode(
+            protocol.Completion(
+                job.reg.transfer_id,
+                job.reg.request_id,
+                self.rank,
+                plan.kind,
+                (r1 - r0) * plan.region_bytes,
+                ndesc,
+                job.reg.staging if staged else None,
+                job.reg.attempt,
+                region_start=r0,
+                region_end=r1,
+            )
+        )
+
+    def _post_part(self, job: _Job, peer: _Peer, r0: int, r1: int) -> bool:
+        plan = job.plan
+        assert plan is not None
+        t0 = time.perf_counter()
+        try:
+            if plan.kind == "staged":
+                assert plan.pack is not None and self._staging is not None and job.slot is not None
+                bases = [r.base for r in self.layout.regions[r0:r1]]
+                self.backend.pack(bases, plan.pack, self._staging.addr + job.slot + r0 * plan.region_bytes)
+            t1 = time.perf_counter()
+            local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
+            notif = self._completion(job, r0, r1, local.shape[0])
+            handle, state = self.agent.write(
+                local, str(self.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
+            )
+        except Exception as exc:
+            job.error, job.error_stage = f"post failed: {exc}", "post"
+            return False
+        t2 = time.perf_counter()
+        job.sent = r1
+        st = job.stats
+        st["pack_s"] = st.get("pack_s", 0.0) + t1 - t0
+        st["post_s"] = st.get("post_s", 0.0) + t2 - t1
+        st["descriptors"] = st.get("descriptors", 0.0) + local.shape[0]
+        st["bytes"] = st.get("bytes", 0.0) + (r1 - r0) * plan.region_bytes
+        st["parts"] = st.get("parts", 0.0) + 1
+        self._bump("bytes_total", (r1 - r0) * plan.region_bytes)
+        self._bump("descriptors_total", local.shape[0])
+        self._bump("parts_total")
+        tt = self._times.setdefault(job.reg.transfer_id, {})
+        tt.setdefault("packed", t1)
+        tt["posted"] = max(tt.get("posted", t2), t2)
+        job.t_post = t2
+        if state == "PROC":
+            job.flying.append(_Part(handle, r0, r1))
+            return True
+        self.agent.release(handle)
+        job.t_complete = time.perf_counter()
+        if state != "DONE":
+            job.error, job.error_stage = f"WRITE to D {job.peer_key[0]} rank {job.peer_key[1]} failed", "write"
+            return False
+        return True
 
     def _plan(self, prefill: Prefill, reg: protocol.Register, peer: _Peer) -> tuple[Plan, int | None]:
         slot = None
@@ -500,41 +655,55 @@ class Sender(EngineLoop):
 
     def _prune_times(self) -> None:
         """Forget stage times of transfers that ended without a Result (aborted or expired before pairing)."""
-        live = {f.reg.transfer_id for f in self._flying} | {k[0] for k in self._deferred}
+        live = {j.reg.transfer_id for j in self._jobs} | {k[0] for k in self._deferred}
         for tid in [t for t in self._times if t not in live and self.rdv.stage(t) is None]:
             del self._times[tid]
 
     def _progress(self) -> None:
-        if not self._flying:
+        if not self._jobs:
             return
-        still: list[_InFlight] = []
-        for f in self._flying:
-            state = self.agent.state(f.handle)
-            if state == "PROC":
-                still.append(f)
+        still: list[_Job] = []
+        for job in self._jobs:
+            try:
+                over = self._advance(job)
+            except Exception as exc:
+                # A bug or a backend failure must end this push (D is told), not wedge the loop.
+                log.exception("%s: push %s failed", self.name, job.reg.transfer_id)
+                job.error, job.error_stage = f"push failed: {exc}", "post"
+                over = not job.flying
+            if over:
+                self._finish(job)
             else:
-                self._finish(f, ok=state == "DONE")
-        self._flying = still
+                still.append(job)
+        self._jobs = still
 
-    def _finish(self, f: _InFlight, ok: bool) -> None:
-        t_end = time.perf_counter()
-        f.stats["complete_s"] = t_end - f.t_post
-        tt = self._times.setdefault(f.reg.transfer_id, {})
+    def _finish(self, job: _Job) -> None:
+        plan = job.plan
+        assert plan is not None
+        reg = job.reg
+        if job.slot is not None:
+            self._slots.free(job.slot)
+        tt = self._times.setdefault(reg.transfer_id, {})
+        t_end = job.t_complete or time.perf_counter()
         tt["completed"] = max(tt.get("completed", t_end), t_end)
-        acc = self._tstats.setdefault(f.reg.transfer_id, {})
-        for k, v in f.stats.items():
+        if plan.kind == "empty":
+            self._bump("plan_empty_total", 0)
+        job.stats[f"plan_{plan.kind}"] = 1.0
+        job.stats["pieces"] = float(plan.pieces)
+        if job.t_post:
+            job.stats["complete_s"] = max(0.0, t_end - job.t_post)
+        acc = self._tstats.setdefault(reg.transfer_id, {})
+        for k, v in job.stats.items():
             acc[k] = acc.get(k, 0.0) + v  # summed over this P rank's pushes of the transfer
-        self.agent.release(f.handle)
-        self._done(f.reg, f.prefill, f.plan, f.slot, ok)
-
-    def _done(self, reg: protocol.Register, prefill: Prefill, plan: Plan, slot: int | None, ok: bool) -> None:
-        if slot is not None:
-            self._slots.free(slot)
-        if not ok:
-            self._errors[reg.transfer_id] = f"WRITE to D {reg.engine_id} rank {reg.rank} failed"
-            peer = self._peers.get((reg.engine_id, reg.rank))
+        if job.error or (job.cancel and job.sent < plan.nregions):
+            # Some regions will never be written: tell D, whose writer is
+            # otherwise still counting regions. Sent only now, when no part is
+            # in flight, so nothing lands after D reads it.
+            why = job.error or job.cancel
+            self._errors[reg.transfer_id] = why
+            peer = self._peers.get(job.peer_key)
             if peer is not None:
-                self._fail(peer.ident, reg, "write", "NIXL reported an error for the WRITE")
+                self._fail(peer.ident, reg, job.error_stage if job.error else "aborted", why)
         self._pushed(reg)
 
     def _pushed(self, reg: protocol.Register) -> None:

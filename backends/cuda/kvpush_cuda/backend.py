@@ -127,6 +127,19 @@ class CudaBackend(Backend):
                 raise BackendError(f"wait_ready got {type(ev).__name__}, expected a marker from record_ready")
             ev.synchronize()
 
+    def poll_ready(self, marker: Any) -> bool:
+        """``cudaEventQuery`` on the marker's event(s): the push thread never blocks on a layer in progress."""
+        if marker is None:
+            return True
+        self.bind_thread()
+        events: Iterable[Any] = marker if isinstance(marker, list | tuple) else (marker,)
+        for ev in events:
+            if not hasattr(ev, "query"):
+                raise BackendError(f"poll_ready got {type(ev).__name__}, expected a marker from record_ready")
+            if not ev.query():
+                return False
+        return True
+
     def alloc_staging(self, nbytes: int, device_id: int | None = None) -> StagingBuffer:
         torch = self._torch
         dev = self.device if device_id is None else int(device_id)

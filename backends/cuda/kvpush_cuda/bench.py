@@ -94,6 +94,10 @@ class Options:
     write_descs: tuple[int, ...] = (1, 4, 16, 64)
     warm_ms: float = 2.0
     engine: bool = True
+    engine_parts: tuple[int, ...] = (4, 1, 2, 8)
+    busy_poll_us: float = 50.0
+    lw_tokens: tuple[int, ...] = ()
+    lw_iters: int = 3
     seed: int = 0
     timeout_s: float = 120.0
 
@@ -162,8 +166,12 @@ def pattern_words(torch: Any, n: int, salt: int, device: Any) -> Any:
 def fill_kv(torch: Any, kv: dict[str, Any], device: Any) -> None:
     """P's KV content: layer i holds ``pattern_words(..., salt=i)`` in memory order."""
     for i, t in enumerate(kv.values()):
-        w = t.view(torch.int32)
-        w.copy_(pattern_words(torch, w.numel(), i, device).view(w.shape))
+        _fill_layer(torch, t, i, device)
+
+
+def _fill_layer(torch: Any, t: Any, i: int, device: Any) -> None:
+    w = t.view(torch.int32)
+    w.copy_(pattern_words(torch, w.numel(), i, device).view(w.shape))
 
 
 class Side:
@@ -392,13 +400,15 @@ class DServer:
                 info = {"unpack_ms": unpack_s * 1e3, "notif_t": t_notif, **_stats_delta("d_", before, s.copy_stats())}
                 ok, detail = self.verify(src, dst)
                 self.conn.send(("done", t1, info, ok, detail))
-            elif op in ("engine_start", "engine"):
+            elif op in ("engine_start", "engine", "engine_ahead"):
                 # The engine is measured last and must not take the other results down with it.
                 try:
                     if op == "engine_start":
                         self._engine_start(msg[1])
-                    else:
+                    elif op == "engine":
                         self._engine_case(*msg[1:])
+                    else:
+                        self._engine_case(*msg[1:], announce=True)
                 except Exception:
                     self.conn.send(("failed", traceback.format_exc()))
             else:
@@ -416,17 +426,35 @@ class DServer:
         from kvpush.config import Config
         from kvpush.engine import Receiver
 
+        if self.receiver is not None:
+            self.receiver.close()
         self.receiver = Receiver(Config.from_dict(cfg), self.s.backend, self.s.layout, engine_id="D", rank=0)
         self.conn.send(("ok",))
 
-    def _engine_case(self, tid: str, address: tuple[str, int], src: np.ndarray, dst: np.ndarray) -> None:
+    def _engine_case(
+        self,
+        tid: str,
+        address: tuple[str, int],
+        src: np.ndarray,
+        dst: np.ndarray,
+        tokens: int | None = None,
+        announce: bool = False,
+    ) -> None:
+        """Register, wait for the result; ``announce``: tell P once registered (P times from its KV ready).
+
+        The reply carries D's monotonic time of the result, so P can time from
+        its own moment (CLOCK_MONOTONIC is shared by both processes).
+        """
         from kvpush.engine import PeerAddress
 
         s = self.s
         self.poison()
         s.warm(s.opts.warm_ms)
         t0 = time.perf_counter()
-        self.receiver.register(tid, tid, PeerAddress(address[0], address[1], 1), [dst.tolist()], s.opts.tokens)
+        n = s.opts.tokens if tokens is None else tokens
+        self.receiver.register(tid, tid, PeerAddress(address[0], address[1], 1), [dst.tolist()], n)
+        if announce:
+            self.conn.send(("registered",))
         res = None
         deadline = t0 + s.opts.timeout_s
         while res is None and time.perf_counter() < deadline:
@@ -437,10 +465,11 @@ class DServer:
                 time.sleep(50e-6)  # a busy poll would starve the engine thread of the GIL
         t1 = time.perf_counter()
         if res is None:
-            self.conn.send(("done", (t1 - t0) * 1e3, {}, False, "no result from the receiver"))
+            self.conn.send(("done", (t1 - t0) * 1e3, {}, False, "no result from the receiver", 0.0, {}))
             return
         ok, detail = self.verify(src, dst) if res.ok else (False, res.reason)
-        self.conn.send(("done", (t1 - t0) * 1e3, dict(res.stats), ok, detail))
+        result_t = res.times.get("result", 0.0)
+        self.conn.send(("done", (t1 - t0) * 1e3, dict(res.stats), ok, detail, result_t, dict(res.times)))
 
 
 # --------------------------------------------------------------------------- P
@@ -661,54 +690,192 @@ class PDriver:
         _wait_xfers(s.agent, handles, o.timeout_s, release=False)
         return {"plan_ms": _ms(t_plan - t0), "pack_ms": _ms(pack_s), "post_ms": _ms(post_s)}
 
-    def engine(self) -> list[dict[str, Any]]:
-        """The same request through kvpush.engine with this backend; the core picks the plan."""
-        from kvpush.config import Config
-        from kvpush.engine import Sender
-
-        s, o = self.s, self.s.opts
-        cfg = {
+    def _engine_cfg(self, parts: int) -> dict[str, Any]:
+        o = self.s.opts
+        return {
             "backend": o.backend,
             "staging_bytes": o.total_bytes + (64 << 20),
             "idle_poll_max_s": 0.001,
+            "busy_poll_max_s": o.busy_poll_us * 1e-6,
             "link_gbps": 200.0,
+            "push_parts": parts,
         }
-        sender = Sender(Config.from_dict(cfg), s.backend, s.layout, engine_id="P", rank=0, tp_size=1)
+
+    def _sender(self, parts: int) -> Any:
+        from kvpush.config import Config
+        from kvpush.engine import Sender
+
+        cfg = self._engine_cfg(parts)
+        sender = Sender(Config.from_dict(cfg), self.s.backend, self.s.layout, engine_id="P", rank=0, tp_size=1)
         self.conn.send(("engine_start", cfg))
-        _recv(self.conn, o.timeout_s)
+        _recv(self.conn, self.s.opts.timeout_s)
+        return sender
+
+    def _released(self, sender: Any, tid: str) -> Any:
+        """P's Result for ``tid`` once P let go of the blocks (None on timeout)."""
+        deadline = time.perf_counter() + self.s.opts.timeout_s
+        while time.perf_counter() < deadline:
+            for r in sender.poll():
+                if r.transfer_id == tid:
+                    return r
+            time.sleep(50e-6)
+        return None
+
+    def _announce(self, sender: Any, tid: str, src: np.ndarray, dst: np.ndarray, tokens: int) -> None:
+        """Start a prefill on P before its KV exists and have D register: P pairs and plans now."""
+        sender.prefill_started(tid, tid, [src.tolist()], tokens)
+        self.conn.send(("engine_ahead", tid, sender.address, src, dst, tokens))
+        _recv(self.conn, self.s.opts.timeout_s)  # D registered
+        deadline = time.perf_counter() + self.s.opts.timeout_s
+        while sender.stats()["in_flight"] < 1:  # paired (and planned) on P's engine thread
+            if time.perf_counter() > deadline:
+                raise TimeoutError("P never paired the registration")
+            time.sleep(100e-6)
+
+    def engine(self) -> list[dict[str, Any]]:
+        """The same request through kvpush.engine with this backend; the core picks the plan.
+
+        ``finished``: P hands over the finished prefill, D registers; time from
+        D's registration to its result (P plans on the critical path).
+        ``ahead``: the vLLM flow when P's block ids are known at scheduling: P
+        announces the prefill, D registers, P pairs and plans before the KV
+        exists; time from "KV ready" on P (``kv_ready`` with a CUDA event) to
+        D's result (unpacked). ``push_parts`` sets the pipelining.
+        """
+        s, o = self.s, self.s.opts
         rng = np.random.default_rng(o.seed + 1)
         out = []
         n = 0
-        for pattern in o.patterns:
+        nregions = len(s.layout.regions)
+        runs = [("finished", 1, p) for p in o.patterns]
+        runs += [("ahead", parts, p) for parts in o.engine_parts for p in o.patterns]
+        current = None
+        sender = None
+        for mode, parts, pattern in runs:
+            if current != parts:
+                if sender is not None:
+                    sender.close()
+                sender, current = self._sender(parts), parts
             ms, ok_all, detail, stats = [], True, "", {}
+            timeline: list[dict[str, float]] = []
             for it in range(min(o.iters, 5) + 1):
                 src, dst = block_ids(pattern, o, rng)
                 n += 1
                 tid = f"bench-{pattern}-{n}"
-                sender.prefill_finished(tid, tid, [src.tolist()], o.tokens, ready=s.backend.record_ready())
-                self.conn.send(("engine", tid, sender.address, src, dst))
-                _, t, stats, ok, det = _recv(self.conn, o.timeout_s)
-                released = False
-                deadline = time.perf_counter() + o.timeout_s
-                while not released and time.perf_counter() < deadline:
-                    released = any(r.transfer_id == tid for r in sender.poll())
-                    time.sleep(50e-6)
+                if mode == "finished":
+                    sender.prefill_finished(tid, tid, [src.tolist()], o.tokens, ready=s.backend.record_ready())
+                    self.conn.send(("engine", tid, sender.address, src, dst))
+                    _, t, stats, ok, det, _, _ = _recv(self.conn, o.timeout_s)
+                    marks = {}
+                else:
+                    self._announce(sender, tid, src, dst, o.tokens)
+                    s.warm(o.warm_ms)
+                    t0 = time.monotonic()
+                    sender.kv_ready([tid], nregions, s.backend.record_ready())
+                    _, _, stats, ok, det, t_result, d_times = _recv(self.conn, o.timeout_s)
+                    t = (t_result - t0) * 1e3
+                    marks = {f"d_{k}": (v - t0) * 1e3 for k, v in d_times.items() if v >= t0}
+                p_res = self._released(sender, tid)
+                released = p_res is not None
+                if released and mode == "ahead":
+                    marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_res.times.items() if v >= t0})
+                    marks.update({f"p_{k}_ms": v * 1e3 for k, v in p_res.stats.items() if k.endswith("_s")})
                 ok_all &= ok and released
                 detail = detail or det or ("" if released else "P never released the blocks")
                 if it:
                     ms.append(t)
+                    timeline.append(marks)
             plan = next((k[5:] for k in stats if k.startswith("plan_")), "?")
             row = {
                 "pattern": pattern,
+                "mode": mode,
+                "parts": parts,
                 "plan": plan,
                 "ms": ms,
                 "median_ms": statistics.median(ms),
                 "verified": ok_all,
                 "detail": detail,
                 "stats": stats,
+                # ms after "KV ready" on P (ahead mode): P's stage times and stage durations, D's arrivals
+                "timeline_median": {k: statistics.median(m.get(k, 0.0) for m in timeline) for k in timeline[0]}
+                if timeline and timeline[0]
+                else {},
             }
-            _log(f"engine {pattern:>10}: plan={plan} {row['median_ms']:.3f} ms verified={ok_all} {detail}")
+            _log(
+                f"engine {mode:>8} parts={parts} {pattern:>10}: plan={plan} {row['median_ms']:.3f} ms "
+                f"verified={ok_all} {detail}"
+            )
             out.append(row)
+        if sender is not None:
+            sender.close()
+        return out
+
+    def layerwise(self) -> list[dict[str, Any]]:
+        """Time-to-KV-on-D after a simulated prefill: no transfer, whole-request push, layer-wise push.
+
+        P's forward is a stand-in with a real GPU load per layer: a matmul with
+        the FLOPs of a Qwen3-32B TP8 rank's layer (hidden 5120, ~61M weights
+        per rank-layer, attention's quadratic part left out, which only makes
+        overlap harder) over the prompt's tokens, then the layer's KV written
+        (P's blocks are zeroed before each run, so a layer pushed before it was
+        written would fail D's check). ``none`` is the end of the forward;
+        ``whole`` pushes after it; ``layer`` reports each layer's CUDA event as
+        the forward is issued. The transfer is planned at pairing in both
+        pushing modes. Overhead = D's result - end of forward.
+        """
+        torch, s, o = self.s.torch, self.s, self.s.opts
+        rng = np.random.default_rng(o.seed + 7)
+        nregions = len(s.layout.regions)
+        rpl = nregions // o.layers
+        sender = self._sender(o.engine_parts[0] if o.engine_parts else 4)
+        hidden, ffn = (5120, 12000) if s.cuda else (128, 256)  # the host dry run only checks the plumbing
+        w = torch.randn(hidden, ffn, dtype=torch.bfloat16, device=s.device) * 0.01
+        out: list[dict[str, Any]] = []
+        layers = list(s.kv.values())
+        n = 0
+        for tokens in o.lw_tokens:
+            x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=s.device)
+            req_blocks = -(-tokens // o.block_size)
+            for mode in ("none", "whole", "layer"):
+                times: list[dict[str, float]] = []
+                ok_all, detail = True, ""
+                for it in range(o.lw_iters + 1):
+                    src = np.arange(req_blocks, dtype=np.int64)
+                    dst = rng.permutation(o.d_blocks)[:req_blocks].astype(np.int64)
+                    n += 1
+                    tid = f"lw-{tokens}-{mode}-{n}"
+                    for t in layers:
+                        t.zero_()
+                    s.sync()
+                    if mode != "none":
+                        self._announce(sender, tid, src, dst, tokens)
+                    s.warm(o.warm_ms)
+                    t0 = time.monotonic()
+                    for i, t in enumerate(layers):
+                        torch.matmul(x, w)
+                        _fill_layer(torch, t, i, s.device)
+                        if mode == "layer":
+                            sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
+                    last = s.backend.record_ready()
+                    s.backend.wait_ready(last)
+                    t_fwd = time.monotonic()
+                    row = {"forward_ms": (t_fwd - t0) * 1e3}
+                    if mode != "none":
+                        if mode == "whole":
+                            sender.kv_ready([tid], nregions, last)
+                        _, _, stats, ok, det, t_result, _ = _recv(self.conn, o.timeout_s)
+                        row["overhead_ms"] = (t_result - t_fwd) * 1e3
+                        row["parts"] = float(stats.get("parts", 0))
+                        released = self._released(sender, tid) is not None
+                        ok_all &= ok and released
+                        detail = detail or det or ("" if released else "P never released the blocks")
+                    if it:
+                        times.append(row)
+                med = {k: statistics.median(r[k] for r in times) for k in times[0]}
+                rec = {"tokens": tokens, "mode": mode, **{f"median_{k}": v for k, v in med.items()}}
+                rec.update({"runs": times, "verified": ok_all, "detail": detail})
+                _log(f"layerwise {tokens:>6} {mode:>5}: {med} verified={ok_all} {detail}")
+                out.append(rec)
         sender.close()
         return out
 
@@ -832,12 +999,19 @@ def worker(role: str, opts: Options, conn: Any, results: Any) -> None:
         micro = p.microbench()
         eng: list[dict[str, Any]] = []
         eng_error = ""
+        lw: list[dict[str, Any]] = []
         if opts.engine:
             try:
                 eng = p.engine()
             except Exception:
                 eng_error = traceback.format_exc()
                 _log(f"engine phase failed:\n{eng_error}")
+        if opts.lw_tokens:
+            try:
+                lw = p.layerwise()
+            except Exception:
+                eng_error += traceback.format_exc()
+                _log(f"layer-wise phase failed:\n{eng_error}")
         conn.send(("stop",))
         results.put(
             (
@@ -849,6 +1023,7 @@ def worker(role: str, opts: Options, conn: Any, results: Any) -> None:
                     "cases": [{**asdict(c), "median_ms": c.median_ms} for c in p.cases],
                     "engine": eng,
                     "engine_error": eng_error,
+                    "layerwise": lw,
                     "micro": micro,
                 },
             )
@@ -878,9 +1053,8 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
         rows.append((c["pattern"], c["strategy"], c["descriptors"], c["median_ms"], c["verified"]))
     for e in res["engine"]:
         e["x_peer_copy"] = e["median_ms"] / peer
-        rows.append(
-            (e["pattern"], f"engine:{e['plan']}", int(e["stats"].get("descriptors", 0)), e["median_ms"], e["verified"])
-        )
+        label = f"eng:{e.get('mode', 'finished')}/{e.get('parts', 1)}:{e['plan']}"
+        rows.append((e["pattern"], label, int(e["stats"].get("descriptors", 0)), e["median_ms"], e["verified"]))
     plan = {(c["pattern"], c["strategy"]): c["breakdown"].get("plan_ms", 0.0) for c in res["cases"]}
     head = f"{'pattern':>12} {'strategy':>16} {'descs':>8} {'median ms':>10} {'GB/s':>8} {'x peer':>7}"
     lines = [f"{head} {'plan ms':>8} {'x peer w/o plan':>15} ok"]
@@ -890,6 +1064,19 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
             f"{pat:>12} {strat:>16} {nd:>8} {ms:>10.3f} {gb / (ms / 1e3):>8.1f} {ms / peer:>7.2f} "
             f"{p:>8.3f} {(ms - p) / peer:>15.2f} {ok}"
         )
+    lw = res.get("layerwise") or []
+    if lw:
+        lines.append("")
+        lines.append(f"{'tokens':>7} {'forward ms':>10} {'whole +ms':>10} {'layer +ms':>10} {'layer/whole':>11} ok")
+        by = {(r["tokens"], r["mode"]): r for r in lw}
+        for tokens in sorted({r["tokens"] for r in lw}):
+            fwd = by[(tokens, "none")]["median_forward_ms"]
+            wh = by[(tokens, "whole")]["median_overhead_ms"]
+            la = by[(tokens, "layer")]["median_overhead_ms"]
+            ok = all(by[(tokens, m)]["verified"] for m in ("none", "whole", "layer"))
+            ratio = la / wh if wh else float("nan")
+            by[(tokens, "layer")]["layer_over_whole"] = ratio
+            lines.append(f"{tokens:>7} {fwd:>10.2f} {wh:>10.3f} {la:>10.3f} {ratio:>11.3f} {ok}")
     res["table"] = lines
     return res
 
@@ -905,7 +1092,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         _log("matplotlib missing: no plot")
         return
     labels = [f"{c['pattern']} {c['strategy']}" for c in res["cases"]]
-    labels += [f"{e['pattern']} engine:{e['plan']}" for e in res["engine"]]
+    labels += [f"{e['pattern']} eng:{e.get('mode', 'finished')}/{e.get('parts', 1)}:{e['plan']}" for e in res["engine"]]
     vals = [c["median_ms"] for c in res["cases"]] + [e["median_ms"] for e in res["engine"]]
     fig, ax = plt.subplots(figsize=(max(8, len(vals) * 0.45), 5.5))
     ax.bar(range(len(vals)), vals, color="tab:blue")
@@ -936,6 +1123,10 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--write-descs", default=",".join(map(str, d.write_descs)))
     ap.add_argument("--warm-ms", type=float, default=d.warm_ms)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--engine-parts", default=",".join(map(str, d.engine_parts)), help="push_parts values (ahead)")
+    ap.add_argument("--busy-poll-us", type=float, default=d.busy_poll_us, help="engines' busy_poll_max_s, in us")
+    ap.add_argument("--lw-tokens", default="", help="layer-wise microbenchmark prompt lengths, e.g. 2048,16384")
+    ap.add_argument("--lw-iters", type=int, default=d.lw_iters)
     ap.add_argument("--quick", action="store_true", help="small request (dry runs): 1024 tokens, 4 layers")
     ap.add_argument("--json", default="", help="write results here")
     ap.add_argument("--plot", default="", help="write a PNG here")
@@ -966,6 +1157,10 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         write_descs=tuple(int(x) for x in a.write_descs.split(",")),
         warm_ms=a.warm_ms,
         engine=not a.no_engine,
+        engine_parts=tuple(int(x) for x in a.engine_parts.split(",") if x),
+        busy_poll_us=a.busy_poll_us,
+        lw_tokens=tuple(int(x) for x in a.lw_tokens.split(",") if x),
+        lw_iters=a.lw_iters,
         seed=a.seed,
     )
     return opts, a
@@ -1019,6 +1214,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot:
         plot(res, a.plot)
     bad = [c for c in res["cases"] if not c["verified"]] + [e for e in res["engine"] if not e["verified"]]
+    bad += [r for r in res.get("layerwise") or [] if not r["verified"]]
     return 1 if bad else 0
 
 

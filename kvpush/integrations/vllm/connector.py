@@ -32,7 +32,7 @@ from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
 from kvpush.errors import BackendError, ConfigError
 from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
-from kvpush.integrations.vllm.scheduler_side import SchedulerSide, StepOrders
+from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -122,6 +122,21 @@ def cache_spec(vllm_config: VllmConfig, first: torch.Tensor, rank: int, tp_size:
     )
 
 
+def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
+    """The step's scheduled requests as plain values (new, resumed and running ones)."""
+    n = out.num_scheduled_tokens
+    chunks = [
+        ScheduledChunk(r.req_id, tuple(tuple(g) for g in r.block_ids), True, r.num_computed_tokens, n.get(r.req_id, 0))
+        for r in out.scheduled_new_reqs
+    ]
+    c = out.scheduled_cached_reqs
+    for i, rid in enumerate(c.req_ids):
+        new = c.new_block_ids[i]
+        blocks = None if new is None else tuple(tuple(g) for g in new)
+        chunks.append(ScheduledChunk(rid, blocks, rid in c.resumed_req_ids, c.num_computed_tokens[i], n.get(rid, 0)))
+    return chunks
+
+
 class KVPushConnector(KVConnectorBase_V1):
     """Push-mode KV transfer: D registers its blocks, P writes into them."""
 
@@ -143,7 +158,7 @@ class KVPushConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.sched = SchedulerSide()
+            self.sched = SchedulerSide(layerwise=cfg.layerwise)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -171,6 +186,12 @@ class KVPushConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.sched is not None
         if num_external_tokens <= 0:
+            self.sched.prefill_admitted(
+                request.request_id,
+                request.kv_transfer_params,
+                request.num_prompt_tokens,
+                getattr(request, "max_tokens", None),
+            )
             return
         self.sched.after_alloc(
             request.request_id,
@@ -184,6 +205,8 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.sched is not None
+        if self.sched.layerwise:
+            self.sched.scheduled(scheduled_chunks(scheduler_output))
         return KVPushMetadata(self.sched.take_orders())
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -229,10 +252,17 @@ class KVPushConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        if self.worker is None:
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVPushMetadata):
+            # vLLM may call start_load_kv only after the forward: start layer-wise pushes here.
+            self.worker.ensure_layers_started(meta.orders)
+        self.worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self.worker is not None:
+            self.worker.forward_done()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None

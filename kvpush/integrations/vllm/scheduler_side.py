@@ -9,7 +9,21 @@ Invariants:
   worker reports it in ``finished_sending``;
 - a D request aborted while its KV may still be written keeps its blocks
   until the workers report the transfer fenced (also via ``finished_sending``);
-- a request without kv_transfer_params is never touched.
+- a request without kv_transfer_params is never touched;
+- layer-wise mode: a P request whose *final* prefill chunk is scheduled in a
+  step is announced to the workers in that step's orders (``layer_prefills``),
+  so they push each layer as the forward writes it; from then on it keeps its
+  blocks until the workers report it, even if it is aborted.
+
+Chunked prefill, layer-wise: only the final chunk triggers pushes; layer ``i``
+then carries *all* the prompt's tokens of that layer (earlier chunks wrote
+theirs in earlier steps). Pushing earlier chunks as they complete would need
+D's registration to be there before the prefill started and a part per
+(chunk, layer); the final chunk alone already takes every layer but the last
+off the critical path, and the last layer's write is what TTFT still pays.
+Only requests that end after their prefill (``max_tokens == 1``, what the
+router sends P) go layer-wise: a request that keeps decoding on P could be
+preempted with its blocks freed while a layer is being written.
 """
 
 from __future__ import annotations
@@ -50,6 +64,21 @@ class AbortOrder:
     side: str  # "prefill" or "decode"
 
 
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's part of a scheduler step, as read from vLLM's ``SchedulerOutput``.
+
+    ``block_ids`` are the request's new blocks (appended to what it had) or,
+    when ``replace``, all of them (a new or resumed request).
+    """
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...] | None
+    replace: bool
+    num_computed: int
+    num_scheduled: int
+
+
 @dataclass
 class StepOrders:
     """What the scheduler tells the workers this step (wrapped in vLLM's metadata type)."""
@@ -57,10 +86,24 @@ class StepOrders:
     registrations: list[Registration] = field(default_factory=list)
     prefills: list[FinishedPrefill] = field(default_factory=list)
     aborts: list[AbortOrder] = field(default_factory=list)
+    layer_prefills: list[FinishedPrefill] = field(default_factory=list)
+    """Prefills whose final chunk runs in this step's forward: pushed layer by layer as it goes."""
+
+
+@dataclass
+class _Candidate:
+    """A P request that may go layer-wise once its final chunk is scheduled."""
+
+    transfer_id: str
+    num_prompt_tokens: int
+    block_ids: list[list[int]] = field(default_factory=list)
 
 
 class SchedulerSide:
-    def __init__(self) -> None:
+    def __init__(self, layerwise: bool = False) -> None:
+        self.layerwise = layerwise
+        self._candidates: dict[str, _Candidate] = {}  # P requests before their final chunk (layer-wise)
+        self._layered: dict[str, str] = {}  # P requests announced layer-wise -> transfer id
         self._orders = StepOrders()
         self._waiting_kv: dict[str, str] = {}  # D request -> transfer id, registered, KV not yet in
         self._sending: dict[str, str] = {}  # P request -> transfer id, blocks held for the push
@@ -111,6 +154,39 @@ class SchedulerSide:
             # vLLM may ask again after the load; nothing more is remote then.
             params["do_remote_prefill"] = False
 
+    # P side, layer-wise ---------------------------------------------------------
+    def prefill_admitted(
+        self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, max_tokens: int | None
+    ) -> None:
+        """A request was admitted (``update_state_after_alloc``); remember P requests that can go layer-wise."""
+        if not self.layerwise or max_tokens != 1:
+            return
+        role = parse(params, request_id)
+        if isinstance(role, PrefillSide) and request_id not in self._layered:
+            self._candidates[request_id] = _Candidate(role.transfer_id, num_prompt_tokens)
+
+    def scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        """This step's scheduled requests: announce candidates whose final prefill chunk runs now."""
+        for c in chunks:
+            cand = self._candidates.get(c.request_id)
+            if cand is None:
+                continue
+            if c.block_ids is not None:
+                if c.replace or not cand.block_ids:
+                    cand.block_ids = [list(g) for g in c.block_ids]
+                else:
+                    for g, new in zip(cand.block_ids, c.block_ids, strict=False):
+                        g.extend(new)
+            if c.num_computed + c.num_scheduled < cand.num_prompt_tokens:
+                continue
+            del self._candidates[c.request_id]
+            blocks = tuple(tuple(g) for g in cand.block_ids)
+            self._orders.layer_prefills.append(
+                FinishedPrefill(c.request_id, cand.transfer_id, blocks, cand.num_prompt_tokens)
+            )
+            self._layered[c.request_id] = cand.transfer_id
+            self._bump("layer_prefills")
+
     # both sides ---------------------------------------------------------------
     def finished(
         self,
@@ -127,6 +203,19 @@ class SchedulerSide:
             self._fencing[request_id] = tid
             self._orders.aborts.append(AbortOrder(request_id, tid, "decode"))
             self._bump("decode_aborts")
+            return True
+        self._candidates.pop(request_id, None)
+        tid = self._layered.pop(request_id, None)
+        if tid is not None:
+            # Announced layer-wise: the push thread may be writing a layer right
+            # now, so the blocks stay until the workers report the transfer
+            # released, whether it ended normally or not.
+            if not finished_normally:
+                self._orders.aborts.append(AbortOrder(request_id, tid, "prefill"))
+                self._bump("prefill_aborts")
+            else:
+                self._bump("prefills")
+            self._sending[request_id] = tid
             return True
         role = parse(params, request_id)
         if not isinstance(role, PrefillSide):
@@ -165,7 +254,7 @@ class SchedulerSide:
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while blocks are held for transfers."""
         o = self._orders
-        return bool(self._sending or self._fencing or o.registrations or o.prefills or o.aborts)
+        return bool(self._sending or self._fencing or o.registrations or o.prefills or o.aborts or o.layer_prefills)
 
     def pending(self) -> dict[str, int]:
         return {"sending": len(self._sending), "waiting_kv": len(self._waiting_kv), "fencing": len(self._fencing)}

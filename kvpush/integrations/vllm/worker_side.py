@@ -58,9 +58,22 @@ class WorkerSide:
         self._expect: set[str] = set()
         self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
         self._stats_at = -1e9  # monotonic time of the last metrics report
+        # Layer-wise: kv_caches order of each layer name, regions per layer, and this
+        # step's layer-wise transfers with the layers the forward has written so far.
+        self._layer_index: dict[str, int] = {}
+        self._regions_per_layer = 0
+        self._step_tids: list[str] = []
+        self._layers_done: list[bool] = []
+        self._layers_reported = 0
+        self.layer_reports = 0  # kv_ready calls made from save_kv_layer (vs. the end-of-forward fallback)
+        self._layers_started_for: StepOrders | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any], spec: CacheSpec) -> None:
         self.layout = self.backend.describe(kv_caches, spec)
+        # Backends list regions layer by layer in kv_caches order, the same number per layer.
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        if kv_caches and len(self.layout.regions) % len(kv_caches) == 0:
+            self._regions_per_layer = len(self.layout.regions) // len(kv_caches)
         log.info(
             "kvpush worker %s rank %d: %d regions, %d blocks of %d tokens, %s, %s",
             self.engine_id,
@@ -88,6 +101,8 @@ class WorkerSide:
                         "kvpush P %s kv sha %s", p.transfer_id, kv_checksum(self.layout, p.block_ids[0], p.num_tokens)
                     )
                 self.sender.prefill_finished(p.transfer_id, p.request_id, p.block_ids, p.num_tokens, ready)
+        if orders.layer_prefills and orders is not self._layers_started_for:
+            self.start_layers(orders)
         for r in orders.registrations:
             assert self.receiver is not None, "registration orders on a worker without the consumer role"
             if DEBUG_CHECKSUM:
@@ -107,6 +122,56 @@ class WorkerSide:
                 self.receiver.abort(a.transfer_id, "request aborted on D")
             elif a.side == "prefill" and self.sender is not None:
                 self.sender.abort(a.transfer_id, "request aborted on P before its prefill finished")
+
+    def start_layers(self, orders: StepOrders) -> None:
+        """Announce this step's layer-wise prefills before its forward writes their first layer.
+
+        vLLM 0.32 calls ``start_load_kv`` *after* the forward when no load is
+        synchronous, so the connector calls this from the first
+        ``save_kv_layer`` of the step instead; ``apply`` then skips them.
+        """
+        assert self.sender is not None, "prefill orders on a worker without the producer role"
+        self._layers_started_for = orders
+        for p in orders.layer_prefills:
+            self._expect.add(p.request_id)
+            self.sender.prefill_started(p.transfer_id, p.request_id, p.block_ids, p.num_tokens)
+        self._step_tids = [p.transfer_id for p in orders.layer_prefills]
+        self._layers_done = [False] * len(self._layer_index)
+        self._layers_reported = 0
+
+    def ensure_layers_started(self, orders: StepOrders) -> None:
+        """From ``save_kv_layer``: start this step's layer-wise prefills if ``apply`` has not yet."""
+        if orders.layer_prefills and orders is not self._layers_started_for:
+            self.start_layers(orders)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM's ``save_kv_layer``: this step's forward wrote ``layer_name``; push what is complete.
+
+        Called on the forward path, so it only records a marker and hands ids
+        to the push thread. Layers are reported as the longest computed prefix
+        (in ``kv_caches`` order), whatever order the hooks come in.
+        """
+        if not self._step_tids or self.sender is None or not self._regions_per_layer:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        self._layers_done[i] = True
+        done = self._layers_reported
+        while done < len(self._layers_done) and self._layers_done[done]:
+            done += 1
+        if done > self._layers_reported:
+            self._layers_reported = done
+            self.layer_reports += 1
+            self.sender.kv_ready(self._step_tids, done * self._regions_per_layer, self.backend.record_ready())
+
+    def forward_done(self) -> None:
+        """vLLM's ``wait_for_save`` (end of the forward): every layer is written, report what the hooks missed."""
+        if not self._step_tids or self.sender is None or self.layout is None:
+            return
+        if self._layers_reported < len(self._layers_done) or not self._regions_per_layer:
+            self.sender.kv_ready(self._step_tids, len(self.layout.regions), self.backend.record_ready())
+        self._step_tids = []
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for vLLM."""

@@ -1,0 +1,223 @@
+"""Layer-wise and multi-part pushes end to end: real NIXL UCX agents in two processes.
+
+P announces a prefill (``prefill_started``) before its KV exists, then a
+stand-in forward writes the layers one by one (``compute_layers``) and reports
+each with ``kv_ready``. The checks: D holds exactly what P computed (a layer
+pushed before it was computed would carry stale bytes), D reports nothing
+until every region arrived, layers not yet computed never reach D, a late
+registration gets the computed layers at once, and aborts in the middle of
+the layers release everything on both sides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from procs import SENTINEL, Geom, Node, make_cache
+from test_push_nixl import Req, apply_reference, assert_idle, assert_same, by_rid, engines
+
+STAGING = 4 << 20
+LAYERS = 6
+RPL = 2  # regions per layer: the host backend lists K and V of each layer
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[tuple[Node, Node]]:
+    p, d = Node("P"), Node("D")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield p, d
+        crashes = p.call("crashes") + d.call("crashes")
+        assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)
+    finally:
+        p.stop()
+        d.stop()
+
+
+_counter = iter(range(1_000_000))
+
+
+def _key(name: str) -> str:
+    return f"{name}{next(_counter)}"
+
+
+def _cfg(**kw: Any) -> dict[str, Any]:
+    return {"staging_bytes": STAGING, **kw}
+
+
+def _d_cfg(plan: str) -> dict[str, Any]:
+    return _cfg(plan=plan, staged_min_descriptors=1)
+
+
+def _wait_layers(d: Node, key: str, dg: Geom, req: Req, layers: int, timeout: float = 20.0) -> np.ndarray:
+    """Poll D's cache until layers ``[0, layers)`` of ``req``'s first block are no longer the sentinel."""
+    deadline = time.monotonic() + timeout
+    blk = req.d_blocks[0]
+    while True:
+        got = d.call("snapshot", key)
+        if all((got[i, :, blk] != SENTINEL).any() for i in range(layers)) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def _wait_paired(p: Node, key: str, count: int, timeout: float = 20.0) -> None:
+    """Until P has paired ``count`` registrations with its started prefills (they reached P)."""
+    deadline = time.monotonic() + timeout
+    while p.call("stats", key)["in_flight"] < count:
+        assert time.monotonic() < deadline, "registrations never reached P"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("plan", ["direct", "staged"])
+def test_layers_reach_d_as_they_are_computed(nodes: tuple[Node, Node], plan: str) -> None:
+    p, d = nodes
+    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=96, block_size=32, order="HND")
+    k = _key("lw" + plan)
+    reqs = [
+        Req(f"{k}-a", f"{k}-pa", f"{k}-da", [5, 9, 2, 40, 41, 7], [3, 60, 17], 90),
+        Req(f"{k}-b", f"{k}-pb", f"{k}-db", [11, 12, 13], [70, 8], 40, 8),
+    ]
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(plan=plan), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _d_cfg(plan), "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        for r in reqs:
+            p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            d.call("register", k + "d", r.tid, r.d_rid, peer, r.d_blocks, r.n, r.start)
+        tids = [r.tid for r in reqs]
+        _wait_paired(p, k + "p", len(reqs))
+        for layer in range(LAYERS):
+            p.call("compute_layers", k + "p", layer, layer + 1, 7000 + layer)
+            p.call("kv_ready", k + "p", tids, (layer + 1) * RPL)
+            _wait_layers(d, k + "d", dg, reqs[1], layer + 1)  # so that each layer is its own WRITE
+            if layer == 2:
+                # Layers 0-2 arrive; 3-5 are not computed yet and must not be on D.
+                got = _wait_layers(d, k + "d", dg, reqs[0], 3)
+                for r in reqs:
+                    for i in range(3):
+                        assert (got[i, :, r.d_blocks[-1]] != SENTINEL).any(), f"layer {i} of {r.tid} missing"
+                    assert (got[3:, :, r.d_blocks] == SENTINEL).all(), "a layer reached D before it was computed"
+                assert d.call("results", k + "d", 1, 0.2) == [], "D reported before every layer arrived"
+        d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+        p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+        assert all(x.ok for x in d_res.values()) and len(d_res) == len(reqs), d_res
+        assert all(x.ok for x in p_res.values()) and len(p_res) == len(reqs), p_res
+        src = p.call("snapshot", k + "p")
+        exp = make_cache(dg, None)
+        for r in reqs:
+            apply_reference(exp, dg, src, pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        for r in reqs:
+            # One WRITE per layer, counted by D region by region.
+            assert p_res[r.p_rid].stats["parts"] == LAYERS, p_res[r.p_rid].stats
+            assert d_res[r.d_rid].stats["parts"] == LAYERS
+            assert p_res[r.p_rid].stats[f"plan_{plan}"] == 1.0
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]) -> None:
+    p, d = nodes
+    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
+    k = _key("late")
+    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="direct"), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _d_cfg("direct"), "D" + k)]),
+    ):
+        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        p.call("compute_layers", k + "p", 0, 4, 11)
+        p.call("kv_ready", k + "p", [r.tid], 4 * RPL)
+        time.sleep(0.2)
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        got = _wait_layers(d, k + "d", dg, r, 4)
+        assert (got[4:] == SENTINEL).all()
+        p.call("compute_layers", k + "p", 4, LAYERS, 12)
+        p.call("kv_ready", k + "p", [r.tid], LAYERS * RPL)
+        [dres] = d.call("results", k + "d", 1, 20.0)
+        [pres] = p.call("results", k + "p", 1, 10.0)
+        assert dres.ok and pres.ok
+        # Layers 0-3 went in the first WRITE, layers 4-5 in a second one.
+        assert pres.stats["parts"] == 2 and dres.stats["parts"] == 2, pres.stats
+        exp = make_cache(dg, None)
+        apply_reference(exp, dg, p.call("snapshot", k + "p"), pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_abort_in_the_middle_of_the_layers_releases_both_sides(nodes: tuple[Node, Node], side: str) -> None:
+    p, d = nodes
+    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
+    k = _key("ab" + side)
+    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3], [4, 5, 6], 40)
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged"), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
+    ):
+        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        _wait_paired(p, k + "p", 1)
+        p.call("compute_layers", k + "p", 0, 2, 21)
+        p.call("kv_ready", k + "p", [r.tid], 2 * RPL)
+        _wait_layers(d, k + "d", dg, r, 2)
+        if side == "decode":
+            d.call("abort", k + "d", r.tid, "client went away")
+        else:
+            p.call("abort", k + "p", r.tid, "request aborted on P")
+        [dres] = d.call("results", k + "d", 1, 20.0)
+        [pres] = p.call("results", k + "p", 1, 10.0)
+        assert not dres.ok and not pres.ok
+        assert ("client went away" if side == "decode" else "aborted on P") in dres.reason, dres.reason
+        # The forward goes on after the abort; later layers are not pushed.
+        p.call("compute_layers", k + "p", 2, LAYERS, 22)
+        p.call("kv_ready", k + "p", [r.tid], LAYERS * RPL)
+        time.sleep(0.3)
+        got = d.call("snapshot", k + "d")
+        assert (got[2:] == SENTINEL).all(), "a layer was written after the abort"
+        assert d.call("results", k + "d", 1, 0.1) == [] and p.call("results", k + "p", 1, 0.1) == []
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+def test_large_staged_push_is_pipelined_in_parts(nodes: tuple[Node, Node]) -> None:
+    """A whole-request staged push cut into ``push_parts`` WRITEs lands byte-exact, each part unpacked on its own."""
+    p, d = nodes
+    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64, block_size=32, order="HND")
+    k = _key("parts")
+    rng = np.random.default_rng(5)
+    reqs = [
+        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(64)[:8].tolist(), [2 * i, 2 * i + 1, 40 + i], 80)
+        for i in range(3)
+    ]
+    old = p.call("min_part_bytes", 0)
+    try:
+        with (
+            engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=5), "P" + k)]) as [addr],
+            engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
+        ):
+            for r in reqs:
+                d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+                p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+            p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+            assert len(d_res) == len(p_res) == len(reqs)
+            assert all(x.ok for x in [*d_res.values(), *p_res.values()])
+            for r in reqs:
+                assert p_res[r.p_rid].stats["parts"] == 5 and d_res[r.d_rid].stats["parts"] == 5
+            exp = make_cache(dg, None)
+            src = p.call("snapshot", k + "p")
+            for r in reqs:
+                apply_reference(exp, dg, src, pg, r)
+            assert_same(d.call("snapshot", k + "d"), exp, dg)
+            assert_idle(p, k + "p")
+            assert_idle(d, k + "d")
+    finally:
+        p.call("min_part_bytes", old)
