@@ -63,19 +63,25 @@ kvpush_transfer_stage_seconds_sum{engine="0",model_name="tiny-qwen3",side="prefi
 kvpush_transfer_size_bytes_count{engine="0",model_name="tiny-qwen3",side="prefill"} 2.0
 kvpush_transfer_size_bytes_sum{engine="0",model_name="tiny-qwen3",side="prefill"} 2097152.0
 kvpush_transfers_total{engine="0",model_name="tiny-qwen3",outcome="ok",side="prefill"} 2.0
+kvpush_transfer_parts_total{engine="0",model_name="tiny-qwen3",side="prefill"} 2.0
+kvpush_layerwise_prefills_total{engine="0",model_name="tiny-qwen3",side="prefill"} 0.0
 vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny-qwen3"} 2.0
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny-qwen3"} 1.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny-qwen3"} 9.0
 """
-METRICS_2 = (
-    METRICS_1.replace('side="prefill"} 2.0', 'side="prefill"} 3.0')
-    .replace('side="prefill"} 0.05', 'side="prefill"} 0.08')
-    .replace('stage="completion"} 2.0', 'stage="completion"} 3.0')
-    .replace('stage="completion"} 0.04', 'stage="completion"} 0.065')
-    .replace("2097152.0", "70254592.0")
-    .replace('model_name="tiny-qwen3"} 2.0', 'model_name="tiny-qwen3"} 3.0')
-    .replace('model_name="tiny-qwen3"} 1.0', 'model_name="tiny-qwen3"} 1.75')
-)
+METRICS_2 = """\
+kvpush_transfer_latency_seconds_count{engine="0",model_name="tiny-qwen3",side="prefill"} 3.0
+kvpush_transfer_latency_seconds_sum{engine="0",model_name="tiny-qwen3",side="prefill"} 0.08
+kvpush_transfer_stage_seconds_count{engine="0",model_name="tiny-qwen3",side="prefill",stage="completion"} 3.0
+kvpush_transfer_stage_seconds_sum{engine="0",model_name="tiny-qwen3",side="prefill",stage="completion"} 0.065
+kvpush_transfer_size_bytes_count{engine="0",model_name="tiny-qwen3",side="prefill"} 3.0
+kvpush_transfer_size_bytes_sum{engine="0",model_name="tiny-qwen3",side="prefill"} 70254592.0
+kvpush_transfers_total{engine="0",model_name="tiny-qwen3",outcome="ok",side="prefill"} 3.0
+kvpush_transfer_parts_total{engine="0",model_name="tiny-qwen3",side="prefill"} 34.0
+kvpush_layerwise_prefills_total{engine="0",model_name="tiny-qwen3",side="prefill"} 1.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny-qwen3"} 3.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny-qwen3"} 1.75
+"""
 
 
 def test_parse_histograms_keeps_sum_and_count_drops_vllm_labels() -> None:
@@ -83,7 +89,8 @@ def test_parse_histograms_keeps_sum_and_count_drops_vllm_labels() -> None:
     assert h["kvpush_transfer_latency_seconds|side=prefill"] == [0.05, 2.0]
     assert h["kvpush_transfer_stage_seconds|side=prefill,stage=completion"] == [0.04, 2.0]
     assert h["vllm:request_prefill_time_seconds|"] == [1.0, 2.0]
-    assert not any(k.startswith("kvpush_transfers_total") for k in h)  # a counter, not a histogram
+    assert not any(k.startswith("kvpush_transfers_total") for k in h)  # a counter not asked for
+    assert h["kvpush_transfer_parts_total|side=prefill"] == [2.0, 2.0]  # a counter that is
     assert not any(k.startswith("vllm:time_to_first_token") for k in h)  # not asked for
 
 
@@ -95,6 +102,7 @@ def test_delta_and_transfer_fields_of_one_request() -> None:
     assert f["size_mib"] == pytest.approx(65.0)
     assert f["p_prefill_ms"] == pytest.approx(750.0)
     assert f["stages_ms"] == {"p_completion": pytest.approx(25.0)}
+    assert f["p_parts"] == 32 and f["p_layerwise"] == 1
     assert "d_transfer_ms" not in f
     assert lw.histogram_delta(lw.parse_histograms(METRICS_1), lw.parse_histograms(METRICS_1)) == {}
 

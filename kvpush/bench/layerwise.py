@@ -182,10 +182,14 @@ HistKey = tuple[str, tuple[tuple[str, str], ...]]  # (metric name, sorted labels
 _DROP_LABELS = {"model_name", "engine", "le"}
 
 
+# Counters kept as [value, value]: their delta's "count" is how much they grew.
+COUNTERS = ("kvpush_transfer_parts_total", "kvpush_layerwise_prefills_total", "kvpush_layer_reports_total")
+
+
 def parse_histograms(text: str, prefixes: Sequence[str] = ("kvpush_", "vllm:request_prefill_time")) -> dict[str, Any]:
     """``{"name|k=v,k=v": [sum, count]}`` of every histogram whose name starts
     with one of ``prefixes`` (vLLM's ``model_name``/``engine`` labels dropped and
-    summed over)."""
+    summed over), and ``[value, value]`` of the :data:`COUNTERS`."""
     out: dict[str, list[float]] = {}
     for line in text.splitlines():
         if not line or line[0] == "#" or not line.startswith(tuple(prefixes)):
@@ -196,6 +200,8 @@ def parse_histograms(text: str, prefixes: Sequence[str] = ("kvpush_", "vllm:requ
             base, slot = name[:-4], 0
         elif name.endswith("_count"):
             base, slot = name[:-6], 1
+        elif name in COUNTERS:
+            base, slot = name, 2
         else:
             continue
         pairs = []
@@ -205,9 +211,12 @@ def parse_histograms(text: str, prefixes: Sequence[str] = ("kvpush_", "vllm:requ
                 pairs.append((k.strip(), v.strip().strip('"')))
         key = base + "|" + ",".join(f"{k}={v}" for k, v in sorted(pairs))
         try:
-            out.setdefault(key, [0.0, 0.0])[slot] += float(value)
+            v = float(value)
         except ValueError:
             continue
+        cell = out.setdefault(key, [0.0, 0.0])
+        for i in (0, 1) if slot == 2 else (slot,):
+            cell[i] += v
     return out
 
 
@@ -247,6 +256,10 @@ def transfer_fields(p_delta: Mapping[str, Any], d_delta: Mapping[str, Any]) -> d
     put("p_transfer_ms", _metric(p_delta, "kvpush_transfer_latency_seconds", side="prefill"), 1e3)
     put("d_transfer_ms", _metric(d_delta, "kvpush_transfer_latency_seconds", side="decode"), 1e3)
     put("size_mib", _metric(p_delta, "kvpush_transfer_size_bytes", side="prefill"), 1 / 2**20)
+    for field, name in (("p_parts", "kvpush_transfer_parts_total"), ("p_layerwise", "kvpush_layerwise_prefills_total")):
+        grown = p_delta.get(name + "|side=prefill")
+        if grown:
+            out[field] = grown[1]
     stages: dict[str, float] = {}
     for delta, side in ((p_delta, "prefill"), (d_delta, "decode")):
         for key, (mean, _n) in delta.items():
@@ -309,6 +322,9 @@ def summarize(records: Sequence[Mapping[str, Any]], modes: Sequence[str], length
             after = _median(r["ttft_ms"] - r["p_prefill_ms"] for r in ok if r.get("p_prefill_ms") is not None)
             if after is not None:
                 cell["median_after_prefill_ms"] = _r(after)
+            if any("p_parts" in r for r in ok):
+                cell["median_p_parts"] = _median(r.get("p_parts") for r in ok)
+                cell["layerwise_prefills"] = sum(r.get("p_layerwise", 0) for r in ok)
             for f in ("p_prefill_ms", "d_prefill_ms", "p_transfer_ms", "d_transfer_ms", "size_mib"):
                 m = _median(r.get(f) for r in ok)
                 if m is not None:
@@ -514,7 +530,12 @@ def run_visits(args: argparse.Namespace, stacks: Mapping[str, Stack]) -> list[di
             + (f"TTFT {rec['ttft_ms']:8.1f} ms" if rec["ok"] else f"FAILED {rec.get('error', '')[:120]}")
             + (f", P prefill {rec['p_prefill_ms']:.0f} ms" if "p_prefill_ms" in rec else "")
             + (f", push {rec['p_transfer_ms']:.1f} ms" if "p_transfer_ms" in rec else "")
-            + (f" ({rec['size_mib']:.0f} MiB)" if "size_mib" in rec else "")
+            + (
+                f" ({rec['size_mib']:.0f} MiB" + (f", {rec['p_parts']} parts" if "p_parts" in rec else "") + ")"
+                if "size_mib" in rec
+                else ""
+            )
+            + (", layer-wise" if rec.get("p_layerwise") else "")
             + f", load {load:.1f}"
         )
     return records
