@@ -292,3 +292,49 @@ def test_build_gives_each_mode_its_own_stack(tmp_path: Path) -> None:
     assert {s.mode for s in st.values()} == set(lw.MODES)
     assert len({s.info["log_dir"] for s in st.values()}) == 3
     assert req.prefill.url != lay.prefill.url  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------- #
+# The shared stack life cycle (stacks.py), without servers
+# --------------------------------------------------------------------------- #
+
+
+def test_run_with_stacks_exit_codes_and_always_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from kvpush.demo.servers import ServerError
+
+    stopped: list[list[str]] = []
+    monkeypatch.setattr(stacks, "stop_stacks", lambda sts: stopped.append([s.mode for s in sts]))
+    sts = {"a": stacks.Stack("a", "http://x"), "b": stacks.Stack("b", "http://y")}
+    said: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def boom(exc: BaseException) -> Any:
+        def body() -> None:
+            raise exc
+
+        return body
+
+    assert stacks.run_with_stacks(sts, lambda: None, said.append) == 0
+    assert stacks.run_with_stacks(sts, lambda: 1, said.append) == 1
+    assert stacks.run_with_stacks(sts, boom(ServerError("P died")), said.append) == 2
+    assert stacks.run_with_stacks(sts, boom(KeyboardInterrupt()), said.append) == 130
+    assert stopped == [["a", "b"]] * 4
+    assert any("P died" in m for m in said) and any("interrupted" in m for m in said)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_activate_pauses_the_others_and_pause_skips_unstarted_stacks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    a = stacks.build_stack("kvpush", "m", tmp_path, name="a")
+    b = stacks.build_stack(stacks.SINGLE, "m", tmp_path)
+    b.pause()  # not started: nothing to stop, and not marked paused (a later start must pause it for real)
+    assert not b.paused
+    calls: list[str] = []
+    monkeypatch.setattr(stacks.Stack, "pause", lambda self: calls.append("pause " + self.mode))
+    monkeypatch.setattr(stacks.Stack, "resume", lambda self: calls.append("resume " + self.mode))
+    monkeypatch.setattr(stacks.Stack, "wait_healthy", lambda self, timeout=60.0: calls.append("health " + self.mode))
+    stacks.activate({"a": a, "b": b}, b)
+    assert calls == ["pause a", "resume single", "health single"]
