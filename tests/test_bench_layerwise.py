@@ -3,8 +3,9 @@
 Checked: the visit plan interleaves modes as claimed, prompts are shared
 across modes, /metrics parsing and deltas, the summary's overheads and the
 layer/request fraction, the JSON's shape and size, the table, the figure,
-CLI parsing and dispatch, and the refusal of a layer config this kvpush
-does not know.
+CLI parsing and dispatch, the refusal of a layer config this kvpush does
+not know, and the stack life cycle shared with ``bench serve``/``idle``
+(exit codes, cleanup, pausing).
 """
 
 from __future__ import annotations
