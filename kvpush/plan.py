@@ -158,10 +158,18 @@ def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int)
 
 
 def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:
-    """Cut ``[r0, r1)`` into at most ``parts`` near-equal contiguous ranges."""
+    """Cut ``[r0, r1)`` into at most ``parts`` contiguous ranges, the first and last half as large.
+
+    In a pipelined staged push the first part's pack and the last part's
+    unpack are not overlapped by anything (the wire waits for the first, D's
+    result for the last), so they are made small; the middle parts hide
+    behind the wire.
+    """
     n = r1 - r0
     k = max(1, min(parts, n))
-    cuts = [r0 + (n * i) // k for i in range(k + 1)]
+    weights = [1.0] * k if k <= 2 else [1.0] + [2.0] * (k - 2) + [1.0]
+    total = sum(weights)
+    cuts = [r0 + round(n * sum(weights[:i]) / total) for i in range(k + 1)]
     return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 

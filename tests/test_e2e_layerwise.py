@@ -17,26 +17,25 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
+from e2e_cluster import model_dir
 from test_e2e_vllm import LENGTHS, MAX_TOKENS, Cluster, _get, _metric, _prompts, _stream_text
 
 from kvpush.demo import servers as srv
-from kvpush.demo.tiny_model import make_tiny_model, prompt_words
+from kvpush.demo.tiny_model import prompt_words
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    root = Path(os.environ.get("KVPUSH_MODEL_DIR", Path(__file__).resolve().parents[1] / "models"))
-    model = str(make_tiny_model(root / "tiny-qwen3"))
+def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_single: str) -> Iterator[Cluster]:
+    """Its own P (layer-wise), D and router; the session's plain server (``conftest.py``) as the reference."""
+    model = model_dir()
     logs = tmp_path_factory.mktemp("e2e-layerwise-logs")
-    single_port, p_port, d_port, router_port, kv_port = (srv.free_port() for _ in range(5))
+    p_port, d_port, router_port, kv_port = (srv.free_port() for _ in range(4))
     cpus_p, cpus_d = ("0", "1") if (os.cpu_count() or 1) > 1 else ("0", "0")
     servers = [
-        srv.vllm_server("single", model, single_port, log_dir=logs, cpus=cpus_p),
         srv.vllm_server(
             "prefill",
             model,
@@ -45,6 +44,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             cpus=cpus_p,
             kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, layerwise=True),
             check_ports=(kv_port,),
+            fast_start=True,
         ),
         srv.vllm_server(
             "decode",
@@ -53,6 +53,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             log_dir=logs,
             cpus=cpus_d,
             kv_transfer_config=srv.kvpush_transfer_config("kv_consumer", 0),
+            fast_start=True,
         ),
     ]
     router = srv.router_server(
@@ -73,7 +74,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         srv.wait_all_healthy(servers, timeout=900, progress=print)
         router.start()
         srv.wait_all_healthy([router], timeout=60)
-        yield Cluster(model, *(s.url for s in servers), router.url, ("127.0.0.1", kv_port))
+        yield Cluster(model, e2e_single, servers[0].url, servers[1].url, router.url, ("127.0.0.1", kv_port))
     except srv.ServerError as exc:
         pytest.fail(str(exc))
     finally:

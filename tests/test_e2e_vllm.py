@@ -1,6 +1,8 @@
 """End to end: real vLLM servers, P -> D through kvpush, against a single instance.
 
-The servers start once for the module (about a minute each on 2 cores). The
+The servers start once per session and are shared with test_e2e_metrics
+(``conftest.py``, ``e2e_cluster.py``: one to five minutes each on 2 cores),
+so every check here is a delta or concerns its own requests. The
 correctness bar is exact: greedy outputs through the router equal a plain,
 non-disaggregated server's token for token, and vLLM's own counters show D
 took the prompt from the transfer rather than computing it.
@@ -10,18 +12,17 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_cluster import E2EServers
 
 from kvpush.demo import servers as srv
-from kvpush.demo.tiny_model import make_tiny_model, prompt_words
+from kvpush.demo.tiny_model import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -80,60 +81,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    root = Path(os.environ.get("KVPUSH_MODEL_DIR", Path(__file__).resolve().parents[1] / "models"))
-    model = str(make_tiny_model(root / "tiny-qwen3"))
-    logs = tmp_path_factory.mktemp("e2e-logs")
-    ports = [srv.free_port() for _ in range(5)]
-    single_port, p_port, d_port, router_port, kv_port = ports
-    cpus_p, cpus_d = ("0", "1") if (os.cpu_count() or 1) > 1 else ("0", "0")
-    servers = [
-        srv.vllm_server("single", model, single_port, log_dir=logs, cpus=cpus_p),
-        srv.vllm_server(
-            "prefill",
-            model,
-            p_port,
-            log_dir=logs,
-            cpus=cpus_p,
-            kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port),
-            check_ports=(kv_port,),
-        ),
-        srv.vllm_server(
-            "decode",
-            model,
-            d_port,
-            log_dir=logs,
-            cpus=cpus_d,
-            kv_transfer_config={
-                **srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=5.0),
-                # A transfer that fails is prefilled locally (fault tests below).
-                "kv_load_failure_policy": "recompute",
-            },
-        ),
-    ]
-    router = srv.router_server(
-        [
-            "--prefill",
-            f"http://127.0.0.1:{p_port}",
-            "--prefill-kv",
-            f"127.0.0.1:{kv_port}",
-            "--decode",
-            f"http://127.0.0.1:{d_port}",
-        ],
-        router_port,
-        log_dir=logs,
-    )
-    try:
-        for s in servers:
-            s.start()
-        srv.wait_all_healthy(servers, timeout=900, progress=print)
-        router.start()
-        srv.wait_all_healthy([router], timeout=60)
-        yield Cluster(model, *(s.url for s in servers), router.url, ("127.0.0.1", kv_port))
-    except srv.ServerError as exc:
-        pytest.fail(str(exc))
-    finally:
-        srv.stop_all([*servers, router])
+def cluster(e2e_pair: E2EServers, e2e_single: str) -> Cluster:
+    """The session's shared servers (``conftest.py``), read at this module's start."""
+    return Cluster(e2e_pair.model, e2e_single, e2e_pair.p, e2e_pair.d, e2e_pair.router_url, e2e_pair.p_kv)
 
 
 def _prompts(seed: int) -> list[str]:

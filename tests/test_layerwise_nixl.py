@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from procs import SENTINEL, Geom, Node, make_cache
-from test_push_nixl import Req, apply_reference, assert_idle, assert_same, by_rid, engines
+from procs import SENTINEL, Geom, Node, assert_same, make_cache
+from test_push_nixl import assert_idle, by_rid, engines
+
+from kvpush.conformance.model import Req, apply_push
 
 STAGING = 4 << 20
 LAYERS = 6
@@ -111,7 +113,7 @@ def test_layers_reach_d_as_they_are_computed(nodes: tuple[Node, Node], plan: str
         src = p.call("snapshot", k + "p")
         exp = make_cache(dg, None)
         for r in reqs:
-            apply_reference(exp, dg, src, pg, r)
+            apply_push(exp, dg, src, pg, r)
         assert_same(d.call("snapshot", k + "d"), exp, dg)
         for r in reqs:
             # One WRITE per layer, counted by D region by region.
@@ -146,7 +148,7 @@ def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]
         # Layers 0-3 went in the first WRITE, layers 4-5 in a second one.
         assert pres.stats["parts"] == 2 and dres.stats["parts"] == 2, pres.stats
         exp = make_cache(dg, None)
-        apply_reference(exp, dg, p.call("snapshot", k + "p"), pg, r)
+        apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
         assert_same(d.call("snapshot", k + "d"), exp, dg)
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
@@ -215,7 +217,7 @@ def test_large_staged_push_is_pipelined_in_parts(nodes: tuple[Node, Node]) -> No
             exp = make_cache(dg, None)
             src = p.call("snapshot", k + "p")
             for r in reqs:
-                apply_reference(exp, dg, src, pg, r)
+                apply_push(exp, dg, src, pg, r)
             assert_same(d.call("snapshot", k + "d"), exp, dg)
             assert_idle(p, k + "p")
             assert_idle(d, k + "d")

@@ -2,107 +2,33 @@
 
 P and D live in two long-lived worker processes (``procs.py``); every case
 creates fresh ``Sender``/``Receiver`` engines inside them, drives requests over
-the command queues and then checks D's whole KV cache against a reference built
-here token by token and head by head, without ``kvpush.layout``: a wrong offset
-in the mapping would otherwise be checked by the code that made it. Blocks D
-did not register must still hold the sentinel byte.
+the command queues and then checks D's whole KV cache against the conformance
+suite's reference model (``kvpush.conformance.model``), built token by token
+and head by head without ``kvpush.layout``: a wrong offset in the mapping
+would otherwise be checked by the code that made it. Blocks D did not
+register must still hold the sentinel byte.
 """
 
 from __future__ import annotations
 
-import math
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import zmq
-from procs import SENTINEL, Geom, Node, make_cache
+from procs import SENTINEL, Geom, Node, assert_same, make_cache
 
 from kvpush import protocol
+from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.engine.types import Result
 from kvpush.layout import KVLayout
 
 STAGING = 4 << 20
-
-
-# -- reference check (independent of kvpush.layout) ------------------------------------
-
-
-def _at(geom: Geom, block: int, tok: int, head: int) -> tuple[Any, ...]:
-    """Index of one token's one (local) head in every layer and K/V: shape (layers, 2, head_dim)."""
-    if geom.order == "NHD":
-        return (slice(None), slice(None), block, tok, head)
-    return (slice(None), slice(None), block, head, tok)
-
-
-@dataclass(frozen=True)
-class Req:
-    """One transfer as both sides see it."""
-
-    tid: str
-    p_rid: str
-    d_rid: str
-    p_blocks: list[int]
-    d_blocks: list[int]
-    n: int
-    start: int = 0
-
-
-def apply_reference(expected: np.ndarray, dg: Geom, src: np.ndarray, pg: Geom, req: Req) -> None:
-    """Write into ``expected`` what D must hold after P pushed ``req``: per token, per shared head."""
-    lo, hi = max(pg.head_start, dg.head_start), min(pg.head_start + pg.local_heads, dg.head_start + dg.local_heads)
-    for t in range(req.start, req.n):
-        pb, pt = req.p_blocks[t // pg.block_size], t % pg.block_size
-        db, dt = req.d_blocks[t // dg.block_size], t % dg.block_size
-        for h in range(lo, hi):
-            expected[_at(dg, db, dt, h - dg.head_start)] = src[_at(pg, pb, pt, h - pg.head_start)]
-
-
-def assert_same(actual: np.ndarray, expected: np.ndarray, geom: Geom) -> None:
-    """Byte-exact equality of two caches, naming the first differing byte's coordinates."""
-    assert actual.shape == expected.shape
-    bad = np.argwhere(actual != expected)
-    if bad.size:
-        names = ["layer", "kv", "block", *(("tok", "head") if geom.order == "NHD" else ("head", "tok")), "byte"]
-        where = ", ".join(f"{k}={v}" for k, v in zip(names, bad[0].tolist(), strict=True))
-        raise AssertionError(
-            f"{len(bad)} bytes differ; first at {where}: got {actual[tuple(bad[0])]}, want {expected[tuple(bad[0])]}"
-            + (" (sentinel: D never registered this byte)" if expected[tuple(bad[0])] == SENTINEL else "")
-        )
-
-
-def make_requests(
-    rng: np.random.Generator, count: int, pg: Geom, dg: Geom, prefix: str, max_tokens: int = 130
-) -> list[Req]:
-    """Random lengths, random P blocks, disjoint random D blocks.
-
-    Request 0 is shorter than a block; request 1 has zero new tokens (D holds
-    all of them, ``start_token == num_tokens``); about a quarter start after a
-    prefix D already has.
-    """
-    free = list(rng.permutation(dg.num_blocks))
-    out: list[Req] = []
-    for i in range(count):
-        n = int(rng.integers(1, max_tokens))
-        start = 0
-        if i == 0:
-            n = max(1, min(pg.block_size, dg.block_size) // 3)
-        elif i == 1:
-            start = n = 37
-        elif rng.random() < 0.25 and n > 1:
-            start = int(rng.integers(1, n))
-        pblocks = rng.choice(pg.num_blocks, math.ceil(n / pg.block_size), replace=False).tolist()
-        nd = math.ceil(n / dg.block_size)
-        dblocks, free = [int(b) for b in free[:nd]], free[nd:]
-        assert len(dblocks) == nd, "D pool too small for the requests"
-        out.append(Req(f"{prefix}-t{i}", f"{prefix}-p{i}", f"{prefix}-d{i}", pblocks, dblocks, n, start))
-    return out
 
 
 # -- fixtures ---------------------------------------------------------------------
@@ -191,7 +117,7 @@ def test_reference_check_catches_a_flipped_byte() -> None:
     pg, dg = Geom(num_blocks=8), Geom(num_blocks=8, block_size=32, order="HND")
     src, exp = make_cache(pg, 1), make_cache(dg, None)
     req = Req("t", "p", "d", [3, 1, 6], [5, 2], 40, 2)
-    apply_reference(exp, dg, src, pg, req)
+    apply_push(exp, dg, src, pg, req)
     # token 17 of P is block 1 slot 1; on D it is block 5 slot 17 (HND: head before token)
     np.testing.assert_array_equal(exp[0, 1, 5, 2, 17], src[0, 1, 1, 1, 2])
     got = exp.copy()
@@ -247,7 +173,7 @@ def test_many_concurrent_requests(nodes: tuple[Node, Node], plan: str) -> None:
         np.testing.assert_array_equal(src, make_cache(pg, 1000))
         exp = make_cache(dg, None)
         for r in reqs:
-            apply_reference(exp, dg, src, pg, r)
+            apply_push(exp, dg, src, pg, r)
         assert_same(got, exp, dg)
 
         st = p.call("stats", k + "p")
@@ -311,7 +237,7 @@ def test_block_sizes_and_orders(
         src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
         exp = make_cache(dg, None)
         for r in reqs:
-            apply_reference(exp, dg, src, pg, r)
+            apply_push(exp, dg, src, pg, r)
         assert_same(got, exp, dg)
 
 
@@ -341,7 +267,7 @@ def test_p_reissues_prefill_under_new_request_id(nodes: tuple[Node, Node]) -> No
         assert pr["r2"].ok
         src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
         exp = make_cache(dg, None)
-        apply_reference(exp, dg, src, pg, again)
+        apply_push(exp, dg, src, pg, again)
         assert_same(got, exp, dg)
         assert_idle(p, k + "p")
 
@@ -376,7 +302,7 @@ def test_d_reregisters_with_new_blocks(nodes: tuple[Node, Node], gap_s: float) -
         assert pr.ok, pr
         src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
         exp = make_cache(dg, None)
-        apply_reference(exp, dg, src, pg, new)  # old blocks keep the sentinel
+        apply_push(exp, dg, src, pg, new)  # old blocks keep the sentinel
         assert_same(got, exp, dg)
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
@@ -420,7 +346,7 @@ def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node], plan: str) -> No
             assert st.get(f"plan_{plan}_total") == sum(r.n > r.start for r in reqs), st
             src = p.call("snapshot", f"{k}p{rank}")
             for r in reqs:
-                apply_reference(exp, dg, src, pgs[rank], r)
+                apply_push(exp, dg, src, pgs[rank], r)
         assert_same(d.call("snapshot", k + "d"), exp, dg)
 
 
@@ -448,7 +374,7 @@ def test_one_p_rank_writes_two_d_ranks(nodes: tuple[Node, Node]) -> None:
             assert len(d_res) == len(reqs) and all(x.ok for x in d_res), d_res
             exp = make_cache(dgs[rank], None)
             for r in reqs:
-                apply_reference(exp, dgs[rank], src, pg, r)
+                apply_push(exp, dgs[rank], src, pg, r)
             assert_same(d.call("snapshot", f"{k}d{rank}"), exp, dgs[rank])
         p_res = p.call("results", k + "p", len(reqs) + 1, 1.0)
         assert len(p_res) == len(reqs) and all(x.ok for x in p_res), p_res  # one release per request
@@ -570,7 +496,7 @@ def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
         [dr] = d.call("results", k + "d", 1, 10.0)
         assert dr.ok, dr
         exp = make_cache(g, None)
-        apply_reference(exp, g, p.call("snapshot", k + "p"), g, req)
+        apply_push(exp, g, p.call("snapshot", k + "p"), g, req)
         assert_same(d.call("snapshot", k + "d"), exp, g)
 
 
@@ -635,10 +561,10 @@ def test_d_reregisters_while_the_old_attempt_is_written(nodes: tuple[Node, Node]
         assert pr.ok, pr
         src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
         exp = make_cache(dg, None)
-        apply_reference(exp, dg, src, g, new)
+        apply_push(exp, dg, src, g, new)
         raced = p.call("stats", k + "p").get("deferred_registrations_total", 0) > 0
         if raced:
-            apply_reference(exp, dg, src, g, old)  # the old WRITE landed, and was waited for
+            apply_push(exp, dg, src, g, old)  # the old WRITE landed, and was waited for
         assert_same(got, exp, dg)
         print("re-registration raced with the WRITE:", raced)
 
@@ -710,7 +636,7 @@ def test_d_restarts_with_the_same_identity(nodes: tuple[Node, Node]) -> None:
                 [dr] = d.call("results", f"{k}d{life}", 1, 10.0)
                 assert dr.ok, (life, dr)
                 exp = make_cache(g, None)
-                apply_reference(exp, g, p.call("snapshot", k + "p"), g, req)
+                apply_push(exp, g, p.call("snapshot", k + "p"), g, req)
                 assert_same(d.call("snapshot", f"{k}d{life}"), exp, g)
         assert len(p.call("results", k + "p", 2, 5.0)) == 2
         assert p.call("stats", k + "p")["peers"] == 1

@@ -71,6 +71,7 @@ class Upstream:
     status: int = 200
     behavior: str = "ok"  # ok | hang | cut (streams one chunk, then drops the connection)
     health: int = 200
+    health_delay: float = 0.0  # before answering /health (a busy server)
     engine_id: str = "p-engine"
     seen: list[Seen] = field(default_factory=list)
     server: TestServer | None = None
@@ -89,6 +90,7 @@ class Upstream:
         return app
 
     async def _health(self, _r: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay)
         return web.json_response({}, status=self.health)
 
     async def _models(self, _r: web.Request) -> web.Response:
@@ -536,6 +538,82 @@ def test_health_check_marks_and_restores_instances() -> None:
             assert status == 200 and body["status"] == "ok"
 
     run(go())
+
+
+def test_health_timeouts_count_only_when_repeated() -> None:
+    """A slow /health is a strike, not a verdict: a busy D stays in rotation
+    until ``health_timeout_strikes`` checks in a row time out; an answered
+    check resets the count, and a wrong answer still counts at once."""
+
+    async def go() -> None:
+        async with cluster(health_timeout=0.2, health_timeout_strikes=3) as c:
+            (d,) = c.router.decode.instances
+            c.d[0].health_delay = 1.0  # busy: answers, but after the timeout
+            for strike in (1, 2):
+                await c.router.check_health()
+                assert d.healthy and d.health_timeouts == strike
+            # Still serving while slow.
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            status, body = await c.get_json("/health")
+            assert status == 200 and body["decode"][0]["health_timeouts"] == 2
+            c.d[0].health_delay = 0.0
+            await c.router.check_health()  # an answer resets the count
+            assert d.healthy and d.health_timeouts == 0
+            c.d[0].health_delay = 1.0
+            for _ in range(2):
+                await c.router.check_health()
+            assert d.healthy
+            await c.router.check_health()  # the third in a row
+            assert not d.healthy and "no answer within 0.2 s (3 in a row)" in d.last_error
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
+            assert status == 503 and "no answer within" in json.loads(data)["error"]["message"]
+            await c.router.check_health()  # still slow: stays out
+            assert not d.healthy
+            c.d[0].health_delay = 0.0
+            await c.router.check_health()
+            assert d.healthy and d.health_timeouts == 0
+            c.d[0].health = 503  # a wrong answer is definite: out at once
+            await c.router.check_health()
+            assert not d.healthy and "503" in d.last_error
+
+    run(go())
+
+
+def test_unreachable_instance_is_unhealthy_at_once_despite_strikes() -> None:
+    """Connection refused is not a timeout: the process is gone or not
+    listening, so the strikes rule does not delay it."""
+
+    async def go() -> None:
+        async with cluster(n_d=1, dead_d=1, health_timeout_strikes=5) as c:
+            await c.router.check_health()
+            dead, alive = c.router.decode.instances
+            assert not dead.healthy and dead.health_timeouts == 0 and alive.healthy
+
+    run(go())
+
+
+def test_one_strike_restores_the_strict_rule() -> None:
+    async def go() -> None:
+        async with cluster(health_timeout=0.2, health_timeout_strikes=1) as c:
+            c.d[0].health_delay = 1.0
+            await c.router.check_health()
+            assert not c.router.decode.instances[0].healthy
+
+    run(go())
+
+
+def test_health_options_from_cli_and_validated() -> None:
+    base = ["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://c:1"]
+    cfg = config_from_args(base)
+    assert (cfg.health_timeout, cfg.health_timeout_strikes) == (5.0, 3)
+    cfg = config_from_args([*base, "--health-timeout=7.5", "--health-timeout-strikes=1"])
+    assert (cfg.health_timeout, cfg.health_timeout_strikes) == (7.5, 1)
+    for bad in (["--health-timeout=0"], ["--health-timeout-strikes=0"]):
+        with pytest.raises(SystemExit):
+            config_from_args([*base, *bad])
+    p, d = Instance("http://a:1", "prefill", "h", 1), Instance("http://c:1", "decode")
+    with pytest.raises(ValueError, match="health_timeout_strikes"):
+        RouterConfig(prefill=[p], decode=[d], health_timeout_strikes=0)
 
 
 def test_models_and_metrics() -> None:

@@ -156,14 +156,24 @@ def apply_push(expected: np.ndarray, dg: Geom, src: np.ndarray, pg: Geom, req: R
             expected[_at(dg, db, dt, h - dg.head_start)] = src[_at(pg, pb, pt, h - pg.head_start)]
 
 
-def assert_same(actual: np.ndarray, expected: np.ndarray, geom: Geom, what: str = "D's cache") -> None:
-    """Byte equality of two caches, naming the first differing byte by (layer, K/V, block, token, head, byte)."""
+def assert_same(
+    actual: np.ndarray, expected: np.ndarray, geom: Geom, what: str = "D's cache", sentinel: int | None = None
+) -> None:
+    """Byte equality of two caches, naming the first differing byte by (layer, K/V, block, token, head, byte).
+
+    ``sentinel``: the byte a blank D cache was filled with (the engine tests
+    use one); where the expected byte is still that, the message says D never
+    registered it, which tells a stray write from a missing one.
+    """
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape}, expected {expected.shape}"
     bad = np.argwhere(actual != expected)
     if bad.size:
         names = ["layer", "kv", "block", *(("tok", "head") if geom.order == "NHD" else ("head", "tok")), "byte"]
         where = ", ".join(f"{k}={v}" for k, v in zip(names, bad[0].tolist(), strict=True))
         first = tuple(bad[0])
+        note = (
+            " (sentinel: D never registered this byte)" if sentinel is not None and expected[first] == sentinel else ""
+        )
         raise AssertionError(
-            f"{what}: {len(bad)} bytes differ; first at {where}: got {actual[first]}, want {expected[first]}"
+            f"{what}: {len(bad)} bytes differ; first at {where}: got {actual[first]}, want {expected[first]}{note}"
         )

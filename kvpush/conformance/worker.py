@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,11 @@ class Worker:
             return HostBackend()
         return self.target.make()
 
-    def _cache(self, backend: Any, geom: Geom, device: int, seed: int) -> dict[str, Any]:
+    def _cache(self, backend: Any, geom: Geom, device: int, seed: int | None) -> dict[str, Any]:
+        """The cache of a new rank, filled from ``seed``. A subclass may build
+        its own (the engine tests' workers give D a sentinel, ``seed=None``)."""
+        if seed is None:
+            raise ValueError("the conformance worker fills every cache from a seed")
         kv = backend.make_test_cache(geom.spec(), geom.layers, geom.num_blocks, device)
         if len(kv) != geom.layers:
             raise AssertionError(f"make_test_cache gave {len(kv)} tensors for {geom.layers} layers")
@@ -99,7 +104,9 @@ class Worker:
 
         return Config.from_dict({"nixl_backends": list(self.target.nixl_backends), **cfg})
 
-    def _start(self, key: str, kind: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int, ref: bool) -> Any:
+    def _start(
+        self, key: str, kind: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int | None, ref: bool
+    ) -> Any:
         from kvpush.engine import Receiver, Sender
 
         backend = self._backend(ref)
@@ -218,11 +225,17 @@ class Worker:
         return report
 
 
-def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) -> None:
-    """Entry point of a worker process (spawn target); returns after ``exit``."""
+def worker_main(
+    name: str, target: Target, cmds: mp.Queue, answers: mp.Queue, worker_cls: type[Worker] = Worker
+) -> None:
+    """Entry point of a worker process (spawn target); returns after ``exit``.
+
+    ``worker_cls`` lets another harness (``tests/procs.py``) run a subclass
+    with ops of its own over the same command protocol.
+    """
     logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(name)s: %(message)s")
     try:
-        w = Worker(name, target)
+        w = worker_cls(name, target)
     except BaseException:
         answers.put(("err", f"{name} failed to start:\n{traceback.format_exc()}"))
         return
@@ -237,15 +250,23 @@ def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) ->
             return
 
 
-class Node:
-    """Test-side handle of one worker process."""
+WorkerMain = Callable[[str, Target, mp.Queue, mp.Queue], None]
+"""A worker process's entry point: ``(name, target, commands, answers)``."""
 
-    def __init__(self, name: str, target: Target) -> None:
+
+class Node:
+    """Test-side handle of one worker process.
+
+    ``main`` is the process's entry point, :func:`worker_main` unless another
+    harness brings its own (a module-level function, so spawn can import it).
+    """
+
+    def __init__(self, name: str, target: Target, main: WorkerMain = worker_main) -> None:
         ctx = mp.get_context("spawn")
         self.name = name
         self.cmds: mp.Queue = ctx.Queue()
         self.answers: mp.Queue = ctx.Queue()
-        self.proc = ctx.Process(target=worker_main, args=(name, target, self.cmds, self.answers), daemon=True)
+        self.proc = ctx.Process(target=main, args=(name, target, self.cmds, self.answers), daemon=True)
         self.proc.start()
         self._ready = False
         self.exit_report: dict[str, Any] | None = None

@@ -40,6 +40,19 @@ Failure policy (never a hang):
   periodic ``/health`` check and immediately on a connection error; the
   check brings them back.
 
+Health rule (``--health-timeout``, ``--health-timeout-strikes``): a
+``/health`` check that gets an answer other than 200, or cannot reach the
+instance at all (connection refused or reset), marks it unhealthy at once:
+that is a definite answer. A check that merely *times out* is only a strike:
+an instance busy with prefills or decodes can be slow to answer its health
+endpoint while still serving (on a loaded 2-core machine a 2 s probe of a
+busy D timed out and took the only D out of rotation, turning a slow
+request into an HTTP 503). Only ``health_timeout_strikes`` timeouts in a
+row (default 3) mark it unhealthy; any answered check resets the count. A
+hung instance is thus taken out after about ``strikes * (interval +
+timeout)`` seconds (30 s with the defaults); meanwhile its growing in-flight
+count already steers least-loaded selection away from it.
+
 Selection: least in-flight requests, ties broken round-robin.
 """
 
@@ -64,6 +77,8 @@ from kvpush.metrics import LATENCY_BUCKETS, MetricSpec, TextExposition
 log = logging.getLogger("kvpush.router")
 
 MODES = ("kvpush", "vllm-pull", "vllm-push")
+DEFAULT_HEALTH_TIMEOUT = 5.0
+DEFAULT_HEALTH_TIMEOUT_STRIKES = 3
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
@@ -93,6 +108,8 @@ class Instance:
     last_error: str = ""
     served: int = 0
     failures: int = 0
+    # /health checks in a row that timed out (see the module's health rule).
+    health_timeouts: int = 0
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -249,7 +266,10 @@ class RouterConfig:
     # Longest D may stay silent (before its first byte and between chunks).
     decode_timeout: float = 600.0
     health_interval: float = 5.0
-    health_timeout: float = 2.0
+    # Seconds one /health check may take. 2 s proved too short for a busy D.
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    # Timed-out checks in a row before an instance counts as unhealthy.
+    health_timeout_strikes: int = DEFAULT_HEALTH_TIMEOUT_STRIKES
     retry_decode: bool = True
 
     def __post_init__(self) -> None:
@@ -257,6 +277,10 @@ class RouterConfig:
             raise ValueError(f"unknown router mode {self.mode!r}; expected one of {MODES}")
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one prefill and one decode instance")
+        if not self.health_timeout > 0:
+            raise ValueError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
+        if self.health_timeout_strikes < 1:
+            raise ValueError(f"health_timeout_strikes must be >= 1, got {self.health_timeout_strikes}")
         for inst in self.prefill:
             inst.role = "prefill"
             if self.mode in ("kvpush", "vllm-push") and (inst.kv_host is None or inst.kv_port is None):
@@ -391,13 +415,27 @@ class Router:
         await asyncio.gather(*(self._check_one(i) for i in insts))
 
     async def _check_one(self, inst: Instance) -> None:
+        """Check one instance and apply the health rule (module docstring):
+        a wrong answer or an unreachable instance counts at once, a timeout
+        only when it is the ``health_timeout_strikes``-th in a row."""
+        timed_out = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.health_timeout)
             async with self.session.get(inst.url + "/health", timeout=timeout) as r:
                 ok = r.status == 200
                 detail = f"/health returned HTTP {r.status}"
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except TimeoutError:
+            ok, timed_out = False, True
+            inst.health_timeouts += 1
+            detail = f"/health: no answer within {self.cfg.health_timeout:g} s ({inst.health_timeouts} in a row)"
+        except (aiohttp.ClientError, OSError) as e:
             ok, detail = False, f"/health: {type(e).__name__}: {e}"
+        if not timed_out:
+            inst.health_timeouts = 0
+        elif inst.healthy and inst.health_timeouts < self.cfg.health_timeout_strikes:
+            # Slow, not dead (yet): keep it in rotation, but say so.
+            log.warning("%s: %s; still counted healthy", inst.name, detail)
+            return
         if ok != inst.healthy:
             log.warning("%s is now %s%s", inst.name, "healthy" if ok else "UNHEALTHY", "" if ok else f" ({detail})")
         inst.healthy = ok
@@ -445,6 +483,7 @@ class Router:
                 "in_flight": i.in_flight,
                 "served": i.served,
                 "failures": i.failures,
+                "health_timeouts": i.health_timeouts,
                 "last_error": i.last_error,
             }
 
@@ -853,6 +892,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-timeout", type=float, default=600.0, help="seconds for P's whole answer")
     ap.add_argument("--decode-timeout", type=float, default=600.0, help="longest silence from D (seconds)")
     ap.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health checks (0: off)")
+    ap.add_argument(
+        "--health-timeout",
+        type=float,
+        default=DEFAULT_HEALTH_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long one /health check may take (default {DEFAULT_HEALTH_TIMEOUT:g})",
+    )
+    ap.add_argument(
+        "--health-timeout-strikes",
+        type=int,
+        default=DEFAULT_HEALTH_TIMEOUT_STRIKES,
+        metavar="N",
+        help="timed-out /health checks in a row before an instance counts as unhealthy; an error answer or a "
+        f"refused connection counts at once (default {DEFAULT_HEALTH_TIMEOUT_STRIKES}; 1: any timeout)",
+    )
     ap.add_argument("--no-retry", action="store_true", help="do not retry a failed D on another D")
     ap.add_argument("--log-level", default="INFO")
     return ap
@@ -897,6 +951,8 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             prefill_timeout=a.prefill_timeout,
             decode_timeout=a.decode_timeout,
             health_interval=a.health_interval,
+            health_timeout=a.health_timeout,
+            health_timeout_strikes=a.health_timeout_strikes,
             retry_decode=not a.no_retry,
         )
     except ValueError as e:

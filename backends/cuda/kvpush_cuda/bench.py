@@ -863,10 +863,22 @@ class PDriver:
                     if mode != "none":
                         if mode == "whole":
                             sender.kv_ready([tid], nregions, last)
-                        _, _, stats, ok, det, t_result, _ = _recv(self.conn, o.timeout_s)
+                        _, _, stats, ok, det, t_result, d_times = _recv(self.conn, o.timeout_s)
                         row["overhead_ms"] = (t_result - t_fwd) * 1e3
                         row["parts"] = float(stats.get("parts", 0))
-                        released = self._released(sender, tid) is not None
+                        row["d_unpack_ms_total"] = stats.get("unpack_s", 0.0) * 1e3
+                        # Where the tail goes: D's and P's last events, ms after the end of the forward.
+                        for k in ("completed", "result"):
+                            if k in d_times:
+                                row[f"d_{k}_ms"] = (d_times[k] - t_fwd) * 1e3
+                        p_res = self._released(sender, tid)
+                        released = p_res is not None
+                        if released:
+                            for k in ("posted", "completed"):
+                                if k in p_res.times:
+                                    row[f"p_{k}_ms"] = (p_res.times[k] - t_fwd) * 1e3
+                            row["p_pack_ms_total"] = p_res.stats.get("pack_s", 0.0) * 1e3
+                            row["p_post_ms_total"] = p_res.stats.get("post_s", 0.0) * 1e3
                         ok_all &= ok and released
                         detail = detail or det or ("" if released else "P never released the blocks")
                     if it:

@@ -133,6 +133,12 @@ class PieceCopier:
         self._cache_entries = cache_entries
         self._tables: OrderedDict[bytes, tuple[Any, int, int]] = OrderedDict()
         self._bases: OrderedDict[tuple[int, ...], tuple[Any, int]] = OrderedDict()
+        self._recent: OrderedDict[int, tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, int]]] = (
+            OrderedDict()
+        )
+        self._table_ids: OrderedDict[tuple[int, int, int], tuple[tuple[np.ndarray, ...], tuple[Any, int, int]]] = (
+            OrderedDict()
+        )
         self.stats: dict[str, float] = {"calls": 0, "prep_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "uploads": 0}
         if kernel in ("auto", "triton"):
             try:
@@ -153,16 +159,33 @@ class PieceCopier:
             self._stream = self._torch.cuda.Stream(device=self.device)
         return self._stream
 
+    def _pieces(self, pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """``_unpack_pieces``, remembered for the last few piece arrays *by identity*.
+
+        The engine passes the same array object to ``prepare_*`` and to every
+        part's pack or unpack, so later calls skip the numpy work and the
+        table's content hash. The array is kept referenced, so its id cannot
+        be reused while it is remembered.
+        """
+        hit = self._recent.get(id(pieces))
+        if hit is not None and hit[0] is pieces:
+            return hit[1]
+        out = _unpack_pieces(pieces)
+        self._recent[id(pieces)] = (pieces, out)
+        while len(self._recent) > 8:
+            self._recent.popitem(last=False)
+        return out
+
     def gather(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         """Region 0's pieces, then region 1's, ... back to back from ``staging_addr``."""
-        offs, lens, poss, per_region = _unpack_pieces(pieces)
+        offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
             return
         self._copy(Bases.of(regions), offs, Bases.linear(staging_addr, per_region, len(regions)), poss, lens)
 
     def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         """Inverse of ``gather``."""
-        offs, lens, poss, per_region = _unpack_pieces(pieces)
+        offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
             return
         self._copy(Bases.linear(staging_addr, per_region, len(regions)), poss, Bases.of(regions), offs, lens)
@@ -227,7 +250,18 @@ class PieceCopier:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
-        """(device table, tiles, gcd of its offsets and lengths), cached by content."""
+        """(device table, tiles, gcd of its offsets and lengths), cached by identity, then by content."""
+        ident = (id(src_offs), id(dst_offs), id(lens))
+        seen = self._table_ids.get(ident)
+        if seen is not None and all(a is b for a, b in zip(seen[0], (src_offs, dst_offs, lens), strict=True)):
+            return seen[1]
+        entry = self._table_by_content(src_offs, dst_offs, lens)
+        self._table_ids[ident] = ((src_offs, dst_offs, lens), entry)
+        while len(self._table_ids) > 8:
+            self._table_ids.popitem(last=False)
+        return entry
+
+    def _table_by_content(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
         arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offs, dst_offs, lens)]
         h = hashlib.blake2b(digest_size=16)
         for a in arrs:
@@ -260,7 +294,7 @@ class PieceCopier:
 
     def prepare_gather(self, regions: list[int], pieces: np.ndarray) -> None:
         """Upload what ``gather(regions, pieces, ...)`` needs now, off the critical path (any staging address)."""
-        offs, lens, poss, _ = _unpack_pieces(pieces)
+        offs, lens, poss, _ = self._pieces(pieces)
         if self.kernel == "triton" and lens.size and regions:
             with self._context():
                 self._table(offs, poss, lens)
@@ -268,7 +302,7 @@ class PieceCopier:
 
     def prepare_scatter(self, regions: list[int], pieces: np.ndarray) -> None:
         """Upload what ``scatter(regions, pieces, ...)`` needs now (D knows its pieces when it registers)."""
-        offs, lens, poss, _ = _unpack_pieces(pieces)
+        offs, lens, poss, _ = self._pieces(pieces)
         if self.kernel == "triton" and lens.size and regions:
             with self._context():
                 self._table(poss, offs, lens)

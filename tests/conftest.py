@@ -1,0 +1,55 @@
+"""Fixtures shared by the end-to-end test files: one set of vLLM servers per session.
+
+See ``e2e_cluster.py`` for why they are shared and what that asks of the
+tests. Nothing starts unless a collected test uses one of these fixtures,
+so the unit tests pay nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from e2e_cluster import E2EServers
+
+from kvpush.demo import servers as srv
+
+SINGLE = "e2e_single"
+
+
+@pytest.fixture(scope="session")
+def e2e_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EServers]:
+    """P, D and the router for the whole session, and the plain server when a collected test needs it.
+
+    The plain server is started with the pair (in parallel, which is what
+    saves time) when any selected test uses ``e2e_single``; a session that
+    has none, e.g. ``pytest tests/test_e2e_metrics.py``, never starts it.
+    """
+    want_single = any(SINGLE in item.fixturenames for item in request.session.items)
+    servers = E2EServers(tmp_path_factory.mktemp("e2e-logs"))
+    try:
+        servers.start(with_single=want_single)
+        yield servers
+    except srv.ServerError as exc:
+        pytest.fail(str(exc))
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="module")
+def e2e_pair(e2e_servers: E2EServers) -> E2EServers:
+    """The shared servers, checked (and restarted if a test before this module broke one)."""
+    try:
+        e2e_servers.ensure_up()
+    except srv.ServerError as exc:
+        pytest.fail(str(exc))
+    return e2e_servers
+
+
+@pytest.fixture(scope="module")
+def e2e_single(e2e_pair: E2EServers) -> str:
+    """URL of the plain (non-disaggregated) vLLM server the outputs are compared with."""
+    try:
+        return e2e_pair.ensure_single()
+    except srv.ServerError as exc:
+        pytest.fail(str(exc))

@@ -1,0 +1,166 @@
+"""The real vLLM servers the end-to-end tests share: P and D behind the router, and a plain server.
+
+Starting a vLLM server costs one to five minutes on this 2-core machine, so
+``test_e2e_vllm`` and ``test_e2e_metrics`` use one set of servers per pytest
+session (``tests/conftest.py`` holds the fixtures) instead of a pair each.
+The servers are configured for both files at once:
+
+* P and D run kvpush with ``KVPUSH_LOG_LEVEL=DEBUG`` (the per-transfer
+  timeline lines ``test_e2e_metrics`` joins);
+* D declares a silent P dead after 5 s (3 s gave false positives on a
+  loaded 2-core machine) and prefills locally when a transfer fails
+  (``kv_load_failure_policy=recompute``; the fault cases of ``test_e2e_vllm``);
+* every server is a ``fast_start`` one (one process import fewer per start);
+* the plain, non-disaggregated server that ``test_e2e_vllm`` compares
+  outputs with starts only when a collected test asks for it, so
+  ``pytest tests/test_e2e_metrics.py`` alone starts two servers, not three.
+
+Tests therefore must not assume a fresh pair: they measure deltas of
+counters, and pick out their own transfers by id, since other tests may
+have used the servers before them. A test that breaks a server (kills P,
+say) must call :meth:`E2EServers.restart` before it returns; as a safety
+net every module checks the servers at its start and restarts them when one
+is dead or unhealthy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpush.demo import servers as srv
+from kvpush.demo.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model_dir() -> str:
+    """The tiny model, built once under ``KVPUSH_MODEL_DIR`` (default ``models/`` in the repository)."""
+    root = Path(os.environ.get("KVPUSH_MODEL_DIR", ROOT / "models"))
+    return str(make_tiny_model(root / "tiny-qwen3"))
+
+
+class E2EServers:
+    """P, D and the router (always), the plain reference server (on demand).
+
+    ``start``/``stop``/``restart`` own the processes; the URLs change on a
+    restart (fresh ports), so fixtures read them at each module's start.
+    """
+
+    def __init__(self, logs: Path, progress: Callable[[str], None] = print) -> None:
+        self.model = model_dir()
+        self.logs = logs
+        self.progress = progress
+        cpus = ("0", "1") if (os.cpu_count() or 1) > 1 else ("0", "0")
+        self.cpus_p, self.cpus_d = cpus  # the plain server shares P's core: it is idle while P works
+        self.pair: list[srv.ServerProcess] = []
+        self.router: srv.ServerProcess | None = None
+        self.single: srv.ServerProcess | None = None
+        self.kv_port = 0
+        self.restarts = 0
+
+    # -- what the tests read ---------------------------------------------------
+
+    @property
+    def p(self) -> str:
+        return self.pair[0].url
+
+    @property
+    def d(self) -> str:
+        return self.pair[1].url
+
+    @property
+    def router_url(self) -> str:
+        assert self.router is not None, "servers not started"
+        return self.router.url
+
+    @property
+    def p_kv(self) -> tuple[str, int]:
+        """P's kvpush side channel (for requests sent to D directly)."""
+        return ("127.0.0.1", self.kv_port)
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def _single_server(self) -> srv.ServerProcess:
+        return srv.vllm_server(
+            "single", self.model, srv.free_port(), log_dir=self.logs, cpus=self.cpus_p, fast_start=True
+        )
+
+    def start(self, with_single: bool) -> None:
+        """Start P, D (and the plain server) in parallel, then the router; raises ``ServerError``."""
+        p_port, d_port, router_port, self.kv_port = (srv.free_port() for _ in range(4))
+        debug = {"KVPUSH_LOG_LEVEL": "DEBUG"}
+        self.pair = [
+            srv.vllm_server(
+                "prefill",
+                self.model,
+                p_port,
+                log_dir=self.logs,
+                cpus=self.cpus_p,
+                kv_transfer_config=srv.kvpush_transfer_config("kv_producer", self.kv_port),
+                check_ports=(self.kv_port,),
+                env=debug,
+                fast_start=True,
+            ),
+            srv.vllm_server(
+                "decode",
+                self.model,
+                d_port,
+                log_dir=self.logs,
+                cpus=self.cpus_d,
+                kv_transfer_config={
+                    **srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=5.0),
+                    "kv_load_failure_policy": "recompute",
+                },
+                env=debug,
+                fast_start=True,
+            ),
+        ]
+        self.single = self._single_server() if with_single else None
+        self.router = srv.router_server(
+            ["--prefill", self.p, "--prefill-kv", f"127.0.0.1:{self.kv_port}", "--decode", self.d],
+            router_port,
+            log_dir=self.logs,
+        )
+        vllm = [*self.pair, *([self.single] if self.single else [])]
+        for s in vllm:
+            s.start()
+        srv.wait_all_healthy(vllm, timeout=900, progress=self.progress)
+        self.router.start()
+        srv.wait_all_healthy([self.router], timeout=60)
+
+    def ensure_single(self) -> str:
+        """The plain server's URL, starting it now if the session did not (it is then not in parallel)."""
+        if self.single is None:
+            self.single = self._single_server().start()
+            srv.wait_all_healthy([self.single], timeout=900, progress=self.progress)
+        return self.single.url
+
+    def broken(self) -> list[str]:
+        """Names of servers that died, or did not answer ``/health`` three times in a row.
+
+        Three tries of 10 s: a busy server on this loaded machine can be slow
+        to answer once, and a needless restart costs minutes.
+        """
+        procs = [*self.pair, *([self.router] if self.router else []), *([self.single] if self.single else [])]
+        return [s.name for s in procs if not (s.alive and any(s.healthy(timeout=10.0) for _ in range(3)))]
+
+    def restart(self) -> None:
+        """Stop everything and start it again (fresh ports): for a test that broke a server."""
+        with_single = self.single is not None
+        self.stop()
+        self.restarts += 1
+        self.start(with_single)
+
+    def ensure_up(self) -> None:
+        """Restart when a server is dead or unhealthy (a test before this module broke it)."""
+        bad = self.broken()
+        if bad:
+            self.progress(f"e2e servers {bad} are down; restarting all of them")
+            self.restart()
+
+    def stop(self) -> None:
+        procs = [*self.pair, *([self.single] if self.single else []), *([self.router] if self.router else [])]
+        srv.stop_all(procs)
+        self.pair, self.router, self.single = [], None, None
