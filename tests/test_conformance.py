@@ -60,9 +60,9 @@ def test_host_backend_conforms(tmp_path: Path) -> None:
     assert_conforms(*run_suite(tmp_path, "host"))
 
 
-@pytest.mark.parametrize(("mode", "skipped"), [("direct", 0), ("host_staging", 6)])
+@pytest.mark.parametrize(("mode", "skipped"), [("direct", 0), ("host_staging", 7)])
 def test_neuron_backend_conforms_on_the_standin(tmp_path: Path, mode: str, skipped: int) -> None:
-    """Host staging registers no KV, so the 6 cases that force a direct plan are skipped, not failed."""
+    """Host staging registers no KV, so the 7 cases that force a direct plan are skipped, not failed."""
     if find_spec("kvpush_neuron") is None:
         pytest.skip("kvpush-neuron is not installed (pip install -e backends/neuron)")
     if shutil.which(os.environ.get("CC", "cc")) is None:
@@ -82,6 +82,8 @@ EXPECTED_FAILURES = {
     "test_backend::test_foreign_tensors_are_refused": "accept_foreign",
     "test_push::test_data_written_just_before_handoff_arrives[direct]": "late_write",
     "test_push::test_data_written_just_before_handoff_arrives[staged]": "late_write",
+    "test_push::test_layer_by_layer_push_waits_for_each_layer[direct]": "late_write",
+    "test_push::test_layer_by_layer_push_waits_for_each_layer[staged]": "late_write",
 }
 
 

@@ -3,7 +3,8 @@
 # benchmark), with logs and JSON under $OUT. Written for the lent H200 machine
 # of this workplace, which has torch but no registry: wheels for nixl,
 # msgspec and pyzmq travel in .whl/ (see docs/cuda.md). On a GPU host where
-# `pip install -e . -e backends/cuda` worked, skip the install part:
+# `pip install -e . -e backends/cuda` worked, skip the install part
+# (CONFORMANCE=1 also runs `kvpush conformance --backend cuda`; BENCH=0 skips the benchmark):
 #   python -m pytest backends/cuda/tests -m gpu
 #   python examples/bench_cuda_push.py --json cuda_push.json --plot cuda_push.png
 set -u
@@ -32,6 +33,15 @@ timeout "${TEST_TIMEOUT:-180}" python3 -m pytest backends/cuda/tests -m "gpu or 
   >"$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"
 tail -25 "$OUT/pytest.log"
+
+if [ "${CONFORMANCE:-0}" = 1 ]; then
+  echo "== conformance (devices ${CONFORMANCE_DEVICES:-0,1})"
+  timeout 300 python3 -m kvpush.cli conformance --backend cuda --devices "${CONFORMANCE_DEVICES:-0,1}" \
+    -- -q -p no:cacheprovider --junitxml="$OUT/conformance.xml" >"$OUT/conformance.log" 2>&1
+  echo "conformance rc=$?"
+  tail -5 "$OUT/conformance.log"
+fi
+[ "${BENCH:-1}" = 1 ] || exit 0
 
 echo "== benchmark"
 UCX_PROTO_INFO=${UCX_PROTO_INFO:-y} timeout "${BENCH_TIMEOUT:-360}" python3 examples/bench_cuda_push.py \

@@ -233,6 +233,28 @@ def test_data_written_just_before_handoff_arrives(nodes: tuple[Node, Node], dire
         check_bytes(p, d, k, pg, dg, seeds, [req], p_data=fresh)
 
 
+@pytest.mark.parametrize("plan", ["direct", "staged"])
+def test_layer_by_layer_push_waits_for_each_layer(nodes: tuple[Node, Node], direct_ok: bool, plan: str) -> None:
+    """Contract (ordering, layer-wise): P announces a prefill, then each layer is written (queued like a model
+    kernel) and reported ready under the marker recorded right after it; the push thread polls markers
+    (poll_ready) and posts each layer when its marker is reached. D receives exactly the bytes written,
+    in one part per group of ready layers, never a layer's earlier content."""
+    need_plan(plan, direct_ok)
+    p, d = nodes
+    pg = dg = Geom(num_blocks=32, layers=4)
+    seeds, fresh = (710, 810), 711
+    req = Req("lw", "lw-p", "lw-d", list(range(31, 1, -1)), list(range(30)), 30 * 16)
+    with engines(p, d, pg, dg, cfg(plan), cfg(plan), seeds, name="lw") as (k, peer):
+        d.call("register", k + "d", req.tid, req.d_rid, peer, req.d_blocks, req.n, req.start)
+        assert p.call("wait_stat", k + "p", "registrations_total", 1, 10.0), "D's registration never reached P"
+        layers = p.call("layered_prefill", k + "p", req.tid, req.p_rid, req.p_blocks, req.n, fresh)
+        [dr] = d.call("results", k + "d", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
+        [pr] = p.call("results", k + "p", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
+        assert dr.ok and pr.ok, (dr, pr)
+        assert 1 <= dr.stats["parts"] == pr.stats["parts"] <= layers, (dr.stats, pr.stats)
+        check_bytes(p, d, k, pg, dg, seeds, [req], p_data=fresh)
+
+
 def test_reregistration_after_deregistration(nodes: tuple[Node, Node], direct_ok: bool) -> None:
     """Contract (registrations): after both engines close (their memory deregistered, caches freed), new
     engines with the same names over new caches in the same processes (addresses may be reused) register
