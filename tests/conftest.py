@@ -1,7 +1,8 @@
-"""Fixtures shared by the end-to-end test files: one set of vLLM servers per session.
+"""Fixtures shared by test files: one set of vLLM servers per session (end-to-end files), and a
+P and a D worker process per module (multi-process engine files).
 
-See ``e2e_cluster.py`` for why they are shared and what that asks of the
-tests. Nothing starts unless a collected test uses one of these fixtures,
+See ``e2e_cluster.py`` for why the servers are shared and what that asks of
+the tests. Nothing starts unless a collected test uses one of these fixtures,
 so the unit tests pay nothing for them.
 """
 
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from e2e_cluster import E2EServers
+from procs import Node
 
 from kvpush.demo import servers as srv
 
@@ -53,3 +55,18 @@ def e2e_single(e2e_pair: E2EServers) -> str:
         return e2e_pair.ensure_single()
     except srv.ServerError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[tuple[Node, Node]]:
+    """A P and a D worker process for one test module; fails the module if an engine loop raised."""
+    p, d = Node("P"), Node("D")
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        yield p, d
+        crashes = p.call("crashes") + d.call("crashes")
+        assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)
+    finally:
+        p.stop()
+        d.stop()

@@ -12,44 +12,17 @@ the layers release everything on both sides.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from procs import SENTINEL, Geom, Node, assert_same, make_cache
-from test_push_nixl import assert_idle, by_rid, engines
+from test_push_nixl import _cfg, _key, assert_idle, by_rid, engines
 
 from kvpush.conformance.model import Req, apply_push
 
-STAGING = 4 << 20
 LAYERS = 6
 RPL = 2  # regions per layer: the host backend lists K and V of each layer
-
-
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[tuple[Node, Node]]:
-    p, d = Node("P"), Node("D")
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        yield p, d
-        crashes = p.call("crashes") + d.call("crashes")
-        assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)
-    finally:
-        p.stop()
-        d.stop()
-
-
-_counter = iter(range(1_000_000))
-
-
-def _key(name: str) -> str:
-    return f"{name}{next(_counter)}"
-
-
-def _cfg(**kw: Any) -> dict[str, Any]:
-    return {"staging_bytes": STAGING, **kw}
 
 
 def _d_cfg(plan: str) -> dict[str, Any]:

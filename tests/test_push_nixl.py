@@ -34,20 +34,6 @@ STAGING = 4 << 20
 # -- fixtures ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def nodes() -> Iterator[tuple[Node, Node]]:
-    p, d = Node("P"), Node("D")
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        yield p, d
-        crashes = p.call("crashes") + d.call("crashes")
-        assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)
-    finally:
-        p.stop()
-        d.stop()
-
-
 _counter = iter(range(1_000_000))
 
 
