@@ -42,7 +42,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_single: str) -> Iterat
             p_port,
             log_dir=logs,
             cpus=cpus_p,
-            kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, layerwise=True),
+            # Every prompt layer-wise, however short (the default threshold is 4096 tokens).
+            kv_transfer_config=srv.kvpush_transfer_config(
+                "kv_producer", kv_port, layerwise=True, layerwise_min_tokens=0
+            ),
             check_ports=(kv_port,),
             fast_start=True,
         ),

@@ -136,10 +136,20 @@ def test_layerwise_abort_after_announce_keeps_blocks_and_forwards_the_abort():
     ids=["mode-off", "keeps-decoding-on-P", "plain-request", "decode-request"],
 )
 def test_layerwise_leaves_other_requests_alone(layerwise, params, max_tokens):
-    s = SchedulerSide(layerwise=layerwise)
+    s = SchedulerSide(layerwise=layerwise, layerwise_min_tokens=40)
     s.prefill_admitted("r", None if params is None else dict(params), 40, max_tokens)
     s.scheduled([_chunk("r", [5, 6], 0, 40, replace=True)])
     assert not s.take_orders().layer_prefills
+
+
+def test_layerwise_skips_prompts_below_the_threshold():
+    s = SchedulerSide(layerwise=True, layerwise_min_tokens=41)
+    s.prefill_admitted("r", dict(P_PARAMS), 40, 1)
+    s.scheduled([_chunk("r", [5, 6], 0, 40, replace=True)])
+    assert not s.take_orders().layer_prefills
+    s.prefill_admitted("q", dict(P_PARAMS), 41, 1)
+    s.scheduled([_chunk("q", [7, 8], 0, 41, replace=True)])
+    assert [lp.request_id for lp in s.take_orders().layer_prefills] == ["q"]
 
 
 def test_layerwise_candidate_aborted_before_its_final_chunk_is_forgotten():

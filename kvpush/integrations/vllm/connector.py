@@ -158,7 +158,7 @@ class KVPushConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.sched = SchedulerSide(layerwise=cfg.layerwise)
+            self.sched = SchedulerSide(layerwise=cfg.layerwise, layerwise_min_tokens=cfg.layerwise_min_tokens)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,

@@ -100,8 +100,9 @@ class _Candidate:
 
 
 class SchedulerSide:
-    def __init__(self, layerwise: bool = False) -> None:
+    def __init__(self, layerwise: bool = False, layerwise_min_tokens: int = 0) -> None:
         self.layerwise = layerwise
+        self.layerwise_min_tokens = layerwise_min_tokens
         self._candidates: dict[str, _Candidate] = {}  # P requests before their final chunk (layer-wise)
         self._layered: dict[str, str] = {}  # P requests announced layer-wise -> transfer id
         self._orders = StepOrders()
@@ -159,7 +160,7 @@ class SchedulerSide:
         self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, max_tokens: int | None
     ) -> None:
         """A request was admitted (``update_state_after_alloc``); remember P requests that can go layer-wise."""
-        if not self.layerwise or max_tokens != 1:
+        if not self.layerwise or max_tokens != 1 or num_prompt_tokens < self.layerwise_min_tokens:
             return
         role = parse(params, request_id)
         if isinstance(role, PrefillSide) and request_id not in self._layered:
