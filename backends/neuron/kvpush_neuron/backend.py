@@ -230,6 +230,22 @@ class NeuronBackend(NeuronTestSupport, Backend):
         """Marker for "the KV of this prefill is on the device"; cheap, never blocks the engine."""
         return ReadyMarker(seq, fence)
 
+    def poll_ready(self, marker: Any) -> bool:
+        """Whether the marked device work finished (``nrta_is_completed``), without blocking.
+
+        Layer-wise pushes ask this per layer so the push thread keeps serving
+        D while the forward runs. A marker with a host fence (a callable) can
+        only be waited on, so it is.
+        """
+        if marker is None:
+            return True
+        if not isinstance(marker, ReadyMarker):
+            raise BackendError(f"poll_ready got {type(marker).__name__}, not a marker from NeuronBackend.record_ready")
+        if marker.fence is not None or marker.seq is None:
+            self.wait_ready(marker)
+            return True
+        return bool(self.runtime.is_completed(marker.seq))
+
     def wait_ready(self, marker: Any) -> None:
         """Block the push thread until the marked device work finished (or raise after the timeout)."""
         if marker is None:

@@ -123,6 +123,26 @@ def test_wait_ready_waits_for_the_device_work(backend: NeuronBackend, standin_on
         t.free()
 
 
+def test_poll_ready_answers_without_waiting(backend: NeuronBackend, standin_only: None) -> None:
+    t = NeuronTensor(backend.runtime, (4096,), "uint8", 0)
+    try:
+        data = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+        marker = backend.record_ready(seq=delayed_write(t, data, 0.3))
+        t0 = time.monotonic()
+        assert backend.poll_ready(marker) is False
+        assert time.monotonic() - t0 < 0.1, "poll_ready waited"
+        deadline = time.monotonic() + 5
+        while not backend.poll_ready(marker):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert np.array_equal(t.read_bytes(), data)
+        assert backend.poll_ready(None) is True
+        with pytest.raises(BackendError, match="not a marker"):
+            backend.poll_ready(object())
+    finally:
+        t.free()
+
+
 def test_wait_ready_times_out_with_the_sequence(nrt_lib: str, standin_only: None) -> None:
     b = NeuronBackend(mode="direct", mem="DRAM", lib=nrt_lib, ready_timeout_s=0.05)
     t = NeuronTensor(b.runtime, (64,), "uint8", 0)
