@@ -5,10 +5,12 @@ Triton's interpreter)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,3 +190,20 @@ def test_triton_kernel_under_interpreter() -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-2:] == ["True", "True"], r.stdout
+
+
+def test_benchmark_runs_on_host_memory(tmp_path: Path) -> None:
+    """The GPU benchmark's own code (strategies, the engine's finished and ahead modes, the layer-wise
+    microbenchmark) on host memory: two processes, real NIXL agents, every transfer verified on D.
+    Keeps the benchmark from rotting between GPU sessions; says nothing about speed."""
+    pytest.importorskip("nixl")
+    from kvpush_cuda.bench import main
+
+    out = tmp_path / "bench.json"
+    args = ["--backend", "host", "--quick", "--iters", "1", "--patterns", "shuffled", "--strategies", "staged"]
+    args += ["--write-descs", "1", "--engine-parts", "2", "--lw-tokens", "64", "--lw-iters", "1", "--json", str(out)]
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert {(e["mode"], e["parts"]) for e in res["engine"]} == {("finished", 1), ("ahead", 2)}
+    assert {r["mode"] for r in res["layerwise"]} == {"none", "whole", "layer"}
+    assert all(r["verified"] for r in [*res["engine"], *res["layerwise"]])

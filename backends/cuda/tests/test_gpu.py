@@ -184,6 +184,12 @@ def test_push_between_processes_through_nixl() -> None:
             "staged,pipelined:4,coalesced,per_block",
             "--write-descs",
             "1,4",
+            "--engine-parts",
+            "2,1",
+            "--lw-tokens",
+            "256",
+            "--lw-iters",
+            "1",
         ]
     )
     assert rc == 0, "a transfer was not byte-exact on D (see the table above)"
