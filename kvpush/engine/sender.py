@@ -686,8 +686,6 @@ class Sender(EngineLoop):
         tt = self._times.setdefault(reg.transfer_id, {})
         t_end = job.t_complete or time.perf_counter()
         tt["completed"] = max(tt.get("completed", t_end), t_end)
-        if plan.kind == "empty":
-            self._bump("plan_empty_total", 0)
         job.stats[f"plan_{plan.kind}"] = 1.0
         job.stats["pieces"] = float(plan.pieces)
         if job.t_post:
