@@ -512,7 +512,7 @@ class Sender(EngineLoop):
         assert plan is not None
         if peer is None and not job.cancel:
             job.cancel = f"D {job.peer_key[0]} rank {job.peer_key[1]} is gone"
-        if plan.kind == "empty" and not (job.cancel or job.error):
+        if plan.kind == "empty" and job.sent == 0 and not (job.cancel or job.error):
             assert peer is not None
             try:
                 self.agent.send_notif(peer.agent, self._completion(job, 0, plan.nregions, 0))
