@@ -1,8 +1,9 @@
 """End to end with layer-wise push on: real vLLM servers, against a single instance.
 
-P runs with ``"layerwise": true``: the connector's ``save_kv_layer`` hook hands
-each layer of a request in its final prefill chunk to the push thread, which
-writes it while the later layers still compute. The bar is the same as the
+P runs with ``"layerwise": true`` and chunked prefill (512 tokens a step): the
+connector's ``save_kv_layer`` hook hands each layer of a request in its final
+prefill chunk to the push thread, which writes it while the later layers
+still compute. The bar is the same as the
 whole-request e2e test (greedy outputs equal token for token, D computes no
 prompt token), plus evidence that pushes really went in several parts, and
 that a client abort during the prefill leaves no block held anywhere.
@@ -48,6 +49,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_single: str) -> Iterat
             ),
             check_ports=(kv_port,),
             fast_start=True,
+            # Chunked prefill on P: prompts over 512 tokens take several steps, and only the final
+            # chunk's step pushes (with the blocks gathered over all chunks).
+            extra_args=["--max-num-batched-tokens", "512"],
         ),
         srv.vllm_server(
             "decode",
