@@ -65,7 +65,6 @@ class WorkerSide:
         self._step_tids: list[str] = []
         self._layers_done: list[bool] = []
         self._layers_reported = 0
-        self.layer_reports = 0  # kv_ready calls made from save_kv_layer (vs. the end-of-forward fallback)
         self._layers_started_for: StepOrders | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any], spec: CacheSpec) -> None:
@@ -162,7 +161,6 @@ class WorkerSide:
             done += 1
         if done > self._layers_reported:
             self._layers_reported = done
-            self.layer_reports += 1
             self.sender.kv_ready(self._step_tids, done * self._regions_per_layer, self.backend.record_ready())
 
     def forward_done(self) -> None:
