@@ -47,6 +47,8 @@ class EngineLoop:
         self.cfg = config
         self.backend = backend
         self.layout = layout.validate()
+        self.region_bases = [r.base for r in self.layout.regions]
+        """Base address of each region, in order: what pack/unpack and their hints take."""
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size

@@ -72,8 +72,7 @@ class _Writer:
     reason: str = ""
     grant: protocol.StagingGrant | None = None
     unpack: np.ndarray | None = None
-    covered: bytearray | None = None  # regions whose part arrived (a push may come in several)
-    ncovered: int = 0
+    covered: bytearray | None = None  # 1 per region whose part arrived (a push may come in several)
 
 
 @dataclass
@@ -274,7 +273,7 @@ class Receiver(EngineLoop):
                 grant = protocol.StagingGrant(off, size)
                 w.unpack = pieces
                 try:
-                    self.backend.prepare_unpack([r.base for r in self.layout.regions], pieces)
+                    self.backend.prepare_unpack(self.region_bases, pieces)
                 except Exception:
                     log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
             else:
@@ -356,18 +355,17 @@ class Receiver(EngineLoop):
             t0 = time.perf_counter()
             # The payload is region-major: this part's regions sit at their own offset in the slot.
             region_bytes = int(w.unpack[:, 1].sum())
-            bases = [r.base for r in self.layout.regions[r0:r1]]
-            self.backend.unpack(bases, w.unpack, self._staging.addr + w.grant.offset + r0 * region_bytes)
+            staging = self._staging.addr + w.grant.offset + r0 * region_bytes
+            self.backend.unpack(self.region_bases[r0:r1], w.unpack, staging)
             inc.stats["unpack_s"] = inc.stats.get("unpack_s", 0.0) + time.perf_counter() - t0
         w.covered[r0:r1] = b"\x01" * (r1 - r0)
-        w.ncovered += r1 - r0
         inc.stats["bytes"] = inc.stats.get("bytes", 0.0) + msg.nbytes
         inc.stats["descriptors"] = inc.stats.get("descriptors", 0.0) + msg.descriptors
         inc.stats["parts"] = inc.stats.get("parts", 0.0) + 1
         self._bump("parts_total")
         inc.stats[f"plan_{msg.plan}"] = 1.0
         inc.times.setdefault("first_part", time.monotonic())
-        if w.ncovered < n:
+        if w.covered.count(1) < n:
             return
         inc.times["completed"] = time.monotonic()
         self._writer_final(inc, w, ok=True, reason="")

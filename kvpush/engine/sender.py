@@ -53,15 +53,6 @@ class _Peer:
 
 
 @dataclass
-class _Part:
-    """One posted WRITE of regions ``[r0, r1)``."""
-
-    handle: Any
-    r0: int
-    r1: int
-
-
-@dataclass
 class _Job:
     """The push of one transfer to one D rank, from pairing until its last part completes."""
 
@@ -72,7 +63,7 @@ class _Job:
     plan: Plan | None = None
     slot: int | None = None
     sent: int = 0  # regions [0, sent) are posted
-    flying: list[_Part] = field(default_factory=list)
+    flying: list[Any] = field(default_factory=list)  # NIXL handles of posted parts not yet done
     waiting: bool = False  # regions are reported ready but their marker is not reached yet
     error: str = ""
     error_stage: str = ""
@@ -143,7 +134,7 @@ class Sender(EngineLoop):
         aborted: a layer may be being written to D.
         """
         prefill = Prefill(transfer_id, request_id, tuple(tuple(int(b) for b in g) for g in block_ids), num_tokens)
-        self.call(lambda: (self._bump("layerwise_prefills_total"), self._on_prefill(prefill, None, None, 0)))
+        self.call(lambda: self._on_prefill(prefill, None, None, ready_regions=0))
 
     def kv_ready(self, transfer_ids: list[str], regions: int, marker: Any = None) -> None:
         """Regions ``[0, regions)`` of these started prefills are written (ordered by ``marker``)."""
@@ -168,8 +159,8 @@ class Sender(EngineLoop):
 
     def teardown(self) -> None:
         for job in self._jobs:
-            for part in job.flying:
-                self.agent.release(part.handle)
+            for handle in job.flying:
+                self.agent.release(handle)
         self.server.close()
         self.agent.close()
 
@@ -356,6 +347,7 @@ class Sender(EngineLoop):
             tt["prefill_done"] = now if t_done is None else t_done
         else:
             tt["prefill_start"] = now
+            self._bump("layerwise_prefills_total")
         decisions = self.rdv.on_prefill(prefill, now)
         if not any(isinstance(d, Release) and d.prefill is prefill for d in decisions):
             # A re-issued prefill replaces the old one's readiness (its blocks are new).
@@ -482,7 +474,7 @@ class Sender(EngineLoop):
             return
         if job.plan.kind == "staged" and job.plan.pack is not None:
             try:
-                self.backend.prepare_pack([r.base for r in self.layout.regions], job.plan.pack)
+                self.backend.prepare_pack(self.region_bases, job.plan.pack)
             except Exception:
                 log.exception("%s: prepare_pack failed (pack will do it)", self.name)
         t_plan = time.perf_counter()
@@ -539,17 +531,7 @@ class Sender(EngineLoop):
             for r0, r1 in split_regions(job.sent, ready, self._parts(plan, ready - job.sent)):
                 if not self._post_part(job, peer, r0, r1):
                     break
-        still: list[_Part] = []
-        for part in job.flying:
-            state = self.agent.state(part.handle)
-            if state == "PROC":
-                still.append(part)
-                continue
-            self.agent.release(part.handle)
-            job.t_complete = time.perf_counter()
-            if state != "DONE":
-                job.error, job.error_stage = f"WRITE to D {job.peer_key[0]} rank {job.peer_key[1]} failed", "write"
-        job.flying = still
+        job.flying = [h for h in job.flying if not self._part_ended(job, h, self.agent.state(h))]
         return not job.flying and (job.sent == plan.nregions or bool(job.cancel or job.error))
 
     def _parts(self, plan: Plan, nregions: int) -> int:
@@ -562,6 +544,16 @@ class Sender(EngineLoop):
         if plan.kind != "staged":
             return 1
         return max(1, min(self.cfg.push_parts, nregions * plan.region_bytes // max(1, MIN_PART_BYTES)))
+
+    def _part_ended(self, job: _Job, handle: Any, state: str) -> bool:
+        """Release a part's handle once NIXL says it is over; a failed WRITE ends the job."""
+        if state == "PROC":
+            return False
+        self.agent.release(handle)
+        job.t_complete = time.perf_counter()
+        if state != "DONE":
+            job.error, job.error_stage = f"WRITE to D {job.peer_key[0]} rank {job.peer_key[1]} failed", "write"
+        return True
 
     def _completion(self, job: _Job, r0: int, r1: int, ndesc: int) -> bytes:
         plan = job.plan
@@ -589,8 +581,8 @@ class Sender(EngineLoop):
         try:
             if plan.kind == "staged":
                 assert plan.pack is not None and self._staging is not None and job.slot is not None
-                bases = [r.base for r in self.layout.regions[r0:r1]]
-                self.backend.pack(bases, plan.pack, self._staging.addr + job.slot + r0 * plan.region_bytes)
+                staging = self._staging.addr + job.slot + r0 * plan.region_bytes
+                self.backend.pack(self.region_bases[r0:r1], plan.pack, staging)
             t1 = time.perf_counter()
             local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
             notif = self._completion(job, r0, r1, local.shape[0])
@@ -606,24 +598,19 @@ class Sender(EngineLoop):
         st["pack_s"] = st.get("pack_s", 0.0) + t1 - t0
         st["post_s"] = st.get("post_s", 0.0) + t2 - t1
         st["descriptors"] = st.get("descriptors", 0.0) + local.shape[0]
-        st["bytes"] = st.get("bytes", 0.0) + (r1 - r0) * plan.region_bytes
+        nbytes = (r1 - r0) * plan.region_bytes
+        st["bytes"] = st.get("bytes", 0.0) + nbytes
         st["parts"] = st.get("parts", 0.0) + 1
-        self._bump("bytes_total", (r1 - r0) * plan.region_bytes)
+        self._bump("bytes_total", nbytes)
         self._bump("descriptors_total", local.shape[0])
         self._bump("parts_total")
         tt = self._times.setdefault(job.reg.transfer_id, {})
         tt.setdefault("packed", t1)
         tt["posted"] = max(tt.get("posted", t2), t2)
         job.t_post = t2
-        if state == "PROC":
-            job.flying.append(_Part(handle, r0, r1))
-            return True
-        self.agent.release(handle)
-        job.t_complete = time.perf_counter()
-        if state != "DONE":
-            job.error, job.error_stage = f"WRITE to D {job.peer_key[0]} rank {job.peer_key[1]} failed", "write"
-            return False
-        return True
+        if not self._part_ended(job, handle, state):
+            job.flying.append(handle)
+        return not job.error
 
     def _plan(self, prefill: Prefill, reg: protocol.Register, peer: _Peer) -> tuple[Plan, int | None]:
         slot = None

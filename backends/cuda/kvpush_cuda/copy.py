@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -133,12 +134,7 @@ class PieceCopier:
         self._cache_entries = cache_entries
         self._tables: OrderedDict[bytes, tuple[Any, int, int]] = OrderedDict()
         self._bases: OrderedDict[tuple[int, ...], tuple[Any, int]] = OrderedDict()
-        self._recent: OrderedDict[int, tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, int]]] = (
-            OrderedDict()
-        )
-        self._table_ids: OrderedDict[tuple[int, int, int], tuple[tuple[np.ndarray, ...], tuple[Any, int, int]]] = (
-            OrderedDict()
-        )
+        self._by_identity: OrderedDict[tuple[str, tuple[int, ...]], tuple[tuple[Any, ...], Any]] = OrderedDict()
         self.stats: dict[str, float] = {"calls": 0, "prep_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "uploads": 0}
         if kernel in ("auto", "triton"):
             try:
@@ -167,14 +163,22 @@ class PieceCopier:
         table's content hash. The array is kept referenced, so its id cannot
         be reused while it is remembered.
         """
-        hit = self._recent.get(id(pieces))
-        if hit is not None and hit[0] is pieces:
+        return self._remembered("pieces", (pieces,), lambda: _unpack_pieces(pieces))
+
+    def _remembered(self, kind: str, objs: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """``make()``, remembered for the last few argument objects of ``kind`` by identity.
+
+        The objects are kept referenced, so their ids cannot be reused while remembered.
+        """
+        key = (kind, tuple(id(o) for o in objs))
+        hit = self._by_identity.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], objs, strict=True)):
             return hit[1]
-        out = _unpack_pieces(pieces)
-        self._recent[id(pieces)] = (pieces, out)
-        while len(self._recent) > 8:
-            self._recent.popitem(last=False)
-        return out
+        value = make()
+        self._by_identity[key] = (objs, value)
+        while len(self._by_identity) > 16:
+            self._by_identity.popitem(last=False)
+        return value
 
     def gather(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         """Region 0's pieces, then region 1's, ... back to back from ``staging_addr``."""
@@ -251,15 +255,8 @@ class PieceCopier:
 
     def _table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
         """(device table, tiles, gcd of its offsets and lengths), cached by identity, then by content."""
-        ident = (id(src_offs), id(dst_offs), id(lens))
-        seen = self._table_ids.get(ident)
-        if seen is not None and all(a is b for a, b in zip(seen[0], (src_offs, dst_offs, lens), strict=True)):
-            return seen[1]
-        entry = self._table_by_content(src_offs, dst_offs, lens)
-        self._table_ids[ident] = ((src_offs, dst_offs, lens), entry)
-        while len(self._table_ids) > 8:
-            self._table_ids.popitem(last=False)
-        return entry
+        arrays = (src_offs, dst_offs, lens)
+        return self._remembered("table", arrays, lambda: self._table_by_content(*arrays))
 
     def _table_by_content(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
         arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offs, dst_offs, lens)]
