@@ -11,7 +11,6 @@ that a client abort during the prefill leaves no block held anywhere.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import time
@@ -21,7 +20,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from e2e_cluster import model_dir
-from test_e2e_vllm import LENGTHS, MAX_TOKENS, Cluster, _get, _metric, _prompts, _stream_text
+from test_e2e_vllm import (
+    LENGTHS,
+    MAX_TOKENS,
+    Cluster,
+    _metric,
+    _prompts,
+    check_concurrent_and_streaming,
+    wait_all_released,
+)
 
 from kvpush.demo import servers as srv
 from kvpush.demo.tiny_model import prompt_words
@@ -136,13 +143,7 @@ def test_layerwise_outputs_equal_single_instance_and_push_in_parts(cluster: Clus
 
 
 def test_layerwise_concurrent_and_streaming_equal_single_instance(cluster: Cluster) -> None:
-    prompts = _prompts(seed=12)
-    expected = [cluster.complete(cluster.single, p) for p in prompts]
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        got = list(ex.map(lambda p: cluster.complete(cluster.router, p), prompts))
-    assert got == expected
-    body = {"model": cluster.model, "prompt": prompts[9], "max_tokens": MAX_TOKENS, "temperature": 0}
-    assert _stream_text(cluster.router + "/v1/completions", body) == expected[9]
+    check_concurrent_and_streaming(cluster, seed=12, streamed=9)
 
 
 def test_client_abort_during_prefill_releases_everything(cluster: Cluster) -> None:
@@ -156,15 +157,7 @@ def test_client_abort_during_prefill_releases_everything(cluster: Cluster) -> No
                 r.read()
         except (TimeoutError, urllib.error.URLError):
             pass  # the client disconnected mid-prefill, as intended
-    deadline = time.monotonic() + 60
-    while True:
-        usage = [_metric(u, "vllm:kv_cache_usage_perc") for u in (cluster.p, cluster.d)]
-        router = json.loads(_get(cluster.router + "/kvpush/pending"))
-        pending = (router["pending"], router["pending_prefill"])
-        if usage == [0.0, 0.0] and pending == (0, 0):
-            break
-        assert time.monotonic() < deadline, f"blocks or transfers left: usage {usage}, router {pending}"
-        time.sleep(0.5)
+    wait_all_released(cluster, timeout=60)
     # And the pair still serves correctly afterwards.
     p2 = prompt_words(700, seed=49)
     assert cluster.complete(cluster.router, p2) == cluster.complete(cluster.single, p2)

@@ -105,14 +105,32 @@ def test_sequential_outputs_equal_single_instance_and_use_pushed_kv(cluster: Clu
     assert computed == 0
 
 
-def test_concurrent_and_streaming_outputs_equal_single_instance(cluster: Cluster) -> None:
-    prompts = _prompts(seed=2)
+def check_concurrent_and_streaming(cluster: Cluster, seed: int, streamed: int) -> None:
+    """All prompts at once through the router, then prompt ``streamed`` streamed: as the single instance says."""
+    prompts = _prompts(seed)
     expected = [cluster.complete(cluster.single, p) for p in prompts]
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
         got = list(ex.map(lambda p: cluster.complete(cluster.router, p), prompts))
     assert got == expected
-    body = {"model": cluster.model, "prompt": prompts[6], "max_tokens": MAX_TOKENS, "temperature": 0}
-    assert _stream_text(cluster.router + "/v1/completions", body) == expected[6]
+    body = {"model": cluster.model, "prompt": prompts[streamed], "max_tokens": MAX_TOKENS, "temperature": 0}
+    assert _stream_text(cluster.router + "/v1/completions", body) == expected[streamed]
+
+
+def wait_all_released(cluster: Cluster, timeout: float = 30.0) -> None:
+    """Until P and D hold no KV block and the router has nothing pending (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = [_metric(u, "vllm:kv_cache_usage_perc") for u in (cluster.p, cluster.d)]
+        router = json.loads(_get(cluster.router + "/kvpush/pending"))
+        pending = (router["pending"], router["pending_prefill"])
+        if usage == [0.0, 0.0] and pending == (0, 0):
+            return
+        assert time.monotonic() < deadline, f"blocks or transfers left: usage {usage}, router {pending}"
+        time.sleep(0.5)
+
+
+def test_concurrent_and_streaming_outputs_equal_single_instance(cluster: Cluster) -> None:
+    check_concurrent_and_streaming(cluster, seed=2, streamed=6)
 
 
 def test_chat_completion_equal_single_instance(cluster: Cluster) -> None:
@@ -227,12 +245,4 @@ def test_router_turns_a_dead_prefill_into_a_clear_error(cluster: Cluster, tmp_pa
 
 
 def test_everything_released_afterwards(cluster: Cluster) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        usage = [_metric(u, "vllm:kv_cache_usage_perc") for u in (cluster.p, cluster.d)]
-        router = json.loads(_get(cluster.router + "/kvpush/pending"))
-        pending = (router["pending"], router["pending_prefill"])
-        if usage == [0.0, 0.0] and pending == (0, 0):
-            break
-        assert time.monotonic() < deadline, f"blocks or transfers left: usage {usage}, router {pending}"
-        time.sleep(0.5)
+    wait_all_released(cluster)

@@ -213,6 +213,22 @@ def test_interoperates_with_the_host_reference(nodes: tuple[Node, Node], direct_
         check_bytes(p, d, k, pg, dg, seeds, reqs)
 
 
+def push_after_registration(
+    p: Node, d: Node, k: str, peer: tuple[str, int, int], req: Req, p_op: str, *p_args: Any
+) -> tuple[Result, Result, Any]:
+    """D registers, P sees it, then P runs ``p_op`` (how the prefill is handed over); both results must be ok.
+
+    Returns D's and P's results and what ``p_op`` returned.
+    """
+    d.call("register", k + "d", req.tid, req.d_rid, peer, req.d_blocks, req.n, req.start)
+    assert p.call("wait_stat", k + "p", "registrations_total", 1, 10.0), "D's registration never reached P"
+    value = p.call(p_op, k + "p", req.tid, req.p_rid, req.p_blocks, req.n, *p_args)
+    [dr] = d.call("results", k + "d", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
+    [pr] = p.call("results", k + "p", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
+    assert dr.ok and pr.ok, (dr, pr)
+    return dr, pr, value
+
+
 @pytest.mark.parametrize("plan", ["direct", "staged"])
 def test_data_written_just_before_handoff_arrives(nodes: tuple[Node, Node], direct_ok: bool, plan: str) -> None:
     """Contract (ordering): KV written into P's cache immediately before the prefill is handed over, with
@@ -224,12 +240,7 @@ def test_data_written_just_before_handoff_arrives(nodes: tuple[Node, Node], dire
     seeds, fresh = (700, 800), 701
     req = Req("ord", "ord-p", "ord-d", list(range(31, 1, -1)), list(range(30)), 30 * 16)
     with engines(p, d, pg, dg, cfg(plan), cfg(plan), seeds, name="ord") as (k, peer):
-        d.call("register", k + "d", req.tid, req.d_rid, peer, req.d_blocks, req.n, req.start)
-        assert p.call("wait_stat", k + "p", "registrations_total", 1, 10.0), "D's registration never reached P"
-        p.call("prefill", k + "p", req.tid, req.p_rid, req.p_blocks, req.n, fresh)
-        [dr] = d.call("results", k + "d", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
-        [pr] = p.call("results", k + "p", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
-        assert dr.ok and pr.ok, (dr, pr)
+        push_after_registration(p, d, k, peer, req, "prefill", fresh)
         check_bytes(p, d, k, pg, dg, seeds, [req], p_data=fresh)
 
 
@@ -245,12 +256,7 @@ def test_layer_by_layer_push_waits_for_each_layer(nodes: tuple[Node, Node], dire
     seeds, fresh = (710, 810), 711
     req = Req("lw", "lw-p", "lw-d", list(range(31, 1, -1)), list(range(30)), 30 * 16)
     with engines(p, d, pg, dg, cfg(plan), cfg(plan), seeds, name="lw") as (k, peer):
-        d.call("register", k + "d", req.tid, req.d_rid, peer, req.d_blocks, req.n, req.start)
-        assert p.call("wait_stat", k + "p", "registrations_total", 1, 10.0), "D's registration never reached P"
-        layers = p.call("layered_prefill", k + "p", req.tid, req.p_rid, req.p_blocks, req.n, fresh)
-        [dr] = d.call("results", k + "d", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
-        [pr] = p.call("results", k + "p", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
-        assert dr.ok and pr.ok, (dr, pr)
+        dr, pr, layers = push_after_registration(p, d, k, peer, req, "layered_prefill", fresh)
         assert 1 <= dr.stats["parts"] == pr.stats["parts"] <= layers, (dr.stats, pr.stats)
         check_bytes(p, d, k, pg, dg, seeds, [req], p_data=fresh)
 
