@@ -95,9 +95,19 @@ class Worker(conformance.Worker):
         super().__init__(name, target)
         self.agents: list[Any] = []
         self.retired: list[Any] = []
+        self.override: Target | None = None
         self.warnings = _Lines()
         logging.getLogger("kvpush").addHandler(self.warnings)
         logging.getLogger("kvpush").setLevel(logging.INFO)
+
+    def _backend(self, reference: bool) -> Any:
+        if self.override is not None and not reference:
+            return self.override.make()
+        return super()._backend(reference)
+
+    def op_use_backend(self, target: str | None) -> None:
+        """Engines started from now on run on this backend (``module:Class``); None: back to the host backend."""
+        self.override = Target(target) if target else None
 
     def _cache(self, backend: Any, geom: model.Geom, device: int, seed: int | None) -> dict[str, Any]:
         """Layers of one uint8 array (no backend ``make_test_cache``: the dtype is a label here)."""

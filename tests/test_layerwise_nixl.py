@@ -25,6 +25,11 @@ LAYERS = 6
 RPL = 2  # regions per layer: the host backend lists K and V of each layer
 
 
+def _p_cfg(plan: str, **kw: Any) -> dict[str, Any]:
+    """P posts every ready layer on its own (the engine groups layers under 16 MiB by default)."""
+    return _cfg(plan=plan, layerwise_min_part_bytes=0, **kw)
+
+
 def _d_cfg(plan: str) -> dict[str, Any]:
     return _cfg(plan=plan, staged_min_descriptors=1)
 
@@ -58,7 +63,7 @@ def test_layers_reach_d_as_they_are_computed(nodes: tuple[Node, Node], plan: str
         Req(f"{k}-b", f"{k}-pb", f"{k}-db", [11, 12, 13], [70, 8], 40, 8),
     ]
     with (
-        engines(p, "sender", [(k + "p", pg, _cfg(plan=plan), "P" + k)]) as [addr],
+        engines(p, "sender", [(k + "p", pg, _p_cfg(plan), "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _d_cfg(plan), "D" + k)]),
     ):
         peer = (addr[0], addr[1], 1)
@@ -103,7 +108,7 @@ def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]
     k = _key("late")
     r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
     with (
-        engines(p, "sender", [(k + "p", pg, _cfg(plan="direct"), "P" + k)]) as [addr],
+        engines(p, "sender", [(k + "p", pg, _p_cfg("direct"), "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _d_cfg("direct"), "D" + k)]),
     ):
         p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
@@ -127,6 +132,47 @@ def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]
         assert_idle(d, k + "d")
 
 
+@pytest.mark.parametrize("plan", ["direct", "staged"])
+def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str) -> None:
+    """``layerwise_min_part_bytes``: a part waits until that many bytes of layers are ready, except the last."""
+    p, d = nodes
+    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
+    k = _key("group" + plan)
+    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
+    layer_bytes = RPL * r.n * pg.local_heads * pg.head_bytes
+    cfg = _cfg(plan=plan, layerwise_min_part_bytes=2 * layer_bytes)  # two layers a part
+    with (
+        engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _d_cfg(plan), "D" + k)]),
+    ):
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        _wait_paired(p, k + "p", 1)
+        p.call("compute_layers", k + "p", 0, 1, 21)
+        p.call("kv_ready", k + "p", [r.tid], RPL)
+        time.sleep(0.3)
+        assert (d.call("snapshot", k + "d") == SENTINEL).all(), "one layer was posted alone"
+        p.call("compute_layers", k + "p", 1, 3, 22)
+        p.call("kv_ready", k + "p", [r.tid], 2 * RPL)
+        got = _wait_layers(d, k + "d", dg, r, 2)
+        assert (got[2:] == SENTINEL).all()
+        p.call("kv_ready", k + "p", [r.tid], 3 * RPL)  # layer 2: one layer, held back
+        time.sleep(0.3)
+        assert (d.call("snapshot", k + "d")[2:] == SENTINEL).all(), "one layer was posted alone"
+        p.call("compute_layers", k + "p", 3, LAYERS, 23)
+        p.call("kv_ready", k + "p", [r.tid], (LAYERS - 1) * RPL)  # layers 2-4: a part
+        p.call("kv_ready", k + "p", [r.tid], LAYERS * RPL)  # the last layer goes alone
+        [dres] = d.call("results", k + "d", 1, 20.0)
+        [pres] = p.call("results", k + "p", 1, 10.0)
+        assert dres.ok and pres.ok
+        assert 3 <= pres.stats["parts"] <= 4 and dres.stats["parts"] == pres.stats["parts"], pres.stats
+        exp = make_cache(dg, None)
+        apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_abort_in_the_middle_of_the_layers_releases_both_sides(nodes: tuple[Node, Node], side: str) -> None:
     p, d = nodes
@@ -134,7 +180,7 @@ def test_abort_in_the_middle_of_the_layers_releases_both_sides(nodes: tuple[Node
     k = _key("ab" + side)
     r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3], [4, 5, 6], 40)
     with (
-        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged"), "P" + k)]) as [addr],
+        engines(p, "sender", [(k + "p", pg, _p_cfg("staged"), "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
     ):
         p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
@@ -175,7 +221,7 @@ def test_large_staged_push_is_pipelined_in_parts(nodes: tuple[Node, Node]) -> No
     old = p.call("min_part_bytes", 0)
     try:
         with (
-            engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=5), "P" + k)]) as [addr],
+            engines(p, "sender", [(k + "p", pg, _p_cfg("staged", push_parts=5), "P" + k)]) as [addr],
             engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
         ):
             for r in reqs:

@@ -135,6 +135,27 @@ class Backend(abc.ABC):
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         """Inverse of ``pack``: scatter the staging bytes back into the regions."""
 
+    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+        """``pack``, but it may return before the bytes are in place: returns a marker for ``poll_ready``.
+
+        The push thread posts the WRITE only once ``poll_ready`` says the
+        marker is reached; meanwhile it keeps progressing NIXL (completing
+        earlier parts, sending their notifications) instead of blocking in a
+        device synchronize. The default packs synchronously and returns None.
+        """
+        self.pack(regions, pieces, staging_addr)
+        return None
+
+    def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+        """``unpack`` that may return early; D reports the regions only once the marker is reached.
+
+        Until then the staging bytes and the destination blocks stay D's (the
+        slot is not granted again, the blocks are not handed back). The default
+        unpacks synchronously and returns None.
+        """
+        self.unpack(regions, pieces, staging_addr)
+        return None
+
     def prepare_pack(self, regions: list[int], pieces: np.ndarray) -> None:
         """Hint: a ``pack`` of these pieces is coming (P calls it when it plans, before the KV is ready).
 

@@ -115,7 +115,7 @@ MODES = ("single", "request", "layer")
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_REPS = 5
 DEFAULT_MAX_TOKENS = 4
-DEFAULT_LAYER_CONFIG = '{"layerwise": true, "layerwise_min_tokens": 0}'
+DEFAULT_LAYER_CONFIG = '{"layerwise": true, "layerwise_min_tokens": 0, "layerwise_min_part_bytes": 0}'
 COLORS = {"single": "#7f7f7f", "request": "#1f77b4", "layer": "#d62728"}
 LABELS = {
     "single": "single vLLM (no transfer)",

@@ -73,6 +73,7 @@ class _Writer:
     grant: protocol.StagingGrant | None = None
     unpack: np.ndarray | None = None
     covered: bytearray | None = None  # 1 per region whose part arrived (a push may come in several)
+    unpacking: list[tuple[int, int, Any]] = field(default_factory=list)  # parts (r0, r1, marker) being unpacked
 
 
 @dataclass
@@ -111,6 +112,7 @@ class Receiver(EngineLoop):
         self._by_agent: dict[str, tuple[str, int]] = {}
         self._transfers: dict[str, _Incoming] = {}
         self._superseded: list[_Incoming] = []
+        self._unpacking: list[tuple[_Incoming, _Writer]] = []  # writers with an unpack in progress
         self._next_timer = 0.0
         self.counters: dict[str, float] = {}
         self.start()
@@ -163,6 +165,8 @@ class Receiver(EngineLoop):
         if self._transfers or self._superseded:
             for agent_name, data in self.agent.notifs():
                 self._on_notif(agent_name, data, now)
+        if self._unpacking:
+            self._poll_unpacks()
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
             self._timers(now)
@@ -356,16 +360,56 @@ class Receiver(EngineLoop):
             # The payload is region-major: this part's regions sit at their own offset in the slot.
             region_bytes = int(w.unpack[:, 1].sum())
             staging = self._staging.addr + w.grant.offset + r0 * region_bytes
-            self.backend.unpack(self.region_bases[r0:r1], w.unpack, staging)
+            try:
+                marker = self.backend.start_unpack(self.region_bases[r0:r1], w.unpack, staging)
+            except Exception as exc:
+                self._writer_final(inc, w, ok=False, reason=f"unpack failed: {exc}")
+                return
             inc.stats["unpack_s"] = inc.stats.get("unpack_s", 0.0) + time.perf_counter() - t0
-        w.covered[r0:r1] = b"\x01" * (r1 - r0)
+            # Claimed now (a repeated announcement is refused), reported once unpacked.
+            w.covered[r0:r1] = b"\x02" * (r1 - r0)
+            w.unpacking.append((r0, r1, marker))
+            if len(w.unpacking) == 1:
+                self._unpacking.append((inc, w))
+        else:
+            w.covered[r0:r1] = b"\x01" * (r1 - r0)
         inc.stats["bytes"] = inc.stats.get("bytes", 0.0) + msg.nbytes
         inc.stats["descriptors"] = inc.stats.get("descriptors", 0.0) + msg.descriptors
         inc.stats["parts"] = inc.stats.get("parts", 0.0) + 1
         self._bump("parts_total")
         inc.stats[f"plan_{msg.plan}"] = 1.0
         inc.times.setdefault("first_part", time.monotonic())
-        if w.covered.count(1) < n:
+        if msg.plan == "staged":
+            self._poll_unpacks()  # a synchronous backend's unpack is already done
+        else:
+            self._check_covered(inc, w)
+
+    def _poll_unpacks(self) -> None:
+        """Mark the parts whose unpack finished as arrived; complete writers that have everything."""
+        still: list[tuple[_Incoming, _Writer]] = []
+        for inc, w in self._unpacking:
+            while w.unpacking and not w.final:
+                r0, r1, marker = w.unpacking[0]
+                try:
+                    done = self.backend.poll_ready(marker)
+                except Exception as exc:
+                    w.unpacking.clear()
+                    self._writer_final(inc, w, ok=False, reason=f"unpack failed: {exc}")
+                    break
+                if not done:
+                    break
+                w.unpacking.pop(0)
+                assert w.covered is not None
+                w.covered[r0:r1] = b"\x01" * (r1 - r0)
+            if w.unpacking and not w.final:
+                still.append((inc, w))
+            elif not w.final:
+                self._check_covered(inc, w)
+        self._unpacking = still
+
+    def _check_covered(self, inc: _Incoming, w: _Writer) -> None:
+        assert w.covered is not None
+        if w.covered.count(1) < len(w.covered):
             return
         inc.times["completed"] = time.monotonic()
         self._writer_final(inc, w, ok=True, reason="")
@@ -405,6 +449,15 @@ class Receiver(EngineLoop):
 
     # completion and fencing -------------------------------------------------
     def _writer_final(self, inc: _Incoming, w: _Writer, ok: bool, reason: str) -> None:
+        if w.unpacking:
+            # Ended while an unpack still writes into its blocks (an abort or a
+            # failure): wait for it, so nothing lands after the blocks go back.
+            for _, _, marker in w.unpacking:
+                try:
+                    self.backend.wait_ready(marker)
+                except Exception:
+                    log.exception("%s: waiting for an unpack of %s failed", self.name, inc.transfer_id)
+            w.unpacking.clear()
         w.final, w.ok, w.reason = True, ok, reason
         if w.grant is not None:
             self._slots.free(w.grant.offset)

@@ -62,7 +62,9 @@ class _Job:
     t_start: float
     plan: Plan | None = None
     slot: int | None = None
-    sent: int = 0  # regions [0, sent) are posted
+    sent: int = 0  # regions [0, sent) are posted or being packed
+    posted: int = 0  # how many regions are posted (a cancel may drop packed parts)
+    packing: list[tuple[int, int, Any]] = field(default_factory=list)  # parts (r0, r1, marker) packed, not posted
     flying: list[Any] = field(default_factory=list)  # NIXL handles of posted parts not yet done
     waiting: bool = False  # regions are reported ready but their marker is not reached yet
     error: str = ""
@@ -184,7 +186,7 @@ class Sender(EngineLoop):
                 self._prune_times()
         # Busy (short polls) only while WRITEs fly or a ready marker is awaited;
         # a job waiting for layers is woken by ``kv_ready``'s call.
-        return any(j.flying or j.waiting for j in self._jobs)
+        return any(j.flying or j.waiting or j.packing for j in self._jobs)
 
     def _on_message(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.Hello):
@@ -510,7 +512,7 @@ class Sender(EngineLoop):
                 self.agent.send_notif(peer.agent, self._completion(job, 0, plan.nregions, 0))
             except Exception as exc:
                 job.error, job.error_stage = f"post failed: {exc}", "post"
-            job.sent = plan.nregions
+            job.sent = job.posted = plan.nregions
         ready, job.waiting = job.sent, False
         if not (job.cancel or job.error):
             for regions, marker in self._ready.get(job.reg.transfer_id, ()):
@@ -520,6 +522,11 @@ class Sender(EngineLoop):
                     job.waiting = True
                     break
                 ready = regions
+        if (
+            job.sent < ready < plan.nregions
+            and (ready - job.sent) * plan.region_bytes < self.cfg.layerwise_min_part_bytes
+        ):
+            ready = job.sent  # too few bytes for a part of their own yet: grouped with the next layers
         if ready > job.sent:
             assert peer is not None
             tt = self._times.setdefault(job.reg.transfer_id, {})
@@ -529,10 +536,11 @@ class Sender(EngineLoop):
                 # Planned at pairing; this is how long the KV took after that (layer-wise: the forward).
                 job.stats["wait_ready_s"] = max(0.0, t_ready - job.t_start - job.stats.get("plan_s", 0.0))
             for r0, r1 in split_regions(job.sent, ready, self._parts(plan, ready - job.sent)):
-                if not self._post_part(job, peer, r0, r1):
+                if not self._start_part(job, peer, r0, r1):
                     break
+        self._post_packed(job, peer)
         job.flying = [h for h in job.flying if not self._part_ended(job, h, self.agent.state(h))]
-        return not job.flying and (job.sent == plan.nregions or bool(job.cancel or job.error))
+        return not job.flying and not job.packing and (job.posted == plan.nregions or bool(job.cancel or job.error))
 
     def _parts(self, plan: Plan, nregions: int) -> int:
         """How many WRITEs a run of ready regions is cut into.
@@ -574,16 +582,52 @@ class Sender(EngineLoop):
             )
         )
 
+    def _start_part(self, job: _Job, peer: _Peer, r0: int, r1: int) -> bool:
+        """Post regions ``[r0, r1)``, or for a staged plan start packing them (posted once packed).
+
+        The pack is asynchronous where the backend can (``start_pack``), so
+        several parts are packed back to back on the device while this thread
+        keeps completing the parts already posted.
+        """
+        plan = job.plan
+        assert plan is not None
+        job.sent = r1
+        if plan.kind != "staged":
+            return self._post_part(job, peer, r0, r1)
+        assert plan.pack is not None and self._staging is not None and job.slot is not None
+        t0 = time.perf_counter()
+        try:
+            staging = self._staging.addr + job.slot + r0 * plan.region_bytes
+            marker = self.backend.start_pack(self.region_bases[r0:r1], plan.pack, staging)
+        except Exception as exc:
+            job.error, job.error_stage = f"pack failed: {exc}", "post"
+            return False
+        job.stats["pack_s"] = job.stats.get("pack_s", 0.0) + time.perf_counter() - t0
+        job.packing.append((r0, r1, marker))
+        return True
+
+    def _post_packed(self, job: _Job, peer: _Peer | None) -> None:
+        """Post the packed parts whose pack is done, in order; on cancel drop them once done."""
+        while job.packing:
+            r0, r1, marker = job.packing[0]
+            try:
+                done = self.backend.poll_ready(marker)
+            except Exception as exc:
+                job.error, job.error_stage, done = f"pack failed: {exc}", "post", True
+            if not done:
+                return
+            job.packing.pop(0)
+            if job.cancel or job.error or peer is None:
+                continue  # nothing more is posted; the pack had to end before P's blocks go back
+            tt = self._times.setdefault(job.reg.transfer_id, {})
+            tt.setdefault("packed", time.perf_counter())
+            self._post_part(job, peer, r0, r1)
+
     def _post_part(self, job: _Job, peer: _Peer, r0: int, r1: int) -> bool:
         plan = job.plan
         assert plan is not None
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         try:
-            if plan.kind == "staged":
-                assert plan.pack is not None and self._staging is not None and job.slot is not None
-                staging = self._staging.addr + job.slot + r0 * plan.region_bytes
-                self.backend.pack(self.region_bases[r0:r1], plan.pack, staging)
-            t1 = time.perf_counter()
             local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
             notif = self._completion(job, r0, r1, local.shape[0])
             handle, state = self.agent.write(
@@ -593,9 +637,8 @@ class Sender(EngineLoop):
             job.error, job.error_stage = f"post failed: {exc}", "post"
             return False
         t2 = time.perf_counter()
-        job.sent = r1
+        job.posted += r1 - r0
         st = job.stats
-        st["pack_s"] = st.get("pack_s", 0.0) + t1 - t0
         st["post_s"] = st.get("post_s", 0.0) + t2 - t1
         st["descriptors"] = st.get("descriptors", 0.0) + local.shape[0]
         nbytes = (r1 - r0) * plan.region_bytes
@@ -680,7 +723,7 @@ class Sender(EngineLoop):
         acc = self._tstats.setdefault(reg.transfer_id, {})
         for k, v in job.stats.items():
             acc[k] = acc.get(k, 0.0) + v  # summed over this P rank's pushes of the transfer
-        if job.error or (job.cancel and job.sent < plan.nregions):
+        if job.error or (job.cancel and job.posted < plan.nregions):
             # Some regions will never be written: tell D, whose writer is
             # otherwise still counting regions. Sent only now, when no part is
             # in flight, so nothing lands after D reads it.

@@ -8,7 +8,10 @@
   ``wait_ready`` waits for that event alone on the push thread, so the model
   keeps running and no device-wide synchronize is needed.
 - pack/unpack: one Triton gather/scatter launch on a side stream (see
-  ``copy``), which turns ~131k small pieces into one large WRITE.
+  ``copy``), which turns ~131k small pieces into one large WRITE; the
+  engines use ``start_pack``/``start_unpack``, which return the launch's
+  CUDA event instead of synchronizing, so their threads keep progressing
+  NIXL while the device copies.
 torch is imported when the backend is constructed, never at import time.
 """
 
@@ -172,6 +175,16 @@ class CudaBackend(Backend):
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         self.bind_thread()
         self._copier(staging_addr).scatter(regions, pieces, staging_addr)
+
+    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+        """The gather queued on the copier's stream; returns the CUDA event that ends it (``poll_ready``)."""
+        self.bind_thread()
+        return self._copier(staging_addr).gather(regions, pieces, staging_addr, wait=False)
+
+    def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+        """The scatter queued on the copier's stream; returns the CUDA event that ends it."""
+        self.bind_thread()
+        return self._copier(staging_addr).scatter(regions, pieces, staging_addr, wait=False)
 
     def prepare_pack(self, regions: list[int], pieces: np.ndarray, device_id: int | None = None) -> None:
         """Optional hint: upload the piece table of a coming ``pack`` now (P, when it plans).

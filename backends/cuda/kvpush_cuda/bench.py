@@ -690,7 +690,7 @@ class PDriver:
         _wait_xfers(s.agent, handles, o.timeout_s, release=False)
         return {"plan_ms": _ms(t_plan - t0), "pack_ms": _ms(pack_s), "post_ms": _ms(post_s)}
 
-    def _engine_cfg(self, parts: int) -> dict[str, Any]:
+    def _engine_cfg(self, parts: int, **extra: Any) -> dict[str, Any]:
         o = self.s.opts
         return {
             "backend": o.backend,
@@ -699,13 +699,14 @@ class PDriver:
             "busy_poll_max_s": o.busy_poll_us * 1e-6,
             "link_gbps": 200.0,
             "push_parts": parts,
+            **extra,
         }
 
-    def _sender(self, parts: int) -> Any:
+    def _sender(self, parts: int, **extra: Any) -> Any:
         from kvpush.config import Config
         from kvpush.engine import Sender
 
-        cfg = self._engine_cfg(parts)
+        cfg = self._engine_cfg(parts, **extra)
         sender = Sender(Config.from_dict(cfg), self.s.backend, self.s.layout, engine_id="P", rank=0, tp_size=1)
         self.conn.send(("engine_start", cfg))
         _recv(self.conn, self.s.opts.timeout_s)
@@ -827,7 +828,11 @@ class PDriver:
         rng = np.random.default_rng(o.seed + 7)
         nregions = len(s.layout.regions)
         rpl = nregions // o.layers
-        sender = self._sender(o.engine_parts[0] if o.engine_parts else 4)
+        parts = o.engine_parts[0] if o.engine_parts else 4
+        # "layer": layers grouped into parts of >= layerwise_min_part_bytes (the default); "layer_each":
+        # every layer its own part. Each needs its own sender (config), and D's receiver restarts with it.
+        extra_of = {"layer_each": {"layerwise_min_part_bytes": 0}}
+        sender, current = None, None
         hidden, ffn = (5120, 12000) if s.cuda else (128, 256)  # the host dry run only checks the plumbing
         w = torch.randn(hidden, ffn, dtype=torch.bfloat16, device=s.device) * 0.01
         out: list[dict[str, Any]] = []
@@ -836,7 +841,12 @@ class PDriver:
         for tokens in o.lw_tokens:
             x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=s.device)
             req_blocks = -(-tokens // o.block_size)
-            for mode in ("none", "whole", "layer"):
+            for mode in LW_MODES:
+                if current != extra_of.get(mode, {}):
+                    if sender is not None:
+                        sender.close()
+                    current = extra_of.get(mode, {})
+                    sender = self._sender(parts, **current)
                 times: list[dict[str, float]] = []
                 ok_all, detail = True, ""
                 for it in range(o.lw_iters + 1):
@@ -854,7 +864,7 @@ class PDriver:
                     for i, t in enumerate(layers):
                         torch.matmul(x, w)
                         _fill_layer(torch, t, i, s.device)
-                        if mode == "layer":
+                        if mode.startswith("layer"):
                             sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
                     last = s.backend.record_ready()
                     s.backend.wait_ready(last)
@@ -888,7 +898,8 @@ class PDriver:
                 rec.update({"runs": times, "verified": ok_all, "detail": detail})
                 _log(f"layerwise {tokens:>6} {mode:>5}: {med} verified={ok_all} {detail}")
                 out.append(rec)
-        sender.close()
+        if sender is not None:
+            sender.close()
         return out
 
     def microbench(self) -> dict[str, Any]:
@@ -955,6 +966,10 @@ class PDriver:
             ok &= bool(ref.equal(w.reshape(-1), pattern_words(ref, w.numel(), i, s.device)))
         out["pack_unpack_identity_ok"] = ok
         return out
+
+
+LW_MODES = ("none", "whole", "layer", "layer_each")
+"""Layer-wise microbenchmark modes: no transfer, whole-request push, layer-wise (grouped), every layer alone."""
 
 
 def _prepared(strategy: str) -> bool:
@@ -1079,16 +1094,23 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
     lw = res.get("layerwise") or []
     if lw:
         lines.append("")
-        lines.append(f"{'tokens':>7} {'forward ms':>10} {'whole +ms':>10} {'layer +ms':>10} {'layer/whole':>11} ok")
+        lines.append(
+            f"{'tokens':>7} {'fwd ms':>7} {'whole +ms':>10} {'layer +ms':>10} {'fwd ms':>7} {'layer/whole':>11} "
+            f"{'each +ms':>9} {'fwd ms':>7} {'each/whole':>10} ok"
+        )
         by = {(r["tokens"], r["mode"]): r for r in lw}
         for tokens in sorted({r["tokens"] for r in lw}):
-            fwd = by[(tokens, "none")]["median_forward_ms"]
+            if not all((tokens, m) in by for m in LW_MODES):
+                continue
             wh = by[(tokens, "whole")]["median_overhead_ms"]
-            la = by[(tokens, "layer")]["median_overhead_ms"]
-            ok = all(by[(tokens, m)]["verified"] for m in ("none", "whole", "layer"))
-            ratio = la / wh if wh else float("nan")
-            by[(tokens, "layer")]["layer_over_whole"] = ratio
-            lines.append(f"{tokens:>7} {fwd:>10.2f} {wh:>10.3f} {la:>10.3f} {ratio:>11.3f} {ok}")
+            cells = [f"{tokens:>7} {by[(tokens, 'none')]['median_forward_ms']:>7.2f} {wh:>10.3f}"]
+            for m, width in (("layer", 11), ("layer_each", 10)):
+                r = by[(tokens, m)]
+                r["layer_over_whole"] = r["median_overhead_ms"] / wh if wh else float("nan")
+                over, fwd, ratio = r["median_overhead_ms"], r["median_forward_ms"], r["layer_over_whole"]
+                cells.append(f"{over:>10.3f} {fwd:>7.2f} {ratio:>{width}.3f}")
+            ok = all(by[(tokens, m)]["verified"] for m in LW_MODES)
+            lines.append(" ".join(cells) + f" {ok}")
     res["table"] = lines
     return res
 

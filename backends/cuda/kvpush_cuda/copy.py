@@ -7,8 +7,10 @@ read and a write of the bytes at HBM speed. Two implementations:
 - ``triton``: one kernel launch for all regions, addresses as raw integers.
 - ``torch``: index_select/index_copy_ per region over raw views; no compiler
   needed, one launch per region, so slower on many regions.
-Both run on a side stream owned by the copier (never the model's stream) and
-are synchronous on return, as the Backend contract says.
+Both run on a side stream owned by the copier (never the model's stream);
+``gather``/``scatter`` are synchronous on return, as the Backend's ``pack``
+says, unless called with ``wait=False`` (``start_pack``): then they return a
+CUDA event recorded after the copy, for the engine to poll.
 """
 
 from __future__ import annotations
@@ -180,19 +182,24 @@ class PieceCopier:
             self._by_identity.popitem(last=False)
         return value
 
-    def gather(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
-        """Region 0's pieces, then region 1's, ... back to back from ``staging_addr``."""
+    def gather(self, regions: list[int], pieces: np.ndarray, staging_addr: int, wait: bool = True) -> Any:
+        """Region 0's pieces, then region 1's, ... back to back from ``staging_addr``.
+
+        With ``wait=False`` returns an event recorded after the copy (None if nothing to copy).
+        """
         offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
-            return
-        self._copy(Bases.of(regions), offs, Bases.linear(staging_addr, per_region, len(regions)), poss, lens)
+            return None
+        dst = Bases.linear(staging_addr, per_region, len(regions))
+        return self._copy(Bases.of(regions), offs, dst, poss, lens, wait)
 
-    def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
+    def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int, wait: bool = True) -> Any:
         """Inverse of ``gather``."""
         offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
-            return
-        self._copy(Bases.linear(staging_addr, per_region, len(regions)), poss, Bases.of(regions), offs, lens)
+            return None
+        src = Bases.linear(staging_addr, per_region, len(regions))
+        return self._copy(src, poss, Bases.of(regions), offs, lens, wait)
 
     def copy(
         self,
@@ -210,18 +217,27 @@ class PieceCopier:
             raise BackendError(f"copy: {len(src_bases)} source regions but {len(dst_bases)} destinations")
         self._copy(Bases.of(src_bases), np.asarray(src_offs), Bases.of(dst_bases), np.asarray(dst_offs), lens)
 
-    def _copy(self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray) -> None:
+    def _copy(
+        self,
+        src: Bases,
+        src_offs: np.ndarray,
+        dst: Bases,
+        dst_offs: np.ndarray,
+        lens: np.ndarray,
+        wait: bool = True,
+    ) -> Any:
+        """The copy on the copier's stream; then either wait for it or return an event recorded after it."""
         lens = np.asarray(lens, dtype=np.int64)
         keep = lens > 0
         if not keep.all():
             src_offs, dst_offs, lens = src_offs[keep], dst_offs[keep], lens[keep]
         if lens.size == 0 or src.count == 0:
-            return
+            return None
         self.stats["calls"] += 1
         if self.kernel == "triton":
             try:
                 self._copy_triton(src, src_offs, dst, dst_offs, lens)
-                return
+                return self._finish(wait)
             except Exception as exc:
                 if self.requested == "triton":
                     raise BackendError(f"Triton copy kernel failed on {self.device}: {exc}") from exc
@@ -229,6 +245,7 @@ class PieceCopier:
                 self.kernel = "torch"
         width, _ = unit_width(src.as_list(), dst.as_list(), src_offs, dst_offs, lens)
         self._copy_torch(src.as_list(), src_offs, dst.as_list(), dst_offs, lens, width)
+        return self._finish(wait)
 
     def _context(self) -> Any:
         torch = self._torch
@@ -241,9 +258,18 @@ class PieceCopier:
         stack.enter_context(torch.cuda.stream(self.stream))
         return stack
 
-    def _finish(self) -> None:
-        if self.device.type == "cuda":
+    def _finish(self, wait: bool = True) -> Any:
+        """Wait for the copier's stream, or return an event recorded on it (the copy's end)."""
+        if self.device.type != "cuda":
+            return None
+        if wait:
+            t0 = time.perf_counter()
             self.stream.synchronize()
+            self.stats["wait_s"] += time.perf_counter() - t0
+            return None
+        event = self._torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _upload(self, arr: np.ndarray) -> Any:
         """Host int64 array -> device tensor, through pinned memory so the copy is asynchronous."""
@@ -344,11 +370,8 @@ class PieceCopier:
                 num_warps=self.num_warps,
             )
             t2 = time.perf_counter()
-        self._finish()
-        t3 = time.perf_counter()
         self.stats["prep_s"] += t1 - t0
         self.stats["launch_s"] += t2 - t1
-        self.stats["wait_s"] += t3 - t2
 
     def _view(self, addr: int, count: int, width: int) -> Any:
         torch = self._torch
@@ -390,7 +413,6 @@ class PieceCopier:
                 src = self._view(sb, s_rows * per_row, width).view(s_rows, per_row)
                 dst = self._view(db, d_rows * per_row, width).view(d_rows, per_row)
                 dst.index_copy_(0, di, src.index_select(0, si))
-        self._finish()
 
 
 def _unpack_pieces(pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

@@ -205,5 +205,5 @@ def test_benchmark_runs_on_host_memory(tmp_path: Path) -> None:
     assert main(args) == 0
     res = json.loads(out.read_text())
     assert {(e["mode"], e["parts"]) for e in res["engine"]} == {("finished", 1), ("ahead", 2)}
-    assert {r["mode"] for r in res["layerwise"]} == {"none", "whole", "layer"}
+    assert {r["mode"] for r in res["layerwise"]} == {"none", "whole", "layer", "layer_each"}
     assert all(r["verified"] for r in [*res["engine"], *res["layerwise"]])

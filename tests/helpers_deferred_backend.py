@@ -1,0 +1,62 @@
+"""The host backend with an asynchronous pack/unpack, like a device copier on a side stream.
+
+``start_pack``/``start_unpack`` return at once and do the copy ``DELAY_S``
+later on a timer thread; ``poll_ready`` says whether it happened. An engine
+that posted a staged WRITE before its pack landed would send stale staging
+bytes, and a D that reported a transfer before its unpack landed would hand
+back blocks still holding the sentinel (or see them written after it let go
+of them): the tests that run on this backend fail in each case.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvpush.backends.host import HostBackend
+
+DELAY_S = 0.25
+
+
+class _Later:
+    """A copy that runs ``DELAY_S`` from now; its marker."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.done = threading.Event()
+
+        def run() -> None:
+            fn()
+            self.done.set()
+
+        self._timer = threading.Timer(DELAY_S, run)
+        self._timer.daemon = True
+        self._timer.start()
+
+
+class DeferredHostBackend(HostBackend):
+    name = "deferred-host"
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+        self.started += 1
+        return _Later(lambda: self.pack(list(regions), pieces, staging_addr))
+
+    def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+        self.started += 1
+        return _Later(lambda: self.unpack(list(regions), pieces, staging_addr))
+
+    def poll_ready(self, marker: Any) -> bool:
+        if isinstance(marker, _Later):
+            return marker.done.is_set()
+        return super().poll_ready(marker)
+
+    def wait_ready(self, marker: Any) -> None:
+        if isinstance(marker, _Later):
+            marker.done.wait()
+        else:
+            super().wait_ready(marker)

@@ -1,0 +1,118 @@
+"""Asynchronous pack/unpack (``Backend.start_pack``/``start_unpack``) through real NIXL UCX agents.
+
+Both workers run ``DeferredHostBackend``, whose copies land 0.25 s after they
+are started. So a P that posted a part before its pack landed sends stale
+staging bytes, a D that reported a transfer before its unpack landed hands
+back blocks still holding the sentinel, and a D that gave up on a transfer
+while an unpack was running must not report it until that unpack is done
+(else the blocks change after vLLM got them back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from helpers_deferred_backend import DELAY_S
+from procs import SENTINEL, Geom, Node, assert_same, make_cache
+from test_push_nixl import _cfg, _key, assert_idle, by_rid, engines
+
+from kvpush.conformance.model import Req, apply_push
+
+DEFERRED = "helpers_deferred_backend:DeferredHostBackend"
+
+
+@contextmanager
+def deferred(p: Node, d: Node) -> Iterator[None]:
+    for n in (p, d):
+        n.call("use_backend", DEFERRED)
+    old = p.call("min_part_bytes", 0)
+    try:
+        yield
+    finally:
+        p.call("min_part_bytes", old)
+        for n in (p, d):
+            n.call("use_backend", None)
+
+
+def _reqs(k: str, rng: np.random.Generator, count: int) -> list[Req]:
+    return [
+        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(64)[:8].tolist(), [3 * i, 3 * i + 1, 50 + i], 90)
+        for i in range(count)
+    ]
+
+
+def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node]) -> None:
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32, order="HND")
+    k = _key("async")
+    reqs = _reqs(k, np.random.default_rng(5), 3)
+    with (
+        deferred(p, d),
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=3), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
+    ):
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        first = d.call("results", k + "d", 1, 20.0)
+        got = d.call("snapshot", k + "d")  # right away: a result reported before its unpack landed shows here
+        d_res = by_rid(first + d.call("results", k + "d", len(reqs) - 1, 20.0))
+        p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+        assert len(d_res) == len(p_res) == len(reqs)
+        assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
+        for r in reqs:
+            assert p_res[r.p_rid].stats["parts"] == 3 and d_res[r.d_rid].stats["parts"] == 3
+        src = p.call("snapshot", k + "p")
+        exp = make_cache(dg, None)
+        apply_push(exp, dg, src, pg, next(r for r in reqs if r.d_rid == first[0].request_id))
+        done = next(r for r in reqs if r.d_rid == first[0].request_id)
+        mask = np.zeros(dg.num_blocks, bool)
+        mask[done.d_blocks] = True
+        np.testing.assert_array_equal(got[:, :, mask], exp[:, :, mask], "D reported before its unpack landed")
+        for r in reqs:
+            apply_push(exp, dg, src, pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+@pytest.mark.parametrize("p_answers", [False, True])
+def test_abort_while_unpacking_waits_for_the_unpack(nodes: tuple[Node, Node], p_answers: bool) -> None:
+    """D gives up while an unpack writes into the blocks: the result comes only after the unpack.
+
+    ``p_answers``: the push is layer-wise and only its first layer is ready,
+    so P cancels the rest and answers the abort while D's unpack of that layer
+    still runs (D's writer ends on P's answer, not on the unpack); otherwise
+    the whole push arrived and the writer ends when its unpack does.
+    """
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32)
+    k = _key("async-abort")
+    [r] = _reqs(k, np.random.default_rng(6), 1)
+    with (
+        deferred(p, d),
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", layerwise_min_part_bytes=0), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
+    ):
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        if p_answers:
+            p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            p.call("kv_ready", k + "p", [r.tid], 2)  # layer 0 (K and V) of 3
+        else:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        # A part arrived and its unpack started (it lands DELAY_S later): give up now.
+        assert d.call("wait_stat", k + "d", "parts_total", 1, 20.0)
+        d.call("abort", k + "d", r.tid, "client went away")
+        [res] = d.call("results", k + "d", 1, 20.0)
+        after = d.call("snapshot", k + "d")
+        assert res.request_id == r.d_rid and not res.ok
+        time.sleep(DELAY_S + 0.1)
+        np.testing.assert_array_equal(d.call("snapshot", k + "d"), after, "D's blocks changed after it let go")
+        assert (after[0, :, r.d_blocks] != SENTINEL).any(), "the unpack that was running did not land"
+        assert len(p.call("results", k + "p", 1, 10.0)) == 1
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
