@@ -450,6 +450,7 @@ class DServer:
         s = self.s
         self.poison()
         s.warm(s.opts.warm_ms)
+        before = s.copy_stats()
         t0 = time.perf_counter()
         n = s.opts.tokens if tokens is None else tokens
         self.receiver.register(tid, tid, PeerAddress(address[0], address[1], 1), [dst.tolist()], n)
@@ -467,9 +468,10 @@ class DServer:
         if res is None:
             self.conn.send(("done", (t1 - t0) * 1e3, {}, False, "no result from the receiver", 0.0, {}))
             return
+        copier = _stats_delta("d_copy_", before, s.copy_stats())  # before verify's own copies
         ok, detail = self.verify(src, dst) if res.ok else (False, res.reason)
         result_t = res.times.get("result", 0.0)
-        self.conn.send(("done", (t1 - t0) * 1e3, dict(res.stats), ok, detail, result_t, dict(res.times)))
+        self.conn.send(("done", (t1 - t0) * 1e3, {**res.stats, **copier}, ok, detail, result_t, dict(res.times)))
 
 
 # --------------------------------------------------------------------------- P
@@ -771,11 +773,14 @@ class PDriver:
                 else:
                     self._announce(sender, tid, src, dst, o.tokens)
                     s.warm(o.warm_ms)
+                    before = s.copy_stats()
                     t0 = time.monotonic()
                     sender.kv_ready([tid], nregions, s.backend.record_ready())
                     _, _, stats, ok, det, t_result, d_times = _recv(self.conn, o.timeout_s)
                     t = (t_result - t0) * 1e3
                     marks = {f"d_{k}": (v - t0) * 1e3 for k, v in d_times.items() if v >= t0}
+                    marks.update({k: v for k, v in stats.items() if k.startswith("d_copy_")})
+                    marks.update(_stats_delta("p_copy_", before, s.copy_stats()))
                 p_res = self._released(sender, tid)
                 released = p_res is not None
                 if released and mode == "ahead":

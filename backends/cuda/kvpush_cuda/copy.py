@@ -137,7 +137,15 @@ class PieceCopier:
         self._tables: OrderedDict[bytes, tuple[Any, int, int]] = OrderedDict()
         self._bases: OrderedDict[tuple[int, ...], tuple[Any, int]] = OrderedDict()
         self._by_identity: OrderedDict[tuple[str, tuple[int, ...]], tuple[tuple[Any, ...], Any]] = OrderedDict()
-        self.stats: dict[str, float] = {"calls": 0, "prep_s": 0.0, "launch_s": 0.0, "wait_s": 0.0, "uploads": 0}
+        self.stats: dict[str, float] = {
+            "calls": 0,
+            "call_s": 0.0,  # whole _copy calls, host
+            "prep_s": 0.0,  # tables and bases found (Triton path)
+            "launch_s": 0.0,  # the kernel launch
+            "event_s": 0.0,  # the end event created and recorded (asynchronous calls)
+            "wait_s": 0.0,  # synchronous calls waiting for the copy
+            "uploads": 0,
+        }
         if kernel in ("auto", "triton"):
             try:
                 from kvpush_cuda._kernel import copy_pieces_kernel
@@ -234,10 +242,13 @@ class PieceCopier:
         if lens.size == 0 or src.count == 0:
             return None
         self.stats["calls"] += 1
+        t0 = time.perf_counter()
         if self.kernel == "triton":
             try:
                 self._copy_triton(src, src_offs, dst, dst_offs, lens)
-                return self._finish(wait)
+                out = self._finish(wait)
+                self.stats["call_s"] += time.perf_counter() - t0
+                return out
             except Exception as exc:
                 if self.requested == "triton":
                     raise BackendError(f"Triton copy kernel failed on {self.device}: {exc}") from exc
@@ -245,7 +256,9 @@ class PieceCopier:
                 self.kernel = "torch"
         width, _ = unit_width(src.as_list(), dst.as_list(), src_offs, dst_offs, lens)
         self._copy_torch(src.as_list(), src_offs, dst.as_list(), dst_offs, lens, width)
-        return self._finish(wait)
+        out = self._finish(wait)
+        self.stats["call_s"] += time.perf_counter() - t0
+        return out
 
     def _context(self) -> Any:
         torch = self._torch
@@ -267,8 +280,10 @@ class PieceCopier:
             self.stream.synchronize()
             self.stats["wait_s"] += time.perf_counter() - t0
             return None
+        t0 = time.perf_counter()
         event = self._torch.cuda.Event()
         event.record(self.stream)
+        self.stats["event_s"] += time.perf_counter() - t0
         return event
 
     def _upload(self, arr: np.ndarray) -> Any:
