@@ -45,7 +45,10 @@ def _reqs(k: str, rng: np.random.Generator, count: int) -> list[Req]:
     ]
 
 
-def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node]) -> None:
+@pytest.mark.parametrize("announced", [False, True])
+def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node], announced: bool) -> None:
+    """``announced``: P learns of the prefill before its KV exists (``prefill_started``), so it builds the
+    parts' WRITEs when it pairs and posts those handles once the KV is reported ready."""
     p, d = nodes
     pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32, order="HND")
     k = _key("async")
@@ -57,7 +60,14 @@ def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node]
     ):
         for r in reqs:
             d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
-            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            if announced:
+                p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            else:
+                p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        if announced:
+            assert p.call("wait_stat", k + "p", "in_flight", len(reqs), 20.0)  # paired: WRITEs built
+            nregions = 2 * pg.layers
+            p.call("kv_ready", k + "p", [r.tid for r in reqs], nregions)
         first = d.call("results", k + "d", 1, 20.0)
         got = d.call("snapshot", k + "d")  # right away: a result reported before its unpack landed shows here
         d_res = by_rid(first + d.call("results", k + "d", len(reqs) - 1, 20.0))
@@ -76,6 +86,7 @@ def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node]
         for r in reqs:
             apply_push(exp, dg, src, pg, r)
         assert_same(d.call("snapshot", k + "d"), exp, dg)
+        assert p.call("stats", k + "p").get("parts_prebuilt_total", 0) == (3 * len(reqs) if announced else 0)
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
 

@@ -66,6 +66,7 @@ class _Job:
     posted: int = 0  # how many regions are posted (a cancel may drop packed parts)
     packing: list[tuple[int, int, Any]] = field(default_factory=list)  # parts (r0, r1, marker) packed, not posted
     flying: list[Any] = field(default_factory=list)  # NIXL handles of posted parts not yet done
+    made: dict[tuple[int, int], tuple[Any, int]] = field(default_factory=dict)  # (r0, r1) -> unposted WRITE, descs
     waiting: bool = False  # regions are reported ready but their marker is not reached yet
     error: str = ""
     error_stage: str = ""
@@ -420,8 +421,10 @@ class Sender(EngineLoop):
         for dk in [dk for dk in self._deferred if dk[1:] == key]:
             del self._deferred[dk]
         for job in self._jobs:
-            if job.peer_key == key and not job.cancel:
-                job.cancel = f"D {key[0]} rank {key[1]} {why}"
+            if job.peer_key == key:
+                self._release_made(job)  # before the agent goes: they name it
+                if not job.cancel:
+                    job.cancel = f"D {key[0]} rank {key[1]} {why}"
         for tid in self.rdv.transfers_of(peer.engine_id):
             if any((r.engine_id, r.rank) == key for r, _ in self.rdv.registrations(tid)):
                 self._apply(self.rdv.on_abort(tid, now, f"D {key[0]} rank {key[1]} {why}"))
@@ -479,6 +482,8 @@ class Sender(EngineLoop):
                 self.backend.prepare_pack(self.region_bases, job.plan.pack)
             except Exception:
                 log.exception("%s: prepare_pack failed (pack will do it)", self.name)
+            if prefill.num_tokens and not self._ready.get(reg.transfer_id):
+                self._make_parts(job, peer)
         t_plan = time.perf_counter()
         job.stats["plan_s"] = t_plan - t0
         tt = self._times.setdefault(reg.transfer_id, {})
@@ -623,16 +628,50 @@ class Sender(EngineLoop):
             tt.setdefault("packed", time.perf_counter())
             self._post_part(job, peer, r0, r1)
 
+    def _make_parts(self, job: _Job, peer: _Peer) -> None:
+        """Build the WRITEs of the parts a push whose KV is not ready yet will most likely post.
+
+        A prefill announced ahead (``prefill_started``) is usually reported
+        ready all at once (whole-request) and then cut like this; a part that
+        comes out otherwise (layers) is built when posted, and unused ones are
+        released with the job.
+        """
+        plan = job.plan
+        assert plan is not None
+        try:
+            for r0, r1 in split_regions(0, plan.nregions, self._parts(plan, plan.nregions)):
+                local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
+                notif = self._completion(job, r0, r1, local.shape[0])
+                handle = self.agent.prepare_write(
+                    local, str(self.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
+                )
+                job.made[(r0, r1)] = (handle, local.shape[0])
+        except Exception:
+            log.exception("%s: building %s's WRITEs ahead failed (built when posted)", self.name, job.reg.transfer_id)
+            self._release_made(job)
+
+    def _release_made(self, job: _Job) -> None:
+        for handle, _ in job.made.values():
+            self.agent.release(handle)
+        job.made.clear()
+
     def _post_part(self, job: _Job, peer: _Peer, r0: int, r1: int) -> bool:
         plan = job.plan
         assert plan is not None
         t1 = time.perf_counter()
         try:
-            local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
-            notif = self._completion(job, r0, r1, local.shape[0])
-            handle, state = self.agent.write(
-                local, str(self.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
-            )
+            made = job.made.pop((r0, r1), None)
+            if made is not None:
+                handle, ndesc = made
+                state = self.agent.post(handle)
+                self._bump("parts_prebuilt_total")
+            else:
+                local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
+                ndesc = local.shape[0]
+                notif = self._completion(job, r0, r1, ndesc)
+                handle, state = self.agent.write(
+                    local, str(self.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
+                )
         except Exception as exc:
             job.error, job.error_stage = f"post failed: {exc}", "post"
             return False
@@ -640,12 +679,12 @@ class Sender(EngineLoop):
         job.posted += r1 - r0
         st = job.stats
         st["post_s"] = st.get("post_s", 0.0) + t2 - t1
-        st["descriptors"] = st.get("descriptors", 0.0) + local.shape[0]
+        st["descriptors"] = st.get("descriptors", 0.0) + ndesc
         nbytes = (r1 - r0) * plan.region_bytes
         st["bytes"] = st.get("bytes", 0.0) + nbytes
         st["parts"] = st.get("parts", 0.0) + 1
         self._bump("bytes_total", nbytes)
-        self._bump("descriptors_total", local.shape[0])
+        self._bump("descriptors_total", ndesc)
         self._bump("parts_total")
         tt = self._times.setdefault(job.reg.transfer_id, {})
         tt.setdefault("packed", t1)
@@ -711,6 +750,7 @@ class Sender(EngineLoop):
         plan = job.plan
         assert plan is not None
         reg = job.reg
+        self._release_made(job)
         if job.slot is not None:
             self._slots.free(job.slot)
         tt = self._times.setdefault(reg.transfer_id, {})

@@ -149,10 +149,27 @@ class Agent:
 
         Returns the handle and the post state (``DONE``/``PROC``/``ERR``).
         """
+        handle = self.prepare_write(local, local_mem, remote, remote_mem, peer, notif)
+        return handle, self._agent.transfer(handle)
+
+    def prepare_write(
+        self,
+        local: np.ndarray,
+        local_mem: str,
+        remote: np.ndarray,
+        remote_mem: str,
+        peer: str,
+        notif: bytes,
+    ) -> Any:
+        """Create, not post, a WRITE (``post`` it later): the descriptor lists and the request are built
+        off the critical path. An unposted handle is given back with ``release``."""
         ld = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.int64), local_mem)
         rd = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem)
-        handle = self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
-        return handle, self._agent.transfer(handle)
+        return self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
+
+    def post(self, handle: Any) -> str:
+        """Post a WRITE made by ``prepare_write``; returns the post state (``DONE``/``PROC``/``ERR``)."""
+        return self._agent.transfer(handle)
 
     def state(self, handle: Any) -> str:
         """``DONE``/``PROC``/``ERR``; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,

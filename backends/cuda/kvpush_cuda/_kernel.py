@@ -10,7 +10,13 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# No specialization on the tables' alignment or the integers' values: a part of a push passes a view into
+# an uploaded bases array (8-byte aligned only) and other offsets, and each new specialization would be a
+# compile on the critical path; alignment that matters for speed is ALIGN16, a constexpr.
+@triton.jit(
+    do_not_specialize=["s_first", "s_step", "d_first", "d_step", "M"],
+    do_not_specialize_on_alignment=["sbase_ptr", "dbase_ptr", "table_ptr"],
+)
 def copy_pieces_kernel(
     sbase_ptr,
     s_first,

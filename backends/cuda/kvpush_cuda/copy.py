@@ -102,6 +102,76 @@ class Bases:
         return math.gcd(*self.addrs) if self.addrs is not None else math.gcd(self.first, self.step)
 
 
+def _spec(arg: Any) -> tuple[Any, ...]:
+    """What Triton specializes a kernel on for one argument: an int's value 1, divisibility by 16 and
+    width; a tensor's dtype and 16-byte alignment. Finer than Triton's own key never hurts (a miss)."""
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg >= 2**63)
+    return (str(arg.dtype), arg.data_ptr() % 16 == 0)
+
+
+class DirectLauncher:
+    """Launches a Triton kernel through its compiled handle, skipping the JIT's per-call dispatch.
+
+    Measured on H200 with Triton 3.6: the JIT path costs ~18 us warm and
+    ~0.1 ms on an engine thread that just woke up (cold caches); the compiled
+    kernel's ``run`` is ~8 us warm. The first launch of each specialization
+    goes through the JIT (which compiles and returns the compiled kernel); later
+    ones with the same specialization key call it directly. Falls back to the
+    JIT path for good if this Triton's compiled kernels look different.
+    """
+
+    def __init__(self, jit_fn: Any) -> None:
+        self._fn = jit_fn
+        self._kernels: dict[tuple[Any, ...], Any] = {}
+        self._direct = True
+        try:
+            from triton import knobs
+
+            self._hooks = knobs.runtime
+        except ImportError:  # pragma: no cover - older Triton
+            self._direct = False
+
+    def launch(
+        self,
+        grid: tuple[int, int],
+        args: tuple[Any, ...],
+        consts: tuple[tuple[str, Any], ...],
+        num_warps: int,
+        stream: Any,
+        context: Callable[[], Any],
+    ) -> None:
+        """``fn[grid](*args, **consts, num_warps=...)`` on ``stream`` (a torch stream); ``context()`` makes
+        that stream current for the JIT path."""
+        key = (tuple(_spec(a) for a in args), consts, num_warps)
+        kernel = self._kernels.get(key) if self._direct else None
+        if kernel is not None:
+            h = stream.cuda_stream
+            full = (*args, *(v for _, v in consts))
+            meta = kernel.launch_metadata((grid[0], grid[1], 1), h, *full)
+            hooks = self._hooks
+            kernel.run(
+                grid[0],
+                grid[1],
+                1,
+                h,
+                kernel.function,
+                kernel.packed_metadata,
+                meta,
+                hooks.launch_enter_hook,
+                hooks.launch_exit_hook,
+                *full,
+            )
+            return
+        with context():
+            compiled = self._fn[grid](*args, **dict(consts), num_warps=num_warps)
+        if self._direct:
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+                self._kernels[key] = compiled
+            else:  # pragma: no cover - another Triton
+                self._direct = False
+
+
 class PieceCopier:
     """Copies the same pieces of many regions between device memory areas, on one device.
 
@@ -155,7 +225,7 @@ class PieceCopier:
                 log.warning("Triton not importable (%s): CUDA pack/unpack use torch indexing (slower)", exc)
                 self.kernel = "torch"
             else:
-                self._launch = copy_pieces_kernel
+                self._launch = DirectLauncher(copy_pieces_kernel)
                 self.kernel = "triton"
 
     @property
@@ -292,7 +362,8 @@ class PieceCopier:
         self.stats["uploads"] += 1
         if self.device.type != "cuda":
             return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        with self._context():  # queued on the copier's stream, ahead of the copies that read it
+            return host.pin_memory().to(self.device, non_blocking=True)
 
     def _table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
         """(device table, tiles, gcd of its offsets and lengths), cached by identity, then by content."""
@@ -318,17 +389,37 @@ class PieceCopier:
         return entry
 
     def _bases_tensor(self, bases: Bases) -> tuple[Any, int]:
-        """(device array of explicit bases, their gcd), cached: KV region bases never change."""
+        """(device array of explicit bases, their gcd), cached: KV region bases never change.
+
+        A part of a push copies a slice of the regions a prepare uploaded: it
+        gets a view into that upload instead of an upload of its own.
+        """
         assert bases.addrs is not None
         hit = self._bases.get(bases.addrs)
         if hit is None:
-            hit = (self._upload(np.asarray(bases.addrs, dtype=np.int64)), bases.gcd())
+            hit = self._slice_of_uploaded(bases)
+            if hit is None:
+                hit = (self._upload(np.asarray(bases.addrs, dtype=np.int64)), bases.gcd())
             self._bases[bases.addrs] = hit
             while len(self._bases) > self._cache_entries:
                 self._bases.popitem(last=False)
         else:
             self._bases.move_to_end(bases.addrs)
         return hit
+
+    def _slice_of_uploaded(self, bases: Bases) -> tuple[Any, int] | None:
+        assert bases.addrs is not None
+        n = len(bases.addrs)
+        for full, (tensor, _) in list(self._bases.items()):
+            if len(full) <= n:
+                continue
+            try:
+                i = full.index(bases.addrs[0])
+            except ValueError:
+                continue
+            if full[i : i + n] == bases.addrs:
+                return tensor[i : i + n], bases.gcd()
+        return None
 
     def prepare_gather(self, regions: list[int], pieces: np.ndarray) -> None:
         """Upload what ``gather(regions, pieces, ...)`` needs now, off the critical path (any staging address)."""
@@ -353,38 +444,36 @@ class PieceCopier:
         r = src.count
         if r > 65535:
             raise BackendError(f"{r} regions exceed the kernel grid's 65535")
-        with self._context():
-            table, m, g = self._table(src_offs, dst_offs, lens)
-            sb, db = table, table  # unused by the kernel on a linear side
-            if src.addrs is not None:
-                sb, gs = self._bases_tensor(src)
-            else:
-                gs = src.gcd()
-            if dst.addrs is not None:
-                db, gd = self._bases_tensor(dst)
-            else:
-                gd = dst.gcd()
-            g = math.gcd(g, gs, gd)
-            low = g & -g if g else 16
-            width = min(8, low)
-            t1 = time.perf_counter()
-            self._launch[(m, r)](
-                sb,
-                src.first,
-                src.step,
-                db,
-                dst.first,
-                dst.step,
-                table,
-                m,
-                S_ARRAY=src.addrs is not None,
-                D_ARRAY=dst.addrs is not None,
-                W=width,
-                BLOCK=self.tile_bytes // width,
-                ALIGN16=low >= 16,
-                num_warps=self.num_warps,
-            )
-            t2 = time.perf_counter()
+        # The stream is made current only where needed (uploads, the JIT path), not around every launch.
+        table, m, g = self._table(src_offs, dst_offs, lens)
+        sb, db = table, table  # unused by the kernel on a linear side
+        if src.addrs is not None:
+            sb, gs = self._bases_tensor(src)
+        else:
+            gs = src.gcd()
+        if dst.addrs is not None:
+            db, gd = self._bases_tensor(dst)
+        else:
+            gd = dst.gcd()
+        g = math.gcd(g, gs, gd)
+        low = g & -g if g else 16
+        width = min(8, low)
+        t1 = time.perf_counter()
+        self._launch.launch(
+            (m, r),
+            (sb, src.first, src.step, db, dst.first, dst.step, table, m),
+            (
+                ("S_ARRAY", src.addrs is not None),
+                ("D_ARRAY", dst.addrs is not None),
+                ("W", width),
+                ("BLOCK", self.tile_bytes // width),
+                ("ALIGN16", low >= 16),
+            ),
+            self.num_warps,
+            self.stream,
+            self._context,
+        )
+        t2 = time.perf_counter()
         self.stats["prep_s"] += t1 - t0
         self.stats["launch_s"] += t2 - t1
 
