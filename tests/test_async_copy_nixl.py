@@ -91,14 +91,12 @@ def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node]
         assert_idle(d, k + "d")
 
 
-@pytest.mark.parametrize("p_answers", [False, True])
-def test_abort_while_unpacking_waits_for_the_unpack(nodes: tuple[Node, Node], p_answers: bool) -> None:
+def test_abort_while_unpacking_waits_for_the_unpack(nodes: tuple[Node, Node]) -> None:
     """D gives up while an unpack writes into the blocks: the result comes only after the unpack.
 
-    ``p_answers``: the push is layer-wise and only its first layer is ready,
-    so P cancels the rest and answers the abort while D's unpack of that layer
-    still runs (D's writer ends on P's answer, not on the unpack); otherwise
-    the whole push arrived and the writer ends when its unpack does.
+    The push is layer-wise and only its first layer is ready, so P cancels
+    the rest and answers the abort while D's unpack of that layer still runs:
+    D's writer ends on P's answer, not on the unpack, and must wait for it.
     """
     p, d = nodes
     pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32)
@@ -110,12 +108,9 @@ def test_abort_while_unpacking_waits_for_the_unpack(nodes: tuple[Node, Node], p_
         engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
     ):
         d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
-        if p_answers:
-            p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-            p.call("kv_ready", k + "p", [r.tid], 2)  # layer 0 (K and V) of 3
-        else:
-            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-        # A part arrived and its unpack started (it lands DELAY_S later): give up now.
+        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        p.call("kv_ready", k + "p", [r.tid], 2)  # layer 0 (K and V) of 3
+        # The part arrived and its unpack started (it lands DELAY_S later): give up now.
         assert d.call("wait_stat", k + "d", "parts_total", 1, 20.0)
         d.call("abort", k + "d", r.tid, "client went away")
         [res] = d.call("results", k + "d", 1, 20.0)

@@ -380,7 +380,15 @@ class Receiver(EngineLoop):
         inc.stats[f"plan_{msg.plan}"] = 1.0
         inc.times.setdefault("first_part", time.monotonic())
         if msg.plan == "staged":
-            self._poll_unpacks()  # a synchronous backend's unpack is already done
+            if not w.covered.count(0):
+                # This part completes the writer: its unpacks are the critical path now, and short
+                # kernels of ours, so wait for them rather than find them done one poll's sleep later.
+                for _, _, marker in w.unpacking:
+                    try:
+                        self.backend.wait_ready(marker)
+                    except Exception:
+                        break  # the poll below reports the failure
+            self._poll_unpacks()  # done ones (a synchronous backend's at once) are marked arrived
         else:
             self._check_covered(inc, w)
 
