@@ -55,9 +55,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Longest sleep between two NIXL polls while transfers are in flight (the back-off grows from 20 us
     to this). Lower it where a core is cheap next to latency (GPU hosts): a layer-wise push's last
     part is noticed up to this late."""
-    push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
-    """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB), so packing,
-    the wire and D's unpacking overlap; 1 disables the pipelining."""
+    push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB; the first and
+    last half as large), so packing, the wire and D's unpacking overlap; 1 disables the pipelining.
+    4 was best for a 512 MiB push on H200 (docs/cuda.md)."""
     layerwise: bool = False
     """vLLM connector: push each layer as soon as P's forward has written it (requests whose final
     prefill chunk runs in a step, when D registered), instead of the whole request after the prefill."""
