@@ -48,6 +48,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "busy_poll_max_s": 1e-4,
         "layerwise": True,
         "layerwise_min_tokens": 0,
+        "layerwise_min_part_bytes": 0,
         "model": "meta-llama/Llama-3.1-8B",
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
