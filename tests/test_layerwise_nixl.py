@@ -165,7 +165,9 @@ def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str
         [dres] = d.call("results", k + "d", 1, 20.0)
         [pres] = p.call("results", k + "p", 1, 10.0)
         assert dres.ok and pres.ok
-        assert 3 <= pres.stats["parts"] <= 4 and dres.stats["parts"] == pres.stats["parts"], pres.stats
+        # [0, 2), then [2, 5) and [5, 6), or [2, 6) when both reports are read in one step: never a layer alone
+        # before the last.
+        assert pres.stats["parts"] in (2, 3) and dres.stats["parts"] == pres.stats["parts"], pres.stats
         exp = make_cache(dg, None)
         apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
         assert_same(d.call("snapshot", k + "d"), exp, dg)

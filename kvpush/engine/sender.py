@@ -540,15 +540,14 @@ class Sender(EngineLoop):
             if "wait_ready_s" not in job.stats:
                 # Planned at pairing; this is how long the KV took after that (layer-wise: the forward).
                 job.stats["wait_ready_s"] = max(0.0, t_ready - job.t_start - job.stats.get("plan_s", 0.0))
-            tail = ready == plan.nregions  # the KV is complete: what is left is the critical path
             for r0, r1 in split_regions(job.sent, ready, self._parts(plan, ready - job.sent)):
                 if not self._start_part(job, peer, r0, r1):
                     break
-                # Nothing on the wire yet: this part goes out as soon as it is packed. Later ones one
-                # pack ahead: part k is posted while part k+1 packs (a launch costs ~0.05-0.1 ms of
-                # host time, which would otherwise delay a WRITE by one launch per part).
-                first = tail and not job.flying and job.posted == 0
-                self._post_packed(job, peer, keep=0 if first else 1, wait=first)
+                # One pack ahead: part k is posted while part k+1 packs (a launch costs ~0.05-0.1 ms of
+                # host time, which would otherwise delay the first WRITE by one launch per part). Waiting
+                # for the first part's pack before launching the second was slower on H200 (the GPU
+                # idles while the thread posts and launches).
+                self._post_packed(job, peer, keep=1)
         self._post_packed(job, peer)
         job.flying = [h for h in job.flying if not self._part_ended(job, h, self.agent.state(h))]
         return not job.flying and not job.packing and (job.posted == plan.nregions or bool(job.cancel or job.error))
@@ -617,10 +616,8 @@ class Sender(EngineLoop):
         job.packing.append((r0, r1, marker))
         return True
 
-    def _post_packed(self, job: _Job, peer: _Peer | None, keep: int = 0, wait: bool = False) -> None:
+    def _post_packed(self, job: _Job, peer: _Peer | None, keep: int = 0) -> None:
         """Post the packed parts whose pack is done, in order, all but the last ``keep``; on cancel drop them.
-
-        ``wait``: wait for the packs (the first part of a push whose KV is complete).
 
         Once every region of the job is packing (the KV is complete: the tail
         of the push), the thread *waits* for each pack instead of polling it:
@@ -629,7 +626,7 @@ class Sender(EngineLoop):
         computing) it polls, so a pack slowed by the forward blocks nothing.
         """
         assert job.plan is not None
-        block = (wait or job.sent == job.plan.nregions) and not (job.cancel or job.error)
+        block = job.sent == job.plan.nregions and not (job.cancel or job.error)
         while len(job.packing) > keep:
             r0, r1, marker = job.packing[0]
             try:
