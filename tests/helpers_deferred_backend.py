@@ -38,13 +38,20 @@ class _Later:
 
 class DeferredHostBackend(HostBackend):
     name = "deferred-host"
+    chains_ready = True  # a pack may be queued behind a marker (host markers are None: nothing to wait for)
 
     def __init__(self) -> None:
         self.started = 0
 
-    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
         self.started += 1
-        return _Later(lambda: self.pack(list(regions), pieces, staging_addr))
+
+        def copy() -> None:
+            if after is not None:
+                self.wait_ready(after)
+            self.pack(list(regions), pieces, staging_addr)
+
+        return _Later(copy)
 
     def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
         self.started += 1

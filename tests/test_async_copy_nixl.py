@@ -45,17 +45,22 @@ def _reqs(k: str, rng: np.random.Generator, count: int) -> list[Req]:
     ]
 
 
-@pytest.mark.parametrize("announced", [False, True])
-def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node], announced: bool) -> None:
+@pytest.mark.parametrize(("announced", "busy_poll"), [(False, 1e-3), (True, 1e-3), (True, 5e-6)])
+def test_parts_are_posted_and_reported_only_once_copied(
+    nodes: tuple[Node, Node], announced: bool, busy_poll: float
+) -> None:
     """``announced``: P learns of the prefill before its KV exists (``prefill_started``), so it builds the
-    parts' WRITEs when it pairs and posts those handles once the KV is reported ready."""
+    parts' WRITEs when it pairs and posts those handles once the KV is reported ready. ``busy_poll`` 5 us:
+    low-latency mode (P polls while the planned push waits for its KV)."""
     p, d = nodes
     pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32, order="HND")
     k = _key("async")
     reqs = _reqs(k, np.random.default_rng(5), 3)
     with (
         deferred(p, d),
-        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=3), "P" + k)]) as [addr],
+        engines(
+            p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=3, busy_poll_max_s=busy_poll), "P" + k)]
+        ) as [addr],
         engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
     ):
         for r in reqs:
@@ -66,6 +71,11 @@ def test_parts_are_posted_and_reported_only_once_copied(nodes: tuple[Node, Node]
                 p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
         if announced:
             assert p.call("wait_stat", k + "p", "in_flight", len(reqs), 20.0)  # paired: WRITEs built
+            # Waiting for the KV, P's thread sleeps until woken, or (low-latency mode) keeps polling.
+            loops = p.call("loops", k + "p")
+            time.sleep(0.3)
+            loops = p.call("loops", k + "p") - loops
+            assert loops > 50 if busy_poll < 50e-6 else loops < 30, loops
             nregions = 2 * pg.layers
             p.call("kv_ready", k + "p", [r.tid for r in reqs], nregions)
         first = d.call("results", k + "d", 1, 20.0)

@@ -135,14 +135,22 @@ class Backend(abc.ABC):
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         """Inverse of ``pack``: scatter the staging bytes back into the regions."""
 
-    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+    chains_ready: bool = False
+    """Whether ``start_pack(..., after=marker)`` queues the pack behind a ``record_ready`` marker on the
+    device (a CUDA stream waiting on the event), so the push thread need not see the KV ready first."""
+
+    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
         """``pack``, but it may return before the bytes are in place: returns a marker for ``poll_ready``.
 
         The push thread posts the WRITE only once ``poll_ready`` says the
         marker is reached; meanwhile it keeps progressing NIXL (completing
         earlier parts, sending their notifications) instead of blocking in a
-        device synchronize. The default packs synchronously and returns None.
+        device synchronize. ``after`` (only passed when ``chains_ready``): a
+        ``record_ready`` marker the pack must run after. The default waits for
+        it, packs synchronously and returns None.
         """
+        if after is not None:
+            self.wait_ready(after)
         self.pack(regions, pieces, staging_addr)
         return None
 

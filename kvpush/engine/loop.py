@@ -47,6 +47,9 @@ class EngineLoop:
     ) -> None:
         self.name = f"{kind}-{engine_id}-{rank}"
         self.idle_poll_max_s = config.idle_poll_max_s
+        self.low_latency = config.busy_poll_max_s < DEFAULT_TIMER_SLACK_S
+        """Polling faster than Linux's timer slack was asked for (GPU hosts): the thread also polls,
+        rather than sleeps until woken, while a push it will make soon waits for its KV."""
         self.cfg = config
         self.backend = backend
         self.layout = layout.validate()
@@ -167,7 +170,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         _name_os_thread(f"kvpush-{self.name.split('-', 1)[0]}")
-        if self.cfg.busy_poll_max_s < DEFAULT_TIMER_SLACK_S:
+        if self.low_latency:
             _set_timer_slack(TIGHT_TIMER_SLACK_NS)
         try:
             self.setup()

@@ -64,7 +64,7 @@ class _Job:
     slot: int | None = None
     sent: int = 0  # regions [0, sent) are posted or being packed
     posted: int = 0  # how many regions are posted (a cancel may drop packed parts)
-    packing: list[tuple[int, int, Any]] = field(default_factory=list)  # parts (r0, r1, marker) packed, not posted
+    packing: list[tuple[int, int, Any, Any]] = field(default_factory=list)  # (r0, r1, pack marker, KV marker)
     flying: list[Any] = field(default_factory=list)  # NIXL handles of posted parts not yet done
     made: dict[tuple[int, int], tuple[Any, int]] = field(default_factory=dict)  # (r0, r1) -> unposted WRITE, descs
     waiting: bool = False  # regions are reported ready but their marker is not reached yet
@@ -185,9 +185,10 @@ class Sender(EngineLoop):
             self.refresh_gauges()
             if len(self._times) > len(self.rdv):
                 self._prune_times()
-        # Busy (short polls) only while WRITEs fly or a ready marker is awaited;
-        # a job waiting for layers is woken by ``kv_ready``'s call.
-        return any(j.flying or j.waiting or j.packing for j in self._jobs)
+        # Busy (short polls) only while WRITEs fly, packs run or a ready marker is awaited; a job
+        # waiting for layers is woken by ``kv_ready``'s call (a pipe: ~0.15 ms to a sleeping thread
+        # on H200 hosts), except in low-latency mode, where it polls for that call too.
+        return any(j.flying or j.waiting or j.packing or self.low_latency for j in self._jobs)
 
     def _on_message(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.Hello):
@@ -518,12 +519,17 @@ class Sender(EngineLoop):
             except Exception as exc:
                 job.error, job.error_stage = f"post failed: {exc}", "post"
             job.sent = job.posted = plan.nregions
-        ready, job.waiting = job.sent, False
+        ready, job.waiting, after = job.sent, False, None
+        # A staged push on a backend that chains: the packs are queued behind the KV's marker on the
+        # device as soon as the regions are reported, instead of after this thread sees the marker.
+        chain = plan.kind == "staged" and self.backend.chains_ready
         if not (job.cancel or job.error):
             for regions, marker in self._ready.get(job.reg.transfer_id, ()):
                 if regions <= job.sent:
                     continue
-                if not self.backend.poll_ready(marker):
+                if chain:
+                    after = marker if marker is not None else after
+                elif not self.backend.poll_ready(marker):
                     job.waiting = True
                     break
                 ready = regions
@@ -541,7 +547,7 @@ class Sender(EngineLoop):
                 # Planned at pairing; this is how long the KV took after that (layer-wise: the forward).
                 job.stats["wait_ready_s"] = max(0.0, t_ready - job.t_start - job.stats.get("plan_s", 0.0))
             for r0, r1 in split_regions(job.sent, ready, self._parts(plan, ready - job.sent)):
-                if not self._start_part(job, peer, r0, r1):
+                if not self._start_part(job, peer, r0, r1, after):
                     break
                 # One pack ahead: part k is posted while part k+1 packs (a launch costs ~0.05-0.1 ms of
                 # host time, which would otherwise delay the first WRITE by one launch per part). Waiting
@@ -592,7 +598,7 @@ class Sender(EngineLoop):
             )
         )
 
-    def _start_part(self, job: _Job, peer: _Peer, r0: int, r1: int) -> bool:
+    def _start_part(self, job: _Job, peer: _Peer, r0: int, r1: int, after: Any = None) -> bool:
         """Post regions ``[r0, r1)``, or for a staged plan start packing them (posted once packed).
 
         The pack is asynchronous where the backend can (``start_pack``), so
@@ -608,12 +614,15 @@ class Sender(EngineLoop):
         t0 = time.perf_counter()
         try:
             staging = self._staging.addr + job.slot + r0 * plan.region_bytes
-            marker = self.backend.start_pack(self.region_bases[r0:r1], plan.pack, staging)
+            if after is not None:
+                marker = self.backend.start_pack(self.region_bases[r0:r1], plan.pack, staging, after=after)
+            else:
+                marker = self.backend.start_pack(self.region_bases[r0:r1], plan.pack, staging)
         except Exception as exc:
             job.error, job.error_stage = f"pack failed: {exc}", "post"
             return False
         job.stats["pack_s"] = job.stats.get("pack_s", 0.0) + time.perf_counter() - t0
-        job.packing.append((r0, r1, marker))
+        job.packing.append((r0, r1, marker, after))
         return True
 
     def _post_packed(self, job: _Job, peer: _Peer | None, keep: int = 0) -> None:
@@ -628,9 +637,10 @@ class Sender(EngineLoop):
         assert job.plan is not None
         block = job.sent == job.plan.nregions and not (job.cancel or job.error)
         while len(job.packing) > keep:
-            r0, r1, marker = job.packing[0]
+            r0, r1, marker, after = job.packing[0]
             try:
-                if block:
+                # Waiting is for our own short kernel only, never for a layer still computing.
+                if block and (after is None or self.backend.poll_ready(after)):
                     self.backend.wait_ready(marker)
                     done = True
                 else:

@@ -176,10 +176,21 @@ class CudaBackend(Backend):
         self.bind_thread()
         self._copier(staging_addr).scatter(regions, pieces, staging_addr)
 
-    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
-        """The gather queued on the copier's stream; returns the CUDA event that ends it (``poll_ready``)."""
+    chains_ready = True
+
+    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
+        """The gather queued on the copier's stream, behind ``after``'s event(s) if given (the layer that
+        wrote the KV may still run: the device orders them, no host round trip); returns the CUDA event
+        that ends the gather (``poll_ready``)."""
         self.bind_thread()
-        return self._copier(staging_addr).gather(regions, pieces, staging_addr, wait=False)
+        copier = self._copier(staging_addr)
+        if after is not None:
+            events: Iterable[Any] = after if isinstance(after, list | tuple) else (after,)
+            for ev in events:
+                if not hasattr(ev, "record"):
+                    raise BackendError(f"start_pack got {type(ev).__name__} to wait on, expected a record_ready marker")
+                copier.stream.wait_event(ev)
+        return copier.gather(regions, pieces, staging_addr, wait=False)
 
     def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
         """The scatter queued on the copier's stream; returns the CUDA event that ends it."""
