@@ -21,6 +21,7 @@ the device, allocate KV caches and move their bytes; engines never call it.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,14 +165,20 @@ class Backend(abc.ABC):
         self.unpack(regions, pieces, staging_addr)
         return None
 
-    def prepare_pack(self, regions: list[int], pieces: np.ndarray) -> None:
+    def prepare_pack(self, regions: list[int], pieces: np.ndarray, parts: Sequence[tuple[int, int, int]] = ()) -> None:
         """Hint: a ``pack`` of these pieces is coming (P calls it when it plans, before the KV is ready).
 
-        A device backend uploads its piece table here, off the critical path. Optional.
+        A device backend uploads its piece table here, off the critical path.
+        ``parts``: the ``start_pack(regions[r0:r1], pieces, staging_addr)``
+        calls P expects to make, as ``(r0, r1, staging_addr)``, so a backend
+        can compute their launches now too. Optional.
         """
 
-    def prepare_unpack(self, regions: list[int], pieces: np.ndarray) -> None:
-        """Hint: an ``unpack`` of these pieces is coming (D calls it when it registers). Optional."""
+    def prepare_unpack(
+        self, regions: list[int], pieces: np.ndarray, parts: Sequence[tuple[int, int, int]] = ()
+    ) -> None:
+        """Hint: an ``unpack`` of these pieces is coming (D calls it when it registers); ``parts`` as for
+        ``prepare_pack`` (D's guess at P's cut). Optional."""
 
     def pack_bandwidth(self) -> float:
         """Bytes per second of pack or unpack, for the plan's cost model."""

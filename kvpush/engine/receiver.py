@@ -21,11 +21,12 @@ import numpy as np
 from kvpush import protocol
 from kvpush.backends.base import Backend
 from kvpush.config import Config
+from kvpush.engine import sender
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress, Result
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout, Region
-from kvpush.plan import staged_bytes, unpack_pieces, wants_staging
+from kvpush.plan import part_count, split_regions, staged_bytes, unpack_pieces, wants_staging
 from kvpush.topology import writers_for
 from kvpush.transport.side_channel import Client
 
@@ -277,7 +278,7 @@ class Receiver(EngineLoop):
                 grant = protocol.StagingGrant(off, size)
                 w.unpack = pieces
                 try:
-                    self.backend.prepare_unpack(self.region_bases, pieces)
+                    self.backend.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, off))
                 except Exception:
                     log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
             else:
@@ -303,6 +304,16 @@ class Receiver(EngineLoop):
             inc.times["sent"] = t_send  # the last writer's: D waits for every P rank
         if not ok:
             self._writer_final(inc, w, ok=False, reason="side channel send failed")
+
+    def _guess_parts(self, pieces: np.ndarray, offset: int) -> list[tuple[int, int, int]]:
+        """The parts P will most likely cut a whole-request push into (its rule, D's own config), as
+        ``(r0, r1, staging_addr)`` for ``prepare_unpack``; a part cut otherwise is unpacked all the same."""
+        assert self._staging is not None
+        n = len(self.layout.regions)
+        region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
+        k = part_count(self.cfg.push_parts, n * region_bytes, sender.MIN_PART_BYTES)
+        base = self._staging.addr + offset
+        return [(r0, r1, base + r0 * region_bytes) for r0, r1 in split_regions(0, n, k)]
 
     # messages ---------------------------------------------------------------
     def _on_control(self, key: tuple[str, int], conn: _Conn, msg: Any, now: float) -> None:

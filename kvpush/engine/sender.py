@@ -26,7 +26,7 @@ from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import Result
 from kvpush.errors import KVPushError, LayoutError
 from kvpush.layout import KVLayout, check_compatible
-from kvpush.plan import Plan, build_plan, part_descriptors, split_regions
+from kvpush.plan import Plan, build_plan, part_count, part_descriptors, split_regions
 from kvpush.rendezvous import Decision, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.topology import targets_for
 from kvpush.transport.side_channel import Server
@@ -479,11 +479,17 @@ class Sender(EngineLoop):
             self._pushed(reg)
             return
         if job.plan.kind == "staged" and job.plan.pack is not None:
+            ahead = bool(prefill.num_tokens) and not self._ready.get(reg.transfer_id)
+            parts = []
+            if ahead and self._staging is not None and job.slot is not None:
+                base = self._staging.addr + job.slot
+                cut = split_regions(0, job.plan.nregions, self._parts(job.plan, job.plan.nregions))
+                parts = [(r0, r1, base + r0 * job.plan.region_bytes) for r0, r1 in cut]
             try:
-                self.backend.prepare_pack(self.region_bases, job.plan.pack)
+                self.backend.prepare_pack(self.region_bases, job.plan.pack, parts=parts)
             except Exception:
                 log.exception("%s: prepare_pack failed (pack will do it)", self.name)
-            if prefill.num_tokens and not self._ready.get(reg.transfer_id):
+            if ahead:
                 self._make_parts(job, peer)
         t_plan = time.perf_counter()
         job.stats["plan_s"] = t_plan - t0
@@ -559,15 +565,10 @@ class Sender(EngineLoop):
         return not job.flying and not job.packing and (job.posted == plan.nregions or bool(job.cancel or job.error))
 
     def _parts(self, plan: Plan, nregions: int) -> int:
-        """How many WRITEs a run of ready regions is cut into.
-
-        A staged push is pipelined (P packs part k+1 and D unpacks part k while
-        part k flies); a part is kept large enough that its fixed costs (a pack
-        launch, a post, a notification) stay small next to its bytes.
-        """
+        """How many WRITEs a run of ready regions is cut into (``push_parts``, see ``plan.part_count``)."""
         if plan.kind != "staged":
             return 1
-        return max(1, min(self.cfg.push_parts, nregions * plan.region_bytes // max(1, MIN_PART_BYTES)))
+        return part_count(self.cfg.push_parts, nregions * plan.region_bytes, MIN_PART_BYTES)
 
     def _part_ended(self, job: _Job, handle: Any, state: str) -> bool:
         """Release a part's handle once NIXL says it is over; a failed WRITE ends the job."""

@@ -18,7 +18,7 @@ torch is imported when the backend is constructed, never at import time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -197,19 +197,31 @@ class CudaBackend(Backend):
         self.bind_thread()
         return self._copier(staging_addr).scatter(regions, pieces, staging_addr, wait=False)
 
-    def prepare_pack(self, regions: list[int], pieces: np.ndarray, device_id: int | None = None) -> None:
+    def prepare_pack(
+        self,
+        regions: list[int],
+        pieces: np.ndarray,
+        device_id: int | None = None,
+        parts: Sequence[tuple[int, int, int]] = (),
+    ) -> None:
         """Optional hint: upload the piece table of a coming ``pack`` now (P, when it plans).
 
         Not part of the Backend contract: pack works without it, only then it
         uploads the table itself, on the critical path.
         """
         self.bind_thread()
-        self._copier_on(self.device if device_id is None else device_id).prepare_gather(regions, pieces)
+        self._copier_on(self.device if device_id is None else device_id).prepare_gather(regions, pieces, parts)
 
-    def prepare_unpack(self, regions: list[int], pieces: np.ndarray, device_id: int | None = None) -> None:
+    def prepare_unpack(
+        self,
+        regions: list[int],
+        pieces: np.ndarray,
+        device_id: int | None = None,
+        parts: Sequence[tuple[int, int, int]] = (),
+    ) -> None:
         """Optional hint: upload the piece table of a coming ``unpack`` now (D knows it when it registers)."""
         self.bind_thread()
-        self._copier_on(self.device if device_id is None else device_id).prepare_scatter(regions, pieces)
+        self._copier_on(self.device if device_id is None else device_id).prepare_scatter(regions, pieces, parts)
 
     def copy_stats(self) -> dict[str, float]:
         """Pack/unpack counters summed over devices (calls, host prep, launch, wait seconds, uploads)."""

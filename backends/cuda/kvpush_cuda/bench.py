@@ -985,8 +985,9 @@ def _prepared(strategy: str) -> bool:
 def _stats_delta(prefix: str, before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Copier time spent during one round, in ms (host prep, launch, GPU wait) plus uploads."""
     out = {f"{prefix}{k[:-2]}_ms": (after[k] - before.get(k, 0.0)) * 1e3 for k in after if k.endswith("_s")}
-    if "uploads" in after:
-        out[f"{prefix}uploads"] = after["uploads"] - before.get("uploads", 0.0)
+    for k in ("uploads", "prepared_calls"):
+        if k in after:
+            out[f"{prefix}{k}"] = after[k] - before.get(k, 0.0)
     return out
 
 

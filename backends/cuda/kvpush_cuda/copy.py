@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -207,6 +207,9 @@ class PieceCopier:
         self._tables: OrderedDict[bytes, tuple[Any, int, int]] = OrderedDict()
         self._bases: OrderedDict[tuple[int, ...], tuple[Any, int]] = OrderedDict()
         self._by_identity: OrderedDict[tuple[str, tuple[int, ...]], tuple[tuple[Any, ...], Any]] = OrderedDict()
+        # (kind, id(pieces), first region, last region, regions, staging address) -> (pieces, launch): the
+        # parts a push announced with prepare_*, launched without recomputing anything.
+        self._prepared: OrderedDict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]] = OrderedDict()
         self.stats: dict[str, float] = {
             "calls": 0,
             "call_s": 0.0,  # whole _copy calls, host
@@ -215,6 +218,7 @@ class PieceCopier:
             "event_s": 0.0,  # the end event created and recorded (asynchronous calls)
             "wait_s": 0.0,  # synchronous calls waiting for the copy
             "uploads": 0,
+            "prepared_calls": 0,  # asynchronous calls launched as prepare_* computed them
         }
         if kernel in ("auto", "triton"):
             try:
@@ -265,6 +269,10 @@ class PieceCopier:
 
         With ``wait=False`` returns an event recorded after the copy (None if nothing to copy).
         """
+        if self._prepared and not wait:
+            hit = self._prepared_launch("gather", regions, pieces, staging_addr)
+            if hit is not None:
+                return hit
         offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
             return None
@@ -273,6 +281,10 @@ class PieceCopier:
 
     def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int, wait: bool = True) -> Any:
         """Inverse of ``gather``."""
+        if self._prepared and not wait:
+            hit = self._prepared_launch("scatter", regions, pieces, staging_addr)
+            if hit is not None:
+                return hit
         offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
             return None
@@ -421,30 +433,72 @@ class PieceCopier:
                 return tensor[i : i + n], bases.gcd()
         return None
 
-    def prepare_gather(self, regions: list[int], pieces: np.ndarray) -> None:
-        """Upload what ``gather(regions, pieces, ...)`` needs now, off the critical path (any staging address)."""
-        offs, lens, poss, _ = self._pieces(pieces)
-        if self.kernel == "triton" and lens.size and regions:
-            with self._context():
-                self._table(offs, poss, lens)
-                self._bases_tensor(Bases.of(regions))
-
-    def prepare_scatter(self, regions: list[int], pieces: np.ndarray) -> None:
-        """Upload what ``scatter(regions, pieces, ...)`` needs now (D knows its pieces when it registers)."""
-        offs, lens, poss, _ = self._pieces(pieces)
-        if self.kernel == "triton" and lens.size and regions:
-            with self._context():
-                self._table(poss, offs, lens)
-                self._bases_tensor(Bases.of(regions))
-
-    def _copy_triton(
-        self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray
+    def prepare_gather(
+        self, regions: list[int], pieces: np.ndarray, parts: Sequence[tuple[int, int, int]] = ()
     ) -> None:
+        """Upload what ``gather(regions, pieces, ...)`` needs now, off the critical path (any staging address).
+
+        ``parts``: the calls to come, ``(r0, r1, staging_addr)`` for ``gather(regions[r0:r1], pieces,
+        staging_addr, wait=False)``; their launches are computed now too.
+        """
+        self._prepare("gather", regions, pieces, parts)
+
+    def prepare_scatter(
+        self, regions: list[int], pieces: np.ndarray, parts: Sequence[tuple[int, int, int]] = ()
+    ) -> None:
+        """Upload what ``scatter(regions, pieces, ...)`` needs now (D knows its pieces when it registers)."""
+        self._prepare("scatter", regions, pieces, parts)
+
+    def _prepare(
+        self, kind: str, regions: list[int], pieces: np.ndarray, parts: Sequence[tuple[int, int, int]]
+    ) -> None:
+        offs, lens, poss, per_region = self._pieces(pieces)
+        if self.kernel != "triton" or not lens.size or not regions:
+            return
+        with self._context():
+            if kind == "gather":
+                self._table(offs, poss, lens)
+            else:
+                self._table(poss, offs, lens)
+            self._bases_tensor(Bases.of(regions))
+        for r0, r1, addr in parts:
+            sub = regions[r0:r1]
+            if not sub:
+                continue
+            linear = Bases.linear(addr, per_region, len(sub))
+            if kind == "gather":
+                launch = self._triton_launch(Bases.of(sub), offs, linear, poss, lens)
+            else:
+                launch = self._triton_launch(linear, poss, Bases.of(sub), offs, lens)
+            self._prepared[(kind, id(pieces), sub[0], sub[-1], len(sub), addr)] = (pieces, launch)
+        while len(self._prepared) > 8 * self._cache_entries:
+            self._prepared.popitem(last=False)
+
+    def _prepared_launch(self, kind: str, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
+        """The launch ``_prepare`` made for exactly this call, run now; None if there is none."""
+        if not regions:
+            return None
+        key = (kind, id(pieces), regions[0], regions[-1], len(regions), staging_addr)
+        hit = self._prepared.pop(key, None)
+        if hit is None or hit[0] is not pieces:
+            return None
+        self.stats["calls"] += 1
+        self.stats["prepared_calls"] += 1
         t0 = time.perf_counter()
+        self._launch.launch(*hit[1], self.num_warps, self.stream, self._context)
+        t1 = time.perf_counter()
+        out = self._finish(False)
+        self.stats["launch_s"] += t1 - t0
+        self.stats["call_s"] += time.perf_counter() - t0
+        return out
+
+    def _triton_launch(
+        self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray
+    ) -> tuple[Any, ...]:
+        """(grid, args, constexprs) of the Triton copy; uploads its tables if they are new."""
         r = src.count
         if r > 65535:
             raise BackendError(f"{r} regions exceed the kernel grid's 65535")
-        # The stream is made current only where needed (uploads, the JIT path), not around every launch.
         table, m, g = self._table(src_offs, dst_offs, lens)
         sb, db = table, table  # unused by the kernel on a linear side
         if src.addrs is not None:
@@ -458,21 +512,23 @@ class PieceCopier:
         g = math.gcd(g, gs, gd)
         low = g & -g if g else 16
         width = min(8, low)
-        t1 = time.perf_counter()
-        self._launch.launch(
-            (m, r),
-            (sb, src.first, src.step, db, dst.first, dst.step, table, m),
-            (
-                ("S_ARRAY", src.addrs is not None),
-                ("D_ARRAY", dst.addrs is not None),
-                ("W", width),
-                ("BLOCK", self.tile_bytes // width),
-                ("ALIGN16", low >= 16),
-            ),
-            self.num_warps,
-            self.stream,
-            self._context,
+        consts = (
+            ("S_ARRAY", src.addrs is not None),
+            ("D_ARRAY", dst.addrs is not None),
+            ("W", width),
+            ("BLOCK", self.tile_bytes // width),
+            ("ALIGN16", low >= 16),
         )
+        return (m, r), (sb, src.first, src.step, db, dst.first, dst.step, table, m), consts
+
+    def _copy_triton(
+        self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray
+    ) -> None:
+        t0 = time.perf_counter()
+        # The stream is made current only where needed (uploads, the JIT path), not around every launch.
+        launch = self._triton_launch(src, src_offs, dst, dst_offs, lens)
+        t1 = time.perf_counter()
+        self._launch.launch(*launch, self.num_warps, self.stream, self._context)
         t2 = time.perf_counter()
         self.stats["prep_s"] += t1 - t0
         self.stats["launch_s"] += t2 - t1

@@ -127,6 +127,56 @@ def test_pack_unpack_between_gpus(kernel: str, src: str, dst: str) -> None:
         assert bool((canonical(d, dst)[:, torch.as_tensor(others)].contiguous().view(torch.uint8) == 0xA5).all())
 
 
+def test_async_chained_and_prepared_pack_unpack_match_the_synchronous_ones() -> None:
+    """start_pack/start_unpack per part (as the engine cuts a push), chained behind a KV event still
+    pending on the producer stream, launched from prepare_* (the parts announced) or not: the staging
+    bytes and D's blocks equal those of plain pack/unpack, and prepared launches were really used."""
+    rng = np.random.default_rng(11)
+    be = CudaBackend(device=0)
+    kv = _cuda_kv("flash_nhd", 64, 0, layers=4)
+    out = _cuda_kv("flash_nhd", 64, 0, layers=4)
+    layout = be.describe(kv, spec_for("flash_nhd", 16, 2, 64))
+    bases = [r.base for r in layout.regions]
+    out_bases = [r.base for r in be.describe(out, spec_for("flash_nhd", 16, 2, 64)).regions]
+    src_ids, dst_ids = rng.permutation(64)[:40], rng.permutation(64)[:40]
+    pieces = coalesce(map_pieces(layout, layout, src_ids, dst_ids, 40 * 16))
+    pk, up = np.ascontiguousarray(pieces[:, [0, 2]]), np.ascontiguousarray(pieces[:, [1, 2]])
+    per_region = int(pk[:, 1].sum())
+    n = len(bases)
+    want = be.alloc_staging(per_region * n, 0)
+    got = be.alloc_staging(per_region * n, 0)
+    fill_random(kv, 3)
+    be.pack(bases, pk, want.addr)
+    parts = [(0, 2, got.addr), (2, 5, got.addr + 2 * per_region), (5, n, got.addr + 5 * per_region)]
+    for prepared in (False, True):
+        got.owner.zero_()
+        if prepared:
+            be.prepare_pack(bases, pk, parts=parts)
+        before = be.copy_stats().get("prepared_calls", 0)
+        # The KV is (re)written after a long GPU sleep on the producer stream: a pack not chained behind
+        # its event would read the old bytes, which are the same here, so poison them first.
+        for t in kv.values():
+            t.view(torch.uint8).fill_(0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+        fill_random(kv, 3)
+        ready = be.record_ready()
+        events = [be.start_pack(bases[a:b], pk, addr, after=ready) for a, b, addr in parts]
+        for ev in events:
+            while not be.poll_ready(ev):
+                time.sleep(1e-4)
+        assert torch.equal(got.owner, want.owner), f"prepared={prepared}"
+        used = be.copy_stats().get("prepared_calls", 0) - before
+        assert used == (len(parts) if prepared else 0), used
+        for t in out.values():
+            t.view(torch.uint8).fill_(0xA5)
+        if prepared:
+            be.prepare_unpack(out_bases, up, parts=parts)
+        events = [be.start_unpack(out_bases[a:b], up, addr) for a, b, addr in parts]
+        be.wait_ready(events)
+        assert blocks_equal(out, "flash_nhd", dst_ids, kv, "flash_nhd", src_ids)
+
+
 @pytest.mark.parametrize("shift", [1, 2, 4, 8, 16])
 def test_triton_copy_any_alignment(shift: int) -> None:
     """Odd offsets and lengths pick narrower loads; bytes around each piece stay untouched."""
