@@ -172,6 +172,45 @@ class DirectLauncher:
                 self._direct = False
 
 
+@dataclass(frozen=True)
+class _Template:
+    """What a prepared gather or scatter of one piece array over one region list needs for any range of
+    those regions: the device table, the uploaded bases (a range is a view), their common alignment."""
+
+    pieces: np.ndarray
+    regions: tuple[int, ...]
+    index: dict[int, int]
+    bases: Any
+    table: Any
+    tiles: int
+    gcd: int  # of the table's offsets and lengths and of every region base
+    per_region: int
+
+    def launch(self, kind: str, regions: list[int], staging_addr: int, tile_bytes: int) -> tuple[Any, ...] | None:
+        """(grid, args, constexprs) for ``regions`` (a contiguous range of ours) and this staging address."""
+        i, n = self.index.get(regions[0]), len(regions)
+        if i is None or i + n > len(self.regions) or self.regions[i + n - 1] != regions[-1] or n > 65535:
+            return None
+        if n > 2 and self.regions[i + n // 2] != regions[n // 2]:
+            return None
+        g = math.gcd(self.gcd, staging_addr, self.per_region)
+        low = g & -g if g else 16
+        width = min(8, low)
+        view = self.bases[i : i + n]
+        consts = (
+            ("S_ARRAY", kind == "gather"),
+            ("D_ARRAY", kind == "scatter"),
+            ("W", width),
+            ("BLOCK", tile_bytes // width),
+            ("ALIGN16", low >= 16),
+        )
+        if kind == "gather":
+            args = (view, 0, 0, self.table, staging_addr, self.per_region, self.table, self.tiles)
+        else:
+            args = (self.table, staging_addr, self.per_region, view, 0, 0, self.table, self.tiles)
+        return (self.tiles, n), args, consts
+
+
 class PieceCopier:
     """Copies the same pieces of many regions between device memory areas, on one device.
 
@@ -210,6 +249,7 @@ class PieceCopier:
         # (kind, id(pieces), first region, last region, regions, staging address) -> (pieces, launch): the
         # parts a push announced with prepare_*, launched without recomputing anything.
         self._prepared: OrderedDict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, int], _Template] = OrderedDict()  # (kind, id(pieces))
         self.stats: dict[str, float] = {
             "calls": 0,
             "call_s": 0.0,  # whole _copy calls, host
@@ -269,7 +309,7 @@ class PieceCopier:
 
         With ``wait=False`` returns an event recorded after the copy (None if nothing to copy).
         """
-        if self._prepared and not wait:
+        if self._templates and not wait:
             hit = self._prepared_launch("gather", regions, pieces, staging_addr)
             if hit is not None:
                 return hit
@@ -281,7 +321,7 @@ class PieceCopier:
 
     def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int, wait: bool = True) -> Any:
         """Inverse of ``gather``."""
-        if self._prepared and not wait:
+        if self._templates and not wait:
             hit = self._prepared_launch("scatter", regions, pieces, staging_addr)
             if hit is not None:
                 return hit
@@ -457,10 +497,20 @@ class PieceCopier:
             return
         with self._context():
             if kind == "gather":
-                self._table(offs, poss, lens)
+                table, m, g_table = self._table(offs, poss, lens)
             else:
-                self._table(poss, offs, lens)
-            self._bases_tensor(Bases.of(regions))
+                table, m, g_table = self._table(poss, offs, lens)
+            bases = Bases.of(regions)
+            bases_t, g_bases = self._bases_tensor(bases)
+        # Any other range of these regions (a layer-wise part, a cut D did not guess) is launched from
+        # this template: a view of the bases, two integers and the alignment, nothing recomputed.
+        index = {a: i for i, a in reversed(list(enumerate(bases.addrs or ())))}
+        template = _Template(
+            pieces, bases.addrs or (), index, bases_t, table, m, math.gcd(g_table, g_bases), per_region
+        )
+        self._templates[(kind, id(pieces))] = template
+        while len(self._templates) > 4 * self._cache_entries:
+            self._templates.popitem(last=False)
         for r0, r1, addr in parts:
             sub = regions[r0:r1]
             if not sub:
@@ -475,17 +525,23 @@ class PieceCopier:
             self._prepared.popitem(last=False)
 
     def _prepared_launch(self, kind: str, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
-        """The launch ``_prepare`` made for exactly this call, run now; None if there is none."""
+        """The launch ``_prepare`` made for exactly this call, or one from its template, run now; None if
+        this call was not prepared."""
         if not regions:
             return None
+        t0 = time.perf_counter()
         key = (kind, id(pieces), regions[0], regions[-1], len(regions), staging_addr)
         hit = self._prepared.pop(key, None)
-        if hit is None or hit[0] is not pieces:
-            return None
+        if hit is not None and hit[0] is pieces:
+            launch = hit[1]
+        else:
+            tpl = self._templates.get((kind, id(pieces)))
+            launch = tpl.launch(kind, regions, staging_addr, self.tile_bytes) if tpl is not None else None
+            if launch is None or tpl is None or tpl.pieces is not pieces:
+                return None
         self.stats["calls"] += 1
         self.stats["prepared_calls"] += 1
-        t0 = time.perf_counter()
-        self._launch.launch(*hit[1], self.num_warps, self.stream, self._context)
+        self._launch.launch(*launch, self.num_warps, self.stream, self._context)
         t1 = time.perf_counter()
         out = self._finish(False)
         self.stats["launch_s"] += t1 - t0

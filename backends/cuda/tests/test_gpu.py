@@ -129,8 +129,9 @@ def test_pack_unpack_between_gpus(kernel: str, src: str, dst: str) -> None:
 
 def test_async_chained_and_prepared_pack_unpack_match_the_synchronous_ones() -> None:
     """start_pack/start_unpack per part (as the engine cuts a push), chained behind a KV event still
-    pending on the producer stream, launched from prepare_* (the parts announced) or not: the staging
-    bytes and D's blocks equal those of plain pack/unpack, and prepared launches were really used."""
+    pending on the producer stream, launched plainly, from prepare_* with these parts announced, or from
+    the template prepare_* left for any other range: the staging bytes and D's blocks equal those of
+    plain pack/unpack, and prepared launches were really used."""
     rng = np.random.default_rng(11)
     be = CudaBackend(device=0)
     kv = _cuda_kv("flash_nhd", 64, 0, layers=4)
@@ -148,10 +149,11 @@ def test_async_chained_and_prepared_pack_unpack_match_the_synchronous_ones() -> 
     fill_random(kv, 3)
     be.pack(bases, pk, want.addr)
     parts = [(0, 2, got.addr), (2, 5, got.addr + 2 * per_region), (5, n, got.addr + 5 * per_region)]
-    for prepared in (False, True):
+    for mode in ("plain", "exact", "template"):
+        prepared = mode != "plain"
         got.owner.zero_()
         if prepared:
-            be.prepare_pack(bases, pk, parts=parts)
+            be.prepare_pack(bases, pk, parts=parts if mode == "exact" else ())
         before = be.copy_stats().get("prepared_calls", 0)
         # The KV is (re)written after a long GPU sleep on the producer stream: a pack not chained behind
         # its event would read the old bytes, which are the same here, so poison them first.
@@ -165,16 +167,18 @@ def test_async_chained_and_prepared_pack_unpack_match_the_synchronous_ones() -> 
         for ev in events:
             while not be.poll_ready(ev):
                 time.sleep(1e-4)
-        assert torch.equal(got.owner, want.owner), f"prepared={prepared}"
+        assert torch.equal(got.owner, want.owner), mode
         used = be.copy_stats().get("prepared_calls", 0) - before
         assert used == (len(parts) if prepared else 0), used
         for t in out.values():
             t.view(torch.uint8).fill_(0xA5)
         if prepared:
-            be.prepare_unpack(out_bases, up, parts=parts)
+            be.prepare_unpack(out_bases, up, parts=parts if mode == "exact" else ())
+        before = be.copy_stats().get("prepared_calls", 0)
         events = [be.start_unpack(out_bases[a:b], up, addr) for a, b, addr in parts]
         be.wait_ready(events)
-        assert blocks_equal(out, "flash_nhd", dst_ids, kv, "flash_nhd", src_ids)
+        assert blocks_equal(out, "flash_nhd", dst_ids, kv, "flash_nhd", src_ids), mode
+        assert be.copy_stats().get("prepared_calls", 0) - before == (len(parts) if prepared else 0), mode
 
 
 @pytest.mark.parametrize("shift", [1, 2, 4, 8, 16])
