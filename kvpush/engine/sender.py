@@ -610,6 +610,7 @@ class Sender(EngineLoop):
         assert plan is not None
         job.sent = r1
         if plan.kind != "staged":
+            job.stats.setdefault("pack_s", 0.0)  # a direct push has a pack stage of zero, as metrics expect
             return self._post_part(job, peer, r0, r1)
         assert plan.pack is not None and self._staging is not None and job.slot is not None
         t0 = time.perf_counter()
