@@ -157,15 +157,19 @@ def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int)
     return merge_descriptors(*descriptors(plan.merged, src, dst, r0, r1))
 
 
-def part_count(push_parts: int, nbytes: int, min_part_bytes: int) -> int:
-    """How many WRITEs a staged push of ``nbytes`` is cut into: at most ``push_parts``, each >= ``min_part_bytes``.
+MIN_PART_BYTES = 16 << 20
+"""A staged push is pipelined only in parts at least this large."""
+
+
+def part_count(push_parts: int, nbytes: int) -> int:
+    """How many WRITEs a staged push of ``nbytes`` is cut into: at most ``push_parts``, each >= ``MIN_PART_BYTES``.
 
     A staged push is pipelined (P packs part k+1 and D unpacks part k while
     part k flies); a part is kept large enough that its fixed costs (a pack
     launch, a post, a notification) stay small next to its bytes. D uses the
     same rule to guess P's cut when it prepares its unpacks.
     """
-    return max(1, min(push_parts, nbytes // max(1, min_part_bytes)))
+    return max(1, min(push_parts, nbytes // max(1, MIN_PART_BYTES)))
 
 
 def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:

@@ -130,9 +130,9 @@ class Worker(conformance.Worker):
 
     def op_min_part_bytes(self, nbytes: int) -> int:
         """Lower the size under which staged pushes are not split (test caches are small); returns the old one."""
-        from kvpush.engine import sender
+        from kvpush import plan
 
-        old, sender.MIN_PART_BYTES = sender.MIN_PART_BYTES, nbytes
+        old, plan.MIN_PART_BYTES = plan.MIN_PART_BYTES, nbytes
         return old
 
     def op_receiver(

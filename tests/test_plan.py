@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.plan import build_plan, part_descriptors, split_regions
+from kvpush.plan import MIN_PART_BYTES, build_plan, part_count, part_descriptors, split_regions
 
 
 @settings(max_examples=200, deadline=None)
@@ -64,3 +64,13 @@ def test_part_outside_the_plan_is_refused(scn: Scenario) -> None:
     plan = build_plan(Config(plan="direct"), *scn.call_args())
     with pytest.raises(ValueError, match="outside the plan"):
         part_descriptors(plan, scn.src.layout, scn.dst.layout, 0, plan.nregions + 1)
+
+
+def test_part_count_keeps_parts_large_and_at_most_push_parts() -> None:
+    mib = 1 << 20
+    assert 16 * mib == MIN_PART_BYTES
+    assert part_count(4, 512 * mib) == 4
+    assert part_count(4, 40 * mib) == 2  # two parts of >= 16 MiB fit, not four
+    assert part_count(4, 10 * mib) == 1
+    assert part_count(1, 512 * mib) == 1
+    assert part_count(4, 0) == 1

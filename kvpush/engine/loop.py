@@ -219,19 +219,13 @@ class EngineLoop:
 
 
 def _set_timer_slack(ns: int) -> None:
-    """Let this thread's short sleeps end on time (Linux ``PR_SET_TIMERSLACK``; best effort).
+    """Let this thread's short sleeps end on time (Linux ``PR_SET_TIMERSLACK``, this thread only).
 
     Set where ``busy_poll_max_s`` is below the default 50 us slack: otherwise
     a 5 us poll interval is really ~60 us, and a transfer's tail is a few
     polls (P noticing the last layer, its WRITE completing, D's notification).
     """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(29, ns, 0, 0, 0)  # PR_SET_TIMERSLACK, this thread only
-    except (OSError, AttributeError):
-        pass
+    _prctl(29, ns)
 
 
 def _name_os_thread(name: str) -> None:
@@ -239,12 +233,17 @@ def _name_os_thread(name: str) -> None:
 
     Python's thread names stay inside Python; without this the engine thread
     shows up as its process (e.g. ``VLLM::EngineCore``) and its CPU use
-    cannot be told apart from vLLM's own threads. Linux only, best effort.
+    cannot be told apart from vLLM's own threads.
     """
+    _prctl(15, name.encode()[:15])  # PR_SET_NAME
+
+
+def _prctl(option: int, arg: int | bytes) -> None:
+    """``prctl(option, arg)`` for the calling thread; Linux only, best effort (a no-op elsewhere)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        libc.prctl(option, arg, 0, 0, 0)
     except (OSError, AttributeError):
         pass

@@ -21,7 +21,6 @@ import numpy as np
 from kvpush import protocol
 from kvpush.backends.base import Backend
 from kvpush.config import Config
-from kvpush.engine import sender
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress, Result
 from kvpush.errors import ProtocolError
@@ -311,7 +310,7 @@ class Receiver(EngineLoop):
         assert self._staging is not None
         n = len(self.layout.regions)
         region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
-        k = part_count(self.cfg.push_parts, n * region_bytes, sender.MIN_PART_BYTES)
+        k = part_count(self.cfg.push_parts, n * region_bytes)
         base = self._staging.addr + offset
         return [(r0, r1, base + r0 * region_bytes) for r0, r1 in split_regions(0, n, k)]
 

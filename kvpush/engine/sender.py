@@ -34,8 +34,6 @@ from kvpush.transport.side_channel import Server
 log = logging.getLogger(__name__)
 
 TIMER_PERIOD_S = 0.05
-MIN_PART_BYTES = 16 << 20
-"""A staged push is pipelined only in parts at least this large."""
 
 
 @dataclass
@@ -479,18 +477,18 @@ class Sender(EngineLoop):
             self._pushed(reg)
             return
         if job.plan.kind == "staged" and job.plan.pack is not None:
+            # Announced ahead (the KV is not ready yet): the push will most likely be cut like this.
             ahead = bool(prefill.num_tokens) and not self._ready.get(reg.transfer_id)
+            cut = split_regions(0, job.plan.nregions, self._parts(job.plan, job.plan.nregions)) if ahead else []
             parts = []
-            if ahead and self._staging is not None and job.slot is not None:
+            if self._staging is not None and job.slot is not None:
                 base = self._staging.addr + job.slot
-                cut = split_regions(0, job.plan.nregions, self._parts(job.plan, job.plan.nregions))
                 parts = [(r0, r1, base + r0 * job.plan.region_bytes) for r0, r1 in cut]
             try:
                 self.backend.prepare_pack(self.region_bases, job.plan.pack, parts=parts)
             except Exception:
                 log.exception("%s: prepare_pack failed (pack will do it)", self.name)
-            if ahead:
-                self._make_parts(job, peer)
+            self._make_parts(job, peer, cut)
         t_plan = time.perf_counter()
         job.stats["plan_s"] = t_plan - t0
         tt = self._times.setdefault(reg.transfer_id, {})
@@ -568,7 +566,7 @@ class Sender(EngineLoop):
         """How many WRITEs a run of ready regions is cut into (``push_parts``, see ``plan.part_count``)."""
         if plan.kind != "staged":
             return 1
-        return part_count(self.cfg.push_parts, nregions * plan.region_bytes, MIN_PART_BYTES)
+        return part_count(self.cfg.push_parts, nregions * plan.region_bytes)
 
     def _part_ended(self, job: _Job, handle: Any, state: str) -> bool:
         """Release a part's handle once NIXL says it is over; a failed WRITE ends the job."""
@@ -616,6 +614,7 @@ class Sender(EngineLoop):
         t0 = time.perf_counter()
         try:
             staging = self._staging.addr + job.slot + r0 * plan.region_bytes
+            # ``after`` only for backends that chain: others may implement start_pack without it.
             if after is not None:
                 marker = self.backend.start_pack(self.region_bases[r0:r1], plan.pack, staging, after=after)
             else:
@@ -658,8 +657,8 @@ class Sender(EngineLoop):
             tt.setdefault("packed", time.perf_counter())
             self._post_part(job, peer, r0, r1)
 
-    def _make_parts(self, job: _Job, peer: _Peer) -> None:
-        """Build the WRITEs of the parts a push whose KV is not ready yet will most likely post.
+    def _make_parts(self, job: _Job, peer: _Peer, cut: list[tuple[int, int]]) -> None:
+        """Build the WRITEs of the parts ``cut`` that a push whose KV is not ready yet will most likely post.
 
         A prefill announced ahead (``prefill_started``) is usually reported
         ready all at once (whole-request) and then cut like this; a part that
@@ -669,7 +668,7 @@ class Sender(EngineLoop):
         plan = job.plan
         assert plan is not None
         try:
-            for r0, r1 in split_regions(0, plan.nregions, self._parts(plan, plan.nregions)):
+            for r0, r1 in cut:
                 local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
                 notif = self._completion(job, r0, r1, local.shape[0])
                 handle = self.agent.prepare_write(

@@ -172,6 +172,31 @@ class DirectLauncher:
                 self._direct = False
 
 
+def _launch_spec(
+    src: tuple[Any, int, int],
+    dst: tuple[Any, int, int],
+    table: Any,
+    tiles: int,
+    regions: int,
+    gcd: int,
+    tile_bytes: int,
+) -> tuple[Any, ...]:
+    """(grid, args, constexprs) of ``copy_pieces_kernel``: ``src``/``dst`` are (bases array or None for a
+    linear side, first, step); ``gcd`` of every address and length picks the widest load."""
+    low = gcd & -gcd if gcd else 16
+    width = min(8, low)
+    consts = (
+        ("S_ARRAY", src[0] is not None),
+        ("D_ARRAY", dst[0] is not None),
+        ("W", width),
+        ("BLOCK", tile_bytes // width),
+        ("ALIGN16", low >= 16),
+    )
+    sb = table if src[0] is None else src[0]  # unused by the kernel on a linear side
+    db = table if dst[0] is None else dst[0]
+    return (tiles, regions), (sb, src[1], src[2], db, dst[1], dst[2], table, tiles), consts
+
+
 @dataclass(frozen=True)
 class _Template:
     """What a prepared gather or scatter of one piece array over one region list needs for any range of
@@ -194,21 +219,9 @@ class _Template:
         if n > 2 and self.regions[i + n // 2] != regions[n // 2]:
             return None
         g = math.gcd(self.gcd, staging_addr, self.per_region)
-        low = g & -g if g else 16
-        width = min(8, low)
-        view = self.bases[i : i + n]
-        consts = (
-            ("S_ARRAY", kind == "gather"),
-            ("D_ARRAY", kind == "scatter"),
-            ("W", width),
-            ("BLOCK", tile_bytes // width),
-            ("ALIGN16", low >= 16),
-        )
-        if kind == "gather":
-            args = (view, 0, 0, self.table, staging_addr, self.per_region, self.table, self.tiles)
-        else:
-            args = (self.table, staging_addr, self.per_region, view, 0, 0, self.table, self.tiles)
-        return (self.tiles, n), args, consts
+        kv, staging = (self.bases[i : i + n], 0, 0), (None, staging_addr, self.per_region)
+        src, dst = (kv, staging) if kind == "gather" else (staging, kv)
+        return _launch_spec(src, dst, self.table, self.tiles, n, g, tile_bytes)
 
 
 class PieceCopier:
@@ -310,9 +323,9 @@ class PieceCopier:
         With ``wait=False`` returns an event recorded after the copy (None if nothing to copy).
         """
         if self._templates and not wait:
-            hit = self._prepared_launch("gather", regions, pieces, staging_addr)
-            if hit is not None:
-                return hit
+            launched, event = self._prepared_launch("gather", regions, pieces, staging_addr)
+            if launched:
+                return event
         offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
             return None
@@ -322,9 +335,9 @@ class PieceCopier:
     def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int, wait: bool = True) -> Any:
         """Inverse of ``gather``."""
         if self._templates and not wait:
-            hit = self._prepared_launch("scatter", regions, pieces, staging_addr)
-            if hit is not None:
-                return hit
+            launched, event = self._prepared_launch("scatter", regions, pieces, staging_addr)
+            if launched:
+                return event
         offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
             return None
@@ -524,11 +537,13 @@ class PieceCopier:
         while len(self._prepared) > 8 * self._cache_entries:
             self._prepared.popitem(last=False)
 
-    def _prepared_launch(self, kind: str, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
-        """The launch ``_prepare`` made for exactly this call, or one from its template, run now; None if
-        this call was not prepared."""
+    def _prepared_launch(
+        self, kind: str, regions: list[int], pieces: np.ndarray, staging_addr: int
+    ) -> tuple[bool, Any]:
+        """The launch ``_prepare`` made for exactly this call, or one from its template, run now:
+        (launched, its end event); (False, None) if this call was not prepared."""
         if not regions:
-            return None
+            return False, None
         t0 = time.perf_counter()
         key = (kind, id(pieces), regions[0], regions[-1], len(regions), staging_addr)
         hit = self._prepared.pop(key, None)
@@ -538,7 +553,7 @@ class PieceCopier:
             tpl = self._templates.get((kind, id(pieces)))
             launch = tpl.launch(kind, regions, staging_addr, self.tile_bytes) if tpl is not None else None
             if launch is None or tpl is None or tpl.pieces is not pieces:
-                return None
+                return False, None
         self.stats["calls"] += 1
         self.stats["prepared_calls"] += 1
         self._launch.launch(*launch, self.num_warps, self.stream, self._context)
@@ -546,7 +561,7 @@ class PieceCopier:
         out = self._finish(False)
         self.stats["launch_s"] += t1 - t0
         self.stats["call_s"] += time.perf_counter() - t0
-        return out
+        return True, out
 
     def _triton_launch(
         self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray
@@ -556,26 +571,16 @@ class PieceCopier:
         if r > 65535:
             raise BackendError(f"{r} regions exceed the kernel grid's 65535")
         table, m, g = self._table(src_offs, dst_offs, lens)
-        sb, db = table, table  # unused by the kernel on a linear side
-        if src.addrs is not None:
-            sb, gs = self._bases_tensor(src)
-        else:
-            gs = src.gcd()
-        if dst.addrs is not None:
-            db, gd = self._bases_tensor(dst)
-        else:
-            gd = dst.gcd()
-        g = math.gcd(g, gs, gd)
-        low = g & -g if g else 16
-        width = min(8, low)
-        consts = (
-            ("S_ARRAY", src.addrs is not None),
-            ("D_ARRAY", dst.addrs is not None),
-            ("W", width),
-            ("BLOCK", self.tile_bytes // width),
-            ("ALIGN16", low >= 16),
-        )
-        return (m, r), (sb, src.first, src.step, db, dst.first, dst.step, table, m), consts
+        sides = []
+        for side in (src, dst):
+            if side.addrs is not None:
+                arr, gb = self._bases_tensor(side)
+                sides.append((arr, side.first, side.step))
+            else:
+                gb = side.gcd()
+                sides.append((None, side.first, side.step))
+            g = math.gcd(g, gb)
+        return _launch_spec(sides[0], sides[1], table, m, r, g, self.tile_bytes)
 
     def _copy_triton(
         self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray

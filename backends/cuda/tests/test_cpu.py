@@ -140,8 +140,13 @@ def test_split_and_unit_width() -> None:
     assert unit_width([4096, 24], [8]) == (8, False)
 
 
-def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int) -> bool:
-    """P's blocks -> staging (gather) -> D's shuffled blocks (scatter), on host memory."""
+def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int, in_parts: bool = False) -> bool:
+    """P's blocks -> staging (gather) -> D's shuffled blocks (scatter), on host memory.
+
+    ``in_parts``: as the engine runs an asynchronous push (``wait=False``), part by part, from the
+    launches ``prepare_*`` made for the parts it was told of (P) and from its template for a cut it
+    was not told of (D), checking that every part was launched that way.
+    """
     rng = np.random.default_rng(seed)
     heads = 1 if "mla" in (src_variant, dst_variant) else 2
     p_kv = make_kv(torch, src_variant, 3, 12, 16, heads, 8, torch.bfloat16, "cpu")
@@ -157,13 +162,26 @@ def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int) -> boo
     staging = torch.full((int(pieces[:, 2].sum()) * len(lp.regions),), 0xA5, dtype=torch.uint8)
     copier = PieceCopier(torch, "cpu", kernel)  # type: ignore[arg-type]
     p_bases, d_bases = [r.base for r in lp.regions], [r.base for r in ld.regions]
-    copier.prepare_gather(p_bases, pieces[:, [0, 2]])
-    copier.prepare_scatter(d_bases, pieces[:, [1, 2]])
-    uploads = copier.stats["uploads"]
-    copier.gather(p_bases, pieces[:, [0, 2]], staging.data_ptr())
-    copier.scatter(d_bases, pieces[:, [1, 2]], staging.data_ptr())
+    pk, up = pieces[:, [0, 2]], pieces[:, [1, 2]]
+    if not in_parts:
+        copier.prepare_gather(p_bases, pk)
+        copier.prepare_scatter(d_bases, up)
+        uploads = copier.stats["uploads"]
+        copier.gather(p_bases, pk, staging.data_ptr())
+        copier.scatter(d_bases, up, staging.data_ptr())
+        assert copier.stats["uploads"] == uploads, "prepared tables were uploaded again on the critical path"
+    else:
+        per_region, n, base = int(pieces[:, 2].sum()), len(p_bases), staging.data_ptr()
+        told = [(0, 2, base), (2, n, base + 2 * per_region)]
+        other = [(0, 1, base), (1, 5, base + per_region), (5, n, base + 5 * per_region)]
+        copier.prepare_gather(p_bases, pk, parts=told)
+        copier.prepare_scatter(d_bases, up)
+        for a, b, addr in told:
+            copier.gather(p_bases[a:b], pk, addr, wait=False)
+        for a, b, addr in other:
+            copier.scatter(d_bases[a:b], up, addr, wait=False)
+        assert copier.stats["prepared_calls"] == len(told) + len(other), copier.stats
     assert copier.kernel == kernel
-    assert copier.stats["uploads"] == uploads, "prepared tables were uploaded again on the critical path"
     return blocks_equal(d_kv, dst_variant, dst_ids, p_kv, src_variant, src_ids)
 
 
@@ -185,11 +203,12 @@ def test_triton_kernel_under_interpreter() -> None:
         sys.path.insert(0, "backends/cuda/tests")
         from test_cpu import _transfer
         print(_transfer("triton", "flash_nhd", "flash_hnd", 5), _transfer("triton", "flashinfer", "cross_layer", 6))
+        print(_transfer("triton", "flash_nhd", "flash_hnd", 7, in_parts=True))
         """,
         TRITON_INTERPRET="1",
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[-2:] == ["True", "True"], r.stdout
+    assert r.stdout.split()[-3:] == ["True", "True", "True"], r.stdout
 
 
 def test_benchmark_runs_on_host_memory(tmp_path: Path) -> None:
