@@ -72,8 +72,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     layerwise_min_part_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
     """With ``layerwise``, a part is posted once at least this many bytes of layers are ready (or the
     last layer is): layers are grouped so that a part's fixed host costs (pack launch, post, D's
-    unpack launch: ~0.3 ms together on H200) stay small next to its bytes and off the forward's
-    GIL. 0 posts every layer on its own."""
+    unpack launch: 0.1-0.3 ms together on H200) stay small next to its bytes and off the forward's
+    GIL. 0 posts every layer on its own (on H200 a slightly shorter tail at 8-16k tokens, but a 2k
+    forward slowed from 29 to 43-70 ms; docs/cuda.md, "Fourth round")."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
 
