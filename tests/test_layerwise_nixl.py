@@ -45,6 +45,25 @@ def _wait_layers(d: Node, key: str, dg: Geom, req: Req, layers: int, timeout: fl
         time.sleep(0.02)
 
 
+def _pushed_intact(
+    p: Node, d: Node, k: str, pg: Geom, dg: Geom, reqs: list[Req]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every request's result on both sides (all ok), D's cache equal to the reference built from P's,
+    and both sides idle; returns D's and P's results by request id for the test's own checks."""
+    d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+    p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+    assert all(x.ok for x in d_res.values()) and len(d_res) == len(reqs), d_res
+    assert all(x.ok for x in p_res.values()) and len(p_res) == len(reqs), p_res
+    src = p.call("snapshot", k + "p")
+    exp = make_cache(dg, None)
+    for r in reqs:
+        apply_push(exp, dg, src, pg, r)
+    assert_same(d.call("snapshot", k + "d"), exp, dg)
+    assert_idle(p, k + "p")
+    assert_idle(d, k + "d")
+    return d_res, p_res
+
+
 def _wait_paired(p: Node, key: str, count: int, timeout: float = 20.0) -> None:
     """Until P has paired ``count`` registrations with its started prefills (they reached P)."""
     deadline = time.monotonic() + timeout
@@ -84,22 +103,12 @@ def test_layers_reach_d_as_they_are_computed(nodes: tuple[Node, Node], plan: str
                         assert (got[i, :, r.d_blocks[-1]] != SENTINEL).any(), f"layer {i} of {r.tid} missing"
                     assert (got[3:, :, r.d_blocks] == SENTINEL).all(), "a layer reached D before it was computed"
                 assert d.call("results", k + "d", 1, 0.2) == [], "D reported before every layer arrived"
-        d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
-        p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
-        assert all(x.ok for x in d_res.values()) and len(d_res) == len(reqs), d_res
-        assert all(x.ok for x in p_res.values()) and len(p_res) == len(reqs), p_res
-        src = p.call("snapshot", k + "p")
-        exp = make_cache(dg, None)
-        for r in reqs:
-            apply_push(exp, dg, src, pg, r)
-        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        d_res, p_res = _pushed_intact(p, d, k, pg, dg, reqs)
         for r in reqs:
             # One WRITE per layer, counted by D region by region.
             assert p_res[r.p_rid].stats["parts"] == LAYERS, p_res[r.p_rid].stats
             assert d_res[r.d_rid].stats["parts"] == LAYERS
             assert p_res[r.p_rid].stats[f"plan_{plan}"] == 1.0
-        assert_idle(p, k + "p")
-        assert_idle(d, k + "d")
 
 
 def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]) -> None:
@@ -120,16 +129,10 @@ def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]
         assert (got[4:] == SENTINEL).all()
         p.call("compute_layers", k + "p", 4, LAYERS, 12)
         p.call("kv_ready", k + "p", [r.tid], LAYERS * RPL)
-        [dres] = d.call("results", k + "d", 1, 20.0)
-        [pres] = p.call("results", k + "p", 1, 10.0)
-        assert dres.ok and pres.ok
+        d_res, p_res = _pushed_intact(p, d, k, pg, dg, [r])
+        dres, pres = d_res[r.d_rid], p_res[r.p_rid]
         # Layers 0-3 went in the first WRITE, layers 4-5 in a second one.
         assert pres.stats["parts"] == 2 and dres.stats["parts"] == 2, pres.stats
-        exp = make_cache(dg, None)
-        apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
-        assert_same(d.call("snapshot", k + "d"), exp, dg)
-        assert_idle(p, k + "p")
-        assert_idle(d, k + "d")
 
 
 @pytest.mark.parametrize("plan", ["direct", "staged"])
@@ -162,17 +165,11 @@ def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str
         p.call("compute_layers", k + "p", 3, LAYERS, 23)
         p.call("kv_ready", k + "p", [r.tid], (LAYERS - 1) * RPL)  # layers 2-4: a part
         p.call("kv_ready", k + "p", [r.tid], LAYERS * RPL)  # the last layer goes alone
-        [dres] = d.call("results", k + "d", 1, 20.0)
-        [pres] = p.call("results", k + "p", 1, 10.0)
-        assert dres.ok and pres.ok
+        d_res, p_res = _pushed_intact(p, d, k, pg, dg, [r])
+        dres, pres = d_res[r.d_rid], p_res[r.p_rid]
         # [0, 2), then [2, 5) and [5, 6), or [2, 6) when both reports are read in one step: never a layer alone
         # before the last.
         assert pres.stats["parts"] in (2, 3) and dres.stats["parts"] == pres.stats["parts"], pres.stats
-        exp = make_cache(dg, None)
-        apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
-        assert_same(d.call("snapshot", k + "d"), exp, dg)
-        assert_idle(p, k + "p")
-        assert_idle(d, k + "d")
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
@@ -229,18 +226,8 @@ def test_large_staged_push_is_pipelined_in_parts(nodes: tuple[Node, Node]) -> No
             for r in reqs:
                 d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
                 p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-            d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
-            p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
-            assert len(d_res) == len(p_res) == len(reqs)
-            assert all(x.ok for x in [*d_res.values(), *p_res.values()])
+            d_res, p_res = _pushed_intact(p, d, k, pg, dg, reqs)
             for r in reqs:
                 assert p_res[r.p_rid].stats["parts"] == 5 and d_res[r.d_rid].stats["parts"] == 5
-            exp = make_cache(dg, None)
-            src = p.call("snapshot", k + "p")
-            for r in reqs:
-                apply_push(exp, dg, src, pg, r)
-            assert_same(d.call("snapshot", k + "d"), exp, dg)
-            assert_idle(p, k + "p")
-            assert_idle(d, k + "d")
     finally:
         p.call("min_part_bytes", old)

@@ -51,6 +51,7 @@ from kvpush.bench.stacks import (
     activate,
     add_stack_arguments,
     build_stacks,
+    comma_list,
     run_with_stacks,
     stack_options,
     start_stacks,
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         help="start all stacks at once and pause the idle ones (quicker, but about 2 GB per server at once)",
     )
     args = ap.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = comma_list(args.modes)
     if any(m not in (BASELINE, *MODES) for m in modes):
         print(f"unknown mode in {modes}; choose from {(BASELINE, *MODES)}", file=sys.stderr)
         return 2

@@ -105,7 +105,9 @@ from kvpush.bench.stacks import (
     activate,
     add_stack_arguments,
     build_stack,
+    comma_list,
     http_get,
+    ints,
     run_with_stacks,
     stack_options,
     start_stacks,
@@ -601,10 +603,6 @@ def report(out_dir: Path, plot_it: bool = True) -> int:
     return 1 if failed else 0
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvpush bench layerwise",
@@ -612,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
-    ap.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS), help="prompt lengths in tokens")
+    ap.add_argument("--lengths", type=ints, default=list(DEFAULT_LENGTHS), help="prompt lengths in tokens")
     ap.add_argument("--reps", type=int, default=DEFAULT_REPS, help="repetitions (one request per mode and length)")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="output tokens per request")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests after each resume")
@@ -636,7 +634,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parsed and checked options (``SystemExit(2)`` on a bad mode or length)."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.modes = comma_list(args.modes)
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
         ap.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")

@@ -53,8 +53,11 @@ from kvpush.bench.stacks import (
     activate,
     add_stack_arguments,
     build_stacks,
+    comma_list,
+    floats,
     histogram_means_ms,
     http_get,
+    ints,
     prompt_token_sources,
     run_with_stacks,
     server_histograms,
@@ -380,14 +383,6 @@ def _bar(total: int, disabled: bool) -> Any:
 # --------------------------------------------------------------------------- #
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvpush bench serve",
@@ -395,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
-    ap.add_argument("--inputs", type=_ints, default=list(DEFAULT_INPUTS), help="input lengths in tokens")
-    ap.add_argument("--qps", type=_floats, default=list(DEFAULT_QPS), help="request rates (requests/s)")
+    ap.add_argument("--inputs", type=ints, default=list(DEFAULT_INPUTS), help="input lengths in tokens")
+    ap.add_argument("--qps", type=floats, default=list(DEFAULT_QPS), help="request rates (requests/s)")
     ap.add_argument("--output", type=int, default=DEFAULT_OUTPUT, help="output tokens per request (ignore_eos)")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--window", type=float, default=10.0, help="seconds of arrivals per point: N = ceil(qps*window)")
@@ -442,7 +437,7 @@ def source_state() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; 0 when every request of every run succeeded, 1 if some failed."""
     args = build_parser().parse_args(argv)
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.modes = comma_list(args.modes)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         print(f"unknown mode(s) {bad}; choose from {MODES}", file=sys.stderr)

@@ -446,6 +446,21 @@ class StackOptions:
         }
 
 
+def comma_list(text: str, convert: Callable[[str], Any] = str) -> list[Any]:
+    """``"a, b,,c"`` -> ``[convert("a"), convert("b"), convert("c")]``: the benchmarks' list options."""
+    return [convert(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def ints(text: str) -> list[int]:
+    """``--lengths 256,1024``-style options (argparse ``type=``)."""
+    return comma_list(text, int)
+
+
+def floats(text: str) -> list[float]:
+    """``--qps 0.5,1``-style options (argparse ``type=``)."""
+    return comma_list(text, float)
+
+
 def add_stack_arguments(
     ap: argparse.ArgumentParser,
     *,
