@@ -172,6 +172,23 @@ def part_count(push_parts: int, nbytes: int) -> int:
     return max(1, min(push_parts, nbytes // max(1, MIN_PART_BYTES)))
 
 
+def ready_part_end(sent: int, ready: int, step: int, total: int, region_bytes: int, min_part_bytes: int) -> int:
+    """Where a layer-wise part posted now ends; ``sent`` means: hold the ready regions back for now.
+
+    Layers are grouped until a part holds ``min_part_bytes`` (a part's fixed
+    host costs stay small next to its bytes). The group is also posted when
+    at most one more report (``step`` regions, the size of the latest one)
+    is left: then the last part, the only one whose pack, WRITE and unpack
+    are not hidden behind the forward, is a single layer instead of the
+    whole last group.
+    """
+    if ready <= sent:
+        return sent
+    if ready >= total or (ready - sent) * region_bytes >= min_part_bytes or total - ready <= step:
+        return ready
+    return sent
+
+
 def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:
     """Cut ``[r0, r1)`` into at most ``parts`` contiguous ranges, the first and last half as large.
 

@@ -172,6 +172,34 @@ def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str
         assert pres.stats["parts"] in (2, 3) and dres.stats["parts"] == pres.stats["parts"], pres.stats
 
 
+def test_the_group_before_the_last_layer_is_posted_so_the_last_layer_goes_alone(nodes: tuple[Node, Node]) -> None:
+    """When one layer is left, the layers held back for a larger part go at once (the tail is one layer)."""
+    p, d = nodes
+    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
+    k = _key("tail")
+    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
+    layer_bytes = RPL * r.n * pg.local_heads * pg.head_bytes
+    cfg = _cfg(plan="staged", layerwise_min_part_bytes=3 * layer_bytes)  # three layers a part
+    with (
+        engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
+    ):
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        _wait_paired(p, k + "p", 1)
+        p.call("compute_layers", k + "p", 0, LAYERS, 31)
+        for layer in range(1, LAYERS):
+            p.call("kv_ready", k + "p", [r.tid], layer * RPL)
+        # Layers [0, 3) made a part; 3 and 4 are two layers, short of a part, but only one layer is left.
+        got = _wait_layers(d, k + "d", dg, r, LAYERS - 1)
+        arrived = [i for i in range(LAYERS) if (got[i, :, r.d_blocks[0]] != SENTINEL).any()]
+        assert arrived == list(range(LAYERS - 1)), f"layers on D: {arrived}, {p.call('stats', k + 'p')}"
+        assert (got[LAYERS - 1] == SENTINEL).all()
+        p.call("kv_ready", k + "p", [r.tid], LAYERS * RPL)
+        d_res, p_res = _pushed_intact(p, d, k, pg, dg, [r])
+        assert p_res[r.p_rid].stats["parts"] == d_res[r.d_rid].stats["parts"] == 3, p_res[r.p_rid].stats
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_abort_in_the_middle_of_the_layers_releases_both_sides(nodes: tuple[Node, Node], side: str) -> None:
     p, d = nodes

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.plan import MIN_PART_BYTES, build_plan, part_count, part_descriptors, split_regions
+from kvpush.plan import MIN_PART_BYTES, build_plan, part_count, part_descriptors, ready_part_end, split_regions
 
 
 @settings(max_examples=200, deadline=None)
@@ -74,3 +74,27 @@ def test_part_count_keeps_parts_large_and_at_most_push_parts() -> None:
     assert part_count(4, 10 * mib) == 1
     assert part_count(1, 512 * mib) == 1
     assert part_count(4, 0) == 1
+
+
+def _layer_parts(layers: int, layer_bytes: int, min_part_bytes: int, per_report: int = 1) -> list[tuple[int, int]]:
+    """The parts a forward reporting ``per_report`` layers at a time is posted in (one region per layer)."""
+    parts, sent = [], 0
+    for ready in range(per_report, layers + 1, per_report):
+        end = ready_part_end(sent, ready, per_report, layers, layer_bytes, min_part_bytes)
+        if end > sent:
+            parts.append((sent, end))
+            sent = end
+    return parts
+
+
+def test_layers_are_grouped_and_the_last_layer_goes_alone() -> None:
+    mib = 1 << 20
+    # 2k tokens of a Qwen3-32B TP8 rank: 1 MiB layers, parts of >= 16 MiB, the last layer alone.
+    assert _layer_parts(64, mib, 16 * mib) == [(0, 16), (16, 32), (32, 48), (48, 63), (63, 64)]
+    # 16k tokens: 8 MiB layers.
+    parts = _layer_parts(64, 8 * mib, 16 * mib)
+    assert parts[:2] == [(0, 2), (2, 4)] and parts[-3:] == [(60, 62), (62, 63), (63, 64)]
+    assert _layer_parts(6, mib, 0) == [(i, i + 1) for i in range(6)]
+    assert _layer_parts(6, mib, 16 * mib, per_report=2) == [(0, 4), (4, 6)]  # the last report, not a layer
+    assert _layer_parts(6, mib, 16 * mib, per_report=6) == [(0, 6)]  # whole-request: one report
+    assert ready_part_end(3, 3, 1, 6, mib, 0) == 3 and ready_part_end(3, 2, 1, 6, mib, 0) == 3

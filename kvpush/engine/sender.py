@@ -26,7 +26,7 @@ from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import Result
 from kvpush.errors import KVPushError, LayoutError
 from kvpush.layout import KVLayout, check_compatible
-from kvpush.plan import Plan, build_plan, part_count, part_descriptors, split_regions
+from kvpush.plan import Plan, build_plan, part_count, part_descriptors, ready_part_end, split_regions
 from kvpush.rendezvous import Decision, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.topology import targets_for
 from kvpush.transport.side_channel import Server
@@ -527,21 +527,20 @@ class Sender(EngineLoop):
         # A staged push on a backend that chains: the packs are queued behind the KV's marker on the
         # device as soon as the regions are reported, instead of after this thread sees the marker.
         chain = plan.kind == "staged" and self.backend.chains_ready
+        last = step = 0  # step: regions added by the report that ``ready`` comes from
         if not (job.cancel or job.error):
             for regions, marker in self._ready.get(job.reg.transfer_id, ()):
-                if regions <= job.sent:
-                    continue
-                if chain:
-                    after = marker if marker is not None else after
-                elif not self.backend.poll_ready(marker):
-                    job.waiting = True
-                    break
-                ready = regions
-        if (
-            job.sent < ready < plan.nregions
-            and (ready - job.sent) * plan.region_bytes < self.cfg.layerwise_min_part_bytes
-        ):
-            ready = job.sent  # too few bytes for a part of their own yet: grouped with the next layers
+                if regions > job.sent:
+                    if chain:
+                        after = marker if marker is not None else after
+                    elif not self.backend.poll_ready(marker):
+                        job.waiting = True
+                        break
+                    ready, step = regions, regions - last
+                last = regions
+        ready = ready_part_end(
+            job.sent, ready, step, plan.nregions, plan.region_bytes, self.cfg.layerwise_min_part_bytes
+        )
         if ready > job.sent:
             assert peer is not None
             tt = self._times.setdefault(job.reg.transfer_id, {})
