@@ -216,7 +216,7 @@ def test_benchmark_runs_on_host_memory(tmp_path: Path) -> None:
     microbenchmark) on host memory: two processes, real NIXL agents, every transfer verified on D.
     Keeps the benchmark from rotting between GPU sessions; says nothing about speed."""
     pytest.importorskip("nixl")
-    from kvpush_cuda.bench import main
+    from kvpush_cuda.bench import LW_MODES, main
 
     out = tmp_path / "bench.json"
     args = ["--backend", "host", "--quick", "--iters", "1", "--patterns", "shuffled", "--strategies", "staged"]
@@ -224,5 +224,5 @@ def test_benchmark_runs_on_host_memory(tmp_path: Path) -> None:
     assert main(args) == 0
     res = json.loads(out.read_text())
     assert {(e["mode"], e["parts"]) for e in res["engine"]} == {("finished", 1), ("ahead", 2)}
-    assert {r["mode"] for r in res["layerwise"]} == {"none", "whole", "layer", "layer_each"}
+    assert {r["mode"] for r in res["layerwise"]} == set(LW_MODES)
     assert all(r["verified"] for r in [*res["engine"], *res["layerwise"]])
