@@ -857,12 +857,29 @@ class PDriver:
         def attention(x: Any) -> Any:
             t = x.shape[0]
             qkv = torch.matmul(x, w_qkv).view(t, qh + 2, hd).transpose(0, 1).unsqueeze(0)
-            q, k, v = qkv[:, :qh], qkv[:, qh : qh + 1], qkv[:, qh + 1 :]
-            return sdpa(q, k.expand(1, qh, t, hd), v.expand(1, qh, t, hd), is_causal=True)
+            # Contiguous, K and V repeated over the query heads: the layout the flash kernel takes.
+            q = qkv[:, :qh].contiguous()
+            k, v = (qkv[:, h : h + 1].expand(1, qh, t, hd).contiguous() for h in (qh, qh + 1))
+            return sdpa(q, k, v, is_causal=True)
+
+        def gpu_ms(fn: Any, reps: int = 5) -> float:
+            fn()
+            s.sync()
+            t0 = time.monotonic()
+            for _ in range(reps):
+                fn()
+            s.sync()
+            return (time.monotonic() - t0) * 1e3 / reps
 
         for tokens in o.lw_tokens:
             x = torch.randn(tokens, hidden, dtype=dt, device=s.device)
             req_blocks = -(-tokens // o.block_size)
+            # One layer's work before vLLM's hook (QKV projection and attention) and after it (o_proj + MLP).
+            split = {
+                "pre_hook_ms": gpu_ms(lambda x=x: attention(x)),
+                "post_hook_ms": gpu_ms(lambda x=x: torch.matmul(x, w_post)),
+            }
+            _log(f"layerwise {tokens:>6}: one layer {split}")
             for mode in LW_MODES:
                 if current != extra_of.get(mode, {}):
                     if sender is not None:
@@ -920,7 +937,7 @@ class PDriver:
                     if it:
                         times.append(row)
                 med = {k: statistics.median(r[k] for r in times) for k in times[0]}
-                rec = {"tokens": tokens, "mode": mode, **{f"median_{k}": v for k, v in med.items()}}
+                rec = {"tokens": tokens, "mode": mode, **split, **{f"median_{k}": v for k, v in med.items()}}
                 rec.update({"runs": times, "verified": ok_all, "detail": detail})
                 _log(f"layerwise {tokens:>6} {mode:>5}: {med} verified={ok_all} {detail}")
                 out.append(rec)

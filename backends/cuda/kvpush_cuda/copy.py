@@ -287,9 +287,14 @@ class PieceCopier:
 
     @property
     def stream(self) -> Any:
-        """The copier's own stream: pack/unpack never queue behind (or block) the model's work."""
+        """The copier's own stream: pack/unpack never queue behind (or block) the model's work.
+
+        High priority: a layer-wise pack is queued while the forward's next
+        GEMM fills every SM; at normal priority its blocks wait for the
+        GEMM's to drain, which puts that wait on the transfer's tail.
+        """
         if self._stream is None and self.device.type == "cuda":
-            self._stream = self._torch.cuda.Stream(device=self.device)
+            self._stream = self._torch.cuda.Stream(device=self.device, priority=-1)
         return self._stream
 
     def _pieces(self, pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
