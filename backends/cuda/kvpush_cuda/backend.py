@@ -49,7 +49,9 @@ class CudaBackend(Backend):
     described yet (else the KV tensors' device is used); ``kernel`` picks the
     pack/unpack implementation (``auto`` = Triton when importable);
     ``tile_bytes`` and ``num_warps`` shape the Triton launch (one program
-    copies one tile of at most ``tile_bytes``).
+    copies one tile of at most ``tile_bytes``); ``stream_priority`` is the
+    copier stream's (CUDA: lower is higher; -1, high, lets a layer-wise pack
+    run beside the forward's GEMMs instead of after them, see ``copy.py``).
     """
 
     name = "cuda"
@@ -62,6 +64,7 @@ class CudaBackend(Backend):
         tile_bytes: int = 4096,
         num_warps: int = 4,
         pack_bandwidth: float = DEFAULT_PACK_BANDWIDTH,
+        stream_priority: int = -1,
     ) -> None:
         self._torch = cuda_torch()
         n = self._torch.cuda.device_count()
@@ -72,6 +75,7 @@ class CudaBackend(Backend):
         self._tile = int(tile_bytes)
         self._warps = int(num_warps)
         self._pack_bw = float(pack_bandwidth)
+        self._priority = int(stream_priority)
         self._spans: dict[int, tuple[int, int]] = {}
         self._staging: dict[int, tuple[int, int]] = {}  # addr -> (size, device)
         self._copiers: dict[int, PieceCopier] = {}
@@ -165,8 +169,16 @@ class CudaBackend(Backend):
 
     def _copier_on(self, dev: int) -> PieceCopier:
         if dev not in self._copiers:
-            self._copiers[dev] = PieceCopier(self._torch, f"cuda:{dev}", self._kernel, self._tile, self._warps)
+            self._copiers[dev] = PieceCopier(
+                self._torch, f"cuda:{dev}", self._kernel, self._tile, self._warps, stream_priority=self._priority
+            )
         return self._copiers[dev]
+
+    def set_stream_priority(self, priority: int) -> None:
+        """Change the copier streams' priority (benchmarks compare them); call while nothing is copying."""
+        self._priority = int(priority)
+        for copier in self._copiers.values():
+            copier.set_stream_priority(self._priority)
 
     def pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         self.bind_thread()

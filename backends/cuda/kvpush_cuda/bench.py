@@ -829,7 +829,8 @@ class PDriver:
         weights). The tensor-parallel all-reduces are left out (they would
         only lengthen what hides the transfer). ``layer_end`` reports each
         layer after its MLP instead: the most a push can lag behind vLLM's
-        hook. ``none`` is the end of the forward; ``whole`` pushes after it.
+        hook; ``layer_lowprio`` is ``layer`` with P's copier stream at normal
+        priority (its packs queue behind the MLP's GEMM). ``none`` is the end of the forward; ``whole`` pushes after it.
         The transfer is planned at pairing in every pushing mode. Overhead =
         D's result - end of this run's forward; the forward of each mode is
         kept too (a push thread that slowed the forward would show there).
@@ -844,9 +845,9 @@ class PDriver:
         # "layer_each": every layer its own part. Each config needs its own sender (D's receiver restarts).
         extra_of = {"layer_each": {"layerwise_min_part_bytes": 0}}
         sender, current = None, None
-        # Per rank: hidden, query heads, head dim, o_proj + MLP weights / hidden. The host dry run only
-        # checks the plumbing.
-        hidden, qh, hd, post = (5120, 8, 128, 10625) if s.cuda else (128, 2, 16, 256)
+        # Per rank: hidden, query heads, head dim, o_proj + MLP weights / hidden (54.4M / 5120, rounded to
+        # a multiple of 64: an odd width took a GEMM 5x slower). The host dry run only checks the plumbing.
+        hidden, qh, hd, post = (5120, 8, 128, 10624) if s.cuda else (128, 2, 16, 256)
         dt = torch.bfloat16 if s.cuda else torch.float32
         w_qkv = torch.randn(hidden, (qh + 2) * hd, dtype=dt, device=s.device) * 0.01
         w_post = torch.randn(hidden, post, dtype=dt, device=s.device) * 0.01
@@ -888,6 +889,8 @@ class PDriver:
                     sender = self._sender(parts, **current)
                 times: list[dict[str, float]] = []
                 ok_all, detail = True, ""
+                if hasattr(s.backend, "set_stream_priority"):
+                    s.backend.set_stream_priority(0 if mode == "layer_lowprio" else -1)
                 for it in range(o.lw_iters + 1):
                     src = np.arange(req_blocks, dtype=np.int64)
                     dst = rng.permutation(o.d_blocks)[:req_blocks].astype(np.int64)
@@ -903,7 +906,7 @@ class PDriver:
                     for i, t in enumerate(layers):
                         _fill_layer(torch, t, i, s.device)  # vLLM writes the KV before the attention
                         attention(x)
-                        if mode in ("layer", "layer_each"):
+                        if mode in ("layer", "layer_lowprio", "layer_each"):
                             sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
                         torch.matmul(x, w_post)
                         if mode == "layer_end":
@@ -1011,7 +1014,7 @@ class PDriver:
         return out
 
 
-LW_MODES = ("none", "whole", "layer", "layer_end", "layer_each")
+LW_MODES = ("none", "whole", "layer", "layer_lowprio", "layer_end", "layer_each")
 """Layer-wise microbenchmark modes: no transfer, whole-request push, layer-wise (grouped), every layer alone."""
 
 

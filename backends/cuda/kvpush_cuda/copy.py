@@ -242,6 +242,7 @@ class PieceCopier:
         tile_bytes: int = 4096,
         num_warps: int = 4,
         cache_entries: int = 32,
+        stream_priority: int = -1,
     ) -> None:
         if kernel not in ("auto", "triton", "torch"):
             raise BackendError(f"unknown CUDA copy kernel {kernel!r}: choose auto, triton or torch")
@@ -254,6 +255,7 @@ class PieceCopier:
         self.requested: str = kernel
         self.kernel: str = kernel
         self._stream: Any = None
+        self.stream_priority = int(stream_priority)
         self._launch: Any = None
         self._cache_entries = cache_entries
         self._tables: OrderedDict[bytes, tuple[Any, int, int]] = OrderedDict()
@@ -289,13 +291,20 @@ class PieceCopier:
     def stream(self) -> Any:
         """The copier's own stream: pack/unpack never queue behind (or block) the model's work.
 
-        High priority: a layer-wise pack is queued while the forward's next
-        GEMM fills every SM; at normal priority its blocks wait for the
-        GEMM's to drain, which puts that wait on the transfer's tail.
+        High priority (the default, -1): a layer-wise pack is queued while the
+        forward's next GEMM fills every SM; at normal priority its blocks can
+        wait for the GEMM's to drain, which puts that wait on the transfer's
+        tail (docs/cuda.md, "Fifth round").
         """
         if self._stream is None and self.device.type == "cuda":
-            self._stream = self._torch.cuda.Stream(device=self.device, priority=-1)
+            self._stream = self._torch.cuda.Stream(device=self.device, priority=self.stream_priority)
         return self._stream
+
+    def set_stream_priority(self, priority: int) -> None:
+        """Use a new stream of this priority from the next copy on (the current one is drained first)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.stream_priority, self._stream = int(priority), None
 
     def _pieces(self, pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """``_unpack_pieces``, remembered for the last few piece arrays *by identity*.

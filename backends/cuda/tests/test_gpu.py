@@ -181,6 +181,27 @@ def test_async_chained_and_prepared_pack_unpack_match_the_synchronous_ones() -> 
         assert be.copy_stats().get("prepared_calls", 0) - before == (len(parts) if prepared else 0), mode
 
 
+def test_copier_stream_is_high_priority_and_its_priority_can_change() -> None:
+    """The copier's stream runs at high priority (a layer-wise pack beside the forward's GEMM); a
+    benchmark can switch it to normal priority between copies, and copies stay correct on the new stream."""
+    be = CudaBackend(device=0)
+    kv = _cuda_kv("flash_nhd", 16, 0, layers=2)
+    layout = be.describe(kv, spec_for("flash_nhd", 16, 2, 16))
+    bases = [r.base for r in layout.regions]
+    pieces = coalesce(map_pieces(layout, layout, np.arange(8), np.arange(8), 8 * 16))
+    pk = np.ascontiguousarray(pieces[:, [0, 2]])
+    staging = be.alloc_staging(int(pk[:, 1].sum()) * len(bases), 0)
+    fill_random(kv, 5)
+    be.pack(bases, pk, staging.addr)
+    want = staging.owner.clone()
+    copier = be._copier_on(0)
+    assert copier.stream.priority < 0, copier.stream.priority
+    be.set_stream_priority(0)
+    staging.owner.zero_()
+    be.wait_ready(be.start_pack(bases, pk, staging.addr))
+    assert copier.stream.priority == 0 and torch.equal(staging.owner, want)
+
+
 @pytest.mark.parametrize("shift", [1, 2, 4, 8, 16])
 def test_triton_copy_any_alignment(shift: int) -> None:
     """Odd offsets and lengths pick narrower loads; bytes around each piece stay untouched."""
