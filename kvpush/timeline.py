@@ -40,7 +40,7 @@ MARKER = "kvpush.timeline "
 VERSION = 1
 
 P_EVENTS = ("registered", "prefill_done", "push_start", "planned", "ready", "packed", "posted", "completed", "released")
-D_EVENTS = ("registered", "sent", "first_part", "completed", "result")
+D_EVENTS = ("registered", "sent", "first_part", "last_part", "completed", "result")
 
 
 # --------------------------------------------------------------------------- #

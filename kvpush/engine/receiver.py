@@ -389,6 +389,7 @@ class Receiver(EngineLoop):
         self._bump("parts_total")
         inc.stats[f"plan_{msg.plan}"] = 1.0
         inc.times.setdefault("first_part", time.monotonic())
+        inc.times["last_part"] = time.monotonic()  # the last one's: what the tail after it is made of
         if msg.plan == "staged":
             if not w.covered.count(0):
                 # This part completes the writer: its unpacks are the critical path now, and short

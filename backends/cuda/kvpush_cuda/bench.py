@@ -924,7 +924,7 @@ class PDriver:
                         row["parts"] = float(stats.get("parts", 0))
                         row["d_unpack_ms_total"] = stats.get("unpack_s", 0.0) * 1e3
                         # Where the tail goes: D's and P's last events, ms after the end of the forward.
-                        for k in ("completed", "result"):
+                        for k in ("last_part", "completed", "result"):
                             if k in d_times:
                                 row[f"d_{k}_ms"] = (d_times[k] - t_fwd) * 1e3
                         p_res = self._released(sender, tid)
