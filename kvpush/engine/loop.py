@@ -48,8 +48,8 @@ class EngineLoop:
         self.name = f"{kind}-{engine_id}-{rank}"
         self.idle_poll_max_s = config.idle_poll_max_s
         self.low_latency = config.busy_poll_max_s < DEFAULT_TIMER_SLACK_S
-        """Polling faster than Linux's timer slack was asked for (GPU hosts): the thread also polls,
-        rather than sleeps until woken, while a push it will make soon waits for its KV."""
+        """Polling faster than Linux's timer slack was asked for (GPU hosts): the thread's sleeps between
+        polls of in-flight transfers are made to end on time (see ``_set_timer_slack``)."""
         self.cfg = config
         self.backend = backend
         self.layout = layout.validate()
@@ -91,6 +91,10 @@ class EngineLoop:
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread soon."""
         self._inbox.put(fn)
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the engine thread step now (from any thread)."""
         try:
             os.write(self._wfd, b"x")
         except (BlockingIOError, OSError):

@@ -24,6 +24,7 @@ from kvpush.backends.base import Backend
 from kvpush.config import Config
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import Result
+from kvpush.engine.waiter import MarkerWaiter
 from kvpush.errors import KVPushError, LayoutError
 from kvpush.layout import KVLayout, check_compatible
 from kvpush.plan import Plan, build_plan, part_count, part_descriptors, ready_part_end, split_regions
@@ -65,7 +66,7 @@ class _Job:
     packing: list[tuple[int, int, Any, Any]] = field(default_factory=list)  # (r0, r1, pack marker, KV marker)
     flying: list[Any] = field(default_factory=list)  # NIXL handles of posted parts not yet done
     made: dict[tuple[int, int], tuple[Any, int]] = field(default_factory=dict)  # (r0, r1) -> unposted WRITE, descs
-    waiting: bool = False  # regions are reported ready but their marker is not reached yet
+    waiting: Any = None  # the marker of regions reported ready, not reached yet (backends that do not chain)
     error: str = ""
     error_stage: str = ""
     cancel: str = ""
@@ -91,6 +92,7 @@ class Sender(EngineLoop):
         super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
         self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s)
         self._peers: dict[tuple[str, int], _Peer] = {}
+        self._waiter: MarkerWaiter | None = None  # created at the first device marker to wait for
         # transfer id -> milestones (regions [0, n) written, marker ordering them), ascending: the
         # forward is issued ahead of the device, so several layers are reported before the first is
         # done, and each layer is pushed as soon as *its* marker is reached.
@@ -148,7 +150,12 @@ class Sender(EngineLoop):
 
     def stats(self) -> dict[str, Any]:
         """Counters and rendezvous sizes (read from the engine thread)."""
-        return self.call_sync(lambda: {**self.counters, **self.rdv.pending(), "peers": len(self._peers)})
+
+        def read() -> dict[str, Any]:
+            waits = self._waiter.waits if self._waiter is not None else 0
+            return {**self.counters, **self.rdv.pending(), "peers": len(self._peers), "marker_waits": waits}
+
+        return self.call_sync(read)
 
     # -- engine thread ---------------------------------------------------
     def setup(self) -> None:
@@ -159,6 +166,8 @@ class Sender(EngineLoop):
         log.info("%s: side channel on %s:%d", self.name, *self.address)
 
     def teardown(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()
         for job in self._jobs:
             for handle in job.flying:
                 self.agent.release(handle)
@@ -183,10 +192,26 @@ class Sender(EngineLoop):
             self.refresh_gauges()
             if len(self._times) > len(self.rdv):
                 self._prune_times()
-        # Busy (short polls) only while WRITEs fly, packs run or a ready marker is awaited; a job
-        # waiting for layers is woken by ``kv_ready``'s call (a pipe: ~0.15 ms to a sleeping thread
-        # on H200 hosts), except in low-latency mode, where it polls for that call too.
-        return any(j.flying or j.waiting or j.packing or self.low_latency for j in self._jobs)
+        return self._busy()
+
+    def _busy(self) -> bool:
+        """Busy (short polls) only while WRITEs fly: those need NIXL's progress, which is ours to drive.
+
+        A device marker (a pack, or the KV it waits for) is left to the
+        waiter thread, which wakes this one when it is reached; a job waiting
+        for layers is woken by ``kv_ready``'s call. Polling for either from
+        here would take the GIL from the forward's launches (``waiter.py``).
+        """
+        if any(j.flying for j in self._jobs):
+            return True
+        for j in self._jobs:
+            marker = j.packing[0][2] if j.packing else j.waiting
+            if marker is not None:
+                if self._waiter is None:
+                    self._waiter = MarkerWaiter(self.backend.wait_ready, self.wake, self.name)
+                self._waiter.watch(marker)
+                return False
+        return False
 
     def _on_message(self, ident: bytes, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.Hello):
@@ -523,7 +548,7 @@ class Sender(EngineLoop):
             except Exception as exc:
                 job.error, job.error_stage = f"post failed: {exc}", "post"
             job.sent = job.posted = plan.nregions
-        ready, job.waiting, after = job.sent, False, None
+        ready, job.waiting, after = job.sent, None, None
         # A staged push on a backend that chains: the packs are queued behind the KV's marker on the
         # device as soon as the regions are reported, instead of after this thread sees the marker.
         chain = plan.kind == "staged" and self.backend.chains_ready
@@ -534,7 +559,7 @@ class Sender(EngineLoop):
                     if chain:
                         after = marker if marker is not None else after
                     elif not self.backend.poll_ready(marker):
-                        job.waiting = True
+                        job.waiting = marker
                         break
                     ready, step = regions, regions - last
                 last = regions

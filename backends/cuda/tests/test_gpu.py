@@ -186,7 +186,7 @@ def test_copier_stream_is_high_priority_and_its_priority_can_change() -> None:
     benchmark can switch it to normal priority between copies, and copies stay correct on the new stream."""
     be = CudaBackend(device=0)
     kv = _cuda_kv("flash_nhd", 16, 0, layers=2)
-    layout = be.describe(kv, spec_for("flash_nhd", 16, 2, 16))
+    layout = be.describe(kv, spec_for("flash_nhd", 16, 2, 64))
     bases = [r.base for r in layout.regions]
     pieces = coalesce(map_pieces(layout, layout, np.arange(8), np.arange(8), 8 * 16))
     pk = np.ascontiguousarray(pieces[:, [0, 2]])
