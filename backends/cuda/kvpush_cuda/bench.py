@@ -825,15 +825,20 @@ class PDriver:
         before it was written would fail D's check), causal attention of 8
         query heads over the prompt (``scaled_dot_product_attention``), then
         vLLM's ``save_kv_layer`` hook (``layer``: the layer's CUDA event is
-        reported there), then o_proj + MLP (one matmul with their 54M
-        weights). The tensor-parallel all-reduces are left out (they would
-        only lengthen what hides the transfer). ``layer_end`` reports each
-        layer after its MLP instead: the most a push can lag behind vLLM's
-        hook; ``layer_lowprio`` is ``layer`` with P's copier stream at normal
-        priority (its packs queue behind the MLP's GEMM). ``none`` is the end of the forward; ``whole`` pushes after it.
-        The transfer is planned at pairing in every pushing mode. Overhead =
-        D's result - end of this run's forward; the forward of each mode is
-        kept too (a push thread that slowed the forward would show there).
+        reported there), then o_proj with the residual, the MLP's gate/up
+        GEMM, SiLU-and-multiply and the down GEMM (54M weights in all). The
+        tensor-parallel all-reduces and the norms are left out (they would
+        only lengthen what hides the transfer). Variants of ``layer``:
+        ``layer_1gemm`` does the post-hook work as one GEMM of the same FLOPs
+        (a persistent GEMM holds every SM until it ends, so a pack queued at
+        the hook waits for all of it: no kernel boundary to slip in at);
+        ``layer_lowprio`` runs P's copier stream at normal priority;
+        ``layer_end`` reports each layer after its MLP instead of at the hook
+        (the most a push can lag behind vLLM's hook). ``none`` is the end of
+        the forward; ``whole`` pushes after it. The transfer is planned at
+        pairing in every pushing mode. Overhead = D's result - end of this
+        run's forward; the forward of each mode is kept too (a push thread
+        that slowed the forward would show there).
         """
         torch, s, o = self.s.torch, self.s, self.s.opts
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -845,12 +850,17 @@ class PDriver:
         # "layer_each": every layer its own part. Each config needs its own sender (D's receiver restarts).
         extra_of = {"layer_each": {"layerwise_min_part_bytes": 0}}
         sender, current = None, None
-        # Per rank: hidden, query heads, head dim, o_proj + MLP weights / hidden (54.4M / 5120, rounded to
-        # a multiple of 64: an odd width took a GEMM 5x slower). The host dry run only checks the plumbing.
-        hidden, qh, hd, post = (5120, 8, 128, 10624) if s.cuda else (128, 2, 16, 256)
+        # Per rank: hidden, query heads, head dim, MLP width, and the one-GEMM stand-in's width (54.4M /
+        # 5120, rounded to a multiple of 64: an odd width took a GEMM 5x slower). The host dry run only
+        # checks the plumbing.
+        hidden, qh, hd, ffn, post = (5120, 8, 128, 3200, 10624) if s.cuda else (128, 2, 16, 64, 256)
         dt = torch.bfloat16 if s.cuda else torch.float32
-        w_qkv = torch.randn(hidden, (qh + 2) * hd, dtype=dt, device=s.device) * 0.01
-        w_post = torch.randn(hidden, post, dtype=dt, device=s.device) * 0.01
+
+        def weights(*shape: int) -> Any:
+            return torch.randn(*shape, dtype=dt, device=s.device) * 0.01
+
+        w_qkv, w_o = weights(hidden, (qh + 2) * hd), weights(qh * hd, hidden)
+        w_gu, w_down, w_post = weights(hidden, 2 * ffn), weights(ffn, hidden), weights(hidden, post)
         out: list[dict[str, Any]] = []
         layers = list(s.kv.values())
         n = 0
@@ -862,6 +872,12 @@ class PDriver:
             q = qkv[:, :qh].contiguous()
             k, v = (qkv[:, h : h + 1].expand(1, qh, t, hd).contiguous() for h in (qh, qh + 1))
             return sdpa(q, k, v, is_causal=True)
+
+        def after_hook(x: Any, a: Any) -> Any:
+            """o_proj + residual, then the MLP, as separate kernels (as vLLM runs them)."""
+            h = x + torch.matmul(a.transpose(1, 2).reshape(x.shape[0], qh * hd), w_o)
+            gu = torch.matmul(h, w_gu)
+            return torch.matmul(torch.nn.functional.silu(gu[:, :ffn]) * gu[:, ffn:], w_down)
 
         def gpu_ms(fn: Any, reps: int = 5) -> float:
             fn()
@@ -878,7 +894,8 @@ class PDriver:
             # One layer's work before vLLM's hook (QKV projection and attention) and after it (o_proj + MLP).
             split = {
                 "pre_hook_ms": gpu_ms(lambda x=x: attention(x)),
-                "post_hook_ms": gpu_ms(lambda x=x: torch.matmul(x, w_post)),
+                "post_hook_ms": gpu_ms(lambda x=x: after_hook(x, attention(x))) - gpu_ms(lambda x=x: attention(x)),
+                "post_hook_1gemm_ms": gpu_ms(lambda x=x: torch.matmul(x, w_post)),
             }
             _log(f"layerwise {tokens:>6}: one layer {split}")
             for mode in LW_MODES:
@@ -905,10 +922,13 @@ class PDriver:
                     t0 = time.monotonic()
                     for i, t in enumerate(layers):
                         _fill_layer(torch, t, i, s.device)  # vLLM writes the KV before the attention
-                        attention(x)
-                        if mode in ("layer", "layer_lowprio", "layer_each"):
+                        a = attention(x)
+                        if mode in ("layer", "layer_1gemm", "layer_lowprio", "layer_each"):
                             sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
-                        torch.matmul(x, w_post)
+                        if mode == "layer_1gemm":
+                            torch.matmul(x, w_post)
+                        else:
+                            after_hook(x, a)
                         if mode == "layer_end":
                             sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
                     last = s.backend.record_ready()
@@ -1014,7 +1034,7 @@ class PDriver:
         return out
 
 
-LW_MODES = ("none", "whole", "layer", "layer_lowprio", "layer_end", "layer_each")
+LW_MODES = ("none", "whole", "layer", "layer_1gemm", "layer_lowprio", "layer_end", "layer_each")
 """Layer-wise microbenchmark modes: no transfer, whole-request push, layer-wise (grouped), every layer alone."""
 
 
