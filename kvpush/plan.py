@@ -189,6 +189,18 @@ def ready_part_end(sent: int, ready: int, step: int, total: int, region_bytes: i
     return sent
 
 
+def next_part_at(sent: int, step: int, total: int, region_bytes: int, min_part_bytes: int) -> int:
+    """The fewest ready regions with which ``ready_part_end`` posts a part after ``sent`` (``step``: 0 if unknown).
+
+    P's forward reports every layer; only these reports can start a part,
+    so only they need to wake the push thread (each wake-up takes the GIL
+    from the forward's launches: ``Sender.kv_ready``).
+    """
+    group = sent + max(1, -(-min_part_bytes // max(1, region_bytes)))
+    last = total - step if step > 0 else total
+    return min(total, group, max(sent + 1, last))
+
+
 def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:
     """Cut ``[r0, r1)`` into at most ``parts`` contiguous ranges, the first and last half as large.
 

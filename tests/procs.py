@@ -153,6 +153,9 @@ class Worker(conformance.Worker):
     def op_loops(self, key: str) -> int:
         return int(self.ranks[key].engine.loops)
 
+    def op_wakeups(self, key: str) -> int:
+        return int(self.ranks[key].engine.wakeups)
+
     def op_layout(self, key: str) -> bytes:
         import msgspec
 

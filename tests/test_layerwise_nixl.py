@@ -200,6 +200,38 @@ def test_the_group_before_the_last_layer_is_posted_so_the_last_layer_goes_alone(
         assert p_res[r.p_rid].stats["parts"] == d_res[r.d_rid].stats["parts"] == 3, p_res[r.p_rid].stats
 
 
+def test_reports_that_cannot_start_a_part_do_not_wake_the_push_thread(nodes: tuple[Node, Node]) -> None:
+    """Layers grouped three a part: the reports of layers 1 and 2 are read later without a wake-up (each
+    would take the GIL from the forward); the third wakes P and the part goes."""
+    p, d = nodes
+    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
+    k = _key("quiet")
+    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
+    layer_bytes = RPL * r.n * pg.local_heads * pg.head_bytes
+    cfg = _cfg(plan="staged", layerwise_min_part_bytes=3 * layer_bytes)
+    with (
+        engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
+    ):
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        _wait_paired(p, k + "p", 1)
+        p.call("compute_layers", k + "p", 0, LAYERS, 41)
+        time.sleep(0.1)
+        woken = p.call("wakeups", k + "p")
+        p.call("kv_ready", k + "p", [r.tid], RPL)
+        p.call("kv_ready", k + "p", [r.tid], 2 * RPL)
+        time.sleep(0.2)
+        assert p.call("wakeups", k + "p") == woken, "a report that cannot start a part woke P"
+        p.call("kv_ready", k + "p", [r.tid], 3 * RPL)
+        got = _wait_layers(d, k + "d", dg, r, 3)
+        assert all((got[i, :, r.d_blocks[0]] != SENTINEL).any() for i in range(3)), "layers 0-2 never came"
+        assert p.call("stats", k + "p")["quiet_reports"] == 2
+        for layer in range(4, LAYERS + 1):
+            p.call("kv_ready", k + "p", [r.tid], layer * RPL)
+        _pushed_intact(p, d, k, pg, dg, [r])
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_abort_in_the_middle_of_the_layers_releases_both_sides(nodes: tuple[Node, Node], side: str) -> None:
     p, d = nodes

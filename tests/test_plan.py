@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.plan import MIN_PART_BYTES, build_plan, part_count, part_descriptors, ready_part_end, split_regions
+from kvpush.plan import (
+    MIN_PART_BYTES,
+    build_plan,
+    next_part_at,
+    part_count,
+    part_descriptors,
+    ready_part_end,
+    split_regions,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -98,3 +106,14 @@ def test_layers_are_grouped_and_the_last_layer_goes_alone() -> None:
     assert _layer_parts(6, mib, 16 * mib, per_report=2) == [(0, 4), (4, 6)]  # the last report, not a layer
     assert _layer_parts(6, mib, 16 * mib, per_report=6) == [(0, 6)]  # whole-request: one report
     assert ready_part_end(3, 3, 1, 6, mib, 0) == 3 and ready_part_end(3, 2, 1, 6, mib, 0) == 3
+
+
+def test_next_part_at_is_the_first_report_that_starts_a_part() -> None:
+    """What ``kv_ready`` wakes the push thread for: exactly the reports ``ready_part_end`` posts at."""
+    for total in (1, 5, 12):
+        for sent in range(total):
+            for step in range(4):
+                for min_bytes in (0, 1, 7, 25, 30, 100):
+                    ends = [ready_part_end(sent, r, step, total, 10, min_bytes) for r in range(sent + 1, total + 1)]
+                    starts = [r for r, end in zip(range(sent + 1, total + 1), ends, strict=True) if end > sent]
+                    assert next_part_at(sent, step, total, 10, min_bytes) == starts[0], (total, sent, step, min_bytes)
