@@ -913,7 +913,8 @@ class PDriver:
             last = s.backend.record_ready()
             s.backend.wait_ready(last)
             t_fwd = time.monotonic()
-            row = {"forward_ms": (t_fwd - t0) * 1e3}
+            # Wall-clock start: lines up a run with outside samples (nvidia-smi's clocks and power).
+            row = {"forward_ms": (t_fwd - t0) * 1e3, "wall_start": time.time() - (time.monotonic() - t0)}
             if mode == "none":
                 return row, True, ""
             if mode == "whole":
