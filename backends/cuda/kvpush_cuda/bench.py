@@ -969,7 +969,7 @@ class PDriver:
                         if it:
                             times[mode].append(row)
             for mode in LW_MODES:
-                med = {k: statistics.median(r[k] for r in times[mode]) for k in times[mode][0]}
+                med = {k: statistics.median(r[k] for r in times[mode]) for k in times[mode][0] if k != "wall_start"}
                 rec = {"tokens": tokens, "mode": mode, **split, **{f"median_{k}": v for k, v in med.items()}}
                 rec.update({"runs": times[mode], "verified": ok_all[mode], "detail": detail[mode]})
                 _log(f"layerwise {tokens:>6} {mode:>5}: {med} verified={ok_all[mode]} {detail[mode]}")
