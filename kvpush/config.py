@@ -55,9 +55,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Longest sleep between two NIXL polls while transfers are in flight (the back-off grows from 20 us
     to this). Lower it where a core is cheap next to latency (GPU hosts: 5e-6): a push's tail is a few
     polls. Below 50 us it also switches on low-latency mode: the engine threads set a 1 us timer slack
-    (else a 5 us sleep lasts ~60 us) and P polls, instead of sleeping until woken, while a planned
-    push waits for its KV (~0.15 ms less from "KV ready" to the first WRITE on H200, at the cost of
-    a mostly busy core on each P rank while prefills with a registration run)."""
+    (else a 5 us sleep lasts ~60 us). Only WRITEs in flight are polled: device markers are waited for
+    by a helper thread that drops the GIL (polling for them took it from the forward's launches)."""
     push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB; the first and
     last half as large), so packing, the wire and D's unpacking overlap; 1 disables the pipelining.
@@ -66,15 +65,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """vLLM connector: push each layer as soon as P's forward has written it (requests whose final
     prefill chunk runs in a step, when D registered), instead of the whole request after the prefill."""
     layerwise_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
-    """With ``layerwise``, shorter prompts are still pushed whole: every layer's part costs a pack, a
-    post and an unpack, which on H200 slowed a 2k-token forward from 30 to 52 ms to save 1.3 ms of
-    transfer; from 8k tokens the forward was unchanged (docs/cuda.md)."""
+    """With ``layerwise``, shorter prompts are still pushed whole: there the parts' host work takes the
+    GIL from a forward whose launches barely keep ahead of the GPU. On H200 (session 5, Qwen3-32B TP8
+    rank) a 2k-token forward was 1.3 ms slower layer-wise, which ate the 1.5 ms it saved; from 4k
+    tokens D had the KV before the forward ended (docs/cuda.md, "Fifth round")."""
     layerwise_min_part_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
-    """With ``layerwise``, a part is posted once at least this many bytes of layers are ready (or the
-    last layer is): layers are grouped so that a part's fixed host costs (pack launch, post, D's
-    unpack launch: 0.1-0.3 ms together on H200) stay small next to its bytes and off the forward's
-    GIL. 0 posts every layer on its own (on H200 a slightly shorter tail at 8-16k tokens, but a 2k
-    forward slowed from 29 to 43-70 ms; docs/cuda.md, "Fourth round")."""
+    """With ``layerwise``, a part is posted once at least this many bytes of layers are ready, or when
+    one layer is left (so the last part is the last layer alone), or with the last layer: layers are
+    grouped so that a part's fixed host costs (pack launch, post, D's unpack launch: 0.1-0.3 ms
+    together on H200) stay small next to its bytes and off the forward's GIL. 0 posts every layer on
+    its own (on H200 a 2k forward slowed from 39 to 62 ms; docs/cuda.md, "Fifth round")."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
 
