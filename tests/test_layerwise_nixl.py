@@ -12,6 +12,8 @@ the layers release everything on both sides.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -135,15 +137,15 @@ def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]
         assert pres.stats["parts"] == 2 and dres.stats["parts"] == 2, pres.stats
 
 
-@pytest.mark.parametrize("plan", ["direct", "staged"])
-def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str) -> None:
-    """``layerwise_min_part_bytes``: a part waits until that many bytes of layers are ready, except the last."""
-    p, d = nodes
+@contextmanager
+def _grouped_push(p: Node, d: Node, name: str, plan: str, layers_a_part: int) -> Iterator[tuple[str, Req, Geom, Geom]]:
+    """One request pushed layer-wise with ``layers_a_part`` layers a part, registered and paired on P
+    before any layer is reported; yields the engines' key, the request and both geometries."""
     pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
-    k = _key("group" + plan)
+    k = _key(name)
     r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
     layer_bytes = RPL * r.n * pg.local_heads * pg.head_bytes
-    cfg = _cfg(plan=plan, layerwise_min_part_bytes=2 * layer_bytes)  # two layers a part
+    cfg = _cfg(plan=plan, layerwise_min_part_bytes=layers_a_part * layer_bytes)
     with (
         engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _d_cfg(plan), "D" + k)]),
@@ -151,6 +153,14 @@ def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str
         d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
         p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
         _wait_paired(p, k + "p", 1)
+        yield k, r, pg, dg
+
+
+@pytest.mark.parametrize("plan", ["direct", "staged"])
+def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str) -> None:
+    """``layerwise_min_part_bytes``: a part waits until that many bytes of layers are ready, except the last."""
+    p, d = nodes
+    with _grouped_push(p, d, "group" + plan, plan, 2) as (k, r, pg, dg):
         p.call("compute_layers", k + "p", 0, 1, 21)
         p.call("kv_ready", k + "p", [r.tid], RPL)
         time.sleep(0.3)
@@ -175,18 +185,7 @@ def test_small_layers_are_grouped_into_parts(nodes: tuple[Node, Node], plan: str
 def test_the_group_before_the_last_layer_is_posted_so_the_last_layer_goes_alone(nodes: tuple[Node, Node]) -> None:
     """When one layer is left, the layers held back for a larger part go at once (the tail is one layer)."""
     p, d = nodes
-    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
-    k = _key("tail")
-    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
-    layer_bytes = RPL * r.n * pg.local_heads * pg.head_bytes
-    cfg = _cfg(plan="staged", layerwise_min_part_bytes=3 * layer_bytes)  # three layers a part
-    with (
-        engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
-        engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
-    ):
-        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
-        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-        _wait_paired(p, k + "p", 1)
+    with _grouped_push(p, d, "tail", "staged", 3) as (k, r, pg, dg):
         p.call("compute_layers", k + "p", 0, LAYERS, 31)
         for layer in range(1, LAYERS):
             p.call("kv_ready", k + "p", [r.tid], layer * RPL)
@@ -204,18 +203,7 @@ def test_reports_that_cannot_start_a_part_do_not_wake_the_push_thread(nodes: tup
     """Layers grouped three a part: the reports of layers 1 and 2 are read later without a wake-up (each
     would take the GIL from the forward); the third wakes P and the part goes."""
     p, d = nodes
-    pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
-    k = _key("quiet")
-    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
-    layer_bytes = RPL * r.n * pg.local_heads * pg.head_bytes
-    cfg = _cfg(plan="staged", layerwise_min_part_bytes=3 * layer_bytes)
-    with (
-        engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
-        engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
-    ):
-        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
-        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-        _wait_paired(p, k + "p", 1)
+    with _grouped_push(p, d, "quiet", "staged", 3) as (k, r, pg, dg):
         p.call("compute_layers", k + "p", 0, LAYERS, 41)
         time.sleep(0.1)
         woken = p.call("wakeups", k + "p")

@@ -109,7 +109,13 @@ class Backend(abc.ABC):
         return None
 
     def wait_ready(self, marker: Any) -> None:
-        """Block the push thread (never the engine) until ``marker`` is reached."""
+        """Block the calling thread (never the model's forward) until ``marker`` is reached.
+
+        P's push thread calls it for its own short copies, and a waiter thread
+        (``kvpush.engine.waiter``) for markers the forward has yet to reach:
+        wait in a call that releases the GIL (CUDA's ``Event.synchronize``
+        does), or the waiting stalls the forward's launches.
+        """
 
     def poll_ready(self, marker: Any) -> bool:
         """Whether ``marker`` is reached, without blocking if the backend can tell.
