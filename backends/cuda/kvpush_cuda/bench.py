@@ -98,6 +98,7 @@ class Options:
     busy_poll_us: float = 50.0
     lw_tokens: tuple[int, ...] = ()
     lw_iters: int = 3
+    gpu_samples: bool = False
     seed: int = 0
     timeout_s: float = 120.0
 
@@ -888,6 +889,15 @@ class PDriver:
             s.sync()
             return (time.monotonic() - t0) * 1e3 / reps
 
+        sampler = None
+        if o.gpu_samples:
+            from kvpush_cuda.gpu_samples import GpuSampler, smi_command
+
+            try:
+                sampler = GpuSampler(smi_command(o.p_device))
+            except OSError as exc:
+                _log(f"no GPU samples: {exc}")
+
         def run(mode: str, tid: str, req_blocks: int, x: Any) -> tuple[dict[str, float], bool, str]:
             """One prefill in ``mode``: the forward, then (pushing modes) D's result and P's release."""
             src = np.arange(req_blocks, dtype=np.int64)
@@ -915,6 +925,9 @@ class PDriver:
             t_fwd = time.monotonic()
             # Wall-clock start: lines up a run with outside samples (nvidia-smi's clocks and power).
             row = {"forward_ms": (t_fwd - t0) * 1e3, "wall_start": time.time() - (time.monotonic() - t0)}
+            if sampler is not None:
+                time.sleep(0.03)  # the samples of the forward's last 20 ms arrive after it
+                row.update(sampler.window(t0, t_fwd))
             if mode == "none":
                 return row, True, ""
             if mode == "whole":
@@ -969,13 +982,16 @@ class PDriver:
                         if it:
                             times[mode].append(row)
             for mode in LW_MODES:
-                med = {k: statistics.median(r[k] for r in times[mode]) for k in times[mode][0] if k != "wall_start"}
+                keys = set().union(*times[mode]) - {"wall_start"}  # GPU samples may miss a short run
+                med = {k: statistics.median(r[k] for r in times[mode] if k in r) for k in sorted(keys)}
                 rec = {"tokens": tokens, "mode": mode, **split, **{f"median_{k}": v for k, v in med.items()}}
                 rec.update({"runs": times[mode], "verified": ok_all[mode], "detail": detail[mode]})
                 _log(f"layerwise {tokens:>6} {mode:>5}: {med} verified={ok_all[mode]} {detail[mode]}")
                 out.append(rec)
         if sender is not None:
             sender.close()
+        if sampler is not None:
+            sampler.close()
         return out
 
     def microbench(self) -> dict[str, Any]:
@@ -1198,6 +1214,15 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
                 )
             ok = all(by[(tokens, m)]["verified"] for m in LW_MODES)
             lines.append(" ".join(cells) + f" {ok}")
+        # P's GPU during the forward (--gpu-samples): median SM clock, mean power, share power-capped.
+        gpu = [r for r in lw if "median_gpu_sm_mhz" in r]
+        if gpu:
+            lines += ["", f"{'tokens':>7} {'mode':>13} {'SM MHz':>7} {'W':>6} {'capped':>6}"]
+            for r in gpu:
+                lines.append(
+                    f"{r['tokens']:>7} {r['mode']:>13} {r['median_gpu_sm_mhz']:>7.0f} {r['median_gpu_power_w']:>6.0f} "
+                    f"{r['median_gpu_power_capped']:>6.2f}"
+                )
     res["table"] = lines
     return res
 
@@ -1287,6 +1312,9 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--busy-poll-us", type=float, default=d.busy_poll_us, help="engines' busy_poll_max_s, in us")
     ap.add_argument("--lw-tokens", default="", help="layer-wise microbenchmark prompt lengths, e.g. 2048,16384")
     ap.add_argument("--lw-iters", type=int, default=d.lw_iters)
+    ap.add_argument(
+        "--gpu-samples", action="store_true", help="layer-wise runs: P's GPU clock and power (nvidia-smi, 20 ms)"
+    )
     ap.add_argument("--quick", action="store_true", help="small request (dry runs): 1024 tokens, 4 layers")
     ap.add_argument("--json", default="", help="write results here")
     ap.add_argument("--plot", default="", help="write a PNG here")
@@ -1321,6 +1349,7 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         busy_poll_us=a.busy_poll_us,
         lw_tokens=tuple(int(x) for x in a.lw_tokens.split(",") if x),
         lw_iters=a.lw_iters,
+        gpu_samples=a.gpu_samples,
         seed=a.seed,
     )
     return opts, a

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -211,18 +212,55 @@ def test_triton_kernel_under_interpreter() -> None:
     assert r.stdout.split()[-3:] == ["True", "True", "True"], r.stdout
 
 
-def test_benchmark_runs_on_host_memory(tmp_path: Path) -> None:
+def test_benchmark_runs_on_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU benchmark's own code (strategies, the engine's finished and ahead modes, the layer-wise
-    microbenchmark) on host memory: two processes, real NIXL agents, every transfer verified on D.
-    Keeps the benchmark from rotting between GPU sessions; says nothing about speed."""
+    microbenchmark with its GPU samples, here from a stand-in for nvidia-smi) on host memory: two
+    processes, real NIXL agents, every transfer verified on D. Keeps the benchmark from rotting between
+    GPU sessions; says nothing about speed."""
     pytest.importorskip("nixl")
     from kvpush_cuda.bench import LW_MODES, main
 
+    smi = tmp_path / "smi.py"
+    smi.write_text("import time\nwhile True:\n    print('1410, 500.5, Active', flush=True)\n    time.sleep(0.005)\n")
+    monkeypatch.setenv("KVPUSH_GPU_SAMPLES_CMD", f"{sys.executable} {smi}")
     out = tmp_path / "bench.json"
     args = ["--backend", "host", "--quick", "--iters", "1", "--patterns", "shuffled", "--strategies", "staged"]
     args += ["--write-descs", "1", "--engine-parts", "2", "--lw-tokens", "64", "--lw-iters", "1", "--json", str(out)]
-    assert main(args) == 0
+    assert main([*args, "--gpu-samples"]) == 0
     res = json.loads(out.read_text())
     assert {(e["mode"], e["parts"]) for e in res["engine"]} == {("finished", 1), ("ahead", 2)}
     assert {r["mode"] for r in res["layerwise"]} == set(LW_MODES)
     assert all(r["verified"] for r in [*res["engine"], *res["layerwise"]])
+    sampled = [r for r in res["layerwise"] if "median_gpu_sm_mhz" in r]  # a forward under 5 ms may have none
+    assert sampled and all(r["median_gpu_sm_mhz"] == 1410 and r["median_gpu_power_capped"] == 1 for r in sampled)
+
+
+def test_gpu_sampler_lines_up_samples_with_a_run() -> None:
+    """``--gpu-samples``' reader, fed by a stand-in for nvidia-smi: lines are parsed (the power-capped
+    flag too, garbage skipped) and a window holds only the samples that arrived inside it."""
+    from kvpush_cuda.gpu_samples import GpuSampler, parse
+
+    assert parse("1980, 612.35, Not Active") == (1980.0, 612.35, False)
+    assert parse("1755, 700.01, Active") == (1755.0, 700.01, True)
+    assert parse("[N/A], 1, Active") is None and parse("garbage") is None
+    script = textwrap.dedent(
+        """
+        import sys, time
+        print("not a sample", flush=True)
+        for i in range(200):
+            print(f"{1500 + (i % 2) * 100}, 650.0, {'Active' if i % 4 == 0 else 'Not Active'}", flush=True)
+            time.sleep(0.005)
+        """
+    )
+    sampler = GpuSampler([sys.executable, "-c", script])
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        win = sampler.window(t0, time.monotonic())
+        assert 10 < win["gpu_samples"] < 100, win
+        assert 1500 <= win["gpu_sm_mhz"] <= 1600 and win["gpu_power_w"] == 650.0, win
+        assert 0.1 < win["gpu_power_capped"] < 0.4, win
+        assert sampler.window(t0 - 100, t0 - 99) == {"gpu_samples": 0}
+    finally:
+        sampler.close()
