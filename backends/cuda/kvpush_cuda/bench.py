@@ -55,6 +55,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpush_cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
+
 POISON = 0xA5
 SLOW_DESCRIPTORS = 20_000
 STRATEGIES = (
@@ -820,19 +822,13 @@ class PDriver:
     def layerwise(self) -> list[dict[str, Any]]:
         """Time-to-KV-on-D after a simulated prefill: no transfer, whole-request push, layer-wise push.
 
-        P's forward is a stand-in with a Qwen3-32B TP8 rank's real GPU work per
-        layer, in vLLM's order: the QKV projection (5120 x 1280), the layer's
-        KV written (P's blocks are zeroed before each run, so a layer pushed
-        before it was written would fail D's check), causal attention of 8
-        query heads over the prompt (``scaled_dot_product_attention``), then
+        P's forward is a stand-in (``standin_layer.StandInLayer``: a Qwen3-32B
+        TP8 rank's layer work in vLLM's order): per layer, the KV written (P's
+        blocks are zeroed before each run, so a layer pushed before it was
+        written would fail D's check), the QKV projection and attention, then
         vLLM's ``save_kv_layer`` hook (``layer``: the layer's CUDA event is
-        reported there), then o_proj with the residual, the MLP's gate/up
-        GEMM, SiLU-and-multiply and the down GEMM (54M weights in all). The
-        tensor-parallel all-reduces and the norms are left out (they would
-        only lengthen what hides the transfer). Variants of ``layer``:
-        ``layer_1gemm`` does the post-hook work as one GEMM of the same FLOPs
-        (a persistent GEMM holds every SM until it ends, so a pack queued at
-        the hook waits for all of it: no kernel boundary to slip in at);
+        reported there), then o_proj and the MLP. Variants of ``layer``:
+        ``layer_1gemm`` does the post-hook work as one GEMM of the same FLOPs;
         ``layer_lowprio`` runs P's copier stream at normal priority;
         ``layer_end`` reports each layer after its MLP instead of at the hook
         (the most a push can lag behind vLLM's hook). ``none`` is the end of
@@ -842,7 +838,6 @@ class PDriver:
         that slowed the forward would show there).
         """
         torch, s, o = self.s.torch, self.s, self.s.opts
-        sdpa = torch.nn.functional.scaled_dot_product_attention
         rng = np.random.default_rng(o.seed + 7)
         nregions = len(s.layout.regions)
         rpl = nregions // o.layers
@@ -851,34 +846,12 @@ class PDriver:
         # "layer_each": every layer its own part. Each config needs its own sender (D's receiver restarts).
         extra_of = {"layer_each": {"layerwise_min_part_bytes": 0}}
         sender, current = None, None
-        # Per rank: hidden, query heads, head dim, MLP width, and the one-GEMM stand-in's width (54.4M /
-        # 5120, rounded to a multiple of 64: an odd width took a GEMM 5x slower). The host dry run only
-        # checks the plumbing.
-        hidden, qh, hd, ffn, post = (5120, 8, 128, 3200, 10624) if s.cuda else (128, 2, 16, 64, 256)
-        dt = torch.bfloat16 if s.cuda else torch.float32
-
-        def weights(*shape: int) -> Any:
-            return torch.randn(*shape, dtype=dt, device=s.device) * 0.01
-
-        w_qkv, w_o = weights(hidden, (qh + 2) * hd), weights(qh * hd, hidden)
-        w_gu, w_down, w_post = weights(hidden, 2 * ffn), weights(ffn, hidden), weights(hidden, post)
+        layer = StandInLayer(
+            torch, s.device, torch.bfloat16 if s.cuda else torch.float32, QWEN3_32B_TP8 if s.cuda else TINY
+        )
         out: list[dict[str, Any]] = []
         layers = list(s.kv.values())
         n = 0
-
-        def attention(x: Any) -> Any:
-            t = x.shape[0]
-            qkv = torch.matmul(x, w_qkv).view(t, qh + 2, hd).transpose(0, 1).unsqueeze(0)
-            # Contiguous, K and V repeated over the query heads: the layout the flash kernel takes.
-            q = qkv[:, :qh].contiguous()
-            k, v = (qkv[:, h : h + 1].expand(1, qh, t, hd).contiguous() for h in (qh, qh + 1))
-            return sdpa(q, k, v, is_causal=True)
-
-        def after_hook(x: Any, a: Any) -> Any:
-            """o_proj + residual, then the MLP, as separate kernels (as vLLM runs them)."""
-            h = x + torch.matmul(a.transpose(1, 2).reshape(x.shape[0], qh * hd), w_o)
-            gu = torch.matmul(h, w_gu)
-            return torch.matmul(torch.nn.functional.silu(gu[:, :ffn]) * gu[:, ffn:], w_down)
 
         def gpu_ms(fn: Any, reps: int = 5) -> float:
             fn()
@@ -911,13 +884,13 @@ class PDriver:
             t0 = time.monotonic()
             for i, t in enumerate(layers):
                 _fill_layer(torch, t, i, s.device)  # vLLM writes the KV before the attention
-                a = attention(x)
+                a = layer.attention(x)
                 if mode in ("layer", "layer_1gemm", "layer_lowprio", "layer_each"):
                     sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
                 if mode == "layer_1gemm":
-                    torch.matmul(x, w_post)
+                    layer.after_hook_one_gemm(x)
                 else:
-                    after_hook(x, a)
+                    layer.after_hook(x, a)
                 if mode == "layer_end":
                     sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
             last = s.backend.record_ready()
@@ -952,13 +925,14 @@ class PDriver:
             return row, ok, det
 
         for tokens in o.lw_tokens:
-            x = torch.randn(tokens, hidden, dtype=dt, device=s.device)
+            x = layer.activations(tokens)
             req_blocks = -(-tokens // o.block_size)
             # One layer's work before vLLM's hook (QKV projection and attention) and after it (o_proj + MLP).
             split = {
-                "pre_hook_ms": gpu_ms(lambda x=x: attention(x)),
-                "post_hook_ms": gpu_ms(lambda x=x: after_hook(x, attention(x))) - gpu_ms(lambda x=x: attention(x)),
-                "post_hook_1gemm_ms": gpu_ms(lambda x=x: torch.matmul(x, w_post)),
+                "pre_hook_ms": gpu_ms(lambda x=x: layer.attention(x)),
+                "post_hook_ms": gpu_ms(lambda x=x: layer.after_hook(x, layer.attention(x)))
+                - gpu_ms(lambda x=x: layer.attention(x)),
+                "post_hook_1gemm_ms": gpu_ms(lambda x=x: layer.after_hook_one_gemm(x)),
             }
             _log(f"layerwise {tokens:>6}: one layer {split}")
             times: dict[str, list[dict[str, float]]] = {m: [] for m in LW_MODES}
