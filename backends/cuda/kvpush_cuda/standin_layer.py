@@ -40,7 +40,7 @@ class StandInLayer:
         t, qh, hd = x.shape[0], self.qh, self.hd
         qkv = self.torch.matmul(x, self.w_qkv).view(t, qh + 2, hd).transpose(0, 1).unsqueeze(0)
         # Contiguous, K and V repeated over the query heads: the layout the flash kernel takes (strided
-        # expand views took a path 4x slower).
+        # expand views took a slow path).
         q = qkv[:, :qh].contiguous()
         k, v = (qkv[:, h : h + 1].expand(1, qh, t, hd).contiguous() for h in (qh, qh + 1))
         return self.torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
