@@ -35,6 +35,7 @@ class MarkerWaiter:
         self._wake = wake
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._asked: Any = None  # the marker most recently asked for (engine thread only)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvpush-wait-{name}", daemon=True)
         self._thread.start()
         self.waits = 0
@@ -47,6 +48,9 @@ class MarkerWaiter:
         self._queue.put(marker)
 
     def close(self, timeout: float = 1.0) -> None:
+        """Stop; a wait still blocked (a hung device) ends without waking anyone: the engine's wake-up
+        pipe is closed by then, and its descriptor may belong to another file."""
+        self._closed = True
         self._queue.put(_STOP)
         self._thread.join(timeout)
 
@@ -60,6 +64,8 @@ class MarkerWaiter:
             except Exception:
                 log.debug("waiting for a device marker failed (the engine's own poll reports it)", exc_info=True)
             self.waits += 1
+            if self._closed:
+                return
             self._wake()
 
 
