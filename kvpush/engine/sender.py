@@ -706,9 +706,7 @@ class Sender(EngineLoop):
             job.packing.pop(0)
             if job.cancel or job.error or peer is None:
                 continue  # nothing more is posted; the pack had to end before P's blocks go back
-            tt = self._times.setdefault(job.reg.transfer_id, {})
-            tt.setdefault("packed", time.perf_counter())
-            self._post_part(job, peer, r0, r1)
+            self._post_part(job, peer, r0, r1)  # it stamps "packed"
 
     def _make_parts(self, job: _Job, peer: _Peer, cut: list[tuple[int, int]]) -> None:
         """Build the WRITEs of the parts ``cut`` that a push whose KV is not ready yet will most likely post.
@@ -718,19 +716,21 @@ class Sender(EngineLoop):
         comes out otherwise (layers) is built when posted, and unused ones are
         released with the job.
         """
-        plan = job.plan
-        assert plan is not None
         try:
             for r0, r1 in cut:
-                local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
-                notif = self._completion(job, r0, r1, local.shape[0])
-                handle = self.agent.prepare_write(
-                    local, str(self.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
-                )
-                job.made[(r0, r1)] = (handle, local.shape[0])
+                job.made[(r0, r1)] = self._build_part(job, peer, r0, r1)
         except Exception:
             log.exception("%s: building %s's WRITEs ahead failed (built when posted)", self.name, job.reg.transfer_id)
             self._release_made(job)
+
+    def _build_part(self, job: _Job, peer: _Peer, r0: int, r1: int) -> tuple[Any, int]:
+        """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count."""
+        plan = job.plan
+        assert plan is not None
+        local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
+        notif = self._completion(job, r0, r1, local.shape[0])
+        handle = self.agent.prepare_write(local, str(self.layout.mem), remote, str(peer.layout.mem), peer.agent, notif)
+        return handle, local.shape[0]
 
     def _release_made(self, job: _Job) -> None:
         for handle, _ in job.made.values():
@@ -743,17 +743,10 @@ class Sender(EngineLoop):
         t1 = time.perf_counter()
         try:
             made = job.made.pop((r0, r1), None)
+            handle, ndesc = made if made is not None else self._build_part(job, peer, r0, r1)
+            state = self.agent.post(handle)
             if made is not None:
-                handle, ndesc = made
-                state = self.agent.post(handle)
                 self._bump("parts_prebuilt_total")
-            else:
-                local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
-                ndesc = local.shape[0]
-                notif = self._completion(job, r0, r1, ndesc)
-                handle, state = self.agent.write(
-                    local, str(self.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
-                )
         except Exception as exc:
             job.error, job.error_stage = f"post failed: {exc}", "post"
             return False

@@ -150,7 +150,7 @@ class Agent:
         Returns the handle and the post state (``DONE``/``PROC``/``ERR``).
         """
         handle = self.prepare_write(local, local_mem, remote, remote_mem, peer, notif)
-        return handle, self._agent.transfer(handle)
+        return handle, self.post(handle)
 
     def prepare_write(
         self,
