@@ -336,27 +336,25 @@ class PieceCopier:
 
         With ``wait=False`` returns an event recorded after the copy (None if nothing to copy).
         """
-        if self._templates and not wait:
-            launched, event = self._prepared_launch("gather", regions, pieces, staging_addr)
-            if launched:
-                return event
-        offs, lens, poss, per_region = self._pieces(pieces)
-        if per_region == 0 or not regions:
-            return None
-        dst = Bases.linear(staging_addr, per_region, len(regions))
-        return self._copy(Bases.of(regions), offs, dst, poss, lens, wait)
+        return self._staged("gather", regions, pieces, staging_addr, wait)
 
     def scatter(self, regions: list[int], pieces: np.ndarray, staging_addr: int, wait: bool = True) -> Any:
         """Inverse of ``gather``."""
+        return self._staged("scatter", regions, pieces, staging_addr, wait)
+
+    def _staged(self, kind: str, regions: list[int], pieces: np.ndarray, staging_addr: int, wait: bool) -> Any:
+        """``gather`` or ``scatter``: a launch ``prepare_*`` computed, else a plain copy."""
         if self._templates and not wait:
-            launched, event = self._prepared_launch("scatter", regions, pieces, staging_addr)
+            launched, event = self._prepared_launch(kind, regions, pieces, staging_addr)
             if launched:
                 return event
         offs, lens, poss, per_region = self._pieces(pieces)
         if per_region == 0 or not regions:
             return None
-        src = Bases.linear(staging_addr, per_region, len(regions))
-        return self._copy(src, poss, Bases.of(regions), offs, lens, wait)
+        linear = Bases.linear(staging_addr, per_region, len(regions))
+        if kind == "gather":
+            return self._copy(Bases.of(regions), offs, linear, poss, lens, wait)
+        return self._copy(linear, poss, Bases.of(regions), offs, lens, wait)
 
     def copy(
         self,
