@@ -172,33 +172,44 @@ def part_count(push_parts: int, nbytes: int) -> int:
     return max(1, min(push_parts, nbytes // max(1, MIN_PART_BYTES)))
 
 
-def ready_part_end(sent: int, ready: int, step: int, total: int, region_bytes: int, min_part_bytes: int) -> int:
+def ready_part_end(
+    sent: int, ready: int, step: int, total: int, region_bytes: int, min_part_bytes: int, lead_layers: int
+) -> int:
     """Where a layer-wise part posted now ends; ``sent`` means: hold the ready regions back for now.
 
-    Layers are grouped until a part holds ``min_part_bytes`` (a part's fixed
-    host costs stay small next to its bytes). The group is also posted when
-    at most one more report (``step`` regions, the size of the latest one)
-    is left: then the last part, the only one whose pack, WRITE and unpack
-    are not hidden behind the forward, is a single layer instead of the
-    whole last group.
+    Ready layers are held back until at most ``lead_layers`` reports
+    (``step`` regions each, the size of the latest one) are left to come:
+    on H200, KV sent over NVLink while the forward runs slowed it by
+    ~1.7 % when sent layer by layer, but not measurably when sent in one
+    burst during the last layers (docs/cuda.md, "Sixth round"), so the push
+    starts as late as still lets it finish with the forward. From then on,
+    layers are grouped until a part holds ``min_part_bytes`` (a part's
+    fixed host costs stay small next to its bytes). The group is also
+    posted when one report is left: then the last part, the only one whose
+    pack, WRITE and unpack are not hidden behind the forward, is a single
+    layer instead of the whole last group.
     """
     if ready <= sent:
         return sent
-    if ready >= total or (ready - sent) * region_bytes >= min_part_bytes or total - ready <= step:
+    left = total - ready
+    if ready >= total or left <= step:
+        return ready
+    if left <= lead_layers * step and (ready - sent) * region_bytes >= min_part_bytes:
         return ready
     return sent
 
 
-def next_part_at(sent: int, step: int, total: int, region_bytes: int, min_part_bytes: int) -> int:
+def next_part_at(sent: int, step: int, total: int, region_bytes: int, min_part_bytes: int, lead_layers: int) -> int:
     """The fewest ready regions with which ``ready_part_end`` posts a part after ``sent`` (``step``: 0 if unknown).
 
     P's forward reports every layer; only these reports can start a part,
     so only they need to wake the push thread (each wake-up takes the GIL
     from the forward's launches: ``Sender.kv_ready``).
     """
-    group = sent + max(1, -(-min_part_bytes // max(1, region_bytes)))
-    last = total - step if step > 0 else total
-    return min(total, group, max(sent + 1, last))
+    if step <= 0:  # no report yet: the first one may post, whatever its size
+        return min(total, sent + 1)
+    group = max(sent + max(1, -(-min_part_bytes // max(1, region_bytes))), total - lead_layers * step)
+    return min(total, group, max(sent + 1, total - step))
 
 
 def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:

@@ -115,7 +115,11 @@ def test_abort_while_unpacking_waits_for_the_unpack(nodes: tuple[Node, Node]) ->
     [r] = _reqs(k, np.random.default_rng(6), 1)
     with (
         deferred(p, d),
-        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", layerwise_min_part_bytes=0), "P" + k)]) as [addr],
+        engines(
+            p,
+            "sender",
+            [(k + "p", pg, _cfg(plan="staged", layerwise_min_part_bytes=0, layerwise_lead_layers=1000), "P" + k)],
+        ) as [addr],
         engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
     ):
         d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
@@ -144,7 +148,7 @@ def test_p_sleeps_while_a_layer_packs_and_the_waiter_wakes_it(nodes: tuple[Node,
     pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32)
     k = _key("async-waiter")
     [r] = _reqs(k, np.random.default_rng(7), 1)
-    cfg = _cfg(plan="staged", layerwise_min_part_bytes=0, busy_poll_max_s=busy_poll)
+    cfg = _cfg(plan="staged", layerwise_min_part_bytes=0, layerwise_lead_layers=1000, busy_poll_max_s=busy_poll)
     with (
         deferred(p, d),
         engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],

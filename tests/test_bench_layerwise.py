@@ -233,7 +233,12 @@ def test_parse_args_defaults_size_the_servers() -> None:
     a = lw.parse_args([])
     assert a.modes == list(lw.MODES) and a.lengths == list(lw.DEFAULT_LENGTHS)
     assert a.max_tokens == 4 and a.reps == lw.DEFAULT_REPS
-    assert a.layer_extra == {"layerwise": True, "layerwise_min_tokens": 0, "layerwise_min_part_bytes": 0}
+    assert a.layer_extra == {
+        "layerwise": True,
+        "layerwise_min_tokens": 0,
+        "layerwise_min_part_bytes": 0,
+        "layerwise_lead_layers": 1000,
+    }
     assert a.max_model_len >= max(lw.DEFAULT_LENGTHS) + 4 and a.max_model_len % 512 == 0
     # Two longest requests fit in each server's KV cache.
     assert a.kv_cache_mib * 2**20 >= 2 * a.max_model_len * lw.kv_bytes_per_token(lw.MODEL_SHAPE)

@@ -49,6 +49,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "layerwise": True,
         "layerwise_min_tokens": 0,
         "layerwise_min_part_bytes": 0,
+        "layerwise_lead_layers": 3,
         "model": "meta-llama/Llama-3.1-8B",
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
@@ -86,6 +87,7 @@ def test_unknown_key_is_named(key: str) -> None:
         ("plan", "fast", ["fast"]),
         ("staging_bytes", -1, [">= 0"]),
         ("staged_min_descriptors", 0, [">= 1"]),
+        ("layerwise_lead_layers", 0, [">= 1"]),
         ("descriptor_cost_us", 0, ["> 0"]),
         ("link_gbps", -25, ["> 0"]),
         ("registration_lease_s", 0, ["> 0"]),

@@ -52,7 +52,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, e2e_single: str) -> Iterat
             cpus=cpus_p,
             # Every prompt layer-wise, however short (the default threshold is 4096 tokens).
             kv_transfer_config=srv.kvpush_transfer_config(
-                "kv_producer", kv_port, layerwise=True, layerwise_min_tokens=0, layerwise_min_part_bytes=0
+                "kv_producer",
+                kv_port,
+                layerwise=True,
+                layerwise_min_tokens=0,
+                # Streaming, every layer its own part: the most interleaving of pushes and the forward.
+                layerwise_min_part_bytes=0,
+                layerwise_lead_layers=1000,
             ),
             check_ports=(kv_port,),
             fast_start=True,

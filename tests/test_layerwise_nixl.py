@@ -27,9 +27,14 @@ LAYERS = 6
 RPL = 2  # regions per layer: the host backend lists K and V of each layer
 
 
+STREAM = 1000
+"""``layerwise_lead_layers`` for streaming: each group goes as soon as it is ready (the default holds
+every layer back until one is left)."""
+
+
 def _p_cfg(plan: str, **kw: Any) -> dict[str, Any]:
     """P posts every ready layer on its own (the engine groups layers under 16 MiB by default)."""
-    return _cfg(plan=plan, layerwise_min_part_bytes=0, **kw)
+    return _cfg(plan=plan, layerwise_min_part_bytes=0, layerwise_lead_layers=STREAM, **kw)
 
 
 def _d_cfg(plan: str) -> dict[str, Any]:
@@ -138,14 +143,17 @@ def test_late_registration_gets_computed_layers_at_once(nodes: tuple[Node, Node]
 
 
 @contextmanager
-def _grouped_push(p: Node, d: Node, name: str, plan: str, layers_a_part: int) -> Iterator[tuple[str, Req, Geom, Geom]]:
-    """One request pushed layer-wise with ``layers_a_part`` layers a part, registered and paired on P
-    before any layer is reported; yields the engines' key, the request and both geometries."""
+def _grouped_push(
+    p: Node, d: Node, name: str, plan: str, layers_a_part: int, lead: int = STREAM
+) -> Iterator[tuple[str, Req, Geom, Geom]]:
+    """One request pushed layer-wise with ``layers_a_part`` layers a part (once ``lead`` layers are left),
+    registered and paired on P before any layer is reported; yields the engines' key, the request and
+    both geometries."""
     pg, dg = Geom(layers=LAYERS, num_blocks=64), Geom(layers=LAYERS, num_blocks=64)
     k = _key(name)
     r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
     layer_bytes = RPL * r.n * pg.local_heads * pg.head_bytes
-    cfg = _cfg(plan=plan, layerwise_min_part_bytes=layers_a_part * layer_bytes)
+    cfg = _cfg(plan=plan, layerwise_min_part_bytes=layers_a_part * layer_bytes, layerwise_lead_layers=lead)
     with (
         engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _d_cfg(plan), "D" + k)]),
@@ -199,25 +207,58 @@ def test_the_group_before_the_last_layer_is_posted_so_the_last_layer_goes_alone(
         assert p_res[r.p_rid].stats["parts"] == d_res[r.d_rid].stats["parts"] == 3, p_res[r.p_rid].stats
 
 
+def _first_report(p: Node, k: str, r: Req) -> int:
+    """Report layer 0 and let P read it (the first report of a request wakes P: it learns how many
+    regions a report adds); returns P's wake-up count after it."""
+    p.call("compute_layers", k + "p", 0, LAYERS, 41)
+    p.call("kv_ready", k + "p", [r.tid], RPL)
+    time.sleep(0.2)
+    return p.call("wakeups", k + "p")
+
+
 def test_reports_that_cannot_start_a_part_do_not_wake_the_push_thread(nodes: tuple[Node, Node]) -> None:
-    """Layers grouped three a part: the reports of layers 1 and 2 are read later without a wake-up (each
-    would take the GIL from the forward); the third wakes P and the part goes."""
+    """Layers grouped four a part: after the first report, those of layers 1 and 2 are read later without
+    a wake-up (each would take the GIL from the forward); the fourth wakes P and the part goes."""
     p, d = nodes
-    with _grouped_push(p, d, "quiet", "staged", 3) as (k, r, pg, dg):
-        p.call("compute_layers", k + "p", 0, LAYERS, 41)
-        time.sleep(0.1)
-        woken = p.call("wakeups", k + "p")
-        p.call("kv_ready", k + "p", [r.tid], RPL)
+    with _grouped_push(p, d, "quiet", "staged", 4) as (k, r, pg, dg):
+        woken = _first_report(p, k, r)
         p.call("kv_ready", k + "p", [r.tid], 2 * RPL)
+        p.call("kv_ready", k + "p", [r.tid], 3 * RPL)
         time.sleep(0.2)
         assert p.call("wakeups", k + "p") == woken, "a report that cannot start a part woke P"
-        p.call("kv_ready", k + "p", [r.tid], 3 * RPL)
-        got = _wait_layers(d, k + "d", dg, r, 3)
-        assert all((got[i, :, r.d_blocks[0]] != SENTINEL).any() for i in range(3)), "layers 0-2 never came"
+        assert (d.call("snapshot", k + "d") == SENTINEL).all(), "a part went before four layers were ready"
+        p.call("kv_ready", k + "p", [r.tid], 4 * RPL)
+        got = _wait_layers(d, k + "d", dg, r, 4)
+        assert all((got[i, :, r.d_blocks[0]] != SENTINEL).any() for i in range(4)), "layers 0-3 never came"
         assert p.call("stats", k + "p")["quiet_reports"] == 2
-        for layer in range(4, LAYERS + 1):
+        for layer in range(5, LAYERS + 1):
             p.call("kv_ready", k + "p", [r.tid], layer * RPL)
         _pushed_intact(p, d, k, pg, dg, [r])
+
+
+@pytest.mark.parametrize("lead", [1, 2])
+def test_layers_are_held_back_until_lead_layers_are_left(nodes: tuple[Node, Node], lead: int) -> None:
+    """The default schedule (``layerwise_lead_layers``): even with parts of any size allowed, no layer goes
+    while more than ``lead`` layers are left, those reports do not wake P, and then every ready layer
+    goes in one part; the rest follow one by one."""
+    p, d = nodes
+    with _grouped_push(p, d, f"hold{lead}", "staged", 0, lead=lead) as (k, r, pg, dg):
+        woken = _first_report(p, k, r)
+        held = LAYERS - lead
+        for layer in range(2, held):
+            p.call("kv_ready", k + "p", [r.tid], layer * RPL)
+        time.sleep(0.3)
+        assert p.call("wakeups", k + "p") == woken, "a held-back report woke P"
+        assert (d.call("snapshot", k + "d") == SENTINEL).all(), "a layer went before the lead was reached"
+        p.call("kv_ready", k + "p", [r.tid], held * RPL)
+        got = _wait_layers(d, k + "d", dg, r, held)
+        arrived = [i for i in range(LAYERS) if (got[i, :, r.d_blocks[0]] != SENTINEL).any()]
+        assert arrived == list(range(held)), arrived
+        for layer in range(held + 1, LAYERS + 1):
+            p.call("kv_ready", k + "p", [r.tid], layer * RPL)
+        d_res, p_res = _pushed_intact(p, d, k, pg, dg, [r])
+        # [0, held) at once, then each of the lead layers alone.
+        assert p_res[r.p_rid].stats["parts"] == d_res[r.d_rid].stats["parts"] == 1 + lead, p_res[r.p_rid].stats
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])

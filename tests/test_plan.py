@@ -84,11 +84,17 @@ def test_part_count_keeps_parts_large_and_at_most_push_parts() -> None:
     assert part_count(4, 0) == 1
 
 
-def _layer_parts(layers: int, layer_bytes: int, min_part_bytes: int, per_report: int = 1) -> list[tuple[int, int]]:
+STREAM = 1 << 30
+"""``lead_layers`` larger than any model: every group is posted as soon as it is ready."""
+
+
+def _layer_parts(
+    layers: int, layer_bytes: int, min_part_bytes: int, per_report: int = 1, lead: int = STREAM
+) -> list[tuple[int, int]]:
     """The parts a forward reporting ``per_report`` layers at a time is posted in (one region per layer)."""
     parts, sent = [], 0
     for ready in range(per_report, layers + 1, per_report):
-        end = ready_part_end(sent, ready, per_report, layers, layer_bytes, min_part_bytes)
+        end = ready_part_end(sent, ready, per_report, layers, layer_bytes, min_part_bytes, lead)
         if end > sent:
             parts.append((sent, end))
             sent = end
@@ -105,15 +111,40 @@ def test_layers_are_grouped_and_the_last_layer_goes_alone() -> None:
     assert _layer_parts(6, mib, 0) == [(i, i + 1) for i in range(6)]
     assert _layer_parts(6, mib, 16 * mib, per_report=2) == [(0, 4), (4, 6)]  # the last report, not a layer
     assert _layer_parts(6, mib, 16 * mib, per_report=6) == [(0, 6)]  # whole-request: one report
-    assert ready_part_end(3, 3, 1, 6, mib, 0) == 3 and ready_part_end(3, 2, 1, 6, mib, 0) == 3
+    assert ready_part_end(3, 3, 1, 6, mib, 0, STREAM) == 3 and ready_part_end(3, 2, 1, 6, mib, 0, STREAM) == 3
+
+
+def test_layers_are_held_until_lead_layers_are_left() -> None:
+    """The default schedule: nothing is posted until ``lead_layers`` are left, then everything ready at once."""
+    mib = 1 << 20
+    # Default (lead 1): the held 63 layers go when one is left, then the last layer alone.
+    assert _layer_parts(64, 8 * mib, 16 * mib, lead=1) == [(0, 63), (63, 64)]
+    assert _layer_parts(64, 8 * mib, 0, lead=1) == [(0, 63), (63, 64)]
+    # lead 4: the held layers go when four are left, then grouped by min_part_bytes, the last alone.
+    assert _layer_parts(64, 8 * mib, 16 * mib, lead=4) == [(0, 60), (60, 62), (62, 63), (63, 64)]
+    assert _layer_parts(64, 8 * mib, 0, lead=4) == [(0, 60), (60, 61), (61, 62), (62, 63), (63, 64)]
+    # Two layers a report: "left" counts reports, so lead 2 starts with four layers left.
+    assert _layer_parts(12, mib, 0, per_report=2, lead=2) == [(0, 8), (8, 10), (10, 12)]
+    # Held bytes under min_part_bytes wait for the one-layer-left rule.
+    assert _layer_parts(8, mib, 16 * mib, lead=4) == [(0, 7), (7, 8)]
+    # A late registration (everything but the last layer already computed) posts at once.
+    assert ready_part_end(0, 63, 1, 64, mib, 16 * mib, 1) == 63
+    assert ready_part_end(0, 40, 1, 64, mib, 0, 1) == 0  # 24 layers left: held
 
 
 def test_next_part_at_is_the_first_report_that_starts_a_part() -> None:
     """What ``kv_ready`` wakes the push thread for: exactly the reports ``ready_part_end`` posts at."""
     for total in (1, 5, 12):
         for sent in range(total):
-            for step in range(4):
+            for step in range(1, 4):
                 for min_bytes in (0, 1, 7, 25, 30, 100):
-                    ends = [ready_part_end(sent, r, step, total, 10, min_bytes) for r in range(sent + 1, total + 1)]
-                    starts = [r for r, end in zip(range(sent + 1, total + 1), ends, strict=True) if end > sent]
-                    assert next_part_at(sent, step, total, 10, min_bytes) == starts[0], (total, sent, step, min_bytes)
+                    for lead in (1, 2, 3, STREAM):
+                        ends = [
+                            ready_part_end(sent, r, step, total, 10, min_bytes, lead)
+                            for r in range(sent + 1, total + 1)
+                        ]
+                        starts = [r for r, end in zip(range(sent + 1, total + 1), ends, strict=True) if end > sent]
+                        got = next_part_at(sent, step, total, 10, min_bytes, lead)
+                        assert got == starts[0], (total, sent, step, min_bytes, lead)
+            # No report yet (step unknown): the first report wakes the push thread, which learns the step.
+            assert next_part_at(sent, 0, total, 10, 100, 1) == sent + 1

@@ -117,7 +117,9 @@ MODES = ("single", "request", "layer")
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 DEFAULT_REPS = 5
 DEFAULT_MAX_TOKENS = 4
-DEFAULT_LAYER_CONFIG = '{"layerwise": true, "layerwise_min_tokens": 0, "layerwise_min_part_bytes": 0}'
+DEFAULT_LAYER_CONFIG = (
+    '{"layerwise": true, "layerwise_min_tokens": 0, "layerwise_min_part_bytes": 0, "layerwise_lead_layers": 1000}'
+)
 COLORS = {"single": "#7f7f7f", "request": "#1f77b4", "layer": "#d62728"}
 LABELS = {
     "single": "single vLLM (no transfer)",

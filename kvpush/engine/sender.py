@@ -592,8 +592,15 @@ class Sender(EngineLoop):
                     ready, step = regions, regions - last
                 last = regions
         job.step = step or job.step
+        cfg = self.cfg
         ready = ready_part_end(
-            job.sent, ready, step, plan.nregions, plan.region_bytes, self.cfg.layerwise_min_part_bytes
+            job.sent,
+            ready,
+            step,
+            plan.nregions,
+            plan.region_bytes,
+            cfg.layerwise_min_part_bytes,
+            cfg.layerwise_lead_layers,
         )
         if ready > job.sent:
             assert peer is not None
@@ -825,7 +832,12 @@ class Sender(EngineLoop):
             plan, tid = job.plan, job.reg.transfer_id
             if plan is not None and job.sent < plan.nregions and not (job.cancel or job.error):
                 at = next_part_at(
-                    job.sent, job.step, plan.nregions, plan.region_bytes, self.cfg.layerwise_min_part_bytes
+                    job.sent,
+                    job.step,
+                    plan.nregions,
+                    plan.region_bytes,
+                    self.cfg.layerwise_min_part_bytes,
+                    self.cfg.layerwise_lead_layers,
                 )
                 wake_at[tid] = min(at, wake_at.get(tid, at))
         self._wake_at = wake_at

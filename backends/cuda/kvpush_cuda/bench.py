@@ -46,6 +46,7 @@ import logging
 import multiprocessing as mp
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -53,6 +54,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvpush_cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
@@ -70,6 +72,51 @@ STRATEGIES = (
     "per_block",
 )
 PATTERNS = ("shuffled", "runs16", "contiguous")
+LW_MODES = ("none", "whole", "layer", "layer_stream", "layer_1gemm", "layer_lowprio", "layer_end", "layer_each")
+"""Layer-wise microbenchmark modes: no transfer, whole-request push, layer-wise (the default schedule: held back
+until one layer is left), streamed in 16 MiB groups, streamed layer by layer; variants in ``layerwise``'s doc."""
+SIM_MODES = {"sim_pack": "pack", "sim_peer": "peer", "sim_pack_peer": "pack+peer", "sim_pull": "pull"}
+"""Diagnostic modes without kvpush: at each layer's hook a side stream (the copier's priority) copies the
+layer's request bytes into a staging buffer (pack: a device copy of the same bytes) and/or to the other
+GPU (peer: P's copy engine over NVLink, as UCX's cuda_ipc does; pull: D's copy engine reads it, as a
+READ issued by D would). They say which of the two slows the
+forward when layers are pushed during it, with no host work at all. A suffix ``_g<K>`` (``sim_peer_g8``)
+sends the peer copy every K layers, K layers' bytes at once; ``layer_mb<N>`` is ``layer`` with parts of at
+least N MiB, streamed (``layerwise_min_part_bytes``): the two ask whether the cost is per byte or per copy."""
+
+
+def _sim_mode(mode: str) -> tuple[str, int] | None:
+    """``sim_*[_g<K>]`` -> (the side copies, K); None for the other modes."""
+    base, _, k = mode.partition("_g")
+    if base not in SIM_MODES or (k and not k.isdigit()) or k == "0":
+        return None
+    return SIM_MODES[base], int(k or 1)
+
+
+STREAM_LEAD = 1 << 20
+"""``layerwise_lead_layers`` of the streaming modes: every group goes as soon as it is ready."""
+
+
+def _mode_cfg(mode: str) -> dict[str, int] | None:
+    """P's config changes a layer-wise mode asks for; None: the defaults (or not a layer-wise mode).
+
+    ``layer_stream``: groups of ``layerwise_min_part_bytes`` (16 MiB) sent as soon as they are ready;
+    ``layer_each``: every layer as soon as it is ready; ``layer_mb<N>``: streaming, parts of N MiB;
+    ``layer_lead<K>``: held back until K layers are left (the default is 1).
+    """
+    if mode == "layer_stream":
+        return {"layerwise_lead_layers": STREAM_LEAD}
+    if mode == "layer_each":
+        return {"layerwise_lead_layers": STREAM_LEAD, "layerwise_min_part_bytes": 0}
+    if mode.startswith("layer_mb") and mode[8:].isdigit():
+        return {"layerwise_lead_layers": STREAM_LEAD, "layerwise_min_part_bytes": int(mode[8:]) << 20}
+    if mode.startswith("layer_lead") and mode[10:].isdigit() and int(mode[10:]) > 0:
+        return {"layerwise_lead_layers": int(mode[10:])}
+    return None
+
+
+def _known_mode(mode: str) -> bool:
+    return mode in LW_MODES or _sim_mode(mode) is not None or _mode_cfg(mode) is not None
 
 
 @dataclass(frozen=True)
@@ -100,6 +147,8 @@ class Options:
     busy_poll_us: float = 50.0
     lw_tokens: tuple[int, ...] = ()
     lw_iters: int = 3
+    lw_modes: tuple[str, ...] = LW_MODES
+    lw_gap_ms: float = 40.0
     gpu_samples: bool = False
     seed: int = 0
     timeout_s: float = 120.0
@@ -827,7 +876,11 @@ class PDriver:
         blocks are zeroed before each run, so a layer pushed before it was
         written would fail D's check), the QKV projection and attention, then
         vLLM's ``save_kv_layer`` hook (``layer``: the layer's CUDA event is
-        reported there), then o_proj and the MLP. Variants of ``layer``:
+        reported there), then o_proj and the MLP. ``layer`` uses P's default
+        schedule (layers held back until one is left, then one burst);
+        ``layer_stream``, ``layer_each``, ``layer_mb<N>`` and ``layer_lead<K>``
+        other schedules (``_mode_cfg``); ``sim_*`` side copies without kvpush
+        (``SIM_MODES``). Other variants of ``layer``:
         ``layer_1gemm`` does the post-hook work as one GEMM of the same FLOPs;
         ``layer_lowprio`` runs P's copier stream at normal priority;
         ``layer_end`` reports each layer after its MLP instead of at the hook
@@ -842,10 +895,10 @@ class PDriver:
         nregions = len(s.layout.regions)
         rpl = nregions // o.layers
         parts = o.engine_parts[0] if o.engine_parts else 4
-        # "layer"/"layer_end": layers grouped into parts of >= layerwise_min_part_bytes (the default);
-        # "layer_each": every layer its own part. Each config needs its own sender (D's receiver restarts).
-        extra_of = {"layer_each": {"layerwise_min_part_bytes": 0}}
-        sender, current = None, None
+        # Modes with their own schedule (_mode_cfg) change P's config between runs (P reads it when it
+        # groups layers; D does not use it), so that all modes take turns with one sender.
+        sender = self._sender(parts)
+        default_cfg = sender.cfg
         layer = StandInLayer(
             torch, s.device, torch.bfloat16 if s.cuda else torch.float32, QWEN3_32B_TP8 if s.cuda else TINY
         )
@@ -871,40 +924,68 @@ class PDriver:
             except OSError as exc:
                 _log(f"no GPU samples: {exc}")
 
+        sims = {m: _sim_mode(m) for m in o.lw_modes}
+        side = _SideCopies(torch, s, o) if s.cuda and any(sims.values()) else None
+
         def run(mode: str, tid: str, req_blocks: int, x: Any) -> tuple[dict[str, float], bool, str]:
             """One prefill in ``mode``: the forward, then (pushing modes) D's result and P's release."""
+            t_setup = time.monotonic()
             src = np.arange(req_blocks, dtype=np.int64)
             dst = rng.permutation(o.d_blocks)[:req_blocks].astype(np.int64)
             for t in layers:
                 t.zero_()
             s.sync()
-            if mode != "none":
+            sim = sims[mode]
+            pushing = mode != "none" and sim is None
+            if pushing:
                 self._announce(sender, tid, src, dst, x.shape[0])
+            # GPU time of each layer's two halves (before/after the hook), from events on the forward's stream.
+            marks: list[Any] | None = [] if s.cuda else None
+
+            def mark() -> None:
+                if marks is not None:
+                    marks.append(torch.cuda.Event(enable_timing=True))
+                    marks[-1].record()
+
+            # Every mode's forward starts the same time after this run's setup began: the GPU's power
+            # limit lets a forward run faster after a longer idle gap, and pairing (pushing modes only)
+            # lengthens the gap (without this, no-transfer forwards ran 1-2 ms slower than whole-push ones).
+            time.sleep(max(0.0, t_setup + o.lw_gap_ms / 1e3 - time.monotonic()))
             s.warm(o.warm_ms)
             t0 = time.monotonic()
             for i, t in enumerate(layers):
+                mark()
                 _fill_layer(torch, t, i, s.device)  # vLLM writes the KV before the attention
                 a = layer.attention(x)
-                if mode in ("layer", "layer_1gemm", "layer_lowprio", "layer_each"):
+                mark()
+                if pushing and mode not in ("whole", "layer_end"):
                     sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
+                elif side is not None and sim is not None:
+                    side.layer(i, t, req_blocks, *sim)
                 if mode == "layer_1gemm":
                     layer.after_hook_one_gemm(x)
                 else:
                     layer.after_hook(x, a)
                 if mode == "layer_end":
                     sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
+            mark()
             last = s.backend.record_ready()
             s.backend.wait_ready(last)
             t_fwd = time.monotonic()
             # Wall-clock start: lines up a run with outside samples (nvidia-smi's clocks and power).
             row = {"forward_ms": (t_fwd - t0) * 1e3, "wall_start": time.time() - (time.monotonic() - t0)}
+            if mode == "whole":  # first: the samples' wait below must not delay the push
+                sender.kv_ready([tid], nregions, last)
+            if sim is not None and side is not None:
+                row["sim_tail_ms"] = (side.wait() - t_fwd) * 1e3
+            if marks:
+                pre = sum(marks[k].elapsed_time(marks[k + 1]) for k in range(0, len(marks) - 1, 2))
+                row.update({"gpu_pre_hook_ms": pre, "gpu_post_hook_ms": marks[0].elapsed_time(marks[-1]) - pre})
             if sampler is not None:
                 time.sleep(0.03)  # the samples of the forward's last 20 ms arrive after it
                 row.update(sampler.window(t0, t_fwd))
-            if mode == "none":
+            if not pushing:
                 return row, True, ""
-            if mode == "whole":
-                sender.kv_ready([tid], nregions, last)
             _, _, stats, ok, det, t_result, d_times = _recv(self.conn, o.timeout_s)
             row["overhead_ms"] = (t_result - t_fwd) * 1e3
             row["kv_on_d_ms"] = (t_result - t0) * 1e3
@@ -935,35 +1016,33 @@ class PDriver:
                 "post_hook_1gemm_ms": gpu_ms(lambda x=x: layer.after_hook_one_gemm(x)),
             }
             _log(f"layerwise {tokens:>6}: one layer {split}")
-            times: dict[str, list[dict[str, float]]] = {m: [] for m in LW_MODES}
-            ok_all, detail = dict.fromkeys(LW_MODES, True), dict.fromkeys(LW_MODES, "")
-            # Modes that share a sender config take turns run by run, so a drift of the GPU's clocks
-            # over the minutes of a length lands on all of them alike.
-            for group in ([m for m in LW_MODES if m not in extra_of], [m for m in LW_MODES if m in extra_of]):
-                if group and current != extra_of.get(group[0], {}):
-                    if sender is not None:
-                        sender.close()
-                    current = extra_of.get(group[0], {})
-                    sender = self._sender(parts, **current)
-                for it in range(o.lw_iters + 1):
-                    for mode in group:
-                        if hasattr(s.backend, "set_stream_priority"):
-                            s.backend.set_stream_priority(0 if mode == "layer_lowprio" else -1)
-                        n += 1
-                        row, ok, det = run(mode, f"lw-{tokens}-{mode}-{n}", req_blocks, x)
-                        ok_all[mode] &= ok
-                        detail[mode] = detail[mode] or det
-                        if it:
-                            times[mode].append(row)
-            for mode in LW_MODES:
+            modes = o.lw_modes
+            times: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            ok_all, detail = dict.fromkeys(modes, True), dict.fromkeys(modes, "")
+            # The modes take turns run by run, so a drift of the GPU's clocks over the minutes of a
+            # length lands on all of them alike, in a new order each round: a run's forward depends on
+            # the one before it (the power limit's controller remembers), which would favour some modes.
+            order = list(modes)
+            for it in range(o.lw_iters + 1):
+                random.Random(o.seed * 7919 + it).shuffle(order)
+                for mode in order:
+                    if hasattr(s.backend, "set_stream_priority"):
+                        s.backend.set_stream_priority(0 if mode == "layer_lowprio" else -1)
+                    sender.cfg = msgspec.structs.replace(default_cfg, **(_mode_cfg(mode) or {}))
+                    n += 1
+                    row, ok, det = run(mode, f"lw-{tokens}-{mode}-{n}", req_blocks, x)
+                    ok_all[mode] &= ok
+                    detail[mode] = detail[mode] or det
+                    if it:
+                        times[mode].append(row)
+            for mode in modes:
                 keys = set().union(*times[mode]) - {"wall_start"}  # GPU samples may miss a short run
                 med = {k: statistics.median(r[k] for r in times[mode] if k in r) for k in sorted(keys)}
                 rec = {"tokens": tokens, "mode": mode, **split, **{f"median_{k}": v for k, v in med.items()}}
                 rec.update({"runs": times[mode], "verified": ok_all[mode], "detail": detail[mode]})
                 _log(f"layerwise {tokens:>6} {mode:>5}: {med} verified={ok_all[mode]} {detail[mode]}")
                 out.append(rec)
-        if sender is not None:
-            sender.close()
+        sender.close()
         if sampler is not None:
             sampler.close()
         return out
@@ -1034,8 +1113,76 @@ class PDriver:
         return out
 
 
-LW_MODES = ("none", "whole", "layer", "layer_1gemm", "layer_lowprio", "layer_end", "layer_each")
-"""Layer-wise microbenchmark modes: no transfer, whole-request push, layer-wise (grouped), every layer alone."""
+class _SideCopies:
+    """The ``sim_*`` modes' side work: a layer's request bytes copied at its hook, off the forward's stream.
+
+    The pack stand-in is a plain device copy of those bytes into a staging buffer (the gather kernel reads
+    and writes as many). Every K layers, K layers' bytes of the staging buffer go to the other GPU: by P's
+    copy engine on a P stream (``peer``: what UCX's cuda_ipc does for P's WRITE), or by D's copy engine on
+    a D stream that waits for the layer's event (``pull``: cudaMemcpyPeerAsync issued on D).
+    """
+
+    def __init__(self, torch: Any, s: Side, o: Options) -> None:
+        self.torch = torch
+        self.stream = torch.cuda.Stream(device=s.device, priority=-1)
+        d_dev = torch.device("cuda", o.d_device)
+        self.d_stream = torch.cuda.Stream(device=d_dev, priority=-1)
+        total = o.layers * 2 * o.req_blocks * o.block_bytes
+        self.stage = torch.empty(total, dtype=torch.uint8, device=s.device)
+        self.peer = torch.empty(total, dtype=torch.uint8, device=d_dev)
+        self.p_blocks, self.layers = o.p_blocks, o.layers
+        self.p_idx, self.d_idx = s.idx, o.d_device
+        self._cudart: Any = None
+
+    def _memcpy_peer_on_d(self, dst: int, src: int, n: int) -> None:
+        import ctypes
+
+        if self._cudart is None:
+            for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+                try:
+                    self._cudart = ctypes.CDLL(name)
+                    break
+                except OSError:
+                    continue
+            else:
+                raise OSError("sim_pull: no libcudart")
+            with self.torch.cuda.device(self.d_idx):
+                self._cudart.cudaDeviceEnablePeerAccess(ctypes.c_int(self.p_idx), ctypes.c_uint(0))  # may be on
+        rc = self._cudart.cudaMemcpyPeerAsync(
+            ctypes.c_void_p(dst),
+            ctypes.c_int(self.d_idx),
+            ctypes.c_void_p(src),
+            ctypes.c_int(self.p_idx),
+            ctypes.c_size_t(n),
+            ctypes.c_void_p(self.d_stream.cuda_stream),
+        )
+        if rc != 0:
+            raise RuntimeError(f"cudaMemcpyPeerAsync: error {rc}")
+
+    def layer(self, i: int, t: Any, req_blocks: int, what: str, k: int) -> None:
+        torch = self.torch
+        flat = t.view(-1).view(torch.uint8)
+        n = flat.numel() * req_blocks // self.p_blocks
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            if "pack" in what:
+                self.stage[i * n : (i + 1) * n].copy_(flat[:n], non_blocking=True)
+            if (i + 1) % k and i + 1 != self.layers:
+                return
+            a, b = (i + 1 - ((i + 1) % k or k)) * n, (i + 1) * n
+            if "peer" in what:
+                self.peer[a:b].copy_(self.stage[a:b], non_blocking=True)
+        if "pull" in what:
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self.d_stream.wait_event(ev)
+            self._memcpy_peer_on_d(self.peer[a:].data_ptr(), self.stage[a:].data_ptr(), b - a)
+
+    def wait(self) -> float:
+        """When the side copies are done (host clock)."""
+        self.stream.synchronize()
+        self.d_stream.synchronize()
+        return time.monotonic()
 
 
 def _prepared(strategy: str) -> bool:
@@ -1164,16 +1311,17 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
         # over the whole-request push's (the issue's goal: <= 0.1); fwd: the run's forward, to compare
         # with none's (a push that slowed the forward would add that to TTFT too).
         # ttft: D's result - the start of the forward, less none's forward (what TTFT gains, all told).
-        pushing = LW_MODES[2:]
+        present = list(dict.fromkeys(r["mode"] for r in lw))
+        pushing = [m for m in present if m not in ("none", "whole") and _sim_mode(m) is None]
         head = [f"{'tokens':>7} {'fwd ms':>7} {'whole +ms':>9} {'fwd':>7} {'ttft':>6}"]
         head += [f"{m + ' +ms':>15} {'/whole':>6} {'fwd':>7} {'ttft':>6}" for m in pushing]
         lines += ["", " ".join(head) + " ok"]
         by = {(r["tokens"], r["mode"]): r for r in lw}
         for tokens in sorted({r["tokens"] for r in lw}):
-            if not all((tokens, m) in by for m in LW_MODES):
+            if not all((tokens, m) in by for m in ("none", "whole", *pushing)):
                 continue
             wh, base = by[(tokens, "whole")], by[(tokens, "none")]["median_forward_ms"]
-            for m in LW_MODES[1:]:
+            for m in ("whole", *pushing):
                 by[(tokens, m)]["ttft_added_ms"] = by[(tokens, m)]["median_kv_on_d_ms"] - base
             cells = [f"{tokens:>7} {base:>7.2f}"]
             cells.append(
@@ -1186,17 +1334,19 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
                     f"{r['median_overhead_ms']:>15.3f} {r['over_whole']:>6.3f} {r['median_forward_ms']:>7.2f} "
                     f"{r['ttft_added_ms']:>6.2f}"
                 )
-            ok = all(by[(tokens, m)]["verified"] for m in LW_MODES)
+            ok = all(by[(tokens, m)]["verified"] for m in ("none", "whole", *pushing))
             lines.append(" ".join(cells) + f" {ok}")
-        # P's GPU during the forward (--gpu-samples): median SM clock, mean power, share power-capped.
-        gpu = [r for r in lw if "median_gpu_sm_mhz" in r]
-        if gpu:
-            lines += ["", f"{'tokens':>7} {'mode':>13} {'SM MHz':>7} {'W':>6} {'capped':>6}"]
-            for r in gpu:
-                lines.append(
-                    f"{r['tokens']:>7} {r['mode']:>13} {r['median_gpu_sm_mhz']:>7.0f} {r['median_gpu_power_w']:>6.0f} "
-                    f"{r['median_gpu_power_capped']:>6.2f}"
-                )
+        # Where a forward's time goes (GPU events around vLLM's hook), and the sim_* modes' side copies.
+        if any("median_gpu_pre_hook_ms" in r for r in lw):
+            cols = ("fwd ms", "+ vs none", "GPU pre", "GPU post", "sim tail")
+            lines += ["", f"{'tokens':>7} {'mode':>13} " + " ".join(f"{c:>9}" for c in cols)]
+            nan = float("nan")
+            for r in lw:
+                base = by.get((r["tokens"], "none"), {}).get("median_forward_ms", nan)
+                keys = ("gpu_pre_hook_ms", "gpu_post_hook_ms", "sim_tail_ms")
+                vals = [r["median_forward_ms"], r["median_forward_ms"] - base]
+                vals += [r.get(f"median_{k}", nan) for k in keys]
+                lines.append(f"{r['tokens']:>7} {r['mode']:>13} " + " ".join(f"{v:>9.2f}" for v in vals))
     res["table"] = lines
     return res
 
@@ -1286,6 +1436,12 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--busy-poll-us", type=float, default=d.busy_poll_us, help="engines' busy_poll_max_s, in us")
     ap.add_argument("--lw-tokens", default="", help="layer-wise microbenchmark prompt lengths, e.g. 2048,16384")
     ap.add_argument("--lw-iters", type=int, default=d.lw_iters)
+    ap.add_argument("--lw-gap-ms", type=float, default=d.lw_gap_ms, help="from a run's setup to its forward")
+    ap.add_argument(
+        "--lw-modes",
+        default=",".join(d.lw_modes),
+        help=f"of {','.join(LW_MODES)}, layer_mb<N>, {','.join(SIM_MODES)}[_g<K>]; with none",
+    )
     ap.add_argument(
         "--gpu-samples", action="store_true", help="layer-wise runs: P's GPU clock and power (nvidia-smi, 20 ms)"
     )
@@ -1300,6 +1456,10 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
             import torch
 
             d_dev = 1 if torch.cuda.device_count() > 1 else 0
+    lw_modes = tuple(a.lw_modes.split(","))
+    unknown = sorted(m for m in lw_modes if not _known_mode(m))
+    if unknown or "none" not in lw_modes:
+        ap.error(f"--lw-modes: unknown {unknown}, or no 'none' (the others are measured against it)")
     opts = Options(
         tokens=1024 if a.quick else a.tokens,
         layers=4 if a.quick else a.layers,
@@ -1323,6 +1483,8 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         busy_poll_us=a.busy_poll_us,
         lw_tokens=tuple(int(x) for x in a.lw_tokens.split(",") if x),
         lw_iters=a.lw_iters,
+        lw_modes=lw_modes,
+        lw_gap_ms=a.lw_gap_ms,
         gpu_samples=a.gpu_samples,
         seed=a.seed,
     )

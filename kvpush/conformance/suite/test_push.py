@@ -255,7 +255,9 @@ def test_layer_by_layer_push_waits_for_each_layer(nodes: tuple[Node, Node], dire
     pg = dg = Geom(num_blocks=32, layers=4)
     seeds, fresh = (710, 810), 711
     req = Req("lw", "lw-p", "lw-d", list(range(31, 1, -1)), list(range(30)), 30 * 16)
-    with engines(p, d, pg, dg, cfg(plan, layerwise_min_part_bytes=0), cfg(plan), seeds, name="lw") as (k, peer):
+    with engines(
+        p, d, pg, dg, cfg(plan, layerwise_min_part_bytes=0, layerwise_lead_layers=1000), cfg(plan), seeds, name="lw"
+    ) as (k, peer):
         dr, pr, layers = push_after_registration(p, d, k, peer, req, "layered_prefill", fresh)
         assert 1 <= dr.stats["parts"] == pr.stats["parts"] <= layers, (dr.stats, pr.stats)
         check_bytes(p, d, k, pg, dg, seeds, [req], p_data=fresh)
