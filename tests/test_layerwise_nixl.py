@@ -29,7 +29,7 @@ RPL = 2  # regions per layer: the host backend lists K and V of each layer
 
 STREAM = 1000
 """``layerwise_lead_layers`` for streaming: each group goes as soon as it is ready (the default holds
-every layer back until one is left)."""
+every layer back until two are left)."""
 
 
 def _p_cfg(plan: str, **kw: Any) -> dict[str, Any]:

@@ -117,7 +117,7 @@ def test_layers_are_grouped_and_the_last_layer_goes_alone() -> None:
 def test_layers_are_held_until_lead_layers_are_left() -> None:
     """The default schedule: nothing is posted until ``lead_layers`` are left, then everything ready at once."""
     mib = 1 << 20
-    # Default (lead 1): the held 63 layers go when one is left, then the last layer alone.
+    # lead 1: the held 63 layers go when one is left, then the last layer alone.
     assert _layer_parts(64, 8 * mib, 16 * mib, lead=1) == [(0, 63), (63, 64)]
     assert _layer_parts(64, 8 * mib, 0, lead=1) == [(0, 63), (63, 64)]
     # lead 4: the held layers go when four are left, then grouped by min_part_bytes, the last alone.

@@ -74,7 +74,7 @@ STRATEGIES = (
 PATTERNS = ("shuffled", "runs16", "contiguous")
 LW_MODES = ("none", "whole", "layer", "layer_stream", "layer_1gemm", "layer_lowprio", "layer_end", "layer_each")
 """Layer-wise microbenchmark modes: no transfer, whole-request push, layer-wise (the default schedule: held back
-until one layer is left), streamed in 16 MiB groups, streamed layer by layer; variants in ``layerwise``'s doc."""
+until two layers are left), streamed in 16 MiB groups, streamed layer by layer; variants in ``layerwise``'s doc."""
 SIM_MODES = {"sim_pack": "pack", "sim_peer": "peer", "sim_pack_peer": "pack+peer", "sim_pull": "pull"}
 """Diagnostic modes without kvpush: at each layer's hook a side stream (the copier's priority) copies the
 layer's request bytes into a staging buffer (pack: a device copy of the same bytes) and/or to the other
@@ -102,7 +102,7 @@ def _mode_cfg(mode: str) -> dict[str, int] | None:
 
     ``layer_stream``: groups of ``layerwise_min_part_bytes`` (16 MiB) sent as soon as they are ready;
     ``layer_each``: every layer as soon as it is ready; ``layer_mb<N>``: streaming, parts of N MiB;
-    ``layer_lead<K>``: held back until K layers are left (the default is 1).
+    ``layer_lead<K>``: held back until K layers are left (the default is 2).
     """
     if mode == "layer_stream":
         return {"layerwise_lead_layers": STREAM_LEAD}
@@ -877,7 +877,7 @@ class PDriver:
         written would fail D's check), the QKV projection and attention, then
         vLLM's ``save_kv_layer`` hook (``layer``: the layer's CUDA event is
         reported there), then o_proj and the MLP. ``layer`` uses P's default
-        schedule (layers held back until one is left, then one burst);
+        schedule (layers held back until two are left, then one burst);
         ``layer_stream``, ``layer_each``, ``layer_mb<N>`` and ``layer_lead<K>``
         other schedules (``_mode_cfg``); ``sim_*`` side copies without kvpush
         (``SIM_MODES``). Other variants of ``layer``:
