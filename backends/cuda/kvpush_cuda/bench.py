@@ -1397,9 +1397,11 @@ def plot_layerwise(res: dict[str, Any], path: str) -> None:
         ("median_overhead_ms", "ms from the end of P's forward to KV on D"),
         ("ttft_added_ms", "ms added: KV on D - no-transfer forward"),
     )
-    colors = dict(zip(LW_MODES[1:], plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    # The pushing modes this run measured (the sim_* modes push nothing to D).
+    modes = [m for m in dict.fromkeys(r["mode"] for r in lw) if m != "none" and _sim_mode(m) is None]
+    colors = dict(zip(modes, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for ax, (key, label) in zip(axes, panels, strict=True):
-        for mode in LW_MODES[1:]:
+        for mode in modes:
             if mode == "layer_1gemm" and key == "ttft_added_ms":
                 continue  # a different forward (one GEMM after the hook): not comparable with none's
             vals = [by.get((t, mode), {}).get(key, float("nan")) for t in tokens]
