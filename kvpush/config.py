@@ -73,14 +73,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """With ``layerwise``, ready layers are held back until at most this many layers of the forward are
     left to compute; then they go at once, and the rest as they come (grouped by
     ``layerwise_min_part_bytes``; the last layer alone). Why hold: on H200 (Qwen3-32B TP8 rank,
-    docs/cuda.md "Sixth round") KV streamed over NVLink during the forward slowed it by 1-2 %
-    (+6.9 ms at 16k tokens; a bare copy-engine copy of the same bytes, no kvpush, +5.9 ms), while one
-    burst two layers before the end cost 0.3-0.5 ms and still finished 0.3-2.4 ms before the forward
-    (4k-16k tokens): TTFT +0.02 / -0.52 / -1.92 ms against +1.81 / +2.14 / +2.57 for a whole-request
-    push. 2 rather than 1: the same TTFT within noise, with more margin for the last layers' pack and
-    unpack. Raise it where the link is slow next to a layer's compute (EFA: this many layers' compute
-    must cover the push); a value >= the model's layer count streams every group as soon as it is
-    ready."""
+    docs/cuda.md "Sixth round") KV streamed over NVLink during the forward slowed it by ~2 %
+    (+6.8 ms at 16k tokens; a bare copy-engine copy of the same bytes, no kvpush, +5.9 ms), while one
+    burst two layers before the end slowed it by 0.3-0.7 ms and still finished 0.2-2.3 ms before it
+    (4k-16k tokens): TTFT +0.05 / -0.49 / -1.51 ms against +2.48 / +2.63 / +3.23 for a whole-request
+    push. 2 rather than 1: the same TTFT within noise in two calls, more margin for the last layers'
+    pack and unpack. Raise it where the link is slow next to a layer's compute (EFA: this many
+    layers' compute must cover the push); a value >= the model's layer count streams every group as
+    soon as it is ready."""
     layerwise_min_part_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
     """With ``layerwise``, once pushing has begun (``layerwise_lead_layers``), a part is posted when at
     least this many bytes of layers are ready, when one layer is left (so the last part is the last
