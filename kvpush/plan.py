@@ -180,7 +180,7 @@ def ready_part_end(
     Ready layers are held back until at most ``lead_layers`` reports
     (``step`` regions each, the size of the latest one) are left to come:
     on H200, KV sent over NVLink while the forward runs slowed it by
-    ~1.7 % when sent layer by layer, but not measurably when sent in one
+    ~2 % when sent layer by layer, but not measurably when sent in one
     burst during the last layers (docs/cuda.md, "Sixth round"), so the push
     starts as late as still lets it finish with the forward. From then on,
     layers are grouped until a part holds ``min_part_bytes`` (a part's
