@@ -56,7 +56,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     to this). Lower it where a core is cheap next to latency (GPU hosts: 5e-6): a push's tail is a few
     polls. Below 50 us it also switches on low-latency mode: the engine threads set a 1 us timer slack
     (else a 5 us sleep lasts ~60 us). Only WRITEs in flight are polled: device markers are waited for
-    by a helper thread that drops the GIL (polling for them took it from the forward's launches)."""
+    by a helper thread that drops the GIL (polling for them took it from the forward's launches), and
+    D polls this fast only for transfers P said it is writing (``Posting``), others every 1 ms."""
     push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB; the first and
     last half as large), so packing, the wire and D's unpacking overlap; 1 disables the pipelining.

@@ -5,8 +5,8 @@ struct. ``decode`` never raises anything but ``ProtocolError`` and bounds what
 it accepts (frame size, id lengths, block counts), so a forged or truncated
 frame costs the receiver one log line, not a crash or an allocation bomb.
 
-Control messages (hello, register, abort, heartbeat) travel over the side
-channel; ``Completion`` and ``Failure`` travel as NIXL notifications so that
+Control messages (hello, register, abort, heartbeat, posting) travel over
+the side channel; ``Completion`` and ``Failure`` travel as NIXL notifications so that
 a completion is ordered after the data it announces.
 """
 
@@ -116,6 +116,22 @@ class Completion(_Msg, tag="done"):
     region_end: NonNeg = 0
 
 
+class Posting(_Msg, tag="posting"):
+    """P rank ``rank`` starts writing this transfer now (side channel, just before its first part).
+
+    Why: D polls NIXL for notifications, and polling every few microseconds
+    takes its engine thread's share of the GIL from D's decode loop (the
+    same cost P's polling had on its forward). With this heads-up D polls
+    fast only for transfers being written, and slowly (``WARM_POLL_S``) for
+    the registrations still waiting on a prefill; a lost heads-up costs
+    latency, never a transfer.
+    """
+
+    transfer_id: Id
+    rank: Rank
+    attempt: NonNeg = 0
+
+
 class Failure(_Msg, tag="fail"):
     """P cannot (or will no longer) write this transfer; D must not wait."""
 
@@ -162,7 +178,7 @@ class TimeReply(_Msg, tag="time_reply"):
     now: float
 
 
-Message = Union[Hello, HelloReply, Register, Completion, Failure, Abort, Heartbeat, TimeQuery, TimeReply]
+Message = Union[Hello, HelloReply, Register, Completion, Posting, Failure, Abort, Heartbeat, TimeQuery, TimeReply]
 
 
 class _Frame(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

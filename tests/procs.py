@@ -153,6 +153,10 @@ class Worker(conformance.Worker):
     def op_loops(self, key: str) -> int:
         return int(self.ranks[key].engine.loops)
 
+    def op_mute_posting(self, key: str) -> None:
+        """P stops telling D that a push starts: as if every ``Posting`` were lost on the way."""
+        self.ranks[key].engine._tell_posting = lambda job, peer: None
+
     def op_wakeups(self, key: str) -> int:
         return int(self.ranks[key].engine.wakeups)
 

@@ -320,3 +320,34 @@ def test_large_staged_push_is_pipelined_in_parts(nodes: tuple[Node, Node]) -> No
                 assert p_res[r.p_rid].stats["parts"] == 5 and d_res[r.d_rid].stats["parts"] == 5
     finally:
         p.call("min_part_bytes", old)
+
+
+@pytest.mark.parametrize("muted", [False, True])
+def test_d_polls_slowly_until_p_says_it_writes(nodes: tuple[Node, Node], muted: bool) -> None:
+    """With a GPU host's 5 us busy poll, D does not spin while its registration waits for P's prefill
+    (each poll would take the GIL from D's decode loop): it polls NIXL every ``WARM_POLL_S`` until P's
+    ``Posting`` says the push starts. Without the heads-up (``muted``: as if it were lost) the push
+    still completes, found by the slow poll."""
+    p, d = nodes
+    pg = dg = Geom(layers=LAYERS, num_blocks=64)
+    k = _key("warm" + "muted" * muted)
+    r = Req(f"{k}-a", f"{k}-p", f"{k}-d", [1, 2, 3, 4], [9, 8, 7, 6], 60)
+    fast = {"busy_poll_max_s": 5e-6, "idle_poll_max_s": 0.02}
+    with (
+        engines(p, "sender", [(k + "p", pg, _p_cfg("staged", **fast), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, {**_d_cfg("staged"), **fast}, "D" + k)]),
+    ):
+        if muted:
+            p.call("mute_posting", k + "p")
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        _wait_paired(p, k + "p", 1)
+        loops = d.call("loops", k + "d")
+        time.sleep(0.5)
+        loops = d.call("loops", k + "d") - loops
+        # ~500 at one poll a millisecond (plus timers); a busy poll at 5-20 us makes tens of thousands.
+        assert loops < 1500, f"D looped {loops} times in 0.5 s while nothing was being written"
+        p.call("compute_layers", k + "p", 0, LAYERS, 51)
+        p.call("kv_ready", k + "p", [r.tid], LAYERS * RPL)
+        _pushed_intact(p, d, k, pg, dg, [r])
+        assert d.call("stats", k + "d").get("postings_total", 0) == (0 if muted else 1)

@@ -25,6 +25,7 @@ from kvpush.protocol import (
     Heartbeat,
     Hello,
     HelloReply,
+    Posting,
     Register,
     StagingGrant,
     TimeQuery,
@@ -96,9 +97,11 @@ MESSAGES = [
     Heartbeat(engine_id="e", rank=0, seq=2**40, sent_at=1712345678.25),
 ]
 # Kept apart so that the fixed indices into MESSAGES used below stay valid.
-TIME_MESSAGES = [
+MORE_MESSAGES = [
     TimeQuery(seq=3, sent_at=1712345678.5),
     TimeReply(seq=3, sent_at=1712345678.5, now=1712345679.125),
+    # Kept out of MESSAGES, whose indices the tests below use.
+    Posting(transfer_id="xfer-1", rank=2, attempt=1),
 ]
 
 
@@ -120,7 +123,7 @@ def _err(data, expected=None) -> str:
 # -- round trips -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("msg", MESSAGES + TIME_MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", MESSAGES + MORE_MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg) -> None:
     data = encode(msg)
     got = decode(data)
@@ -143,7 +146,7 @@ def test_every_message_type_is_covered() -> None:
     """A new message type must get a round-trip case here."""
     from kvpush.protocol import Message
 
-    assert {type(m) for m in MESSAGES + TIME_MESSAGES} == set(Message.__args__)
+    assert {type(m) for m in MESSAGES + MORE_MESSAGES} == set(Message.__args__)
 
 
 def test_frame_is_version_then_message() -> None:
@@ -179,7 +182,7 @@ def test_malformed(data: bytes, words: list[str]) -> None:
         assert w in msg, msg
 
 
-@pytest.mark.parametrize("msg", MESSAGES + TIME_MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", MESSAGES + MORE_MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_truncation_is_a_protocol_error(msg) -> None:
     """A frame cut anywhere (a lost tail of a notification) is reported, never half-decoded."""
     data = encode(msg)

@@ -172,6 +172,10 @@ class EngineLoop:
         """Handle socket events, progress NIXL, run timers; return True while busy."""
         raise NotImplementedError
 
+    def idle_wait_s(self) -> float:
+        """Longest wait for a socket event or a call when the last step was not busy."""
+        return self.idle_poll_max_s
+
     def _run(self) -> None:
         _name_os_thread(f"kvpush-{self.name.split('-', 1)[0]}")
         if self.low_latency:
@@ -187,7 +191,7 @@ class EngineLoop:
         busy = False
         try:
             while not self._stop.is_set():
-                timeout_ms = 0 if busy else int(self.idle_poll_max_s * 1000)
+                timeout_ms = 0 if busy else int(self.idle_wait_s() * 1000)
                 events = dict(self.poller.poll(timeout_ms))
                 if self._rfd in events:
                     self.wakeups += 1

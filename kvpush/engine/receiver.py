@@ -32,6 +32,10 @@ from kvpush.transport.side_channel import Client
 log = logging.getLogger(__name__)
 
 TIMER_PERIOD_S = 0.05
+WARM_POLL_S = 1e-3
+"""How often D polls NIXL notifications for registrations no P rank has said it is writing (``Posting``):
+a fallback for a lost heads-up and for failures P sends as notifications. Transfers being written are
+polled every ``busy_poll_max_s``."""
 REFUSED_RETRY_S = 5.0
 """A P rank that refused the handshake is asked again after this long, on the next registration:
 the refusal may have been transient (a restart in progress) or fixed by redeploying P."""
@@ -113,6 +117,7 @@ class Receiver(EngineLoop):
         self._transfers: dict[str, _Incoming] = {}
         self._superseded: list[_Incoming] = []
         self._unpacking: list[tuple[_Incoming, _Writer]] = []  # writers with an unpack in progress
+        self._hot: set[str] = set()  # transfers a P rank said it is writing (``Posting``): polled busily
         self._next_timer = 0.0
         self.counters: dict[str, float] = {}
         self.start()
@@ -171,7 +176,12 @@ class Receiver(EngineLoop):
             self._next_timer = now + TIMER_PERIOD_S
             self._timers(now)
             self.refresh_gauges()
-        return bool(self._transfers or self._superseded)
+        return bool(self._hot or self._superseded or self._unpacking)
+
+    def idle_wait_s(self) -> float:
+        """Registrations waiting for P to start writing: their notifications are polled every
+        ``WARM_POLL_S``, not every ``busy_poll_max_s`` (each poll takes the GIL from D's decode loop)."""
+        return min(self.idle_poll_max_s, WARM_POLL_S) if self._transfers else self.idle_poll_max_s
 
     def refresh_gauges(self) -> None:
         self.gauges = {
@@ -226,6 +236,7 @@ class Receiver(EngineLoop):
         now = time.monotonic()
         self._bump("registrations_total")
         old = self._transfers.pop(transfer_id, None)
+        self._hot.discard(transfer_id)
         attempt = 0
         if old is not None:
             # Re-issued on D (preempted and re-allocated). P replaces the old
@@ -331,6 +342,11 @@ class Receiver(EngineLoop):
                             self._send_register(inc, w, conn)
                         else:
                             self._writer_final(inc, w, ok=False, reason=conn.reason or inc.aborting)
+        elif isinstance(msg, protocol.Posting):
+            inc = self._transfers.get(msg.transfer_id)
+            if inc is not None and inc.attempt == msg.attempt and msg.rank in inc.writers:
+                self._hot.add(msg.transfer_id)
+                self._bump("postings_total")
         elif isinstance(msg, protocol.Failure):
             self._on_failure(msg)
         elif isinstance(msg, protocol.Heartbeat):
@@ -486,6 +502,7 @@ class Receiver(EngineLoop):
                 self._superseded.remove(inc)
             elif self._transfers.get(inc.transfer_id) is inc:
                 del self._transfers[inc.transfer_id]
+                self._hot.discard(inc.transfer_id)
             good = all(x.ok for x in inc.writers.values()) and not inc.aborting
             why = "" if good else (inc.aborting or next(x.reason for x in inc.writers.values() if not x.ok))
             inc.times["result"] = time.monotonic()

@@ -76,6 +76,7 @@ class _Job:
     made: dict[tuple[int, int], tuple[Any, int]] = field(default_factory=dict)  # (r0, r1) -> unposted WRITE, descs
     waiting: Any = None  # the marker of regions reported ready, not reached yet (backends that do not chain)
     step: int = 0  # regions the latest layer report added (the forward's reports are alike)
+    told: bool = False  # D was told that this push starts (``Posting``)
     error: str = ""
     error_stage: str = ""
     cancel: str = ""
@@ -571,6 +572,7 @@ class Sender(EngineLoop):
             job.cancel = f"D {job.peer_key[0]} rank {job.peer_key[1]} is gone"
         if plan.kind == "empty" and job.sent == 0 and not (job.cancel or job.error):
             assert peer is not None
+            self._tell_posting(job, peer)
             try:
                 self.agent.send_notif(peer.agent, self._completion(job, 0, plan.nregions, 0))
             except Exception as exc:
@@ -666,6 +668,7 @@ class Sender(EngineLoop):
         """
         plan = job.plan
         assert plan is not None
+        self._tell_posting(job, peer)
         job.sent = r1
         if plan.kind != "staged":
             job.stats.setdefault("pack_s", 0.0)  # a direct push has a pack stage of zero, as metrics expect
@@ -685,6 +688,12 @@ class Sender(EngineLoop):
         job.stats["pack_s"] = job.stats.get("pack_s", 0.0) + time.perf_counter() - t0
         job.packing.append((r0, r1, marker, after))
         return True
+
+    def _tell_posting(self, job: _Job, peer: _Peer) -> None:
+        """Once per push, before its first part: D polls busily only for transfers it was told of."""
+        if not job.told:
+            job.told = True
+            self.server.send(peer.ident, protocol.Posting(job.reg.transfer_id, self.rank, job.reg.attempt))
 
     def _post_packed(self, job: _Job, peer: _Peer | None, keep: int = 0) -> None:
         """Post the packed parts whose pack is done, in order, all but the last ``keep``; on cancel drop them.
