@@ -668,10 +668,10 @@ class Sender(EngineLoop):
         """
         plan = job.plan
         assert plan is not None
-        self._tell_posting(job, peer)
         job.sent = r1
         if plan.kind != "staged":
             job.stats.setdefault("pack_s", 0.0)  # a direct push has a pack stage of zero, as metrics expect
+            self._tell_posting(job, peer)
             return self._post_part(job, peer, r0, r1)
         assert plan.pack is not None and self._staging is not None and job.slot is not None
         t0 = time.perf_counter()
@@ -687,6 +687,7 @@ class Sender(EngineLoop):
             return False
         job.stats["pack_s"] = job.stats.get("pack_s", 0.0) + time.perf_counter() - t0
         job.packing.append((r0, r1, marker, after))
+        self._tell_posting(job, peer)  # after the pack's launch: the message is sent while the device packs
         return True
 
     def _tell_posting(self, job: _Job, peer: _Peer) -> None:
