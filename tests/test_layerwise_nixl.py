@@ -208,8 +208,8 @@ def test_the_group_before_the_last_layer_is_posted_so_the_last_layer_goes_alone(
 
 
 def _first_report(p: Node, k: str, r: Req) -> int:
-    """Report layer 0 and let P read it (the first report of a request wakes P: it learns how many
-    regions a report adds); returns P's wake-up count after it."""
+    """Write every layer (the stand-in forward), report layer 0 and let P read it (the first report of
+    a request wakes P: it learns how many regions a report adds); returns P's wake-up count after it."""
     p.call("compute_layers", k + "p", 0, LAYERS, 41)
     p.call("kv_ready", k + "p", [r.tid], RPL)
     time.sleep(0.2)

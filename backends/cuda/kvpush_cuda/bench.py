@@ -54,7 +54,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from kvpush_cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
@@ -744,7 +743,7 @@ class PDriver:
         _wait_xfers(s.agent, handles, o.timeout_s, release=False)
         return {"plan_ms": _ms(t_plan - t0), "pack_ms": _ms(pack_s), "post_ms": _ms(post_s)}
 
-    def _engine_cfg(self, parts: int, **extra: Any) -> dict[str, Any]:
+    def _engine_cfg(self, parts: int) -> dict[str, Any]:
         o = self.s.opts
         return {
             "backend": o.backend,
@@ -753,14 +752,13 @@ class PDriver:
             "busy_poll_max_s": o.busy_poll_us * 1e-6,
             "link_gbps": 200.0,
             "push_parts": parts,
-            **extra,
         }
 
-    def _sender(self, parts: int, **extra: Any) -> Any:
+    def _sender(self, parts: int) -> Any:
         from kvpush.config import Config
         from kvpush.engine import Sender
 
-        cfg = self._engine_cfg(parts, **extra)
+        cfg = self._engine_cfg(parts)
         sender = Sender(Config.from_dict(cfg), self.s.backend, self.s.layout, engine_id="P", rank=0, tp_size=1)
         self.conn.send(("engine_start", cfg))
         _recv(self.conn, self.s.opts.timeout_s)
@@ -1028,7 +1026,7 @@ class PDriver:
                 for mode in order:
                     if hasattr(s.backend, "set_stream_priority"):
                         s.backend.set_stream_priority(0 if mode == "layer_lowprio" else -1)
-                    sender.cfg = msgspec.structs.replace(default_cfg, **(_mode_cfg(mode) or {}))
+                    sender.cfg = default_cfg.replace(**(_mode_cfg(mode) or {}))
                     n += 1
                     row, ok, det = run(mode, f"lw-{tokens}-{mode}-{n}", req_blocks, x)
                     ok_all[mode] &= ok
