@@ -1,6 +1,6 @@
 """Push one 16k-token request GPU0 -> GPU1 with every strategy, next to peer copy.
 
-Thin wrapper over ``kvpush_cuda.bench`` (install ``backends/cuda`` first):
+Thin wrapper over ``kvpush_tools.cuda.bench`` (install ``backends/cuda`` first):
 
     python examples/bench_cuda_push.py --json results/cuda.json --plot results/cuda.png
 
@@ -9,7 +9,7 @@ Thin wrapper over ``kvpush_cuda.bench`` (install ``backends/cuda`` first):
 
 import sys
 
-from kvpush_cuda.bench import main
+from kvpush_tools.cuda.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """kvpush against vLLM's NixlConnector (pull) and NixlPushConnector (push) under a Poisson load.
 
-Thin wrapper over ``kvpush.bench.serve`` (the same as ``kvpush bench serve``):
+Thin wrapper over ``kvpush_tools.bench.serve`` (the same as ``kvpush bench serve``):
 
     python examples/bench_serve.py --quick                 # one point, one iteration
     python examples/bench_serve.py                         # the default sweep (~30-40 min here)
@@ -13,7 +13,7 @@ Writes ``results/bench_serve/run-<time>/`` (``--out`` to change): one JSON per
 
 import sys
 
-from kvpush.bench.serve import main
+from kvpush_tools.bench.serve import main
 
 if __name__ == "__main__":
     sys.exit(main())

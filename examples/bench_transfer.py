@@ -1,6 +1,6 @@
 """Push one long-prompt request between two processes over real NIXL, per plan and block pattern.
 
-Thin wrapper over ``kvpush.bench.transfer`` (the same as ``kvpush bench transfer``):
+Thin wrapper over ``kvpush_tools.bench.transfer`` (the same as ``kvpush bench transfer``):
 
     python examples/bench_transfer.py                  # 4096 tokens = 128 MiB, all plans and patterns
     python examples/bench_transfer.py --tokens 16384   # the full 16k-token prompt (512 MiB)
@@ -11,7 +11,7 @@ Writes ``results/bench_transfer/transfer_<tokens>tok.{json,png}`` (``--out`` to 
 
 import sys
 
-from kvpush.bench.transfer import main
+from kvpush_tools.bench.transfer import main
 
 if __name__ == "__main__":
     sys.exit(main())

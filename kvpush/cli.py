@@ -12,20 +12,29 @@ import argparse
 import importlib
 import sys
 
+INSTALL_HINTS = {
+    "kvpush_tools": "; install the tooling beside the product: pip install -e tools",
+    "aiohttp": "; install the router's extra: pip install 'kvpush[router]'",
+}
+"""What to install when a command's module (or what it imports) is missing."""
+
 # name -> (module with main(argv), one-line help); "bench" has subcommands of its own.
 COMMANDS: dict[str, tuple[str, str]] = {
     "conformance": ("kvpush.conformance.cli", "run the backend conformance suite against one backend"),
     "router": ("kvpush.integrations.router", "run the P/D router in front of vLLM servers"),
-    "demo": ("kvpush.demo.run", "run the end-to-end demo"),
+    "demo": ("kvpush_tools.demo.run", "run the end-to-end demo"),
     "doctor": ("kvpush.doctor", "check this host: NIXL plugins, devices, backends"),
     "timeline": ("kvpush.timeline", "render a transfer timeline"),
 }
 BENCH: dict[str, tuple[str, str]] = {
-    "transfer": ("kvpush.bench.transfer", "benchmark pushes between two processes"),
-    "serve": ("kvpush.bench.serve", "TTFT/TPOT of kvpush vs vLLM's NIXL connectors under Poisson load"),
-    "plot": ("kvpush.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
-    "idle": ("kvpush.bench.idle", "CPU used by an idle P/D pair, per connector"),
-    "layerwise": ("kvpush.bench.layerwise", "TTFT vs prompt length: single vLLM, whole-request push, layer-wise push"),
+    "transfer": ("kvpush_tools.bench.transfer", "benchmark pushes between two processes"),
+    "serve": ("kvpush_tools.bench.serve", "TTFT/TPOT of kvpush vs vLLM's NIXL connectors under Poisson load"),
+    "plot": ("kvpush_tools.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
+    "idle": ("kvpush_tools.bench.idle", "CPU used by an idle P/D pair, per connector"),
+    "layerwise": (
+        "kvpush_tools.bench.layerwise",
+        "TTFT vs prompt length: single vLLM, whole-request push, layer-wise push",
+    ),
 }
 
 
@@ -33,8 +42,10 @@ def _run(module: str, name: str, argv: list[str]) -> int:
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):
-            print(f"kvpush {name}: not available in this install ({module} is missing)", file=sys.stderr)
+        missing = exc.name or ""
+        if missing and (module.startswith(missing) or missing in INSTALL_HINTS):
+            hint = INSTALL_HINTS.get(missing.split(".")[0], "")
+            print(f"kvpush {name}: not available in this install ({missing} is missing){hint}", file=sys.stderr)
             return 2
         raise
     entry = getattr(mod, "main", None)

@@ -14,7 +14,7 @@ import pytest
 from e2e_cluster import E2EServers
 from procs import Node
 
-from kvpush.demo import servers as srv
+from kvpush_tools.demo import servers as srv
 
 SINGLE = "e2e_single"
 

@@ -29,8 +29,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpush.demo import servers as srv
-from kvpush.demo.tiny_model import make_tiny_model
+from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

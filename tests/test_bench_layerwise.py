@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvpush import cli
-from kvpush.bench import layerwise as lw
-from kvpush.bench import stacks
+from kvpush_tools.bench import layerwise as lw
+from kvpush_tools.bench import stacks
 
 # --------------------------------------------------------------------------- #
 # Plan
@@ -308,7 +308,7 @@ def test_build_gives_each_mode_its_own_stack(tmp_path: Path) -> None:
 def test_run_with_stacks_exit_codes_and_always_stops(monkeypatch: pytest.MonkeyPatch) -> None:
     import signal
 
-    from kvpush.demo.servers import ServerError
+    from kvpush_tools.demo.servers import ServerError
 
     stopped: list[list[str]] = []
     monkeypatch.setattr(stacks, "stop_stacks", lambda sts: stopped.append([s.mode for s in sts]))

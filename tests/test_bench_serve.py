@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpush.bench import idle, loadgen, plot_serve
-from kvpush.bench.loadgen import MODES, RequestOutput
-from kvpush.bench.serve import request_body, run_load, send_one, sweep_plan
+from kvpush_tools.bench import idle, loadgen, plot_serve
+from kvpush_tools.bench.loadgen import MODES, RequestOutput
+from kvpush_tools.bench.serve import request_body, run_load, send_one, sweep_plan
 
 # --------------------------------------------------------------------------- #
 # Load schedule
@@ -197,7 +197,7 @@ def test_results_load_aggregate_and_ratios(tmp_path: Path) -> None:
 
 
 def test_server_histogram_means_between_scrapes() -> None:
-    from kvpush.bench.stacks import histogram_means_ms
+    from kvpush_tools.bench.stacks import histogram_means_ms
 
     before = {"vllm:request_queue_time_seconds": (1.0, 10.0), "vllm:time_to_first_token_seconds": (2.0, 4.0)}
     after = {"vllm:request_queue_time_seconds": (1.5, 15.0), "vllm:time_to_first_token_seconds": (2.0, 4.0)}
@@ -310,7 +310,7 @@ def test_send_one_reports_connection_errors() -> None:
 
     import aiohttp
 
-    from kvpush.demo.servers import free_port
+    from kvpush_tools.demo.servers import free_port
 
     async def go() -> RequestOutput:
         async with aiohttp.ClientSession() as s:
@@ -366,7 +366,7 @@ def test_idle_table_and_plot(tmp_path: Path) -> None:
 
 @pytest.mark.heavy
 def test_quick_sweep_end_to_end(tmp_path: Path) -> None:
-    from kvpush.bench import serve
+    from kvpush_tools.bench import serve
 
     rc = serve.main(["--quick", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0

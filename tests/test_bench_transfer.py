@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpush.bench.transfer import PATTERNS, Shape, block_ids, main, per_block_descriptors
 from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush_tools.bench.transfer import PATTERNS, Shape, block_ids, main, per_block_descriptors
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

@@ -32,8 +32,8 @@ from test_e2e_vllm import (
     wait_all_released,
 )
 
-from kvpush.demo import servers as srv
-from kvpush.demo.tiny_model import prompt_words
+from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo.tiny_model import prompt_words
 
 pytestmark = pytest.mark.e2e
 

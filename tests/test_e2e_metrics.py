@@ -29,9 +29,9 @@ import pytest
 from e2e_cluster import E2EServers
 
 from kvpush import timeline
-from kvpush.demo import servers as srv
-from kvpush.demo.tiny_model import prompt_words
 from kvpush.metrics import P_STAGES, sample_sum
+from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo.tiny_model import prompt_words
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from e2e_cluster import E2EServers
 
-from kvpush.demo import servers as srv
-from kvpush.demo.tiny_model import prompt_words
+from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo.tiny_model import prompt_words
 
 pytestmark = pytest.mark.e2e
 

@@ -676,12 +676,12 @@ def test_vllm_push_learns_engine_id_then_goes_concurrent() -> None:
 
 
 # --------------------------------------------------------------------------- #
-# The process launcher (kvpush.demo.servers) and the router's CLI, for real.
+# The process launcher (kvpush_tools.demo.servers) and the router's CLI, for real.
 # --------------------------------------------------------------------------- #
 
 
 def test_launcher_reports_a_dying_server_with_its_log(tmp_path: Any) -> None:
-    from kvpush.demo.servers import ServerError, ServerProcess
+    from kvpush_tools.demo.servers import ServerError, ServerProcess
 
     cmd = [sys.executable, "-c", "import sys; print('model not found: /nope', flush=True); sys.exit(3)"]
     s = ServerProcess("victim", cmd, closed_port_url(), tmp_path / "victim.log").start()
@@ -704,7 +704,7 @@ time.sleep(600)
 
 
 def test_launcher_stop_kills_the_whole_process_group(tmp_path: Any) -> None:
-    from kvpush.demo.servers import ServerError, ServerProcess
+    from kvpush_tools.demo.servers import ServerError, ServerProcess
 
     # A server that ignores SIGINT, with a child that would outlive it.
     (tmp_path / "stubborn.py").write_text(STUBBORN)
@@ -729,7 +729,7 @@ def test_launcher_dying_takes_its_servers_along(tmp_path: Any) -> None:
     (tmp_path / "launcher.py").write_text(
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from kvpush.demo.servers import ServerProcess\n"
+        "from kvpush_tools.demo.servers import ServerProcess\n"
         "d = Path(sys.argv[1])\n"
         "cmd = [sys.executable, str(d / 'stubborn.py')]\n"
         "s = ServerProcess('x', cmd, 'http://127.0.0.1:1', d / 'x.log', guard_grace=1.0).start()\n"
@@ -772,7 +772,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
-    from kvpush.demo.servers import free_port, port_is_free, router_server
+    from kvpush_tools.demo.servers import free_port, port_is_free, router_server
 
     async def go() -> None:
         async with cluster() as c:
@@ -794,7 +794,7 @@ def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
 def test_tiny_model_prompts_have_exactly_n_tokens() -> None:
     """The e2e test relies on prompt lengths in tokens; checked on the tiny
     model's tokenizer itself (built without transformers, so it is quick)."""
-    from kvpush.demo.tiny_model import MIN_VOCAB_SIZE, UNK, _tokenizer, prompt_words, vocabulary
+    from kvpush_tools.demo.tiny_model import MIN_VOCAB_SIZE, UNK, _tokenizer, prompt_words, vocabulary
 
     words = vocabulary(2048)
     assert len(set(words)) == 2048 and vocabulary(MIN_VOCAB_SIZE) == words[:MIN_VOCAB_SIZE]

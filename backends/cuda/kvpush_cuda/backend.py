@@ -34,7 +34,7 @@ from kvpush_cuda.describe import allocation_registrations, describe_strided
 log = logging.getLogger(__name__)
 
 # Gather or scatter speed of the Triton kernel on H200 (bytes/s, read + write
-# counted once): measured by kvpush_cuda.bench, see docs/cuda.md.
+# counted once): measured by kvpush_tools.cuda.bench, see docs/cuda.md.
 DEFAULT_PACK_BANDWIDTH = 1.0e12
 # Test support: GPU cycles (~25 ms on an H200) that write_bytes keeps the stream busy before its copy, like
 # a long prefill, so the conformance suite's ordering test fails when record_ready does not order the write

@@ -7,10 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpush_cuda.variants import canonical  # noqa: E402
-
 from kvpush.backends.base import CacheSpec  # noqa: E402
 from kvpush.layout import KVLayout, TokenOrder  # noqa: E402
+from kvpush_cuda.variants import canonical  # noqa: E402
 
 
 def spec_for(variant: str, bs: int, heads: int, d: int, order: str = "NHD") -> CacheSpec:

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
-from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
-from kvpush_cuda.describe import allocation_registrations, describe_strided
-from kvpush_cuda.variants import VARIANTS, kv_split, make_kv
 
 from kvpush.errors import BackendError
 from kvpush.layout import MemKind, TokenOrder, coalesce, map_pieces
+from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
+from kvpush_cuda.describe import allocation_registrations, describe_strided
+from kvpush_cuda.variants import VARIANTS, kv_split, make_kv
 
 torch = pytest.importorskip("torch")
 
@@ -218,7 +218,7 @@ def test_benchmark_runs_on_host_memory(tmp_path: Path, monkeypatch: pytest.Monke
     processes, real NIXL agents, every transfer verified on D. Keeps the benchmark from rotting between
     GPU sessions; says nothing about speed."""
     pytest.importorskip("nixl")
-    from kvpush_cuda.bench import LW_MODES, main
+    from kvpush_tools.cuda.bench import LW_MODES, main
 
     smi = tmp_path / "smi.py"
     smi.write_text("import time\nwhile True:\n    print('1410, 500.5, Active', flush=True)\n    time.sleep(0.005)\n")
@@ -238,7 +238,7 @@ def test_benchmark_runs_on_host_memory(tmp_path: Path, monkeypatch: pytest.Monke
 def test_gpu_sampler_lines_up_samples_with_a_run() -> None:
     """``--gpu-samples``' reader, fed by a stand-in for nvidia-smi: lines are parsed (the power-capped
     flag too, garbage skipped) and a window holds only the samples that arrived inside it."""
-    from kvpush_cuda.gpu_samples import GpuSampler, parse
+    from kvpush_tools.cuda.gpu_samples import GpuSampler, parse
 
     assert parse("1980, 612.35, Not Active") == (1980.0, 612.35, False)
     assert parse("1755, 700.01, Active") == (1755.0, 700.01, True)

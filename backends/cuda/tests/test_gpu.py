@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
-from kvpush_cuda import CudaBackend
-from kvpush_cuda.variants import canonical, make_kv
 
 from kvpush.errors import BackendError
 from kvpush.layout import MemKind, coalesce, map_pieces
+from kvpush_cuda import CudaBackend
+from kvpush_cuda.variants import canonical, make_kv
 
 torch = pytest.importorskip("torch")
 
@@ -248,7 +248,7 @@ def test_push_between_processes_through_nixl() -> None:
     """P and D processes with real NIXL agents (UCX cuda_ipc between GPUs): every strategy and the
     engine move a small request byte-exactly (the benchmark's own verification, at --quick size)."""
     pytest.importorskip("nixl")
-    from kvpush_cuda.bench import main
+    from kvpush_tools.cuda.bench import main
 
     rc = main(
         [

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from kvpush_neuron.layout import nxdi_bhsd_spec, nxdi_block_spec, nxdi_kv_caches, paged_spec
 
 from kvpush.backends.base import CacheSpec
+from kvpush_neuron.layout import nxdi_bhsd_spec, nxdi_block_spec, nxdi_kv_caches, paged_spec
 
 KINDS = ("paged", "nxdi_block", "bhsd")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvpush_neuron import NeuronTensor
 
 STANDIN_SRC = Path(__file__).parent / "standin" / "nrt_standin.c"

@@ -12,13 +12,13 @@ from _kvmodel import Side, random_arrays
 from _standin import delayed_write
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpush_neuron import Mode, NeuronBackend, NeuronTensor, ReadyMarker
-from kvpush_neuron import vllm_neuron as hooks
-from kvpush_neuron.runtime import Placement
 
 from kvpush.backends import load_backend
 from kvpush.errors import BackendError
 from kvpush.layout import MemKind
+from kvpush_neuron import Mode, NeuronBackend, NeuronTensor, ReadyMarker
+from kvpush_neuron import vllm_neuron as hooks
+from kvpush_neuron.runtime import Placement
 
 SIDE = Side("paged", 2, 4, 0, 1, 8, "float16", 4, 6)
 

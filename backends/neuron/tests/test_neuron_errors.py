@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from _standin import compile_standin
-from kvpush_neuron import NeuronBackend, NeuronTensor, paged_spec
-from kvpush_neuron.runtime import NrtError, Placement, Status, load_runtime
 
 from kvpush.backends import load_backend
 from kvpush.errors import BackendError, ConfigError
+from kvpush_neuron import NeuronBackend, NeuronTensor, paged_spec
+from kvpush_neuron.runtime import NrtError, Placement, Status, load_runtime
 
 SPEC = paged_spec(block_size=4, num_heads=2, head_dim=8, dtype="float16")
 SHAPE = (2, 3, 4, 2, 8)

@@ -16,12 +16,12 @@ import pytest
 from _kvmodel import KINDS, Side, expected_after, random_arrays, same_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvpush_neuron import NeuronTensor
-from kvpush_neuron.layout import nxdi_kv_caches, slot_of, virtual_blocks
 
 from kvpush.backends.tensors import describe_paged
 from kvpush.errors import LayoutError
 from kvpush.layout import MemKind, TokenOrder, coalesce, descriptors, map_pieces, sort_coalesce
+from kvpush_neuron import NeuronTensor
+from kvpush_neuron.layout import nxdi_kv_caches, slot_of, virtual_blocks
 
 DTYPES = ("float16", "float32", "uint8")
 

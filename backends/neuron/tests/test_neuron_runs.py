@@ -6,12 +6,12 @@ import numpy as np
 from _kvmodel import Side, random_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpush_neuron import NeuronBackend, NeuronTensor
-from kvpush_neuron.runs import read_runs
 
 from kvpush.backends.tensors import describe_paged
 from kvpush.layout import MemKind, map_pieces
 from kvpush.plan import unpack_pieces
+from kvpush_neuron import NeuronBackend, NeuronTensor
+from kvpush_neuron.runs import read_runs
 
 
 @settings(max_examples=100, deadline=None)

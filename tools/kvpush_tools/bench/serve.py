@@ -3,7 +3,7 @@
 For each mode -- ``kvpush`` (our connector), ``vllm-pull`` (vLLM's
 ``NixlConnector``) and ``vllm-push`` (vLLM's ``NixlPushConnector``) -- a 1P1D
 pair with the same tiny model and flags runs behind the router in the
-matching mode (see :mod:`kvpush.bench.stacks`). A streaming client sends
+matching mode (see :mod:`kvpush_tools.bench.stacks`). A streaming client sends
 Poisson arrivals and measures, per request, TTFT, the inter-token gaps
 (ITL), TPOT and end-to-end latency, the way ``vllm bench serve`` does.
 
@@ -18,9 +18,9 @@ prompts.
 
 Each run is written as ``<mode>_qps<q>_in<in>_out<out>_iter<i>.json``
 (fields of ``vllm bench serve`` where they overlap, see
-:mod:`kvpush.bench.loadgen`); at the end come ``summary.json``, a table with
+:mod:`kvpush_tools.bench.loadgen`); at the end come ``summary.json``, a table with
 the ratios kvpush/vllm-pull and kvpush/vllm-push per point, and the
-TTFT/TPOT-vs-QPS figures (:mod:`kvpush.bench.plot_serve`).
+TTFT/TPOT-vs-QPS figures (:mod:`kvpush_tools.bench.plot_serve`).
 
 Examples::
 
@@ -45,9 +45,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench import loadgen
-from kvpush.bench.loadgen import MODES, RequestOutput
-from kvpush.bench.stacks import (
+from kvpush_tools.bench import loadgen
+from kvpush_tools.bench.loadgen import MODES, RequestOutput
+from kvpush_tools.bench.stacks import (
     MODEL_NAME,
     Stack,
     activate,
@@ -182,7 +182,7 @@ def warm_up(stack: Stack, input_len: int, seed: int, n: int = 2, tries: int = 4)
     connectors then re-handshake on the next request. That cost belongs to
     the pause, not to the mode, so it is paid here, outside the measurement.
     """
-    from kvpush.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.tiny_model import prompt_words
 
     t0 = time.perf_counter()
     ok = failed = 0
@@ -245,7 +245,7 @@ def sweep_plan(
 
 def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path) -> list[Path]:
     """Run every (iteration, point, mode); returns the JSON files written."""
-    from kvpush.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.tiny_model import prompt_words
 
     plan = sweep_plan(args.inputs, args.qps, args.modes, args.iterations)
     sizes = {q: loadgen.requests_for(q, args.window, args.min_requests) for q in args.qps}
@@ -422,7 +422,7 @@ def source_state() -> dict[str, Any]:
     others edit concurrently; a result is only reproducible with this."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
 
     def git(*a: str) -> str:
         try:
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"results in {out_dir}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
     def make_model() -> Path:
-        from kvpush.demo.tiny_model import make_tiny_model
+        from kvpush_tools.demo.tiny_model import make_tiny_model
 
         return make_tiny_model(args.model_dir)
 
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = run_with_stacks(stacks, run, say)
     if rc:
         return rc
-    from kvpush.bench import plot_serve
+    from kvpush_tools.bench import plot_serve
 
     return plot_serve.report(out_dir, plot=not args.no_plot)
 

@@ -1,6 +1,6 @@
 """The 1P1D demo: tiny model, a prefill and a decode vLLM server, the router.
 
-``python -m kvpush.demo.run`` (or ``kvpush demo``) builds a tiny random
+``python -m kvpush_tools.demo.run`` (or ``kvpush demo``) builds a tiny random
 Qwen3-style model locally, starts P and D with the chosen KV connector,
 runs the router in this process, streams a few prompts of different
 lengths through it, prints each output with its time to first token, and
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.demo import servers as srv
-from kvpush.demo.tiny_model import make_tiny_model, prompt_words
+from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo.tiny_model import make_tiny_model, prompt_words
 
 MODEL_NAME = "tiny-qwen3"
 P_ENGINE_ID = "kvpush-demo-prefill"

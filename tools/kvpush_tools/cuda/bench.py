@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush_cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
+from kvpush_tools.cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
 
 POISON = 0xA5
 SLOW_DESCRIPTORS = 20_000
@@ -915,7 +915,7 @@ class PDriver:
 
         sampler = None
         if o.gpu_samples:
-            from kvpush_cuda.gpu_samples import GpuSampler, smi_command
+            from kvpush_tools.cuda.gpu_samples import GpuSampler, smi_command
 
             try:
                 sampler = GpuSampler(smi_command(o.p_device))

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.loadgen import MODES
-from kvpush.bench.stacks import (
+from kvpush_tools.bench.loadgen import MODES
+from kvpush_tools.bench.stacks import (
     BASELINE,
     Stack,
     activate,
@@ -178,8 +178,8 @@ def measure(groups: Mapping[str, int], window_s: float, top: int = 4) -> dict[st
 
 
 def _burst(stack: Stack, n: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
-    from kvpush.bench.serve import run_load
-    from kvpush.demo.tiny_model import prompt_words
+    from kvpush_tools.bench.serve import run_load
+    from kvpush_tools.demo.tiny_model import prompt_words
 
     prompts = [prompt_words(input_len, seed=seed + i) for i in range(n)]
     t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def _burst(stack: Stack, n: int, input_len: int, output_len: int, seed: int) -> 
 
 def measure_mode(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     """The three phases of one (resumed) stack."""
-    from kvpush.bench.serve import warm_up
+    from kvpush_tools.bench.serve import warm_up
 
     groups = {"prefill": stack.prefill, "decode": stack.decode, "router": stack.router}
     roots = {k: s.proc.pid for k, s in groups.items() if s is not None and s.proc is not None}
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def make_model() -> Path:
-        from kvpush.demo.tiny_model import make_tiny_model
+        from kvpush_tools.demo.tiny_model import make_tiny_model
 
         return make_tiny_model(args.model_dir)
 

