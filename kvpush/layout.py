@@ -18,6 +18,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import bisect
 import enum
 import hashlib
 
@@ -54,13 +55,17 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``base`` is the address of block 0 and ``size`` the bytes NIXL registers
     from ``base``; ``size >= num_blocks * block_stride`` is checked by
-    ``KVLayout.validate``.
+    ``KVLayout.validate``. ``layer`` is the model layer whose KV the region
+    holds (K and V of one layer are two regions of the same layer): the
+    forward writes the KV layer by layer, so "layer L is written" is how a
+    layer-wise push learns which regions it may send.
     """
 
     base: int
     size: int
     device_id: int = 0
     group: int = 0
+    layer: int = 0
 
 
 class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -99,6 +104,17 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def head_end(self) -> int:
         return self.head_start + self.local_heads
 
+    @property
+    def num_layers(self) -> int:
+        """Model layers the regions hold (regions are listed layer by layer, from layer 0)."""
+        return self.regions[-1].layer + 1 if self.regions else 0
+
+    def regions_through(self, layer: int) -> int:
+        """How many leading regions hold layers ``0..layer``: what "layer ``layer`` is written" makes ready."""
+        if not 0 <= layer < self.num_layers:
+            raise LayoutError(f"layer {layer} outside the layout's {self.num_layers} layers")
+        return bisect.bisect_right([r.layer for r in self.regions], layer)
+
     def validate(self) -> KVLayout:
         """Raise ``LayoutError`` naming the first inconsistency; return self."""
         checks = [
@@ -122,6 +138,11 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise LayoutError(msg)
         need = (self.num_blocks - 1) * self.block_stride + self.block_bytes
         for i, r in enumerate(self.regions):
+            prev = self.regions[i - 1].layer if i else -1
+            if r.layer not in ((prev, prev + 1) if i else (0,)):
+                raise LayoutError(
+                    f"region {i} holds layer {r.layer} after layer {prev}: regions must list layers in order from 0"
+                )
             if r.size < need:
                 raise LayoutError(f"region {i} has {r.size} bytes, {need} needed for {self.num_blocks} blocks")
             if r.base <= 0:
@@ -131,7 +152,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def fingerprint(self) -> str:
         """What must agree between peers: model geometry, not addresses or sizes."""
         key = f"{self.head_bytes}|{self.num_heads}|{self.dtype}|{len(self.regions)}|" + ",".join(
-            str(r.group) for r in self.regions
+            f"{r.group}:{r.layer}" for r in self.regions
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 

@@ -381,3 +381,18 @@ def test_fingerprint_ignores_addresses_but_not_geometry() -> None:
     assert a.fingerprint() == b.fingerprint()
     assert a.fingerprint() != _layout(dtype="float16").fingerprint()
     assert a.fingerprint() != _layout(regions=(Region(4096, 1024, group=1), Region(8192, 1024))).fingerprint()
+
+
+def test_layers_are_in_the_layout() -> None:
+    """A region knows its layer; "layer L written" maps to the leading regions through L, and layers out of
+    order are refused at validation (a layer-wise push would otherwise send regions not yet written)."""
+    regs = tuple(Region(4096 * (i + 1), 1024, layer=i // 2) for i in range(6))
+    lay = _layout(regions=regs)
+    assert lay.num_layers == 3
+    assert [lay.regions_through(layer) for layer in range(3)] == [2, 4, 6]
+    with pytest.raises(LayoutError, match="layer 3 outside"):
+        lay.regions_through(3)
+    skipped = (*regs[:2], Region(1 << 20, 1024, layer=2))
+    with pytest.raises(LayoutError, match="region 2 holds layer 2 after layer 0"):
+        _layout(regions=skipped).validate()
+    assert lay.fingerprint() != _layout(regions=tuple(Region(r.base, r.size, layer=0) for r in regs)).fingerprint()

@@ -47,7 +47,7 @@ class MinimalBackend(Backend):
         want = block_shape(spec)
         regions: list[Region] = []
         first: np.ndarray | None = None
-        for name, t in kv_caches.items():
+        for layer, (name, t) in enumerate(kv_caches.items()):
             if not isinstance(t, np.ndarray):
                 raise BackendError(f"layer {name}: expected a numpy array, got {type(t).__name__}")
             if t.ndim != 5 or t.shape[0] != 2 or t.shape[2:] != want:
@@ -58,7 +58,7 @@ class MinimalBackend(Backend):
                 raise BackendError(f"layer {name}: shape or dtype differs from the first layer's")
             first = t
             half = t.nbytes // 2
-            regions += [Region(base=t.ctypes.data, size=half), Region(base=t.ctypes.data + half, size=half)]
+            regions += [Region(t.ctypes.data, half, layer=layer), Region(t.ctypes.data + half, half, layer=layer)]
         assert first is not None
         local = want[1] if spec.order == "NHD" else want[0]
         block_bytes = int(np.prod(want)) * first.itemsize

@@ -72,13 +72,13 @@ def describe_paged(
     head_start = spec.tp_rank * spec.num_heads // spec.tp_size
     regions: list[Region] = []
     first: tuple[int, int, int, int] | None = None
-    for name, t in kv_caches.items():
+    for layer, (name, t) in enumerate(kv_caches.items()):
         info = tensor_info(t)
         if info.device_type != device_type:
             raise BackendError(f"layer {name}: tensor is on {info.device_type}, this backend handles {device_type}")
         shape, strides = info.shape, info.strides
         if spec.kv_inner:
-            regions.extend(_inner_kv_regions(name, info, spec, local))
+            regions.extend(_inner_kv_regions(name, info, spec, local, layer))
             geom = (shape[0], strides[0], info.itemsize, info.device_index)
             if first is not None and geom != first:
                 raise BackendError(f"layer {name}: geometry {geom} differs from the first layer's {first}")
@@ -111,7 +111,7 @@ def describe_paged(
         span = (num_blocks - 1) * block_stride + spec.block_size * local * spec.head_dim * info.itemsize
         for kv in range(2 if spec.kv_split else 1):
             base = info.addr + kv * (strides[0] if spec.kv_split else 0)
-            regions.append(Region(base=base, size=span, device_id=info.device_index))
+            regions.append(Region(base=base, size=span, device_id=info.device_index, layer=layer))
     assert first is not None
     return KVLayout(
         block_size=spec.block_size,
@@ -128,7 +128,7 @@ def describe_paged(
     ).validate()
 
 
-def _inner_kv_regions(name: str, info: TensorInfo, spec: CacheSpec, local: int) -> list[Region]:
+def _inner_kv_regions(name: str, info: TensorInfo, spec: CacheSpec, local: int, layer: int) -> list[Region]:
     """One region per layer for vLLM's CPU cache ``[num_blocks, heads, block_size, 2 * dim]``.
 
     The CPU attention kernels pack K and V inside a block their own way (the
@@ -140,4 +140,4 @@ def _inner_kv_regions(name: str, info: TensorInfo, spec: CacheSpec, local: int) 
         raise BackendError(f"layer {name}: expected [num_blocks, {', '.join(map(str, want))}], got {shape}")
     if strides[0] != local * spec.block_size * 2 * spec.head_dim * item:
         raise BackendError(f"layer {name}: blocks are not contiguous (strides {strides})")
-    return [Region(info.addr, shape[0] * strides[0], info.device_index)]
+    return [Region(info.addr, shape[0] * strides[0], info.device_index, layer=layer)]

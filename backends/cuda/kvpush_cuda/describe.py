@@ -123,7 +123,7 @@ def describe_strided(
     spans: dict[int, tuple[int, int]] = {}
     first: _Geometry | None = None
     block_bytes = 0
-    for name, t in kv_caches.items():
+    for layer, (name, t) in enumerate(kv_caches.items()):
         info = tensor_info(t)
         if info.device_type != device_type:
             raise BackendError(f"layer {name}: tensor is on {info.device_type}, this backend handles {device_type}")
@@ -146,7 +146,7 @@ def describe_strided(
         if kv_axis is not None and info.strides[kv_axis] < block_bytes:
             raise BackendError(f"layer {name}: K and V overlap (K/V stride {info.strides[kv_axis]} bytes)")
         for base in kv_bases:
-            regions.append(Region(base=base, size=size, device_id=info.device_index))
+            regions.append(Region(base=base, size=size, device_id=info.device_index, layer=layer))
             spans[base] = span
     assert first is not None
     layout = KVLayout(
