@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvpush.integrations.router", "run the P/D router in front of vLLM servers"),
     "demo": ("kvpush_tools.demo.run", "run the end-to-end demo"),
     "doctor": ("kvpush.doctor", "check this host: NIXL plugins, devices, backends"),
+    "keys": ("kvpush.keys", "make the side channel's key set (P's pair, allowed D keys)"),
     "timeline": ("kvpush.timeline", "render a transfer timeline"),
 }
 BENCH: dict[str, tuple[str, str]] = {

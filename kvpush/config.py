@@ -91,6 +91,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     to 62 ms; docs/cuda.md, "Fifth round")."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
+    auth: Literal["curve", "none"] = "curve"
+    """Side channel authentication: "curve" (ZeroMQ CURVE keys: P accepts only D keys it allows, D talks only
+    to a P holding the key it trusts) or "none" (anyone who reaches the port gets NIXL access to the KV cache;
+    logged as a warning at start). See docs/security.md."""
+    auth_keys_dir: str = ""
+    """Key set directory (``kvpush keys DIR`` makes one); empty: ``$KVPUSH_AUTH_KEYS_DIR``, else the
+    ``KVPUSH_AUTH_*`` key variables. Missing keys with ``auth`` on are a start-up error naming what is missing."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:

@@ -34,6 +34,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -399,6 +400,7 @@ def self_test(
     from kvpush.backends.base import CacheSpec
     from kvpush.config import Config
     from kvpush.engine import PeerAddress, Receiver, Sender
+    from kvpush.transport.auth import make_key_set
 
     title = f"self-test push ({name} over {nixl_backend})"
     spec = CacheSpec(geom.block_size, geom.num_heads, geom.head_dim, "float16")
@@ -428,7 +430,11 @@ def self_test(
     for t in d_kv.values():
         _write(d_be, t, np.zeros(per_layer or 0, dtype=np.uint8), fallback)
     p_be.wait_ready(p_be.record_ready())
-    cfg = Config.from_dict({"nixl_backends": [nixl_backend], "side_channel_port": 0, "model": "kvpush-doctor"})
+    keys = tempfile.mkdtemp(prefix="kvpush-doctor-keys-")  # the pair authenticates like any other
+    make_key_set(keys)
+    cfg = Config.from_dict(
+        {"nixl_backends": [nixl_backend], "side_channel_port": 0, "model": "kvpush-doctor", "auth_keys_dir": keys}
+    )
     sender = receiver = None
     results: list[dict[str, float]] = []
     try:
@@ -464,6 +470,7 @@ def self_test(
         for e in (receiver, sender):
             if e is not None:
                 e.close()
+        shutil.rmtree(keys, ignore_errors=True)
     nbytes = results[0]["bytes"]
     best = min(r["seconds"] for r in results)
     med = sorted(r["seconds"] for r in results)[len(results) // 2]
@@ -556,45 +563,48 @@ def check_port(host: str, port: int, tp_size: int = 1) -> Check:
     )
 
 
-def measure_clock(host: str, port: int, samples: int = 8, timeout: float = 2.0) -> dict[str, float]:
+def measure_clock(host: str, port: int, keys: Any = None, samples: int = 8, timeout: float = 2.0) -> dict[str, float]:
     """Offset of the peer's wall clock from ours (peer - local), from the lowest-RTT time query.
 
     Each sample: send ``TimeQuery`` at t0, the peer answers with its clock
     ``now``, it arrives at t1; offset = now - (t0 + t1) / 2, good to ±RTT/2.
+    ``keys`` (a D's ``ClientKeys``) authenticate to a P that requires it.
     """
     import zmq
 
     from kvpush import protocol
+    from kvpush.transport.side_channel import Client
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{host}:{port}")
+    client = Client(zmq.Context.instance(), host, port, keys)
     best: tuple[float, float] | None = None
     try:
         for seq in range(samples):
             t0 = time.time()
-            sock.send(protocol.encode(protocol.TimeQuery(seq, t0)))
-            while True:
-                if not sock.poll(int(timeout * 1000)):
-                    raise TimeoutError(f"no answer from {host}:{port} within {timeout:g}s")
-                msg = protocol.decode(sock.recv())
-                if isinstance(msg, protocol.TimeReply) and msg.seq == seq:
-                    break
+            client.send(protocol.TimeQuery(seq, t0))
+            msg = None
+            while not (isinstance(msg, protocol.TimeReply) and msg.seq == seq):
+                if not client.sock.poll(int(timeout * 1000)):
+                    client.recv()  # notes a failed handshake
+                    why = f": {client.failure}" if client.failure else ""
+                    raise TimeoutError(f"no answer from {host}:{port} within {timeout:g}s{why}")
+                msg = protocol.decode(client.sock.recv())
             t1 = time.time()
             rtt = t1 - t0
             if best is None or rtt < best[0]:
                 best = (rtt, msg.now - (t0 + t1) / 2)
     finally:
-        sock.close(linger=0)
+        client.close()
     assert best is not None
     return {"offset_s": best[1], "rtt_s": best[0]}
 
 
-def check_clock(peer: str, warn_ms: float) -> Check:
+def check_clock(peer: str, warn_ms: float, auth_keys_dir: str = "", auth: str = "curve") -> Check:
+    """The clock check against a P side channel, authenticating as a D of the key set in ``auth_keys_dir``."""
+    from kvpush.transport.auth import client_keys
+
     host, _, port = peer.rpartition(":")
     try:
-        m = measure_clock(host, int(port))
+        m = measure_clock(host, int(port), client_keys(auth, auth_keys_dir))
     except Exception as exc:
         return Check(
             "clock",
@@ -603,7 +613,8 @@ def check_clock(peer: str, warn_ms: float) -> Check:
             "the peer did not answer a time query",
             why=f"{type(exc).__name__}: {exc}",
             fix="give the side channel of a running kvpush P (kv_connector_extra_config side_channel_port; "
-            "rank r at port + r); a P from before time queries existed ignores them",
+            "rank r at port + r) and a D key set it allows (--auth-keys-dir); a P from before time queries "
+            "existed ignores them",
         )
     off_ms, rtt_ms = m["offset_s"] * 1e3, m["rtt_s"] * 1e3
     text = f"peer clock is {off_ms:+.2f} ms from ours (±{rtt_ms / 2:.2f} ms, RTT {rtt_ms:.2f} ms)"
@@ -674,7 +685,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     if args.port is not None:
         checks.append(check_port(args.host, args.port, args.tp_size))
     if args.peer:
-        checks.append(check_clock(args.peer, args.max_skew_ms))
+        checks.append(check_clock(args.peer, args.max_skew_ms, args.auth_keys_dir or "", args.auth))
     return checks
 
 
@@ -712,6 +723,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp-size", type=int, default=1, help="P ranks that bind port .. port + tp_size - 1")
     ap.add_argument("--peer", metavar="HOST:PORT", help="measure the clock offset to this P side channel")
     ap.add_argument("--max-skew-ms", type=float, default=5.0, help="clock offset that counts as a failure")
+    ap.add_argument("--auth-keys-dir", help="D key set to authenticate to --peer with (default: $KVPUSH_AUTH_KEYS_DIR)")
+    ap.add_argument(
+        "--auth", choices=("curve", "none"), default="curve", help="none: --peer runs without authentication"
+    )
     ap.add_argument("--json", type=Path, help="also write the findings as JSON here")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return ap

@@ -27,7 +27,7 @@ from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout, Region
 from kvpush.plan import part_count, split_regions, staged_bytes, unpack_pieces, wants_staging
 from kvpush.topology import writers_for
-from kvpush.transport.side_channel import Client
+from kvpush.transport.side_channel import Client, client_keys
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class Receiver(EngineLoop):
 
     # -- engine thread -----------------------------------------------------
     def setup(self) -> None:
+        self._keys = client_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("d")
 
     def teardown(self) -> None:
@@ -203,7 +204,7 @@ class Receiver(EngineLoop):
             if conn is not None:
                 conn.client.close()
                 self.poller.unregister(conn.client.sock)
-            client = Client(self.ctx, host, port)
+            client = Client(self.ctx, host, port, self._keys)
             self.poller.register(client.sock, 1)
             conn = _Conn(client, ConnState.HELLO_SENT, now, now)
             self._conns[key] = conn

@@ -38,7 +38,7 @@ from kvpush.plan import (
 )
 from kvpush.rendezvous import Decision, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.topology import targets_for
-from kvpush.transport.side_channel import Server
+from kvpush.transport.side_channel import Server, server_keys
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,9 @@ class Sender(EngineLoop):
 
     # -- engine thread ---------------------------------------------------
     def setup(self) -> None:
+        keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("p")
-        self.server = Server(self.ctx, self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank)
+        self.server = Server(self.ctx, self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank, keys)
         self.poller.register(self.server.sock, 1)
         self.address = (self.server.host, self.server.port)
         log.info("%s: side channel on %s:%d", self.name, *self.address)
@@ -207,7 +208,7 @@ class Sender(EngineLoop):
         self.counters[key] = self.counters.get(key, 0.0) + by
 
     def step(self, now: float) -> bool:
-        for ident, msg in self.server.recv():
+        for ident, _key, msg in self.server.recv():
             self._on_message(ident, msg, now)
         while self._queued_pushes:
             batch, self._queued_pushes = self._queued_pushes, []
