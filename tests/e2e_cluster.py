@@ -91,6 +91,7 @@ class E2EServers:
         """Start P, D (and the plain server) in parallel, then the router; raises ``ServerError``."""
         p_port, d_port, router_port, self.kv_port = (srv.free_port() for _ in range(4))
         debug = {"KVPUSH_LOG_LEVEL": "DEBUG"}
+        keys = srv.temp_keys()
         self.pair = [
             srv.vllm_server(
                 "prefill",
@@ -98,7 +99,7 @@ class E2EServers:
                 p_port,
                 log_dir=self.logs,
                 cpus=self.cpus_p,
-                kv_transfer_config=srv.kvpush_transfer_config("kv_producer", self.kv_port),
+                kv_transfer_config=srv.kvpush_transfer_config("kv_producer", self.kv_port, auth_keys_dir=keys),
                 check_ports=(self.kv_port,),
                 env=debug,
                 fast_start=True,
@@ -110,7 +111,7 @@ class E2EServers:
                 log_dir=self.logs,
                 cpus=self.cpus_d,
                 kv_transfer_config={
-                    **srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=5.0),
+                    **srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, peer_dead_s=5.0),
                     "kv_load_failure_policy": "recompute",
                 },
                 env=debug,

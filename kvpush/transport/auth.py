@@ -388,31 +388,38 @@ class Gate:
 
     def _on_event(self, event: dict[str, object]) -> None:
         self.failed += 1
-        value = event.get("value")
-        try:
-            what = zmq.Event(value).name if isinstance(value, int) else str(value)
-        except ValueError:
-            what = f"code {value}"
+        what = handshake_error(event)
         self._limit(
             f"failed:{what}",
             log.warning,
-            f"side channel {self.label}: a connection failed the CURVE handshake ({what}): not a kvpush D with a "
-            "key set of this P, or a replayed or corrupted stream; nothing it sent was read",
+            f"side channel {self.label}: CURVE rejected a connection ({what}): not a kvpush D with a key set of "
+            "this P, or a replayed or corrupted stream; nothing it sent from there on was read",
         )
+
+
+def handshake_error(event: dict[str, object]) -> str:
+    """A failed handshake's monitor event in words: the ZMTP protocol error, the errno, or the ZAP status."""
+    kind, value = event.get("event"), event.get("value")
+    if not isinstance(value, int):
+        return str(value)
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        try:
+            return zmq.Event(value).name.lower().replace("protocol_error_", "protocol error ")
+        except ValueError:
+            return f"protocol error {value:#x}"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"refused, ZAP status {value}"
+    return os.strerror(value) if value else "no detail"
 
 
 def describe_client_failure(event: dict[str, object], host: str, port: int) -> str:
     """Why D's handshake with a P failed, in words that say what to check."""
-    kind, value = event.get("event"), event.get("value")
-    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+    if event.get("event") == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
-            f"P {host}:{port} refused this D's key (ZAP status {value}): add its public key to P's "
+            f"P {host}:{port} refused this D's key ({handshake_error(event)}): add its public key to P's "
             f"{DECODERS}/ (or ${ENV_DECODERS})"
         )
-    try:
-        what = zmq.Event(value).name if isinstance(value, int) else str(value)
-    except ValueError:
-        what = f"code {value}"
+    what = handshake_error(event)
     return (
         f"the CURVE handshake with {host}:{port} failed ({what}): it is not a kvpush P holding the key in this "
         f"D's {PREFILL_PUBLIC} (or ${ENV_PREFILL_PUBLIC}), or it runs with auth none; nothing was sent to it"

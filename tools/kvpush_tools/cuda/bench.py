@@ -1492,8 +1492,11 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvpush_tools.demo.servers import export_temp_keys
+
     opts, a = parse(argv)
     _log(f"options: {opts}")
+    export_temp_keys()  # P's and D's engines authenticate (the spawned processes inherit the variable)
     ctx = mp.get_context("spawn")
     p_conn, d_conn = ctx.Pipe()
     results = ctx.Queue()
