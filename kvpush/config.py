@@ -91,6 +91,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     to 62 ms; docs/cuda.md, "Fifth round")."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
+    peer_bytes_per_s: Pos = float(64 << 20)
+    """Side-channel bytes one peer (one D key on P) may make this side read per second; frames over it
+    are dropped unread and logged. Far above any real peer (a registration is a few KB)."""
+    peer_messages_per_s: Pos = 20_000.0
+    """Side-channel messages one peer may make this side read per second (as ``peer_bytes_per_s``)."""
     auth: Literal["curve", "none"] = "curve"
     """Side channel authentication: "curve" (ZeroMQ CURVE keys: P accepts only D keys it allows, D talks only
     to a P holding the key it trusts) or "none" (anyone who reaches the port gets NIXL access to the KV cache;

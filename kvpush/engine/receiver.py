@@ -27,7 +27,7 @@ from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout, Region
 from kvpush.plan import part_count, split_regions, staged_bytes, unpack_pieces, wants_staging
 from kvpush.topology import writers_for
-from kvpush.transport.side_channel import Client, client_keys
+from kvpush.transport.side_channel import Client, client_keys, peer_budgets
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class Receiver(EngineLoop):
             if conn is not None:
                 conn.client.close()
                 self.poller.unregister(conn.client.sock)
-            client = Client(self.ctx, host, port, self._keys)
+            client = Client(self.ctx, host, port, self._keys, peer_budgets(self.cfg))
             self.poller.register(client.sock, 1)
             conn = _Conn(client, ConnState.HELLO_SENT, now, now)
             self._conns[key] = conn

@@ -38,7 +38,7 @@ from kvpush.plan import (
 )
 from kvpush.rendezvous import Decision, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.topology import targets_for
-from kvpush.transport.side_channel import Server, server_keys
+from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,8 @@ class Sender(EngineLoop):
     def setup(self) -> None:
         keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("p")
-        self.server = Server(self.ctx, self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank, keys)
+        port = self.cfg.side_channel_port + self.rank
+        self.server = Server(self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg))
         self.poller.register(self.server.sock, 1)
         self.address = (self.server.host, self.server.port)
         log.info("%s: side channel on %s:%d", self.name, *self.address)

@@ -24,16 +24,21 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvpush import protocol
 from kvpush.errors import ConfigError, ProtocolError
+from kvpush.limits import Budgets, Verdict
 from kvpush.transport import auth
 from kvpush.transport.auth import LOG_EVERY_S, ClientKeys, Gate, ServerKeys, describe_client_failure
 
 log = logging.getLogger(__name__)
 
-ZMQ_MAX_MSG_BYTES = 2 * protocol.MAX_FRAME_BYTES
-"""ZMQ's own cap, above the protocol's: a frame a little over the limit reaches
-``protocol.decode`` and is logged with its size (a buggy peer gets a clear
-line); a far larger one is cut by ZMQ, which drops the connection without
+ZMQ_MAX_MSG_BYTES = protocol.MAX_FRAME_BYTES + (64 << 10)
+"""ZMQ's own cap, a little above the protocol's: a frame just over the limit
+reaches ``protocol.decode`` and is logged with its size (a buggy peer gets a
+clear line); a larger one is cut by ZMQ, which drops the connection without
 buffering it (a hostile peer gets no allocation)."""
+RCVHWM = 64
+"""Frames ZMQ holds per connection before the engine reads them; beyond that ZMQ stops reading the
+socket (TCP pushes back on the sender, nothing is lost). Bounds what one connection can make this
+side hold to ``RCVHWM * ZMQ_MAX_MSG_BYTES``; the engine drains every frame at each wake-up."""
 HANDSHAKE_IVL_MS = 10_000
 """A connection that has not finished its handshake by then is dropped (ZMQ's default is 30 s):
 half-open connections are what an unauthenticated flood can still make."""
@@ -41,6 +46,11 @@ OPEN_WARNING = (
     'side channel of %s runs WITHOUT authentication ("auth": "none"): any process that reaches %s can '
     "read and write this %s's registered KV cache through NIXL, and register, abort or hijack transfers"
 )
+
+
+def peer_budgets(cfg: Any) -> Budgets:
+    """The per-peer read budgets of a ``Config`` (``peer_bytes_per_s``, ``peer_messages_per_s``)."""
+    return Budgets(cfg.peer_bytes_per_s, cfg.peer_messages_per_s, ZMQ_MAX_MSG_BYTES)
 
 
 def server_keys(cfg: Any) -> ServerKeys | None:
@@ -70,13 +80,18 @@ class Received(NamedTuple):
 class Server:
     """P's ROUTER socket; replies go to the identity a message came from."""
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int, keys: ServerKeys | None) -> None:
+    def __init__(
+        self, ctx: zmq.Context, host: str, port: int, keys: ServerKeys | None, budgets: Budgets | None = None
+    ) -> None:
         self.gate = Gate(keys, f"{host}:{port}") if keys is not None else None
+        self.budgets = budgets
+        self.dropped = 0
+        """Frames dropped unread because their peer was over its budget."""
         self.sock = (self.gate.ctx if self.gate is not None else ctx).socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MSG_BYTES)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         if self.gate is not None:
@@ -106,10 +121,37 @@ class Server:
                 continue
             ident, data = parts
             key = _user_id(data) if self.gate is not None else ""
+            if not self._admit(key or ident.bytes, len(data), key):
+                continue
             try:
                 out.append(Received(ident.bytes, key, protocol.decode(data.buffer)))
             except ProtocolError as exc:
-                log.warning("side channel %s:%s: rejected message from D key %s: %s", self.host, self.port, key, exc)
+                who = auth.short(key) if key else "(auth none)"
+                log.warning("side channel %s:%s: rejected message from D key %s: %s", self.host, self.port, who, exc)
+
+    def _admit(self, peer: str | bytes, nbytes: int, key: str) -> bool:
+        """Within the peer's budget? A frame over it is dropped unread; drops are logged per peer per interval."""
+        if self.budgets is None:
+            return True
+        now = time.monotonic()
+        verdict = self.budgets.admit(peer, nbytes, now)
+        if verdict is Verdict.ADMIT:
+            return True
+        self.dropped += 1
+        n = self.budgets.report(peer, now, LOG_EVERY_S)
+        if n:
+            log.warning(
+                "side channel %s:%s: dropped %d frame(s) of D key %s unread: %s (peer_bytes_per_s %g, "
+                "peer_messages_per_s %g)",
+                self.host,
+                self.port,
+                n,
+                auth.short(key) if key else "(auth none)",
+                verdict.value.replace("_", " "),
+                self.budgets.bytes_per_s,
+                self.budgets.messages_per_s,
+            )
+        return False
 
     def send(self, ident: bytes, msg: protocol.Message) -> bool:
         try:
@@ -142,10 +184,15 @@ class Client:
     logged and kept in ``failure`` until a later handshake succeeds.
     """
 
-    def __init__(self, ctx: zmq.Context, host: str, port: int, keys: ClientKeys | None) -> None:
+    def __init__(
+        self, ctx: zmq.Context, host: str, port: int, keys: ClientKeys | None, budgets: Budgets | None = None
+    ) -> None:
+        self.budgets = budgets
+        self.dropped = 0
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MSG_BYTES)
         self.monitor: zmq.Socket | None = None
         self.failure = ""
@@ -179,10 +226,26 @@ class Client:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            if self.budgets is not None and not self._admit(len(data)):
+                continue
             try:
                 out.append(protocol.decode(data))
             except ProtocolError as exc:
                 log.warning("side channel from %s:%s: rejected message: %s", self.host, self.port, exc)
+
+    def _admit(self, nbytes: int) -> bool:
+        assert self.budgets is not None
+        now = time.monotonic()
+        verdict = self.budgets.admit(b"", nbytes, now)
+        if verdict is Verdict.ADMIT:
+            return True
+        self.dropped += 1
+        n = self.budgets.report(b"", now, LOG_EVERY_S)
+        if n:
+            log.warning(
+                "side channel from P %s:%s: dropped %d frame(s) unread: %s", self.host, self.port, n, verdict.value
+            )
+        return False
 
     def _handshakes(self) -> None:
         """Note the handshake outcomes the monitor reported since the last call."""

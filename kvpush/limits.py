@@ -1,0 +1,96 @@
+"""Per-peer budgets (sans-I/O): what one peer may make this side read, so a flood costs the peer, not us.
+
+A token bucket per peer for bytes and one for messages: a frame over either
+budget is dropped *before* it is decoded (decoding a frame of block ids is
+the expensive part), and the drop is reported once per peer per interval.
+Time is passed in, never read. The number of peers tracked is bounded: the
+least recently seen one is forgotten first (it starts again with a full
+bucket, which is what a new peer gets anyway).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class Verdict(enum.Enum):
+    ADMIT = "admit"
+    OVER_BYTES = "over_bytes"
+    OVER_MESSAGES = "over_messages"
+
+
+@dataclass
+class Bucket:
+    """``rate`` tokens per second up to ``burst``; starts full."""
+
+    rate: float
+    burst: float
+    level: float
+    stamp: float
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.burst, self.level + max(0.0, now - self.stamp) * self.rate)
+        self.stamp = max(self.stamp, now)
+
+
+@dataclass
+class _Peer:
+    nbytes: Bucket
+    messages: Bucket
+    dropped: int = 0
+    reported: float = float("-inf")
+
+
+class Budgets:
+    """Bytes and messages per second per peer key (both buckets hold one second of their rate at most,
+    bytes at least ``min_burst_bytes`` so the largest legal frame fits)."""
+
+    def __init__(self, bytes_per_s: float, messages_per_s: float, min_burst_bytes: int, max_peers: int = 4096) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.messages_per_s = messages_per_s
+        self.burst_bytes = max(float(bytes_per_s), float(min_burst_bytes))
+        self.max_peers = max_peers
+        self._peers: OrderedDict[str | bytes, _Peer] = OrderedDict()
+
+    def admit(self, peer: str | bytes, nbytes: int, now: float) -> Verdict:
+        """May ``peer``'s frame of ``nbytes`` be read now? Both budgets are charged only when it may."""
+        p = self._peer(peer, now)
+        p.messages.refill(now)
+        p.nbytes.refill(now)
+        if p.messages.level < 1:
+            verdict = Verdict.OVER_MESSAGES
+        elif nbytes > p.nbytes.level:
+            verdict = Verdict.OVER_BYTES
+        else:
+            p.messages.level -= 1
+            p.nbytes.level -= nbytes
+            return Verdict.ADMIT
+        p.dropped += 1
+        return verdict
+
+    def report(self, peer: str | bytes, now: float, every_s: float) -> int:
+        """Frames of ``peer`` dropped since the last report, if one is due (else 0; the count keeps)."""
+        p = self._peers.get(peer)
+        if p is None or not p.dropped or now - p.reported < every_s:
+            return 0
+        n, p.dropped, p.reported = p.dropped, 0, now
+        return n
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def _peer(self, peer: str | bytes, now: float) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            p = _Peer(
+                Bucket(self.bytes_per_s, self.burst_bytes, self.burst_bytes, now),
+                Bucket(self.messages_per_s, self.messages_per_s, self.messages_per_s, now),
+            )
+            self._peers[peer] = p
+            while len(self._peers) > self.max_peers:
+                self._peers.popitem(last=False)
+        else:
+            self._peers.move_to_end(peer)
+        return p
