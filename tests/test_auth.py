@@ -159,7 +159,7 @@ def test_engines_refuse_to_start_without_keys(tmp_path: Path, no_env: pytest.Mon
 
 def test_gate_names_the_key_and_reads_new_d_keys(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
     """Every message carries the key its connection proved; a D key added to decoders/ while P runs is
-    accepted at its next handshake, a key never added is refused and the D is told why."""
+    accepted at its next handshake, a key never added (or removed) is refused and the D is told why."""
     auth.make_key_set(tmp_path)
     ctx = zmq.Context()
     server = Server(ctx, "127.0.0.1", 0, auth.server_keys("curve", str(tmp_path)))
@@ -170,7 +170,6 @@ def test_gate_names_the_key_and_reads_new_d_keys(tmp_path: Path, no_env: pytest.
         clients.append(Client(ctx, "127.0.0.1", server.port, known))
         [got] = _exchange(server, clients[-1])
         assert got.key == known.public.decode() and isinstance(got.msg, protocol.TimeQuery)
-        time.sleep(auth.RELOAD_S)
         late = auth.add_decode_key(tmp_path, "late")  # P re-reads decoders/ for a key it does not know
         late_keys = auth.client_keys("curve", str(late))
         assert late_keys is not None
@@ -182,6 +181,11 @@ def test_gate_names_the_key_and_reads_new_d_keys(tmp_path: Path, no_env: pytest.
         assert _exchange(server, clients[-1], timeout_s=1.5) == []
         assert "refused this D's key" in clients[-1].failure, clients[-1].failure
         assert server.gate is not None and server.gate.refused >= 1
+        # revoked: the late key's file is removed, its next connection is refused
+        (tmp_path / "decoders" / "late.key").unlink()
+        clients.append(Client(ctx, "127.0.0.1", server.port, late_keys))
+        assert _exchange(server, clients[-1], timeout_s=1.5) == []
+        assert "refused this D's key" in clients[-1].failure, clients[-1].failure
     finally:
         for c in clients:
             c.close()

@@ -51,9 +51,6 @@ allowed D public keys separated by commas or white space), for secrets injected 
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = "kvpush"
-RELOAD_S = 1.0
-"""P re-reads ``decoders/`` at a handshake by a key it does not know, at most this often: a D key
-added to the directory is accepted without restarting P."""
 LOG_EVERY_S = 10.0
 """Refusals are logged once per (reason, address) in this interval, with a count of the ones held back:
 an attacker reconnecting in a loop must not flood the log."""
@@ -302,7 +299,7 @@ class Gate:
         self.keys = keys
         self.label = label
         self.allowed = keys.allowed
-        self._loaded = time.monotonic()
+        self._dir_stamp = _stamp(keys.decoders_dir)
         self.refused = 0
         """Handshakes refused by key (ZAP said no)."""
         self.failed = 0
@@ -373,16 +370,17 @@ class Gate:
     def _allows(self, key: bytes) -> tuple[bool, str]:
         if not key:
             return False, "no CURVE key (not a kvpush D, or a D running with auth none)"
+        stamp = _stamp(self.keys.decoders_dir)
+        if stamp != self._dir_stamp and self.keys.decoders_dir is not None:
+            # decoders/ changed since it was read: a D key added or removed while P runs takes effect
+            # at the next handshake, without a restart (connections already made stay).
+            self._dir_stamp = stamp
+            try:
+                self.allowed = _env_decoders() | read_decoders(self.keys.decoders_dir)
+            except ConfigError as exc:
+                log.error("side channel %s: cannot re-read the allowed D keys (kept the old ones): %s", self.label, exc)
         if key in self.allowed:
             return True, ""
-        if self.keys.decoders_dir is not None and time.monotonic() - self._loaded >= RELOAD_S:
-            self._loaded = time.monotonic()
-            try:
-                self.allowed = self.keys.allowed | read_decoders(self.keys.decoders_dir)
-            except ConfigError as exc:
-                log.error("side channel %s: cannot re-read the allowed D keys: %s", self.label, exc)
-            if key in self.allowed:
-                return True, ""
         where = self.keys.decoders_dir or f"${ENV_DECODERS}"
         return False, f"D key {short(key)} is not among the allowed D keys ({where})"
 
@@ -395,6 +393,14 @@ class Gate:
             f"side channel {self.label}: CURVE rejected a connection ({what}): not a kvpush D with a key set of "
             "this P, or a replayed or corrupted stream; nothing it sent from there on was read",
         )
+
+
+def _stamp(path: Path | None) -> int | None:
+    """When ``path`` (a directory) last changed; None when there is none."""
+    try:
+        return path.stat().st_mtime_ns if path is not None else None
+    except OSError:
+        return None
 
 
 def handshake_error(event: dict[str, object]) -> str:

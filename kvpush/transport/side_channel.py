@@ -35,6 +35,9 @@ ZMQ_MAX_MSG_BYTES = protocol.MAX_FRAME_BYTES + (64 << 10)
 reaches ``protocol.decode`` and is logged with its size (a buggy peer gets a
 clear line); a larger one is cut by ZMQ, which drops the connection without
 buffering it (a hostile peer gets no allocation)."""
+SNDHWM = 10_000
+"""Answers P queues per connection: a peer that sends but never reads (a flood) costs at most this many
+(each a few hundred bytes); beyond it P's answers to that connection are dropped and counted."""
 RCVHWM = 64
 """Frames ZMQ holds per connection before the engine reads them; beyond that ZMQ stops reading the
 socket (TCP pushes back on the sender, nothing is lost). Bounds what one connection can make this
@@ -87,10 +90,12 @@ class Server:
         self.budgets = budgets
         self.dropped = 0
         """Frames dropped unread because their peer was over its budget."""
+        self.unsent = 0
+        self._unsent_logged = float("-inf")
         self.sock = (self.gate.ctx if self.gate is not None else ctx).socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MSG_BYTES)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
@@ -154,11 +159,17 @@ class Server:
         return False
 
     def send(self, ident: bytes, msg: protocol.Message) -> bool:
+        """Queue ``msg`` for the connection ``ident``; False when it is gone or holds ``SNDHWM`` unread
+        messages already (a peer that does not read its answers), logged once per interval."""
         try:
             self.sock.send_multipart([ident, protocol.encode(msg)], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:
-            log.warning("side channel: cannot reach peer %r: %s", ident, exc)
+            self.unsent += 1
+            now = time.monotonic()
+            if now - self._unsent_logged >= LOG_EVERY_S:
+                self._unsent_logged = now
+                log.warning("side channel: cannot reach peer %r: %s (%d unsent so far)", ident, exc, self.unsent)
             return False
 
     def close(self) -> None:
