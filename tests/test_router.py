@@ -701,9 +701,12 @@ def test_client_kv_transfer_params_never_reach_p_or_d_by_default() -> None:
     run(go())
     with pytest.raises(SystemExit):
         config_from_args(["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://b:1", "--client-kv-params=x"])
-    assert config_from_args(
-        ["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://b:1", "--client-kv-params=strip"]
-    ).client_params == "strip"
+    assert (
+        config_from_args(
+            ["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://b:1", "--client-kv-params=strip"]
+        ).client_params
+        == "strip"
+    )
 
 
 def test_vllm_push_mode_speaks_only_vllms_conventions() -> None:
