@@ -116,6 +116,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     to 62 ms; docs/cuda.md, "Fifth round")."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
+    proxy_ip: str = ""
+    """Router service discovery (vLLM's name): announce this instance to ``proxy_ip:proxy_ping_port``
+    (vllm-router ``--vllm-discovery-address``) so the router sends P and D their requests at once;
+    empty: no announcement."""
+    proxy_ping_port: Port = 0
+    """Port of the router's service discovery (with ``proxy_ip``)."""
+    http_port: Port = 0
+    """This server's HTTP port, announced with ``side_channel_host`` (with ``proxy_ip``)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:

@@ -53,6 +53,9 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "layerwise_min_part_bytes": 0,
         "layerwise_lead_layers": 3,
         "model": "meta-llama/Llama-3.1-8B",
+        "proxy_ip": "10.0.0.3",
+        "proxy_ping_port": 30001,
+        "http_port": 8100,
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)

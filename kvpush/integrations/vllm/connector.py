@@ -31,6 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
 from kvpush.errors import BackendError, ConfigError
+from kvpush.integrations.vllm.discovery import Announcer, start_announcer
 from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
 from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
@@ -175,7 +176,10 @@ class KVPushConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.announcer: Announcer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self.announcer = start_announcer(cfg, ktc.is_kv_producer, tp)
             advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
             self.sched = SchedulerSide(
                 layerwise=cfg.layerwise, layerwise_min_tokens=cfg.layerwise_min_tokens, advert=advert
@@ -296,6 +300,8 @@ class KVPushConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.announcer is not None:
+            self.announcer.close()
 
     # ---------------- metrics (kvpush.metrics through vLLM's stats hooks) ----------------
     def get_kv_connector_stats(self) -> KVPushConnectorStats | None:
