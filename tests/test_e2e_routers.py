@@ -181,7 +181,11 @@ def test_client_cancel_through_vllm_router_leaves_nothing_parked(servers: Server
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         conn.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         if after_s is None:
-            assert b"data:" in conn.recv(65536)  # D is streaming: the KV came
+            got = b""
+            while b"data:" not in got:  # D is streaming: the KV came
+                chunk = conn.recv(65536)
+                assert chunk, f"the stream ended before its first event: {got[-300:]!r}"
+                got += chunk
         else:
             time.sleep(after_s)
     wait_nothing_held(s, timeout=20)

@@ -31,6 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.integrations.router.config import RouterConfig
+from kvpush.integrations.router.engine_metrics import PrefillRate
 from kvpush.integrations.router.health import HealthChecker, mark_down
 from kvpush.integrations.router.metrics import ROUTER_METRICS
 from kvpush.integrations.router.pool import Instance, Pool
@@ -43,6 +44,7 @@ from kvpush.integrations.router.requests import (
     prefill_body,
     with_client_params,
 )
+from kvpush.integrations.router.selective import Selector
 from kvpush.integrations.router.upstream import (
     UpstreamError,
     Upstreams,
@@ -85,6 +87,9 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self.prom = TextExposition(ROUTER_METRICS)  # latency, failures by cause, aborts
         self.health = HealthChecker(config, lambda: self.session)
+        self.selector = Selector() if config.selective else None
+        self._prefill_done: dict[int, float] = {}  # P task -> when P answered (selective: the transfer's start)
+        self._scrape_task: asyncio.Task[None] | None = None
         self.up = Upstreams(config, lambda: self.session, self.prom)
 
     # -- lifecycle --------------------------------------------------------- #
@@ -108,8 +113,15 @@ class Router:
         )
         if self.cfg.health_interval > 0:
             self._health_task = asyncio.create_task(self.health.loop(self._instances()))
+        if self.selector is not None:
+            rate = PrefillRate(self.selector, lambda: self.session)
+            self._scrape_task = asyncio.create_task(rate.loop(self.prefill.instances))
 
     async def _on_cleanup(self, _app: web.Application) -> None:
+        if self._scrape_task is not None:
+            self._scrape_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scrape_task
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -167,8 +179,9 @@ class Router:
         }
 
     async def _pending(self, _req: web.Request) -> web.Response:
+        extra = {"selective": self.selector.state()} if self.selector is not None else {}
         return web.json_response(
-            {"pending": self.pending, "pending_prefill": self.pending_prefill, **self._instances_json()}
+            {"pending": self.pending, "pending_prefill": self.pending_prefill, **self._instances_json(), **extra}
         )
 
     async def _models(self, req: web.Request) -> web.StreamResponse:
@@ -287,50 +300,42 @@ class Router:
     async def _attempt(
         self, req: web.Request, endpoint: str, body: dict[str, Any], tried: list[Instance]
     ) -> web.StreamResponse | UpstreamError:
-        """One P/D pairing. Returns the client response, or the error that
-        ended it before anything was sent to the client (so a retry is safe)."""
-        p = self.prefill.pick()
+        """One P/D pairing (or D alone, when the selector says so). Returns the client response, or the
+        error that ended it before anything was sent to the client (so a retry is safe)."""
+        choice = self.selector.choose(body) if self.selector is not None else None
+        local = choice is not None and choice.local
+        p = None if local else self.prefill.pick()
         d = self.decode.pick(exclude=tried)
-        if p is None or d is None:
+        if (p is None and not local) or d is None:
             self.counters["unavailable"] += 1
             return self._unavailable() or _error(503, "no healthy decode instance left to try", "service_unavailable")
+        if choice is not None:
+            self.prom.inc("kvpush_router_routes_total", route=choice.route.value)
         tried.append(d)
         tid = new_transfer_id()
         t_start = loop_time()
-        mode = self.cfg.mode
         headers = forward_headers(req, tid)
-        stream = bool(body.get("stream"))
         d.in_flight += 1
         p_task: asyncio.Task[dict[str, Any]] | None = None
         d_resp: aiohttp.ClientResponse | None = None
         ok = False
         try:
-            p_body = prefill_body(body, mode, tid)
-            p_body["kv_transfer_params"] = with_client_params(p_body["kv_transfer_params"], body)
-            p_task = self._start_prefill(p, endpoint, p_body, headers)
-            if concurrent(mode, p):
-                params = decode_params(mode, tid, p)
+            if p is None:
+                d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             else:
-                p_json = await p_task
-                if mode == "vllm-push" and p.engine_id is None:
-                    p.engine_id = (p_json.get("kv_transfer_params") or {}).get("remote_engine_id")
-                try:
-                    params = decode_params(mode, tid, p, p_json)
-                except ValueError as e:
-                    raise UpstreamError(p, "prefill", str(e)) from None
+                p_task, d_body = await self._start_pair(p, endpoint, body, tid, headers)
             # D's response headers (and, non-streamed, its whole body or, streamed,
             # its first chunk) race P: a P failure before then ends the pairing.
-            d_body = decode_body(body, with_client_params(params, body))
             d_resp = await self._race(p_task, self.up.open_decode(d, endpoint, d_body, headers))
-            if not stream:
+            if not body.get("stream"):
                 data = await self._race(p_task, self.up.read_decode(d, d_resp))
-                self.prom.observe("kvpush_router_request_seconds", loop_time() - t_start, stage="decode_first_byte")
+                self._first_byte(t_start, p_task, body)
                 ok = True
                 return web.Response(
                     body=data, status=d_resp.status, content_type=d_resp.content_type, headers={"X-Request-Id": tid}
                 )
             first = await self._race(p_task, self.up.read_chunk(d, d_resp))
-            self.prom.observe("kvpush_router_request_seconds", loop_time() - t_start, stage="decode_first_byte")
+            self._first_byte(t_start, p_task, body)
             out, ok = await self._forward_stream(req, d, d_resp, first, tid)
             return out
         except UpstreamError as e:
@@ -347,8 +352,52 @@ class Router:
                     d_resp.release()
                 else:
                     d_resp.close()  # an unfinished D request: vLLM aborts it
-            if p_task is not None:
+            if p_task is not None and p is not None:
                 self._settle_prefill(p, p_task, cancel=not ok)
+
+    async def _start_pair(
+        self, p: Instance, endpoint: str, body: dict[str, Any], tid: str, headers: dict[str, str]
+    ) -> tuple[asyncio.Task[dict[str, Any]], dict[str, Any]]:
+        """Send P its request; D's body, once D's parameters are known (at once, or from P's answer)."""
+        mode = self.cfg.mode
+        p_body = prefill_body(body, mode, tid)
+        p_body["kv_transfer_params"] = with_client_params(p_body["kv_transfer_params"], body)
+        p_task = self._start_prefill(p, endpoint, p_body, headers)
+        if concurrent(mode, p):
+            params = decode_params(mode, tid, p)
+        else:
+            p_json = await p_task
+            if mode == "vllm-push" and p.engine_id is None:
+                p.engine_id = (p_json.get("kv_transfer_params") or {}).get("remote_engine_id")
+            try:
+                params = decode_params(mode, tid, p, p_json)
+            except ValueError as e:
+                raise UpstreamError(p, "prefill", str(e)) from None
+        return p_task, decode_body(body, with_client_params(params, body))
+
+    def _first_byte(self, t_start: float, p_task: asyncio.Task[dict[str, Any]] | None, body: dict[str, Any]) -> None:
+        """D's first bytes are here: time them, and teach the selector what the transfer added."""
+        now = loop_time()
+        self.prom.observe("kvpush_router_request_seconds", now - t_start, stage="decode_first_byte")
+        if self.selector is None or p_task is None:
+            return
+        selector = self.selector
+        prompt = body.get("prompt")
+
+        def learn(t: asyncio.Task[dict[str, Any]]) -> None:
+            if t.cancelled() or t.exception() is not None:
+                return
+            p_json, p_done = t.result(), self._prefill_done.pop(id(t), now)
+            tokens = (p_json.get("usage") or {}).get("prompt_tokens")
+            if isinstance(tokens, int):
+                selector.observe_transfer(tokens, now - p_done)
+                if isinstance(prompt, str):
+                    selector.observe_prompt(len(prompt), tokens)
+
+        if p_task.done():
+            learn(p_task)
+        else:
+            p_task.add_done_callback(learn)
 
     async def _forward_stream(
         self, req: web.Request, d: Instance, d_resp: aiohttp.ClientResponse, first: bytes, tid: str
@@ -395,12 +444,15 @@ class Router:
         else:
             task.add_done_callback(done)
 
-    async def _race(self, p_task: asyncio.Task[dict[str, Any]], d_coro: Any) -> Any:
+    async def _race(self, p_task: asyncio.Task[dict[str, Any]] | None, d_coro: Any) -> Any:
         """Await ``d_coro`` but fail fast if P fails first.
 
         P succeeding first is fine (D keeps going); D finishing first is fine
         too. Only a P failure while D is still pending ends the pairing.
+        Without a P (D alone) it is a plain await.
         """
+        if p_task is None:
+            return await d_coro
         d_task = asyncio.ensure_future(d_coro)
         try:
             while True:
@@ -427,9 +479,11 @@ class Router:
         self.pending_prefill += 1
         task = asyncio.create_task(self.up.run_prefill(p, endpoint, body, headers))
 
-        def done(_t: asyncio.Task[dict[str, Any]]) -> None:
+        def done(t: asyncio.Task[dict[str, Any]]) -> None:
             p.in_flight -= 1
             self.pending_prefill -= 1
+            if self.selector is not None:
+                self._prefill_done[id(t)] = loop_time()
 
         task.add_done_callback(done)
         return task

@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no-retry", action="store_true", help="do not retry a failed D on another D")
     ap.add_argument(
+        "--selective",
+        action="store_true",
+        help="serve prompts on D alone when moving their KV costs more than computing them there; both costs "
+        "are learned from the engines' metrics and the router's own timings",
+    )
+    ap.add_argument(
         "--client-kv-params",
         choices=CLIENT_PARAMS,
         default="reject",
@@ -137,6 +143,7 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             health_timeout_strikes=a.health_timeout_strikes,
             retry_decode=not a.no_retry,
             client_params=a.client_kv_params,
+            selective=a.selective,
         )
     except ValueError as e:
         ap.error(str(e))

@@ -32,6 +32,8 @@ class RouterConfig:
     retry_decode: bool = True
     # A client's own kv_transfer_params: "reject" (HTTP 400), "strip", or "trust" (they override the router's).
     client_params: str = "reject"
+    # Serve prompts whose measured transfer cost exceeds their prefill cost on D alone (``selective``).
+    selective: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

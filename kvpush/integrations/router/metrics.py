@@ -25,4 +25,11 @@ ROUTER_METRICS = (
         "P requests cancelled because their pairing failed first (vLLM aborts them and frees their blocks).",
         (),
     ),
+    MetricSpec(
+        "kvpush_router_routes_total",
+        "counter",
+        "Selective router: requests by route (disaggregate; local, served by D alone; explore, would be local "
+        "but disaggregated to keep the transfer cost measured).",
+        ("route",),
+    ),
 )

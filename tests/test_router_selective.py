@@ -1,0 +1,105 @@
+"""Selective disaggregation: the choice from learned costs (pure), and the router serving D alone (stand-ins)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from test_router import COMPLETION, cluster, run
+
+from kvpush.integrations.router.engine_metrics import prefill_totals
+from kvpush.integrations.router.selective import Route, Selector, fit_line
+
+
+def trained(prefill_s_per_token: float = 1e-4, fixed: float = 0.05, per_token: float = 1e-5) -> Selector:
+    s = Selector(min_samples=4, explore_every=5)
+    for n in (100, 500, 1000, 2000, 4000):
+        s.observe_transfer(n, fixed + per_token * n)
+    s.observe_prefill(prefill_s_per_token * 10_000, 10_000)
+    for n in (100, 2000):
+        s.observe_prompt(n * 5, n)  # five characters per token
+    return s
+
+
+def test_line_fit_recovers_fixed_and_per_token_costs() -> None:
+    fit = fit_line([(n, 0.02 + 3e-5 * n) for n in (10, 100, 1000)])
+    assert fit is not None and abs(fit.fixed - 0.02) < 1e-9 and abs(fit.per_token - 3e-5) < 1e-12
+    assert fit_line([(10, 1.0), (10, 2.0)]) is None  # one length says nothing about the slope
+    assert fit_line([(10, 1.0)]) is None
+
+
+def test_disaggregates_until_both_costs_are_measured() -> None:
+    s = Selector(min_samples=4)
+    assert s.choose({"prompt": [1] * 10}).route is Route.DISAGGREGATE  # nothing learned yet
+    for n in (10, 20, 30, 40):
+        s.observe_transfer(n, 1.0)
+    assert s.choose({"prompt": [1] * 10}).route is Route.DISAGGREGATE  # no prefill rate yet
+    s.observe_prefill(1.0, 1000)
+    assert s.choose({"prompt": [1] * 10}).route is Route.LOCAL
+
+
+def test_threshold_follows_the_measured_costs() -> None:
+    """Crossover where prefill(n) = transfer(n): 1e-4 n = 0.05 + 1e-5 n, n ~ 556 tokens."""
+    s = trained()
+    assert s.choose({"prompt": "x" * (5 * 300)}).local  # ~300 tokens: transfer costs more
+    assert not s.choose({"prompt": "x" * (5 * 900)}).local
+    assert not s.choose({"prompt": [7] * 900}).local and s.choose({"prompt": [7] * 300}).route in (
+        Route.LOCAL,
+        Route.EXPLORE,
+    )
+    faster = trained(fixed=0.005)  # a cheaper transfer moves the crossover down (~56 tokens)
+    assert not faster.choose({"prompt": [7] * 300}).local
+    slower_prefill = trained(prefill_s_per_token=1e-5 + 1e-7)  # prefill barely above the per-token transfer
+    assert slower_prefill.choose({"prompt": [7] * 3000}).local
+
+
+def test_some_would_be_local_requests_still_measure_the_transfer() -> None:
+    s = trained()
+    routes = [s.choose({"prompt": [1] * 50}).route for _ in range(10)]
+    assert routes.count(Route.EXPLORE) == 2 and routes.count(Route.LOCAL) == 8
+
+
+def test_unknown_lengths_are_disaggregated() -> None:
+    s = Selector(min_samples=1)
+    s.observe_transfer(10, 1.0)
+    s.observe_transfer(20, 1.0)
+    s.observe_prefill(1.0, 1000)
+    assert s.choose({"prompt": "no text seen yet"}).route is Route.DISAGGREGATE  # no characters per token yet
+    assert s.choose({"prompt": ["a", "b"]}).route is Route.DISAGGREGATE  # a prompt list
+    assert s.choose({"messages": [{"role": "user", "content": "hi"}]}).route is Route.DISAGGREGATE
+
+
+def test_prefill_totals_from_vllm_metrics() -> None:
+    text = "\n".join(
+        [
+            "# HELP vllm:request_prefill_time_seconds x",
+            'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 1.5',
+            'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 3.0',
+            'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 3000.0',
+            'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 64.0',
+        ]
+    )
+    assert prefill_totals(text) == (1.5, 3000.0)
+
+
+def test_router_serves_a_short_prompt_on_d_alone() -> None:
+    async def go() -> None:
+        async with cluster(selective=True) as c:
+            assert c.router.selector is not None
+            trained_state = trained()
+            c.router.selector = trained_state
+            body: dict[str, Any] = {**COMPLETION, "prompt": [5] * 40}
+            status, _, _ = await c.post("/v1/completions", body)
+            assert status == 200
+            assert not c.p[0].seen  # P never asked
+            (d,) = c.d[0].seen
+            assert "kv_transfer_params" not in d.body and d.body["prompt"] == [5] * 40
+            status, _, _ = await c.post("/v1/completions", {**COMPLETION, "prompt": [5] * 3000})
+            assert status == 200 and len(c.p[0].seen) == 1  # a long one is disaggregated
+            assert c.d[0].seen[1].body["kv_transfer_params"]["do_remote_prefill"] is True
+            assert trained_state.counts["local"] == 1 and trained_state.counts["disaggregate"] == 1
+            _, pending = await c.get_json("/kvpush/pending")
+            assert pending["selective"]["choices"]["local"] == 1
+            await asyncio.sleep(0)
+
+    run(go())
