@@ -47,3 +47,15 @@ def test_cancel_frees_a_parked_prefill_long_before_the_lease(nodes: tuple[Node, 
     finally:
         p.call("close", "s")
         d.call("close", "r")
+
+
+def test_prefills_released_at_the_lease_are_counted_on_their_own() -> None:
+    """A P request whose D never comes is released at the lease, and shows as such in the metrics."""
+    from kvpush.metrics import Recorder
+
+    rec = Recorder("prefill")
+    counters = {"expired_prefills_total": 2, "expired_registrations_total": 1, "registrations_total": 3}
+    cnt = rec.take(counters, 10, 0, {}, "prefill:0", now=1.0).data["counts"]["prefill"]
+    assert cnt["prefills_released_at_lease"] == 2 and cnt["expirations"] == 3
+    cnt = rec.take({**counters, "expired_prefills_total": 3}, 20, 0, {}, "prefill:0", now=2.0).data["counts"]
+    assert cnt["prefill"]["prefills_released_at_lease"] == 1
