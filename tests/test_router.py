@@ -696,7 +696,9 @@ def test_client_kv_transfer_params_never_reach_p_or_d_by_default() -> None:
             status, _, _ = await c.post("/v1/completions", {**COMPLETION, "kv_transfer_params": {"transfer_id": "t7"}})
             assert status == 200
             assert c.p[0].seen[0].body["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t7"}
-            assert c.d[0].seen[0].body["kv_transfer_params"]["transfer_id"] == "t7"
+            d_params = c.d[0].seen[0].body["kv_transfer_params"]
+            assert d_params["transfer_id"] == "t7" and d_params["do_remote_prefill"] is True  # merged, not replaced
+            assert (d_params["remote_host"], d_params["remote_port"]) == ("127.0.0.1", 5600)
 
     run(go())
     with pytest.raises(SystemExit):
