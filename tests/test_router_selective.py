@@ -7,7 +7,7 @@ from typing import Any
 
 from test_router import COMPLETION, cluster, run
 
-from kvpush.integrations.router.engine_metrics import prefill_totals
+from kvpush.integrations.router.engine_metrics import prefill_totals, push_totals
 from kvpush.integrations.router.selective import Route, Selector, fit_line
 
 
@@ -53,6 +53,21 @@ def test_threshold_follows_the_measured_costs() -> None:
     assert slower_prefill.choose({"prompt": [7] * 3000}).local
 
 
+def test_push_stats_set_the_slope_so_a_busy_d_does_not_pass_for_a_slow_transfer() -> None:
+    """Under load long prompts meet a busier D: their timings grow, but the bytes' cost is kvpush's push rate."""
+    s = Selector(min_samples=4)
+    for n in (64, 64, 64, 2048, 2048, 2048):
+        s.observe_transfer(n, 0.05 + (0.6 if n == 2048 else 0.0))  # the long ones waited for a busy D
+    s.observe_prefill(1e-4 * 10_000, 10_000)
+    fitted = s.choose({"prompt": [1] * 2048})
+    assert fitted.local  # a line through these timings calls the long prompt's transfer slow
+    s.observe_push(0.01, 1_000_000, 100)  # kvpush pushed 10,000 tokens' KV in 10 ms: 1 us a token
+    model = s.transfer_model()
+    assert model is not None and abs(model.per_token - 1e-6) < 1e-12 and abs(model.fixed - 0.05) < 0.01
+    assert not s.choose({"prompt": [1] * 2048}).local  # 0.2 s of prefill against ~0.05 s of transfer
+    assert s.choose({"prompt": [1] * 64}).local  # 6 ms of prefill against ~0.05 s
+
+
 def test_some_would_be_local_requests_still_measure_the_transfer() -> None:
     s = trained()
     routes = [s.choose({"prompt": [1] * 50}).route for _ in range(10)]
@@ -80,6 +95,15 @@ def test_prefill_totals_from_vllm_metrics() -> None:
         ]
     )
     assert prefill_totals(text) == (1.5, 3000.0)
+    kv = "\n".join(
+        [
+            'kvpush_transfer_latency_seconds_sum{engine="0",model_name="m"} 0.25',
+            'vllm:kvpush_transfer_bytes_total{engine="0",model_name="m"} 1000000.0',
+            'kvpush_kv_bytes_per_token{engine="0",model_name="m"} 4096.0',
+            'kvpush_transfer_latency_seconds_count{engine="0",model_name="m"} 9.0',
+        ]
+    )
+    assert push_totals(kv) == (0.25, 1_000_000.0, 4096.0)
 
 
 def test_router_serves_a_short_prompt_on_d_alone() -> None:

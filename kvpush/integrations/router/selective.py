@@ -11,10 +11,17 @@ Both costs are learned, never constants:
   ``request_prefill_time_seconds`` against the prompt tokens it computed
   (``prompt_tokens_by_source_total{source="local_compute"}``), read from P's
   ``/metrics`` as deltas between scrapes (P and D run the same model);
-* **transfer cost** from the router's own measurements of disaggregated
-  requests: from P's answer to D's first byte (what the push and D's extra
-  step add to the time to first token), fitted as ``fixed + per_token *
-  tokens`` over the last ``window`` requests;
+* **transfer cost** ``fixed + per_token * tokens``: ``per_token`` from
+  kvpush's own transfer stats on P (push seconds per byte, times the KV
+  bytes of a token); ``fixed`` from the router's own timings of
+  disaggregated requests, from P's answer to D's first byte (what the push
+  path adds to the time to first token: D's registration round, its extra
+  scheduler step), less the bytes' share, as the lower quartile over the
+  last ``window`` requests: what the path costs, not what a busy D makes
+  every request wait, a local prefill included. The slope is not fitted
+  from the router's timings: under load long prompts come with a busier D,
+  and a fitted slope learns the load, not the transfer. Without push stats yet, the timings are
+  fitted as a line instead;
 * **tokens per character** of the prompts, from P's answers (``usage``), so
   a text prompt's length is known before the choice.
 
@@ -90,6 +97,7 @@ class Selector:
         self.min_samples = min_samples
         self._transfers: deque[tuple[int, float]] = deque(maxlen=window)
         self._prefill_s_per_token: float | None = None
+        self._push_s_per_token: float | None = None
         self._chars: deque[tuple[int, int]] = deque(maxlen=window)  # (characters, tokens) of text prompts
         self._would_be_local = 0
         self.counts: dict[str, int] = {r.value: 0 for r in Route}
@@ -104,6 +112,22 @@ class Selector:
         """Prefill seconds an engine spent on ``tokens`` computed prompt tokens (a delta between two scrapes)."""
         if tokens > 0 and seconds > 0:
             self._prefill_s_per_token = seconds / tokens
+
+    def observe_push(self, seconds: float, nbytes: float, bytes_per_token: float) -> None:
+        """kvpush's push time for ``nbytes`` (a delta between two scrapes of P's transfer stats)."""
+        if seconds > 0 and nbytes > 0 and bytes_per_token > 0:
+            self._push_s_per_token = seconds / nbytes * bytes_per_token
+
+    def transfer_model(self) -> Fit | None:
+        """The transfer cost as learned so far (``None`` until ``min_samples`` timings)."""
+        samples = list(self._transfers)
+        if len(samples) < self.min_samples:
+            return None
+        slope = self._push_s_per_token
+        if slope is None:
+            return fit_line(samples)
+        rest = sorted(seconds - slope * n for n, seconds in samples)
+        return Fit(max(0.0, rest[len(rest) // 4]), slope)
 
     def observe_prompt(self, chars: int, tokens: int) -> None:
         """A text prompt's length in characters and in tokens (P's ``usage.prompt_tokens``)."""
@@ -128,7 +152,7 @@ class Selector:
 
     def choose(self, body: dict[str, Any]) -> Choice:
         n = self.tokens_of(body)
-        fit = fit_line(list(self._transfers)) if len(self._transfers) >= self.min_samples else None
+        fit = self.transfer_model()
         rate = self._prefill_s_per_token
         if n is None or fit is None or rate is None:
             return self._count(Choice(Route.DISAGGREGATE, n or 0, None, None))
@@ -145,9 +169,10 @@ class Selector:
 
     def state(self) -> dict[str, Any]:
         """What the router shows on ``/kvpush/pending``: the learned costs and the choices so far."""
-        fit = fit_line(list(self._transfers))
+        fit = self.transfer_model()
         return {
             "prefill_s_per_token": self._prefill_s_per_token,
+            "push_s_per_token": self._push_s_per_token,
             "transfer_fixed_s": fit.fixed if fit else None,
             "transfer_s_per_token": fit.per_token if fit else None,
             "transfer_samples": len(self._transfers),
