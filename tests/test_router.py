@@ -114,7 +114,10 @@ class Upstream:
                     "remote_port": 5601,
                     "tp_size": 1,
                 }
-                return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+                prompt = seen.body.get("prompt")
+                tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+                usage = {"prompt_tokens": tokens}
+                return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params, "usage": usage})
             if seen.body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(req)

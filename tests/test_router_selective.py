@@ -127,3 +127,24 @@ def test_router_serves_a_short_prompt_on_d_alone() -> None:
             await asyncio.sleep(0)
 
     run(go())
+
+
+def test_router_learns_the_transfer_from_its_own_timings() -> None:
+    """Disaggregated requests teach the selector: P's answer to D's first byte, P's token count, characters."""
+
+    async def go() -> None:
+        async with cluster(selective=True) as c:
+            c.p[0].delay, c.d[0].delay = 0.05, 0.25  # D's first byte comes ~0.2 s after P's answer
+            for n in (10, 20, 30):
+                assert (await c.post("/v1/completions", {**COMPLETION, "prompt": [3] * n}))[0] == 200
+            assert (await c.post("/v1/completions", {**COMPLETION, "prompt": "one two three four"}))[0] == 200
+            await asyncio.sleep(0.05)
+            sel = c.router.selector
+            assert sel is not None
+            samples = list(sel._transfers)
+            assert [n for n, _ in samples] == [10, 20, 30, 4]
+            assert all(0.0 <= s < 0.3 for _, s in samples), samples  # at most D's delay past P's answer
+            assert max(s for _, s in samples) > 0.1
+            assert sel.tokens_of({"prompt": "x" * 36}) == 8  # 4.5 characters a token, from "one two three four"
+
+    run(go())

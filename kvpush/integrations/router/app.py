@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import weakref
 from typing import Any
 
 import aiohttp
@@ -88,7 +89,8 @@ class Router:
         self.prom = TextExposition(ROUTER_METRICS)  # latency, failures by cause, aborts
         self.health = HealthChecker(config, lambda: self.session)
         self.selector = Selector() if config.selective else None
-        self._prefill_done: dict[int, float] = {}  # P task -> when P answered (selective: the transfer's start)
+        # P task -> when P answered (selective: where the transfer's time starts); gone with the task.
+        self._prefill_done: weakref.WeakKeyDictionary[asyncio.Task[dict[str, Any]], float] = weakref.WeakKeyDictionary()
         self._scrape_task: asyncio.Task[None] | None = None
         self.up = Upstreams(config, lambda: self.session, self.prom)
 
@@ -387,7 +389,7 @@ class Router:
         def learn(t: asyncio.Task[dict[str, Any]]) -> None:
             if t.cancelled() or t.exception() is not None:
                 return
-            p_json, p_done = t.result(), self._prefill_done.pop(id(t), now)
+            p_json, p_done = t.result(), self._prefill_done.pop(t, now)
             tokens = (p_json.get("usage") or {}).get("prompt_tokens")
             if isinstance(tokens, int):
                 selector.observe_transfer(tokens, now - p_done)
@@ -483,7 +485,7 @@ class Router:
             p.in_flight -= 1
             self.pending_prefill -= 1
             if self.selector is not None:
-                self._prefill_done[id(t)] = loop_time()
+                self._prefill_done[t] = loop_time()
 
         task.add_done_callback(done)
         return task
