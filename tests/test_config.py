@@ -56,6 +56,10 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "proxy_ip": "10.0.0.3",
         "proxy_ping_port": 30001,
         "http_port": 8100,
+        "auth": "none",
+        "auth_keys_dir": "/etc/kvpush/keys",
+        "peer_bytes_per_s": 1e6,
+        "peer_messages_per_s": 500,
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)
