@@ -346,10 +346,14 @@ class Gate:
             events = dict(poller.poll())
             if self._stop_rx in events:
                 return
-            if self._zap in events:
-                self._answer(self._zap.recv_multipart())
-            if self._monitor is not None and self._monitor in events:
-                self._on_event(parse_monitor_message(self._monitor.recv_multipart()))
+            try:
+                if self._zap in events:
+                    self._answer(self._zap.recv_multipart())
+                if self._monitor is not None and self._monitor in events:
+                    self._on_event(parse_monitor_message(self._monitor.recv_multipart()))
+            except Exception:
+                # A bug here must not stop the gate: a ZAP request left unanswered stalls every handshake.
+                log.exception("side channel %s: the gate failed on a request", self.label)
 
     def _answer(self, frames: list[bytes]) -> None:
         """One ZAP request: ``version, id, domain, address, routing id, mechanism, credentials...``."""
