@@ -356,10 +356,16 @@ class Gate:
                 log.exception("side channel %s: the gate failed on a request", self.label)
 
     def _answer(self, frames: list[bytes]) -> None:
-        """One ZAP request: ``version, id, domain, address, routing id, mechanism, credentials...``."""
-        version, request_id, _domain, address, _ident, mechanism = frames[:6]
-        key = z85.encode(frames[6]) if mechanism == b"CURVE" and len(frames) > 6 else b""
-        ok, why = self._allows(key)
+        """One ZAP request (``version, id, domain, address, routing id, mechanism, credentials...``),
+        always answered: an unanswered request would stall that handshake and the REP socket with it."""
+        version, request_id = (frames + [b"1.0", b""])[:2]
+        try:
+            address, mechanism = frames[3], frames[5]
+            key = z85.encode(frames[6]) if mechanism == b"CURVE" and len(frames) > 6 else b""
+            ok, why = self._allows(key)
+        except Exception as exc:
+            log.exception("side channel %s: malformed ZAP request", self.label)
+            address, key, ok, why = b"?", b"", False, f"internal error: {exc}"
         if ok:
             self._zap.send_multipart([version, request_id, b"200", b"OK", key, b""])
             return
