@@ -358,7 +358,7 @@ class Gate:
     def _answer(self, frames: list[bytes]) -> None:
         """One ZAP request (``version, id, domain, address, routing id, mechanism, credentials...``),
         always answered: an unanswered request would stall that handshake and the REP socket with it."""
-        version, request_id = (frames + [b"1.0", b""])[:2]
+        version, request_id = [*frames, b"1.0", b""][:2]
         try:
             address, mechanism = frames[3], frames[5]
             key = z85.encode(frames[6]) if mechanism == b"CURVE" and len(frames) > 6 else b""
