@@ -32,6 +32,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "serve": ("kvpush_tools.bench.serve", "TTFT/TPOT of kvpush vs vLLM's NIXL connectors under Poisson load"),
     "plot": ("kvpush_tools.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
     "idle": ("kvpush_tools.bench.idle", "CPU used by an idle P/D pair, per connector"),
+    "auth": ("kvpush_tools.bench.auth", "side-channel round trips with and without CURVE authentication"),
     "layerwise": (
         "kvpush_tools.bench.layerwise",
         "TTFT vs prompt length: single vLLM, whole-request push, layer-wise push",
