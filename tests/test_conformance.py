@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 from importlib.util import find_spec
 from pathlib import Path
 
+import helpers_libfabric as lf
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,14 +28,19 @@ SUITE_TIMEOUT_S = 300
 
 
 def run_suite(
-    tmp_path: Path, backend: str, *options: str, pythonpath: tuple[Path, ...] = (), extra: tuple[str, ...] = ()
+    tmp_path: Path,
+    backend: str,
+    *options: str,
+    pythonpath: tuple[Path, ...] = (),
+    extra: tuple[str, ...] = (),
+    nixl_backend: str = "UCX",
 ) -> tuple[int, dict[str, str], str]:
     """Run the suite; returns (exit status, outcome per test id, output tail)."""
     report = tmp_path / f"junit-{len(list(tmp_path.iterdir()))}.xml"
-    cmd = [sys.executable, "-m", "kvpush.cli", "conformance", "--backend", backend]
+    cmd = [sys.executable, "-m", "kvpush.cli", "conformance", "--backend", backend, "--nixl-backend", nixl_backend]
     cmd += [f"--option={o}" for o in options]
     cmd += ["--", "-q", f"--junitxml={report}", *extra]
-    env = dict(os.environ)
+    env = lf.child_env() if nixl_backend == "LIBFABRIC" else dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, check=False)
@@ -56,8 +62,8 @@ def assert_conforms(rc: int, outcomes: dict[str, str], out: str, skipped: int = 
     assert sum(v == "skipped" for v in outcomes.values()) == skipped, outcomes
 
 
-def test_host_backend_conforms(tmp_path: Path) -> None:
-    assert_conforms(*run_suite(tmp_path, "host"))
+def test_host_backend_conforms(tmp_path: Path, nixl_backend: str) -> None:
+    assert_conforms(*run_suite(tmp_path, "host", nixl_backend=nixl_backend))
 
 
 @pytest.mark.parametrize(("mode", "skipped"), [("direct", 0), ("host_staging", 7)])
