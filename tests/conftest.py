@@ -85,6 +85,7 @@ def nodes(nixl_backend: str) -> Iterator[tuple[Node, Node]]:
     try:
         p.wait_ready()
         d.wait_ready()
+        assert p.call("nixl_backends") == d.call("nixl_backends") == (nixl_backend,)
         yield p, d
         crashes = p.call("crashes") + d.call("crashes")
         assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)

@@ -190,6 +190,10 @@ class Worker(conformance.Worker):
         self.progressing.append((stop, t))
         return meta
 
+    def op_nixl_backends(self) -> tuple[str, ...]:
+        """The NIXL backends this worker's agents were created with (its warm-up agent's)."""
+        return tuple(self._warmup.backends)
+
     def op_logs(self) -> list[str]:
         lines, self.warnings.lines = self.warnings.lines, []
         return lines

@@ -26,6 +26,7 @@ def pair(nixl_backend: str) -> Iterator[tuple[Node, Node]]:
     try:
         p.wait_ready()
         d.wait_ready()
+        assert p.call("nixl_backends") == d.call("nixl_backends") == (nixl_backend,)
         yield p, d
     finally:
         p.stop()

@@ -192,7 +192,12 @@ class Agent:
         so one broken transfer cannot stall the engine loop that polls all of them."""
         self._settle_errors()
         try:
-            return self._agent.check_xfer_state(handle)
+            state = "PROC"
+            for _ in range(self.traits.drain_calls):  # each call reaps a bounded number of completions
+                state = self._agent.check_xfer_state(handle)
+                if state != "PROC":
+                    break
+            return state
         except Exception as exc:
             log.warning("%s: transfer failed: %s", self.name, exc)
             return "ERR"

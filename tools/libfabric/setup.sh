@@ -17,7 +17,9 @@
 #
 # Inputs (environment): KVPUSH_LIBFABRIC_TARBALL (default ../shared/vendor/libfabric-src.tar.gz
 # beside the checkout), KVPUSH_CACHE (default ~/.cache/kvpush), KVPUSH_HWLOC_DIR (a folder
-# holding libhwloc.so.15, for hosts without the package), JOBS (make -j, default nproc).
+# holding libhwloc.so.15, for hosts without the package), JOBS (make -j, default nproc),
+# KVPUSH_LIBFABRIC_CUDA (a CUDA toolkit folder: build with CUDA memory support, FI_HMEM, into a
+# prefix of its own; by default libfabric is built without it, as the tests need).
 # The prefix holds kvpush-libfabric.json: what the tests and tools read (library_path, providers).
 set -euo pipefail
 
@@ -40,7 +42,8 @@ esac
 say() { echo "[libfabric] $*" >&2; }
 die() { say "error: $*"; exit 1; }
 # Is a library known to the loader's cache (the system's, not LD_LIBRARY_PATH)?
-in_ld_cache() { /sbin/ldconfig -p 2>/dev/null | grep -q "[[:space:]]$1 "; }
+# (No grep -q: it would stop reading early, ldconfig would die of SIGPIPE, and pipefail would say "no".)
+in_ld_cache() { /sbin/ldconfig -p 2>/dev/null | grep "[[:space:]]$1 " >/dev/null; }
 apt_install() {
   command -v apt-get >/dev/null || return 1
   local sudo=""
@@ -74,6 +77,11 @@ if [ "$MODE" = carry ]; then
 fi
 
 PREFIX=$CACHE/libfabric-${SHA:0:16}
+CUDA_FLAGS=(--without-cuda)
+if [ -n "${KVPUSH_LIBFABRIC_CUDA:-}" ]; then
+  CUDA_FLAGS=(--with-cuda="$KVPUSH_LIBFABRIC_CUDA" --enable-cuda-dlopen)
+  PREFIX=$PREFIX-cuda
+fi
 MARKER=$PREFIX/kvpush-libfabric.json
 mkdir -p "$CACHE"
 
@@ -90,13 +98,13 @@ build() {
       || die "the tarball has no configure script and autoconf/automake/libtool are missing (use --carry on a host that has them)"
     (cd "$src" && ./autogen.sh) >"$work/autogen.log" 2>&1 || { tail -20 "$work/autogen.log" >&2; die "autogen.sh failed"; }
   fi
-  say "building libfabric (tcp, shm; no verbs/efa/psm) into $PREFIX with $JOBS jobs"
+  say "building libfabric (tcp, shm; no verbs/efa/psm; ${CUDA_FLAGS[*]}) into $PREFIX with $JOBS jobs"
   # Only the software providers: nothing here may pull rdma-core (it breaks UCX agents at exit).
   (cd "$src" && ./configure --prefix="$PREFIX" --disable-static \
       --enable-tcp --enable-shm --enable-sockets --enable-udp --enable-rxm --enable-rxd --enable-sm2 \
       --disable-verbs --disable-efa --disable-psm2 --disable-psm3 --disable-opx --disable-usnic \
       --disable-ucx --disable-cxi --disable-lnx --disable-xpmem \
-      --without-cuda --without-neuron --without-ze --without-rocr --without-gdrcopy \
+      "${CUDA_FLAGS[@]}" --without-neuron --without-ze --without-rocr --without-gdrcopy \
       && make -j"$JOBS" && make install) >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; die "libfabric build failed"; }
   t1=$(date +%s)
   echo $((t1 - t0)) >"$PREFIX/.build-seconds"
@@ -139,6 +147,7 @@ if real_driver; then
 else
   STANDIN=$PREFIX/cuda-standin
   mkdir -p "$STANDIN"
+  rm -f "$STANDIN"/*.map
   cc=${CC:-cc}
   command -v "$cc" >/dev/null || die "no C compiler ($cc) to build the CUDA stand-in"
   "$cc" -shared -fPIC -O2 -DKVPUSH_STANDIN_DRIVER -Wl,-soname,libcuda.so.1 -o "$STANDIN/libcuda.so.1" "$STANDIN_SRC"
@@ -146,10 +155,12 @@ else
   for major in 12 13; do
     rm -f "$STANDIN/libcudart.so.$major"
     if ! in_ld_cache "libcudart.so.$major"; then
+      map=$(mktemp)
       printf 'libcudart.so.%s { global: cudaSetDevice; cudaGetErrorString; kvpush_cuda_standin; local: *; };\n' "$major" \
-        >"$STANDIN/cudart$major.map"
+        >"$map"
       "$cc" -shared -fPIC -O2 -DKVPUSH_STANDIN_RUNTIME -Wl,-soname,"libcudart.so.$major" \
-        -Wl,--version-script,"$STANDIN/cudart$major.map" -o "$STANDIN/libcudart.so.$major" "$STANDIN_SRC"
+        -Wl,--version-script,"$map" -o "$STANDIN/libcudart.so.$major" "$STANDIN_SRC"
+      rm -f "$map"
     fi
   done
   LIBPATH+=("$STANDIN")
