@@ -61,7 +61,8 @@ LD_LIBRARY_PATH=$LD NIXL_LOG_LEVEL=INFO timeout "${CONF_TIMEOUT:-240}" python3 -
 say "conformance rc=$? (124: timed out; 139/134: crashed)"
 tail -4 "$OUT/conformance.log" | tee -a "$SUM"
 grep -E "FI_HMEM|VRAM|falling back|memory registration|System runtime|Topology|NVIDIA GPUs|Bad address|EFAULT|rail 0" \
-  "$OUT/conformance.log" | sort | uniq -c | sort -rn | head -40 >"$OUT/vram_lines.log"
+  "$OUT/conformance.log" | sed -E 's/^([IWEF])[0-9]{4} [0-9:.]+ +[0-9]+ /\1 /' | sort | uniq -c | sort -rn | head -40 \
+  >"$OUT/vram_lines.log"
 say "what the plugin said about VRAM (counts):"
 head -12 "$OUT/vram_lines.log" | tee -a "$SUM"
 
@@ -76,7 +77,8 @@ if [ "${PHASE2:-1}" = 1 ] && [ $(($(date +%s) - T0)) -lt "${PHASE2_START_BEFORE_
       --backend cuda --devices 0 --nixl-backend LIBFABRIC -- -q -p no:cacheprovider -x
     echo "phase 2 conformance rc=$?"
   ) >"$OUT/phase2.log" 2>&1
-  grep -E "^\[ (ok|--) \]|^\[FAIL\]|FI_HMEM|passed|failed|rc=" "$OUT/phase2.log" | sort | uniq -c | head -20 | tee -a "$SUM"
+  grep -E "^\[ (ok|--) \]|^\[FAIL\]|FI_HMEM|passed|failed|rc=" "$OUT/phase2.log" \
+    | sed -E 's/^([IWEF])[0-9]{4} [0-9:.]+ +[0-9]+ /\1 /' | sort | uniq -c | head -20 | tee -a "$SUM"
 else
   say "phase 2 skipped (PHASE2=0 or too little time left)"
 fi
