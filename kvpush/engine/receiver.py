@@ -177,7 +177,7 @@ class Receiver(EngineLoop):
                 conn.last_seen = now
                 self._on_control(key, conn, msg, now)
         if self._transfers or self._superseded:
-            for agent_name, data in self.agent.notifs():
+            for agent_name, data in self.agent.notifs(drain=bool(self._hot)):
                 self._on_notif(agent_name, data, now)
         if self._unpacking:
             self._poll_unpacks()
