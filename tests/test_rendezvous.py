@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpush.protocol import Register
-from kvpush.rendezvous import Prefill, Push, Refuse, Release, Rendezvous, Stage
+from kvpush.rendezvous import Prefill, Push, Refuse, Release, Rendezvous, TransferState
 
 LEASE_S = 10.0
 
@@ -50,9 +50,9 @@ def test_register_then_prefill() -> None:
     rv = Rendezvous(prefill_lease_s=LEASE_S)
     r, p = reg(), prefill()
     assert rv.on_register(r, now=0.0) == []
-    assert rv.stage("t1") is Stage.WAITING_FOR_PREFILL
+    assert rv.stage("t1") is TransferState.WAITING_FOR_PREFILL
     assert rv.on_prefill(p, now=1.0) == [Push(p, r)]
-    assert rv.stage("t1") is Stage.TRANSFERRING
+    assert rv.stage("t1") is TransferState.TRANSFERRING
     assert rv.pending() == {"parked_prefills": 0, "waiting_registrations": 0, "in_flight": 1}
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
     assert len(rv) == 0 and rv.stage("t1") is None
@@ -62,7 +62,7 @@ def test_prefill_then_register() -> None:
     rv = Rendezvous(prefill_lease_s=LEASE_S)
     r, p = reg(), prefill()
     assert rv.on_prefill(p, now=0.0) == []
-    assert rv.stage("t1") is Stage.WAITING_FOR_REGISTRATION
+    assert rv.stage("t1") is TransferState.WAITING_FOR_REGISTRATION
     assert rv.pending()["parked_prefills"] == 1
     assert rv.on_register(r, now=1.0) == [Push(p, r)]
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
@@ -83,7 +83,7 @@ def test_transfers_are_independent() -> None:
     assert rv.on_register(reg("a"), 0.0) == [Push(p1, reg("a"))]
     assert rv.on_prefill(p2, 0.0) == [Push(p2, reg("b"))]
     assert rv.on_pushed("b", "d", 0) == [Release(p2, "pushed")]
-    assert rv.stage("a") is Stage.TRANSFERRING
+    assert rv.stage("a") is TransferState.TRANSFERRING
 
 
 # -- re-issue ---------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_two_ranks_release_after_both() -> None:
     assert rv.on_register(r0, 0.0, expected=2) == []
     assert rv.on_prefill(p, 0.0) == [Push(p, r0)]
     assert rv.on_pushed("t1", "d", 0) == []
-    assert rv.stage("t1") is Stage.WAITING_FOR_REGISTRATION
+    assert rv.stage("t1") is TransferState.WAITING_FOR_REGISTRATION
     assert rv.on_register(r1, 0.0, expected=2) == [Push(p, r1)]
     assert rv.on_pushed("t1", "d", 1) == [Release(p, "pushed")]
 
@@ -237,7 +237,7 @@ def test_waiting_registration_expires_with_refuse() -> None:
     assert len(rv) == 0
     p = prefill()
     assert rv.on_prefill(p, 53.0) == []  # the prefill now parks alone and expires on its own lease
-    assert rv.stage("t1") is Stage.WAITING_FOR_REGISTRATION
+    assert rv.stage("t1") is TransferState.WAITING_FOR_REGISTRATION
 
 
 def test_reregistration_renews_the_deadline() -> None:
@@ -293,7 +293,7 @@ def test_abort_while_in_flight_waits_for_the_write() -> None:
     rv.on_prefill(p, 0.0)
     rv.on_register(reg(rank=0), 0.0, expected=2)
     assert rv.on_abort("t1", 1.0) == []
-    assert rv.stage("t1") is Stage.TRANSFERRING
+    assert rv.stage("t1") is TransferState.TRANSFERRING
     assert rv.expire(1e9) == []
     # Only the write in flight is awaited; rank 1 is no longer expected.
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
@@ -445,7 +445,7 @@ class RendezvousMachine(RuleBasedStateMachine):
     def in_flight_matches(self) -> None:
         assert self.rv.pending()["in_flight"] == len(self.outstanding)
         for tid, _, _ in self.outstanding:
-            assert self.rv.stage(tid) is Stage.TRANSFERRING
+            assert self.rv.stage(tid) is TransferState.TRANSFERRING
 
     @invariant()
     def nothing_idle_outlives_its_lease(self) -> None:

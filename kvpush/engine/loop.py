@@ -24,7 +24,7 @@ from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
 from kvpush.config import Config
 from kvpush.engine.types import Result
 from kvpush.layout import KVLayout
-from kvpush.metrics import Recorder
+from kvpush.metrics import Count, Recorder
 from kvpush.staging import SlotAllocator
 from kvpush.transport.nixl_agent import Agent
 
@@ -79,6 +79,8 @@ class EngineLoop:
         # read it without a call into the engine.
         self.recorder = Recorder(self.SIDE)
         self.gauges: dict[str, float] = {}
+        self.counters: dict[Count, float] = {}
+        """Event counters (engine thread writes; others copy it with ``dict(...)``)."""
 
     # -- caller side ---------------------------------------------------
     def start(self) -> None:
@@ -139,6 +141,9 @@ class EngineLoop:
         os.close(self._wfd)
 
     # -- engine thread -------------------------------------------------
+    def bump(self, what: Count, by: float = 1.0) -> None:
+        self.counters[what] = self.counters.get(what, 0.0) + by
+
     def emit(self, result: Result) -> None:
         try:
             # Gauges as of this result: a report sent with it must not show the transfer as pending.

@@ -72,7 +72,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.metrics import LATENCY_BUCKETS, MetricSpec, TextExposition
+from kvpush.prometheus import LATENCY_BUCKETS, MetricSpec, TextExposition
 
 log = logging.getLogger("kvpush.router")
 
