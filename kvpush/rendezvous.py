@@ -249,8 +249,9 @@ class Rendezvous:
     def drop_peer(self, key: DKey, now: float, reason: str) -> list[Decision]:
         """D rank ``key`` is forgotten (dead or restarted): abort what it registered and cancel its pushes.
 
-        Nothing is sent to it: its jobs end without a ``Fail`` reaching anyone
-        but the jobs' own accounting.
+        Nothing reaches the forgotten rank; the other D ranks of its transfers
+        hear that their waiting registrations will not be written, while their
+        pushes already running finish.
         """
         out: list[Decision] = []
         for tid, e in list(self._entries.items()):
@@ -259,6 +260,8 @@ class Rendezvous:
             if job is not None:
                 job.peer_gone(reason)
             if key in e.regs and key not in e.done:
+                waiting = [r for k, r in e.regs.items() if k != key and k not in e.in_flight | e.done]
+                out += [Refuse(r, reason, Cause.DEAD_PEER) for r in waiting]
                 out += self.on_abort(tid, now, reason, Cause.DEAD_PEER)
         return out
 
