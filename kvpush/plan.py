@@ -1,8 +1,9 @@
 """Turning a paired request into a transfer plan (pure).
 
-Descriptor count, not bandwidth, is what a fragmented request costs: UCX posts
-each descriptor for ~6-8 us, so 131k block-layer pieces take a second while the
-same bytes contiguous take milliseconds. The plan is either
+Descriptor count, not bandwidth, is what a fragmented request costs: the
+transport posts each descriptor separately, so a request scattered over many
+blocks and layers costs far more than the same bytes contiguous (measured:
+docs/benchmarks.md, "Descriptor cost"). The plan is either
 
 - ``direct``: the pieces, coalesced, written straight into D's blocks; or
 - ``staged``: P packs the pieces into a contiguous staging slot, one WRITE
@@ -182,7 +183,7 @@ class PartSchedule:
     to compute: KV leaving P while the forward runs slows the forward when it
     is sent layer by layer, but not when sent in one burst during the last
     layers, so the push starts as late as still lets it finish with the
-    forward (measurements: docs/cuda.md, "Sixth round"). From then on, layers
+    forward (measurements: docs/cuda.md, "Engine defaults"). From then on, layers
     are grouped until a part holds ``min_part_bytes`` (a part's fixed host
     costs stay small next to its bytes). The group is also posted when one
     layer is left: then the last part, the only one whose pack, WRITE and

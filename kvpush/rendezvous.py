@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.protocol import Register
-from kvpush.push_job import DKey, Transfer
+from kvpush.push_job import DKey
+from kvpush.transfer import Transfer
 
 
 class TransferState(enum.StrEnum):

@@ -222,6 +222,19 @@ def test_metric_names_follow_prometheus_conventions() -> None:
     assert required <= set(names)
 
 
+def test_metrics_are_exported_under_vllms_names_and_the_old_ones() -> None:
+    """vLLM's scheme (``vllm:kvpush_*``) so vLLM's dashboards find them; the bare names stay one release."""
+    page = TextExposition()
+    page.apply(PromFeed().updates(_stats("prefill", 0, [p_result()], 2).data))
+    text = page.render()
+    for m in METRICS:
+        assert m.names == (f"vllm:{m.name}", m.name), m
+        assert f"# TYPE vllm:{m.name} {m.kind}" in text and f"# TYPE {m.name} {m.kind}" in text, m.name
+    for name in ("vllm:kvpush_transfers_total", "kvpush_transfers_total"):
+        assert sample_sum(text, name, side="prefill", outcome="ok") == 1, name
+        assert sample_sum(text, name.replace("transfers_total", "pending_registrations"), side="prefill") == 2
+
+
 def test_feed_sums_gauges_over_ranks_even_from_partial_payloads() -> None:
     feed, page = PromFeed(), TextExposition()
     both = _stats("prefill", 0, [p_result()], 2).aggregate(_stats("prefill", 1, [], 3))
@@ -278,7 +291,9 @@ def test_vllm_prometheus_hooks_export_kvpush_metrics() -> None:
     text = generate_latest(reg).decode()
     for m in METRICS:
         assert f"# TYPE {m.name} {m.kind}" in text, m.name
+        assert f"# TYPE vllm:{m.name} {m.kind}" in text, m.name
     assert sample_sum(text, "kvpush_transfers_total", side="prefill", outcome="ok", engine="0") == 2
+    assert sample_sum(text, "vllm:kvpush_transfers_total", side="prefill", outcome="ok", engine="0") == 2
     assert sample_sum(text, "kvpush_transfer_bytes_total", side="prefill", model_name="tiny") == 8192
     assert sample_sum(text, "kvpush_pending_registrations", side="prefill") == 3
     assert sample_sum(text, "kvpush_transfer_stage_seconds_count", side="prefill", stage="registration_wait") == 2

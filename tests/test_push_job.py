@@ -35,8 +35,8 @@ from kvpush.push_job import (
     PushJob,
     ReleaseMade,
     StartPack,
-    Transfer,
 )
+from kvpush.transfer import Transfer
 
 
 @dataclass(eq=False)

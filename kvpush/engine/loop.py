@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 BUSY_BACKOFF_MIN_S = 20e-6
 DEFAULT_TIMER_SLACK_S = 50e-6
-"""Linux's default timer slack: a thread's ``sleep(5e-6)`` lasts ~55-75 us with it."""
+"""Linux's default timer slack: a thread's short sleep may overshoot by this much."""
 TIGHT_TIMER_SLACK_NS = 1000
 
 
@@ -234,9 +234,10 @@ class EngineLoop:
 def _set_timer_slack(ns: int) -> None:
     """Let this thread's short sleeps end on time (Linux ``PR_SET_TIMERSLACK``, this thread only).
 
-    Set where ``busy_poll_max_s`` is below the default 50 us slack: otherwise
-    a 5 us poll interval is really ~60 us, and a transfer's tail is a few
-    polls (P noticing the last layer, its WRITE completing, D's notification).
+    Set where ``busy_poll_max_s`` is below the default slack: otherwise a
+    poll interval shorter than the slack is really the slack, and a
+    transfer's tail is a few polls (P noticing the last layer, its WRITE
+    completing, D's notification).
     """
     _prctl(29, ns)
 

@@ -18,8 +18,9 @@ from kvpush.errors import KVPushError
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.plan import PartSchedule, Plan, build_plan, part_descriptors, split_regions
-from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, PushJob, ReleaseMade, StartPack, Transfer
+from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
+from kvpush.transfer import Transfer
 
 if TYPE_CHECKING:
     from kvpush.engine.sender import Sender
