@@ -52,6 +52,16 @@ class SendAbort:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """Tell a P rank D gave up on a transfer it never registered (P may hold the finished prefill)."""
+
+    transfer_id: str
+    request_id: str
+    conn: ConnKey
+    reason: str
+
+
+@dataclass(frozen=True)
 class StartUnpack:
     """Scatter this part from the writer's staging slot (answer ``unpack_started`` or ``unpack_failed``)."""
 
@@ -102,7 +112,7 @@ class Report:
     result: Result
 
 
-Action = SendRegister | SendAbort | StartUnpack | AwaitUnpacks | WaitUnpacks | FreeSlot | Stale | Report
+Action = SendRegister | SendAbort | Cancel | StartUnpack | AwaitUnpacks | WaitUnpacks | FreeSlot | Stale | Report
 
 
 # -- one attempt ---------------------------------------------------------------------------------
@@ -419,6 +429,16 @@ class Fencing:
             return []
         self._bump(Count.EXPIRED if why.cause is Cause.EXPIRED else Count.ABORTS)
         return self._settle(inc.abort(why, now, self.peer_dead_s))
+
+    def cancel(
+        self, transfer_id: str, request_id: str, writers: dict[int, ConnKey], why: Failed, now: float
+    ) -> list[Action]:
+        """D gives up on a transfer it may never have registered: abort it if it did; else tell its writers,
+        so that a P holding the finished prefill frees it now instead of at its lease."""
+        if transfer_id in self.current:
+            return self.abort(transfer_id, why, now)
+        self._bump(Count.CANCELS)
+        return [Cancel(transfer_id, request_id, conn, why.reason) for conn in writers.values()]
 
     def expire(self, now: float) -> list[Action]:
         out: list[Action] = []

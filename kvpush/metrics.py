@@ -66,27 +66,32 @@ class Count(enum.StrEnum):
     POSTINGS = "postings_total"
     COMPLETED = "completed_total"
     FAILED = "failed_total"
+    CANCELS = "cancels_total"  # D: transfers given up before they were registered
 
     @classmethod
     def plan(cls, kind: PlanKind) -> Count:
         return cls(f"plan_{kind.value}_total")
 
 
-COUNT_STAT: dict[Count, str] = {
-    Count.REGISTRATIONS: "registrations",
-    Count.ABORTS: "aborts",
-    Count.DEAD_PEERS: "dead_peers",
-    Count.EXPIRED_PREFILLS: "expirations",
-    Count.EXPIRED_REGISTRATIONS: "expirations",
-    Count.EXPIRED: "expirations",
-    Count.PARTS: "parts",
-    Count.LAYERWISE_PREFILLS: "layerwise_prefills",
-    Count.LAYER_REPORTS: "layer_reports",
-    Count.STALE_NOTIFICATIONS: "stale_notifications",
-    Count.REJECTED_MESSAGES: "rejected_messages",
+COUNT_STAT: dict[Count, tuple[str, ...]] = {
+    Count.REGISTRATIONS: ("registrations",),
+    Count.ABORTS: ("aborts",),
+    Count.DEAD_PEERS: ("dead_peers",),
+    # Also on their own: prefills that held their blocks for a whole lease because no D came.
+    Count.EXPIRED_PREFILLS: ("expirations", "prefills_released_at_lease"),
+    Count.EXPIRED_REGISTRATIONS: ("expirations",),
+    Count.EXPIRED: ("expirations",),
+    Count.PARTS: ("parts",),
+    Count.LAYERWISE_PREFILLS: ("layerwise_prefills",),
+    Count.LAYER_REPORTS: ("layer_reports",),
+    Count.STALE_NOTIFICATIONS: ("stale_notifications",),
+    Count.REJECTED_MESSAGES: ("rejected_messages",),
 }
 """Engine counters exported (as increments, under these stats names); the others stay internal."""
-_STAT_OF = {c.value: name for c, name in COUNT_STAT.items()}
+_STATS_OF = {c.value: names for c, names in COUNT_STAT.items()} | {
+    "loop_iterations": ("loop_iterations",),
+    "wakeups": ("wakeups",),
+}
 
 P_STAGES = ("registration_wait", "rendezvous_wait", "plan", "ready_wait", "pack", "post", "completion")
 """P's stages, in order. ``registration_wait``: the finished prefill waited for D's registration (D late);
@@ -333,8 +338,7 @@ class Recorder:
         deltas: dict[str, float] = {}
         for k, v in current.items():
             d = v - self._last_counts.get(k, 0.0)
-            name = _STAT_OF.get(k, k if k in ("loop_iterations", "wakeups") else "")
-            if d and name:
+            for name in _STATS_OF.get(k, ()) if d else ():
                 deltas[name] = deltas.get(name, 0.0) + d
         out.add_counts(self.side, deltas)
         g: dict[str, float] = {}

@@ -168,6 +168,13 @@ METRICS: tuple[MetricSpec, ...] = (
         _count("expirations"),
     ),
     _kv(
+        "kvpush_prefills_released_at_lease_total",
+        "counter",
+        "P: finished prefills that held their blocks for the whole prefill_lease_s because no D registered "
+        "(a router that sent P but never D; a D that cancels tells P at once instead).",
+        _count("prefills_released_at_lease"),
+    ),
+    _kv(
         "kvpush_aborts_total",
         "counter",
         "Transfers aborted by either side (expirations not included).",

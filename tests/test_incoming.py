@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpush import protocol
 from kvpush.incoming import (
     AwaitUnpacks,
+    Cancel,
     Fencing,
     FreeSlot,
     Incoming,
@@ -146,7 +147,7 @@ class FencingMachine(RuleBasedStateMachine):
         elif isinstance(a, Report):
             self._on_report(a)
         else:
-            assert isinstance(a, Stale), a
+            assert isinstance(a, Stale | Cancel), a
         return []
 
     def _sessions_of(self, inc: Incoming, p: int) -> list[Session]:
@@ -187,6 +188,12 @@ class FencingMachine(RuleBasedStateMachine):
     @rule(tid=st.sampled_from(TIDS))
     def abort(self, tid: str) -> None:
         self._do(self.book.abort(tid, Failed(Stage.TRANSFER, Cause.ABORTED, "client went away"), self.now))
+
+    @rule(tid=st.sampled_from(TIDS))
+    def cancel(self, tid: str) -> None:
+        """D gives up on a request that may not have its blocks yet (the connector's cancel)."""
+        why = Failed(Stage.TRANSFER, Cause.ABORTED, "request aborted on D before it got blocks")
+        self._do(self.book.cancel(tid, f"r-{tid}", {0: ("p", 0)}, why, self.now))
 
     @rule(dt=st.sampled_from([0.5, PEER_DEAD_S, TIMEOUT_S]))
     def time_passes(self, dt: float) -> None:

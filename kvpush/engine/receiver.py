@@ -28,6 +28,7 @@ from kvpush.errors import ProtocolError
 from kvpush.incoming import (
     Action,
     AwaitUnpacks,
+    Cancel,
     ConnKey,
     Fencing,
     FreeSlot,
@@ -94,6 +95,17 @@ class Receiver(EngineLoop):
         why = Failed(Stage.TRANSFER, Cause.ABORTED, reason)
         self.call(lambda: self._do(self.book.abort(transfer_id, why, time.monotonic())))
 
+    def cancel(self, transfer_id: str, request_id: str, peer: PeerAddress, reason: str = "cancelled on D") -> None:
+        """D gave up on a transfer it never registered: tell the P ranks that would have written it.
+
+        A P that already parked the finished prefill frees it now instead of
+        at its lease; one still computing it releases it when it finishes. A
+        transfer this rank did register is aborted as usual.
+        """
+        why = Failed(Stage.TRANSFER, Cause.ABORTED, reason)
+        writers = self._writers(peer)
+        self.call(lambda: self._do(self.book.cancel(transfer_id, request_id, writers, why, time.monotonic())))
+
     def stats(self) -> dict[str, Any]:
         return self.call_sync(
             lambda: {
@@ -150,9 +162,13 @@ class Receiver(EngineLoop):
         start_token: int,
     ) -> None:
         now = time.monotonic()
-        ranks = writers_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads)
-        writers = {p: (peer.host, peer.port + p) for p in ranks}
+        writers = self._writers(peer)
         self._do(self.book.register(transfer_id, request_id, block_ids, num_tokens, start_token, writers, now))
+
+    def _writers(self, peer: PeerAddress) -> dict[int, ConnKey]:
+        """The P ranks of ``peer`` that write into this D rank, and their side channels."""
+        ranks = writers_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads)
+        return {p: (peer.host, peer.port + p) for p in ranks}
 
     def _on_control(self, key: ConnKey, conn: Conn, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.HelloReply):
@@ -202,6 +218,10 @@ class Receiver(EngineLoop):
             if conn is None or conn.state is not ConnState.READY:
                 why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, a.reason)
                 return self.book.on(inc, inc.writer_failed(a.p_rank, why, time.monotonic()))
+        elif isinstance(a, Cancel):
+            # Queued behind the Hello on a new connection: P reads them in order.
+            abort = protocol.Abort(a.transfer_id, a.request_id, a.reason, 0)
+            self.conns.open(a.conn, time.monotonic()).client.send(abort)
         elif isinstance(a, StartUnpack):
             return self._start_unpack(a)
         elif isinstance(a, AwaitUnpacks):
