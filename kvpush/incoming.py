@@ -118,6 +118,17 @@ Action = SendRegister | SendAbort | Cancel | StartUnpack | AwaitUnpacks | WaitUn
 # -- one attempt ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What D asks its writers for: tokens ``[start_token, num_tokens)`` of a request, into these blocks."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    start_token: int = 0
+
+
 @dataclass
 class Writer:
     """One P rank's part of one attempt."""
@@ -138,23 +149,11 @@ class Incoming:
     """One attempt of one transfer on D: its writers and what arrived from each."""
 
     def __init__(
-        self,
-        transfer_id: str,
-        request_id: str,
-        block_ids: tuple[tuple[int, ...], ...],
-        num_tokens: int,
-        start_token: int,
-        writers: dict[int, ConnKey],
-        nregions: int,
-        now: float,
-        deadline: float,
-        attempt: int = 0,
+        self, asked: Asked, writers: dict[int, ConnKey], nregions: int, now: float, deadline: float, attempt: int = 0
     ) -> None:
-        self.transfer_id = transfer_id
-        self.request_id = request_id
-        self.block_ids = block_ids
-        self.num_tokens = num_tokens
-        self.start_token = start_token
+        self.asked = asked
+        self.transfer_id = asked.transfer_id
+        self.request_id = asked.request_id
         self.writers = {p: Writer(p, conn) for p, conn in writers.items()}
         self.nregions = nregions
         self.deadline = deadline
@@ -330,18 +329,10 @@ class Fencing:
     def __len__(self) -> int:
         return len(self.current)
 
-    def register(
-        self,
-        transfer_id: str,
-        request_id: str,
-        block_ids: tuple[tuple[int, ...], ...],
-        num_tokens: int,
-        start_token: int,
-        writers: dict[int, ConnKey],
-        now: float,
-    ) -> list[Action]:
+    def register(self, asked: Asked, writers: dict[int, ConnKey], now: float) -> list[Action]:
         """D allocated blocks for a transfer (again: a re-issue is a new attempt)."""
         self._bump(Count.REGISTRATIONS)
+        transfer_id = asked.transfer_id
         old = self.current.pop(transfer_id, None)
         self.hot.discard(transfer_id)
         out: list[Action] = []
@@ -355,9 +346,7 @@ class Fencing:
             self.superseded.append(old)
             out += self._settle(old.supersede(now, self.peer_dead_s))
         deadline = now + self.transfer_timeout_s
-        inc = Incoming(
-            transfer_id, request_id, block_ids, num_tokens, start_token, writers, self.nregions, now, deadline, attempt
-        )
+        inc = Incoming(asked, writers, self.nregions, now, deadline, attempt)
         self.current[transfer_id] = inc
         return out + [SendRegister(inc, p) for p in inc.writers]
 

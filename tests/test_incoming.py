@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpush import protocol
 from kvpush.incoming import (
+    Asked,
     AwaitUnpacks,
     Cancel,
     Fencing,
@@ -181,7 +182,7 @@ class FencingMachine(RuleBasedStateMachine):
         if tid not in self.book.current and any(i.transfer_id == tid for i in self.incomings):
             return  # that request is over; the router never reuses its transfer id
         writers = {p: ("p", p) for p in ranks}
-        actions = self.book.register(tid, f"r-{tid}", ((1, 2),), 32, 0, writers, self.now)
+        actions = self.book.register(Asked(tid, f"r-{tid}", ((1, 2),), 32), writers, self.now)
         self.shape[id(self.book.current[tid])] = (staged, split)
         self._do(actions)
 

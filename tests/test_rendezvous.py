@@ -642,15 +642,7 @@ class TransferMachine(RuleBasedStateMachine):
         key = (tid, *who)
         attempt = self.attempts.get(key, 0) + (1 if again and key in self.attempts else 0)
         self.attempts[key] = attempt
-        r = Register(
-            transfer_id=tid,
-            request_id=f"{tid}-d",
-            engine_id=who[0],
-            rank=who[1],
-            block_ids=((next(self.ids),),),
-            num_tokens=40,
-            attempt=attempt,
-        )
+        r = msgspec_replace(reg(tid, who[1], (next(self.ids),), engine=who[0]), num_tokens=40, attempt=attempt)
         self.regs.append(r)
         self._apply(self.rv.on_register(r, self.now, expected=EXPECTED[tid]))
 

@@ -27,6 +27,7 @@ from kvpush.engine.types import PeerAddress
 from kvpush.errors import ProtocolError
 from kvpush.incoming import (
     Action,
+    Asked,
     AwaitUnpacks,
     Cancel,
     ConnKey,
@@ -163,7 +164,8 @@ class Receiver(EngineLoop):
     ) -> None:
         now = time.monotonic()
         writers = self._writers(peer)
-        self._do(self.book.register(transfer_id, request_id, block_ids, num_tokens, start_token, writers, now))
+        asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token)
+        self._do(self.book.register(asked, writers, now))
 
     def _writers(self, peer: PeerAddress) -> dict[int, ConnKey]:
         """The P ranks of ``peer`` that write into this D rank, and their side channels."""
@@ -250,7 +252,8 @@ class Receiver(EngineLoop):
             return []  # the hello reply brings ``conn_ready``
         assert conn.layout is not None
         try:
-            pieces = unpack_pieces(conn.layout, self.layout, inc.block_ids[0], inc.num_tokens, inc.start_token)
+            ask = inc.asked
+            pieces = unpack_pieces(conn.layout, self.layout, ask.block_ids[0], ask.num_tokens, ask.start_token)
         except Exception as exc:
             why = Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, f"bad registration: {exc}")
             return self.book.on(inc, inc.writer_failed(p, why, now))
@@ -262,9 +265,9 @@ class Receiver(EngineLoop):
                 request_id=inc.request_id,
                 engine_id=self.engine_id,
                 rank=self.rank,
-                block_ids=inc.block_ids,
-                num_tokens=inc.num_tokens,
-                start_token=inc.start_token,
+                block_ids=ask.block_ids,
+                num_tokens=ask.num_tokens,
+                start_token=ask.start_token,
                 lease_ms=int(self.cfg.registration_lease_s * 1000),
                 staging=grant,
                 attempt=inc.attempt,
@@ -276,7 +279,7 @@ class Receiver(EngineLoop):
     def _grant(self, conn: Conn, inc: Incoming, pieces: np.ndarray) -> tuple[protocol.StagingGrant | None, Any]:
         """A slot of D's staging region for this writer, when D's own fragmentation wants one."""
         assert conn.layout is not None
-        size = staged_bytes(conn.layout, self.layout, inc.num_tokens, inc.start_token)
+        size = staged_bytes(conn.layout, self.layout, inc.asked.num_tokens, inc.asked.start_token)
         if size <= 0 or self._staging is None or not wants_staging(self.cfg, conn.layout, self.layout, pieces):
             return None, None
         off = self._slots.alloc(size)
