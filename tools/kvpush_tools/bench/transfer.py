@@ -227,7 +227,7 @@ class _Side:
             "bytes": float(nbytes),
             "pieces": float(local.shape[0]),
             "descriptors": float(local.shape[0]),
-            "plan_per-block": 1.0,
+            "plan": "per-block",
         }
 
     # D ----------------------------------------------------------------------
@@ -348,9 +348,8 @@ def _one(p: _Proc, d: _Proc, plan: str, tid: str, sblocks: list[int], dblocks: l
         ds = d.recv()
     if not (ps["ok"] and ds["ok"]):
         raise RuntimeError(f"{tid} failed: P: {ps.get('reason')!r}, D: {ds.get('reason')!r}")
-    kind = next((k.removeprefix("plan_") for k in ps if k.startswith("plan_") and k != "plan_s"), "?")
     return {
-        "plan_chosen": kind,
+        "plan_chosen": str(ps.get("plan", "?")),
         "bytes": int(ps["bytes"]),
         "pieces": int(ps["pieces"]),
         "descriptors_posted": int(ps["descriptors"]),
