@@ -20,6 +20,7 @@ import numpy as np
 
 from kvpush.backends.base import MemRegistration
 from kvpush.errors import ConfigError, KVPushError
+from kvpush.outcome import XferState
 from kvpush.transport.backends import traits
 
 log = logging.getLogger(__name__)
@@ -159,10 +160,10 @@ class Agent:
         remote_mem: str,
         peer: str,
         notif: bytes,
-    ) -> tuple[Any, str]:
+    ) -> tuple[Any, XferState]:
         """Create and post one WRITE of ``local`` rows into ``remote`` rows, notifying ``peer``.
 
-        Returns the handle and the post state (``DONE``/``PROC``/``ERR``).
+        Returns the handle and the post state.
         """
         handle = self.prepare_write(local, local_mem, remote, remote_mem, peer, notif)
         return handle, self.post(handle)
@@ -182,25 +183,25 @@ class Agent:
         rd = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem)
         return self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
 
-    def post(self, handle: Any) -> str:
-        """Post a WRITE made by ``prepare_write``; returns the post state (``DONE``/``PROC``/``ERR``)."""
+    def post(self, handle: Any) -> XferState:
+        """Post a WRITE made by ``prepare_write``; returns the post state."""
         self._settle_errors()
-        return self._agent.transfer(handle)
+        return XferState.of(self._agent.transfer(handle))
 
-    def state(self, handle: Any) -> str:
-        """``DONE``/``PROC``/``ERR``; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
+    def state(self, handle: Any) -> XferState:
+        """The WRITE's state; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
         so one broken transfer cannot stall the engine loop that polls all of them."""
         self._settle_errors()
         try:
-            state = "PROC"
+            state = XferState.PROC
             for _ in range(self.traits.drain_calls):  # each call reaps a bounded number of completions
-                state = self._agent.check_xfer_state(handle)
-                if state != "PROC":
+                state = XferState.of(self._agent.check_xfer_state(handle))
+                if state is not XferState.PROC:
                     break
             return state
         except Exception as exc:
             log.warning("%s: transfer failed: %s", self.name, exc)
-            return "ERR"
+            return XferState.ERR
 
     def release(self, handle: Any) -> None:
         try:
