@@ -94,3 +94,73 @@ class Budgets:
         else:
             self._peers.move_to_end(peer)
         return p
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """What one D rank may hold on P at once, and how fast it may register (``Config`` has the values)."""
+
+    max_registrations: int = 16_384
+    max_block_ids: int = 1 << 21
+    registrations_per_s: float = 2_000.0
+    max_tombstones: int = 65_536
+
+
+class Holdings:
+    """Open registrations and their block ids per D rank (sans-I/O, updated by the rendezvous).
+
+    ``admit`` says why a new registration would put its D rank over a limit
+    ("" when it may be taken); ``add``/``remove`` follow every registration
+    the rendezvous stores or lets go of, so the counts are what the entries
+    hold (a hypothesis test recomputes them after every event).
+    """
+
+    def __init__(self, limits: PeerLimits) -> None:
+        self.limits = limits
+        self._held: dict[object, list[int]] = {}  # peer -> [registrations, block ids]
+        self._rate: dict[object, Bucket] = {}
+
+    def admit(self, peer: object, nblocks: int, now: float, cap: int | None = None, replacing: int = 0) -> str:
+        """Why ``peer`` may not register ``nblocks`` more block ids now ("" if it may).
+
+        ``replacing``: block ids of a registration this one replaces (not counted twice);
+        ``cap``: a tighter block-id limit for this peer (what its own layout can hold).
+        """
+        lim = self.limits
+        regs, ids = self._held.get(peer, (0, 0))
+        rate = self._rate.get(peer)
+        if rate is None:
+            rate = self._rate[peer] = Bucket(
+                lim.registrations_per_s, lim.registrations_per_s, lim.registrations_per_s, now
+            )
+        rate.refill(now)
+        if rate.level < 1:
+            return f"over {lim.registrations_per_s:g} registrations per second from this D rank"
+        most = lim.max_block_ids if cap is None else min(cap, lim.max_block_ids)
+        if not replacing and regs + 1 > lim.max_registrations:
+            return f"this D rank holds {regs} open registrations already (limit {lim.max_registrations})"
+        if ids - replacing + nblocks > most:
+            return f"this D rank would hold {ids - replacing + nblocks} block ids in open registrations (limit {most})"
+        rate.level -= 1
+        return ""
+
+    def add(self, peer: object, nblocks: int) -> None:
+        h = self._held.setdefault(peer, [0, 0])
+        h[0] += 1
+        h[1] += nblocks
+
+    def remove(self, peer: object, nblocks: int) -> None:
+        h = self._held[peer]
+        h[0] -= 1
+        h[1] -= nblocks
+        if h[0] == 0:
+            del self._held[peer]
+
+    def held(self, peer: object) -> tuple[int, int]:
+        """(open registrations, block ids) of ``peer``."""
+        regs, ids = self._held.get(peer, (0, 0))
+        return regs, ids
+
+    def forget(self, peer: object) -> None:
+        """Drop the rate state of a peer that is gone (its holdings go with its registrations)."""
+        self._rate.pop(peer, None)
