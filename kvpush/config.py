@@ -120,6 +120,19 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     are dropped unread and logged. Far above any real peer (a registration is a few KB)."""
     peer_messages_per_s: Pos = 20_000.0
     """Side-channel messages one peer may make this side read per second (as ``peer_bytes_per_s``)."""
+    peer_max_registrations: Annotated[int, msgspec.Meta(ge=1)] = 16_384
+    """Open registrations one D rank may have on a P rank at once; more are refused (cause ``over_limit``)."""
+    peer_max_block_ids: Annotated[int, msgspec.Meta(ge=1)] = 1 << 21
+    """Block ids one D rank's open registrations may hold on a P rank (also at most twice that D rank's
+    whole cache, as it declared at hello); more are refused."""
+    peer_registrations_per_s: Pos = 2_000.0
+    """Registrations per second one D rank may make (a burst of as many); more are refused."""
+    max_tombstones: Annotated[int, msgspec.Meta(ge=0)] = 65_536
+    """Transfers aborted before their prefill that P remembers (so the prefill is released at once); the
+    oldest is forgotten first (then that prefill waits for its lease)."""
+    peer_max_tombstones: Annotated[int, msgspec.Meta(ge=0)] = 4_096
+    """Of those, how many one D rank's aborts of transfers no D registered may leave; its further such
+    aborts are ignored (logged, counted)."""
     auth: Literal["curve", "none"] = "curve"
     """Side channel authentication: "curve" (ZeroMQ CURVE keys: P accepts only D keys it allows, D talks only
     to a P holding the key it trusts) or "none" (anyone who reaches the port gets NIXL access to the KV cache;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 
 class Verdict(enum.Enum):
@@ -104,6 +105,18 @@ class PeerLimits:
     max_block_ids: int = 1 << 21
     registrations_per_s: float = 2_000.0
     max_tombstones: int = 65_536
+    max_peer_tombstones: int = 4_096
+
+
+def peer_limits(cfg: Any) -> PeerLimits:
+    """The per-D-rank limits of a ``Config``."""
+    return PeerLimits(
+        cfg.peer_max_registrations,
+        cfg.peer_max_block_ids,
+        cfg.peer_registrations_per_s,
+        cfg.max_tombstones,
+        cfg.peer_max_tombstones,
+    )
 
 
 class Holdings:
@@ -120,40 +133,38 @@ class Holdings:
         self._held: dict[object, list[int]] = {}  # peer -> [registrations, block ids]
         self._rate: dict[object, Bucket] = {}
 
-    def admit(self, peer: object, nblocks: int, now: float, cap: int | None = None, replacing: int = 0) -> str:
-        """Why ``peer`` may not register ``nblocks`` more block ids now ("" if it may).
+    def admit(
+        self, peer: object, nblocks: int, now: float, cap: int | None = None, replacing: int | None = None
+    ) -> str:
+        """Why ``peer`` may not register ``nblocks`` more block ids now ("" if it may; the rate is then charged).
 
-        ``replacing``: block ids of a registration this one replaces (not counted twice);
-        ``cap``: a tighter block-id limit for this peer (what its own layout can hold).
+        ``replacing``: the block ids of this rank's registration the new one replaces (None: it adds a
+        registration); ``cap``: a tighter block-id limit for this peer (what its own cache can hold).
         """
         lim = self.limits
-        regs, ids = self._held.get(peer, (0, 0))
+        regs, ids = self.held(peer)
         rate = self._rate.get(peer)
         if rate is None:
-            rate = self._rate[peer] = Bucket(
-                lim.registrations_per_s, lim.registrations_per_s, lim.registrations_per_s, now
-            )
+            rate = Bucket(lim.registrations_per_s, lim.registrations_per_s, lim.registrations_per_s, now)
+            self._rate[peer] = rate
         rate.refill(now)
         if rate.level < 1:
             return f"over {lim.registrations_per_s:g} registrations per second from this D rank"
-        most = lim.max_block_ids if cap is None else min(cap, lim.max_block_ids)
-        if not replacing and regs + 1 > lim.max_registrations:
+        if replacing is None and regs + 1 > lim.max_registrations:
             return f"this D rank holds {regs} open registrations already (limit {lim.max_registrations})"
-        if ids - replacing + nblocks > most:
-            return f"this D rank would hold {ids - replacing + nblocks} block ids in open registrations (limit {most})"
+        most = lim.max_block_ids if cap is None else min(cap, lim.max_block_ids)
+        total = ids - (replacing or 0) + nblocks
+        if total > most:
+            return f"this D rank would hold {total} block ids in open registrations (limit {most})"
         rate.level -= 1
         return ""
 
-    def add(self, peer: object, nblocks: int) -> None:
+    def change(self, peer: object, registrations: int, block_ids: int) -> None:
+        """``peer`` holds that many more (or fewer) registrations and block ids."""
         h = self._held.setdefault(peer, [0, 0])
-        h[0] += 1
-        h[1] += nblocks
-
-    def remove(self, peer: object, nblocks: int) -> None:
-        h = self._held[peer]
-        h[0] -= 1
-        h[1] -= nblocks
-        if h[0] == 0:
+        h[0] += registrations
+        h[1] += block_ids
+        if h[0] <= 0 and h[1] <= 0:
             del self._held[peer]
 
     def held(self, peer: object) -> tuple[int, int]:
@@ -164,3 +175,27 @@ class Holdings:
     def forget(self, peer: object) -> None:
         """Drop the rate state of a peer that is gone (its holdings go with its registrations)."""
         self._rate.pop(peer, None)
+
+
+class Throttle:
+    """A repeated log line once per ``every_s`` per key, with the count of those held back in between.
+
+    ``note`` returns that count (0 or more) when the line is due, None when it is held back. Bounded:
+    beyond ``max_keys`` the oldest keys are forgotten (their next line is simply due).
+    """
+
+    def __init__(self, every_s: float, max_keys: int = 1024) -> None:
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._last: OrderedDict[object, tuple[float, int]] = OrderedDict()
+
+    def note(self, key: object, now: float) -> int | None:
+        seen, held = self._last.get(key, (float("-inf"), 0))
+        if now - seen >= self.every_s:
+            self._last[key] = (now, 0)
+            self._last.move_to_end(key)
+            while len(self._last) > self.max_keys:
+                self._last.popitem(last=False)
+            return held
+        self._last[key] = (seen, held + 1)
+        return None

@@ -67,6 +67,7 @@ class Count(enum.StrEnum):
     COMPLETED = "completed_total"
     FAILED = "failed_total"
     CANCELS = "cancels_total"  # D: transfers given up before they were registered
+    ABORTS_IGNORED = "aborts_ignored_total"  # P: aborts from a D that did not register the transfer (or of none)
 
     @classmethod
     def plan(cls, kind: PlanKind) -> Count:

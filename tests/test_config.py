@@ -60,6 +60,10 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "auth_keys_dir": "/etc/kvpush/keys",
         "peer_bytes_per_s": 1e6,
         "peer_messages_per_s": 500,
+        "peer_max_registrations": 100,
+        "peer_max_block_ids": 1000,
+        "peer_registrations_per_s": 50,
+        "max_tombstones": 10,
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -30,6 +30,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpush.errors import ConfigError
+from kvpush.limits import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -267,22 +268,10 @@ def short(key: bytes | str) -> str:
 # -- P's gate: the ZAP handler and the handshake monitor ------------------------
 
 
-@dataclass
-class _Limiter:
-    """Logs a repeated line once per ``LOG_EVERY_S``, counting the ones held back."""
-
-    last: dict[str, tuple[float, int]] = field(default_factory=dict)
-
-    def __call__(self, key: str, emit: Callable[[str], None], line: str) -> None:
-        now = time.monotonic()
-        seen, held = self.last.get(key, (-1e9, 0))
-        if now - seen >= LOG_EVERY_S:
-            emit(line + (f" ({held} more like it since the last line)" if held else ""))
-            self.last[key] = (now, 0)
-        else:
-            self.last[key] = (seen, held + 1)
-        if len(self.last) > 1024:  # many addresses: keep the newest
-            self.last = dict(list(self.last.items())[-512:])
+def _limited(throttle: Throttle, key: str, emit: Callable[[str], None], line: str) -> None:
+    held = throttle.note(key, time.monotonic())
+    if held is not None:
+        emit(line + (f" ({held} more like it since the last line)" if held else ""))
 
 
 class Gate:
@@ -313,7 +302,7 @@ class Gate:
         self._stop_rx.bind(f"inproc://kvpush-gate-stop-{id(self)}")
         self._stop_tx.connect(f"inproc://kvpush-gate-stop-{id(self)}")
         self._monitor: zmq.Socket | None = None
-        self._limit = _Limiter()
+        self._limit = Throttle(LOG_EVERY_S)
         self._thread: threading.Thread | None = None
 
     def secure(self, sock: zmq.Socket) -> None:
@@ -370,7 +359,8 @@ class Gate:
             self._zap.send_multipart([version, request_id, b"200", b"OK", key, b""])
             return
         self.refused += 1
-        self._limit(
+        _limited(
+            self._limit,
             f"refused:{address!r}",
             log.warning,
             f"side channel {self.label}: refused a connection from {address.decode(errors='replace')}: {why}",
@@ -397,7 +387,8 @@ class Gate:
     def _on_event(self, event: dict[str, object]) -> None:
         self.failed += 1
         what = handshake_error(event)
-        self._limit(
+        _limited(
+            self._limit,
             f"failed:{what}",
             log.warning,
             f"side channel {self.label}: CURVE rejected a connection ({what}): not a kvpush D with a key set of "

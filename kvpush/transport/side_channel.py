@@ -146,7 +146,7 @@ class Server:
         n = self.budgets.report(peer, now, LOG_EVERY_S)
         if n:
             log.warning(
-                "side channel %s:%s: dropped %d frame(s) of D key %s unread: %s (peer_bytes_per_s %g, "
+                "side channel %s:%s: dropped %d frame(s) of D key %s unread: %s (peer_bytes_per_s %.0f, "
                 "peer_messages_per_s %g)",
                 self.host,
                 self.port,
