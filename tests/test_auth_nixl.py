@@ -195,3 +195,54 @@ def test_replayed_session_and_replayed_frame_are_rejected(nodes: tuple[Node, Nod
             _wait_logs(p, ["CURVE rejected a connection (protocol error zmtp_invalid_sequence)"])
         finally:
             proxy.close()
+
+
+def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes: tuple[Node, Node]) -> None:
+    """An authenticated D of another key (a compromised D instance) knows the victim's transfer ids. Its
+    registration under them is refused, its aborts of them are ignored, its hello under the victim's name
+    is refused; the victim's transfers (parked before and after P's prefill) complete byte for byte."""
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    with pair(nodes, FAST, g) as (k, addr):
+        victim = Req("victim", "pv", "dv", [3, 4], [5, 6], 30)
+        parked = Req("parked", "pp", "dp", [7, 8], [9, 10], 30)
+        d.call("register", k + "d", victim.tid, victim.d_rid, (*addr, 1), victim.d_blocks, victim.n, 0)
+        p.call("prefill", k + "p", parked.tid, parked.p_rid, parked.p_blocks, parked.n)
+        d.call("register", k + "d", parked.tid, parked.d_rid, (*addr, 1), parked.d_blocks, parked.n, 0)
+        [first] = d.call("results", k + "d", 1, 15.0)
+        assert first.transfer_id == "parked" and first.ok, first
+        own = auth.add_decode_key(auth.keys_dir(""), f"intruder-{next(_ids)}")
+        keys = auth.client_keys("curve", str(own))
+        assert keys is not None
+        ctx = zmq.Context()
+        s = dealer(addr, keys, ctx)
+        try:
+            hello, register, abort, _, _ = _attack(d, k, victim.tid, g)
+            s.send(protocol.encode(hello))
+            assert s.poll(5000) and protocol.decode(s.recv()).ok  # a D P allows: it is heard
+            s.send(protocol.encode(register))
+            assert s.poll(5000), "P did not answer the intruder's registration"
+            fail = protocol.decode(s.recv())
+            assert isinstance(fail, protocol.Failure) and "registered by another D" in fail.reason, fail
+            s.send(protocol.encode(abort))
+            s.send(protocol.encode(msgspec.structs.replace(abort, transfer_id=parked.tid)))
+            d_name = msgspec.structs.replace(hello, engine_id="D" + k)  # the victim's engine id, rank 0
+            s.send(protocol.encode(d_name))
+            assert s.poll(5000)
+            refused = protocol.decode(s.recv())
+            assert not refused.ok and "connected under another D key" in refused.reason, refused
+            _wait_logs(p, ["ignored an abort of victim"])
+        finally:
+            s.close(linger=0)
+            ctx.term()
+        st = p.call("stats", k + "p")
+        # the victim's abort was ignored; the finished one's left at most a tombstone (no transfer to kill)
+        assert st["aborts_ignored_total"] == 1 and st["waiting_registrations"] == 1, st
+        p.call("prefill", k + "p", victim.tid, victim.p_rid, victim.p_blocks, victim.n)
+        [res] = d.call("results", k + "d", 1, 15.0)
+        assert res.ok, res
+        exp = make_cache(g, None)
+        snap = p.call("snapshot", k + "p")
+        apply_push(exp, g, snap, g, parked)
+        apply_push(exp, g, snap, g, victim)
+        assert_same(d.call("snapshot", k + "d"), exp, g)
