@@ -79,6 +79,10 @@ class Conns:
             for msg in conn.client.recv():
                 conn.last_seen = now
                 yield key, conn, msg
+            if conn.state is ConnState.HELLO_SENT and conn.client.refused:
+                # The authentication failed (a P without the key this D trusts, or refusing this D's key):
+                # a refused handshake, now and with its reason, not a P silent for peer_dead_s.
+                yield key, conn, protocol.HelloReply(ok=False, reason=conn.client.failure)
 
     def heard_from_agent(self, agent_name: str, now: float) -> None:
         key = self._by_agent.get(agent_name)
@@ -145,6 +149,8 @@ class Conns:
             if silent and waited_on:
                 conn.state = ConnState.DEAD
                 conn.reason = f"P {key[0]}:{key[1]} silent for {now - conn.last_seen:.1f}s: declared dead"
+                if conn.client.failure:
+                    conn.reason += f" ({conn.client.failure})"
                 log.error("%s: %s", self.r.name, conn.reason)
                 self.r.bump(Count.DEAD_PEERS)
                 if conn.agent:

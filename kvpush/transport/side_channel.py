@@ -42,6 +42,8 @@ RCVHWM = 64
 """Frames ZMQ holds per connection before the engine reads them; beyond that ZMQ stops reading the
 socket (TCP pushes back on the sender, nothing is lost). Bounds what one connection can make this
 side hold to ``RCVHWM * ZMQ_MAX_MSG_BYTES``; the engine drains every frame at each wake-up."""
+REFUSED_AFTER = 3
+"""Handshakes in a row a P may hang up in before D takes it as a refusal (ZMQ retries every 100 ms)."""
 HANDSHAKE_IVL_MS = 10_000
 """A connection that has not finished its handshake by then is dropped (ZMQ's default is 30 s):
 half-open connections are what an unauthenticated flood can still make."""
@@ -207,6 +209,10 @@ class Client:
         self.sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_MSG_BYTES)
         self.monitor: zmq.Socket | None = None
         self.failure = ""
+        """Why the last handshake failed ("" once one succeeded)."""
+        self.refused = False
+        """Handshakes fail in a way every retry will (keys, mechanism): P will never hear this D."""
+        self._failures = 0
         self._logged = -1e9
         if keys is not None:
             self.sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server)
@@ -266,9 +272,16 @@ class Client:
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.failure = ""
+                self.failure, self.refused, self._failures = "", False, 0
                 continue
             self.failure = describe_client_failure(event, self.host, self.port)
+            self._failures += 1
+            # Wrong keys (or no CURVE there) fail every attempt; one dropped connection may be chance, but
+            # a server that hangs up in the handshake again and again does so because of the keys.
+            self.refused = self._failures >= REFUSED_AFTER or event["event"] in (
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+            )
             now = time.monotonic()
             if now - self._logged >= LOG_EVERY_S:
                 self._logged = now
