@@ -178,24 +178,29 @@ class Holdings:
 
 
 class Throttle:
-    """A repeated log line once per ``every_s`` per key, with the count of those held back in between.
+    """At most ``burst`` lines per ``every_s`` per key, then one with the count of those held back.
 
-    ``note`` returns that count (0 or more) when the line is due, None when it is held back. Bounded:
-    beyond ``max_keys`` the oldest keys are forgotten (their next line is simply due).
+    ``note`` returns that count (0 or more) when a line may be written, None when it is held back.
+    Bounded: beyond ``max_keys`` the oldest keys are forgotten (their next line is simply due).
     """
 
-    def __init__(self, every_s: float, max_keys: int = 1024) -> None:
+    def __init__(self, every_s: float, burst: int = 1, max_keys: int = 1024) -> None:
         self.every_s = every_s
+        self.burst = burst
         self.max_keys = max_keys
-        self._last: OrderedDict[object, tuple[float, int]] = OrderedDict()
+        self._state: OrderedDict[object, list[float]] = OrderedDict()  # key -> [window start, used, held]
 
     def note(self, key: object, now: float) -> int | None:
-        seen, held = self._last.get(key, (float("-inf"), 0))
-        if now - seen >= self.every_s:
-            self._last[key] = (now, 0)
-            self._last.move_to_end(key)
-            while len(self._last) > self.max_keys:
-                self._last.popitem(last=False)
+        st = self._state.get(key)
+        if st is None or now - st[0] >= self.every_s:
+            held = int(st[2]) if st is not None else 0
+            self._state[key] = [now, 1, 0]
+            self._state.move_to_end(key)
+            while len(self._state) > self.max_keys:
+                self._state.popitem(last=False)
             return held
-        self._last[key] = (seen, held + 1)
+        if st[1] < self.burst:
+            st[1] += 1
+            return 0
+        st[2] += 1
         return None

@@ -2,9 +2,10 @@
 
 A peer holding a valid D key (a compromised or buggy D: authentication
 keeps everyone else out before a byte is decoded) sends P, as fast as it can,
-one registration carrying the most block ids a frame can hold, 10,000
-registrations, 200,000 aborts of transfer ids P never saw, and frames of
-100 MB; a process without a key sends 100 MB frames too. Meanwhile a real D
+one registration carrying the most block ids a group may have, 10,000
+registrations, 200,000 aborts of transfer ids P never saw, two seconds of
+registrations of the largest frame size P decodes, and frames of 100 MB; a
+process without a key sends 100 MB frames too. Meanwhile a real D
 keeps pushing requests through the same P, each checked byte for byte. P's
 resident memory is sampled throughout: its growth during the flood and what
 is left of it afterwards must stay under the bounds stated in
@@ -38,6 +39,7 @@ GROWTH_AFTER_MB = 50
 """What may be left once the flood is over (what the flooder holds within its limits, allocator slack)."""
 ABORTS = 200_000
 REGISTRATIONS = 10_000
+MAX_FRAMES_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,14 @@ def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, 
         long_id = "x" * 240
         for i in range(ABORTS):
             s.send(protocol.encode(protocol.Abort(f"{long_id}{i:08d}", "r" * 200, "forged" * 100)))
+        # frames of the largest size P decodes, each a registration of ~2.8M block ids (3 bytes each)
+        group = tuple(300 + i % 60_000 for i in range(protocol.MAX_BLOCKS))
+        n = (protocol.MAX_FRAME_BYTES - 4096) // 3 - 2 * protocol.MAX_BLOCKS
+        big = protocol.encode(protocol.Register("max-frame", "m", name, 0, (group, group, group[:n]), 0))
+        assert protocol.MAX_FRAME_BYTES - (64 << 10) < len(big) <= protocol.MAX_FRAME_BYTES, len(big)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < MAX_FRAMES_S:
+            s.send(big)
         anon = dealer(addr, None, ctx)
         for sock in (s, anon):
             for _ in range(3):

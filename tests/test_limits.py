@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.limits import Budgets, Verdict
+from kvpush.limits import Budgets, Throttle, Verdict
 
 RATE_BYTES, RATE_MSGS, MIN_BURST = 1000.0, 10.0, 1500
 
@@ -72,3 +72,39 @@ def test_frames_larger_than_a_burst_never_get_in_and_peers_are_bounded() -> None
     for _ in range(50):
         b.admit("flood", 10, 200.0)
     assert b.admit("quiet", 10, 200.0) is Verdict.ADMIT
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.floats(min_value=0.0, max_value=0.7, allow_nan=False)),
+        max_size=200,
+    ),
+    st.integers(min_value=1, max_value=4),
+)
+def test_throttle_writes_at_most_burst_lines_per_window_and_reports_every_held_one(
+    evs: list[tuple[str, float]], burst: int
+) -> None:
+    """A log line per key: at most ``burst`` in a window of ``every_s`` from the window's first line, and
+    every line held back is counted in the next line written for that key."""
+    every = 1.0
+    t = Throttle(every, burst)
+    now = 0.0
+    written: dict[str, list[float]] = {"a": [], "b": []}
+    held = {"a": 0, "b": 0}
+    reported = {"a": 0, "b": 0}
+    for key, dt in evs:
+        now += dt
+        got = t.note(key, now)
+        if got is None:
+            held[key] += 1
+            continue
+        reported[key] += got
+        written[key].append(now)
+    for key, times in written.items():
+        for i, start in enumerate(times):
+            assert sum(1 for x in times[i:] if x - start < every) <= 2 * burst  # two windows may meet
+        assert reported[key] <= held[key]
+        if times:
+            t2 = t.note(key, now + 2 * every)
+            assert t2 == held[key] - reported[key]

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+UNKNOWN_PEER_BLOCKS = 4096
+"""Block ids per group a registration from a connection that said no hello may list and still be decoded
+(to be answered with a refusal naming why); larger ones are dropped unread."""
+
 
 @dataclass
 class Peer:
@@ -110,6 +114,35 @@ class PeerTable:
             self._on_abort(peer, msg, now)
         else:
             log.warning("%s: unexpected %s on the side channel", s.name, type(msg).__name__)
+
+    def admits(self, ident: bytes, key: str, frame: memoryview) -> bool:
+        """Whether to decode this frame: a registration listing more block ids than its D rank has blocks
+        (or more groups than there are) is dropped unread, logged once per interval per peer. Decoded,
+        each id is a Python int: such a frame would cost hundreds of MB before it could be refused."""
+        counts = protocol.block_id_counts(frame)
+        if counts is None:
+            return True
+        peer = next((p for p in self._peers.values() if p.ident == ident), None)
+        most = peer.layout.num_blocks if peer is not None else UNKNOWN_PEER_BLOCKS
+        groups = 1 + max(r.group for r in self.layout.regions)
+        if len(counts) <= groups and max(counts, default=0) <= most:
+            return True
+        s = self.sender
+        s.bump(Count.REJECTED_MESSAGES)
+        held = self._throttle.note(("oversized", key), time.monotonic())
+        if held is not None:
+            who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "a D rank that said no hello"
+            log.warning(
+                "%s: dropped a registration from %s unread: %s block ids per group, it has %d blocks (%d group%s)%s",
+                s.name,
+                who,
+                list(counts),
+                most,
+                groups,
+                "" if groups == 1 else "s",
+                f" ({held} more since the last line)" if held else "",
+            )
+        return False
 
     def block_cap(self, peer: Peer) -> int:
         """The most block ids a D rank's open registrations may hold: every block of its cache, twice (a

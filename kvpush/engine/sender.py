@@ -170,8 +170,7 @@ class Sender(EngineLoop):
         self.agent.close()
 
     def step(self, now: float) -> bool:
-        for ident, key, msg in self.server.recv():
-            self.peers.on_message(ident, key, msg, now)
+        self.server.deliver(lambda ident, key, msg: self.peers.on_message(ident, key, msg, now), self.peers.admits)
         self._progress()
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import zmq
@@ -24,7 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvpush import protocol
 from kvpush.errors import ConfigError, ProtocolError
-from kvpush.limits import Budgets, Verdict
+from kvpush.limits import Budgets, Throttle, Verdict
 from kvpush.transport import auth
 from kvpush.transport.auth import LOG_EVERY_S, ClientKeys, Gate, ServerKeys, describe_client_failure
 
@@ -38,10 +39,16 @@ buffering it (a hostile peer gets no allocation)."""
 SNDHWM = 10_000
 """Answers P queues per connection: a peer that sends but never reads (a flood) costs at most this many
 (each a few hundred bytes); beyond it P's answers to that connection are dropped and counted."""
-RCVHWM = 64
+RCVHWM = 8
 """Frames ZMQ holds per connection before the engine reads them; beyond that ZMQ stops reading the
 socket (TCP pushes back on the sender, nothing is lost). Bounds what one connection can make this
-side hold to ``RCVHWM * ZMQ_MAX_MSG_BYTES``; the engine drains every frame at each wake-up."""
+side hold to ``RCVHWM * ZMQ_MAX_MSG_BYTES`` while the engine decodes (it drains every frame at each
+wake-up): a peer sending frames of the largest size fills it whenever one of them is being decoded."""
+STEP_FRAMES = 1024
+STEP_BYTES = 16 << 20
+"""What one engine step reads from the side channel at most (frames, and bytes of frames decoded)."""
+REJECTED_LINES = 10
+"""Rejected frames logged per peer per ``LOG_EVERY_S`` (then one line with the count held back)."""
 REFUSED_AFTER = 3
 """Handshakes in a row a P may hang up in before D takes it as a refusal (ZMQ retries every 100 ms)."""
 HANDSHAKE_IVL_MS = 10_000
@@ -94,6 +101,7 @@ class Server:
         """Frames dropped unread because their peer was over its budget."""
         self.unsent = 0
         self._unsent_logged = float("-inf")
+        self._reject_log = Throttle(LOG_EVERY_S, REJECTED_LINES)
         self.sock = (self.gate.ctx if self.gate is not None else ctx).socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -115,14 +123,27 @@ class Server:
         if self.gate is not None:
             self.gate.label = f"{host}:{port}"
 
-    def recv(self) -> list[Received]:
-        """Drain pending frames; bad frames are logged and skipped."""
-        out: list[Received] = []
-        while True:
+    def deliver(
+        self,
+        handle: Callable[[bytes, str, Any], None],
+        precheck: Callable[[bytes, str, memoryview], bool] | None = None,
+    ) -> None:
+        """Decode the pending messages one at a time, handing each to ``handle(ident, key, message)``
+        before the next is decoded; bad frames are logged and skipped.
+
+        A decoded registration can be a hundred times its frame, so only the one being handled is alive
+        (a loop over a list or a generator would keep the previous one while decoding the next). At most
+        ``STEP_FRAMES`` frames and ``STEP_BYTES`` decoded bytes per call, the rest stays queued: under a
+        flood the engine gets back to its pushes every step. ``precheck(ident, key, frame)`` may drop a
+        frame before it is decoded (a registration larger than its sender can have).
+        """
+        frames = decoded = 0
+        while frames < STEP_FRAMES and decoded < STEP_BYTES:
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return out
+                return
+            frames += 1
             if len(parts) != 2:
                 log.warning("side channel %s:%s: dropped frame with %d parts", self.host, self.port, len(parts))
                 continue
@@ -130,11 +151,28 @@ class Server:
             key = _user_id(data) if self.gate is not None else ""
             if not self._admit(key or ident.bytes, len(data), key):
                 continue
+            if precheck is not None and not precheck(ident.bytes, key, data.buffer):
+                continue
+            decoded += len(data)
             try:
-                out.append(Received(ident.bytes, key, protocol.decode(data.buffer)))
+                handle(ident.bytes, key, protocol.decode(data.buffer))
             except ProtocolError as exc:
-                who = auth.short(key) if key else "(auth none)"
-                log.warning("side channel %s:%s: rejected message from D key %s: %s", self.host, self.port, who, exc)
+                self._rejected(key or ident.bytes, key, exc)
+
+    def recv(self) -> list[Received]:
+        """The pending messages as a list (tests and tools; the engine uses ``deliver``)."""
+        out: list[Received] = []
+        self.deliver(lambda ident, key, msg: out.append(Received(ident, key, msg)))
+        return out
+
+    def _rejected(self, peer: str | bytes, key: str, exc: ProtocolError) -> None:
+        held = self._reject_log.note(peer, time.monotonic())
+        if held is not None:
+            who = auth.short(key) if key else "(auth none)"
+            more = f" ({held} more rejected since the last lines)" if held else ""
+            log.warning(
+                "side channel %s:%s: rejected message from D key %s: %s%s", self.host, self.port, who, exc, more
+            )
 
     def _admit(self, peer: str | bytes, nbytes: int, key: str) -> bool:
         """Within the peer's budget? A frame over it is dropped unread; drops are logged per peer per interval."""
@@ -236,19 +274,24 @@ class Client:
             return False
 
     def recv(self) -> list[Any]:
+        """The pending messages (at most ``STEP_FRAMES`` frames and ``STEP_BYTES`` decoded bytes per call)."""
         self._handshakes()
         out: list[Any] = []
-        while True:
+        frames = decoded = 0
+        while frames < STEP_FRAMES and decoded < STEP_BYTES:
             try:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return out
+                break
+            frames += 1
             if self.budgets is not None and not self._admit(len(data)):
                 continue
+            decoded += len(data)
             try:
                 out.append(protocol.decode(data))
             except ProtocolError as exc:
                 log.warning("side channel from %s:%s: rejected message: %s", self.host, self.port, exc)
+        return out
 
     def _admit(self, nbytes: int) -> bool:
         assert self.budgets is not None
