@@ -4,7 +4,8 @@ A peer holding a valid D key (a compromised or buggy D: authentication
 keeps everyone else out before a byte is decoded) sends P, as fast as it can,
 one registration carrying the most block ids a group may have, 10,000
 registrations, 200,000 aborts of transfer ids P never saw, two seconds of
-registrations of the largest frame size P decodes, and frames of 100 MB; a
+registrations of the largest frame size P decodes (and frames of that size
+that fail to decode only after their bulk), and frames of 100 MB; a
 process without a key sends 100 MB frames too. Meanwhile a real D
 keeps pushing requests through the same P, each checked byte for byte. P's
 resident memory is sampled throughout: its growth during the flood and what
@@ -26,7 +27,7 @@ import pytest
 import zmq
 from procs import Geom, Node, assert_same, dealer
 
-from kvpush import protocol
+from kvpush import PROTOCOL_VERSION, protocol
 from kvpush.conformance.model import Req, apply_push
 from kvpush.layout import KVLayout
 from kvpush.limits import PeerLimits
@@ -103,9 +104,20 @@ def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, 
         n = (protocol.MAX_FRAME_BYTES - 4096) // 3 - 2 * protocol.MAX_BLOCKS
         big = protocol.encode(protocol.Register("max-frame", "m", name, 0, (group, group, group[:n]), 0))
         assert protocol.MAX_FRAME_BYTES - (64 << 10) < len(big) <= protocol.MAX_FRAME_BYTES, len(big)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < MAX_FRAMES_S:
-            s.send(big)
+        # frames of the largest size that fail to decode only after their bulk: a registration of ~8M
+        # empty groups, and an abort led by a field of ~2M ints that comes before its type tag
+        groups = {"type": "register", "transfer_id": "g", "request_id": "g", "engine_id": name, "rank": 0}
+        groups |= {"block_ids": [[]] * (protocol.MAX_FRAME_BYTES - 4096), "num_tokens": 0}
+        junk = {"junk": list(range(1 << 16, (1 << 16) + 1_670_000)), "type": "abort"}
+        for frame in (
+            big,
+            msgspec.msgpack.encode([PROTOCOL_VERSION, groups]),
+            msgspec.msgpack.encode([PROTOCOL_VERSION, junk]),
+        ):
+            assert protocol.MAX_FRAME_BYTES - (64 << 10) < len(frame) <= protocol.MAX_FRAME_BYTES, len(frame)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < MAX_FRAMES_S:
+                s.send(frame)
         anon = dealer(addr, None, ctx)
         for sock in (s, anon):
             for _ in range(3):
@@ -121,19 +133,21 @@ def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, 
         errors.append(exc)
 
 
-def _push_exact(p: Node, d: Node, g: Geom, addr: tuple[str, int], i: int, rng: np.random.Generator) -> None:
+def _push_exact(
+    p: Node, d: Node, g: Geom, addr: tuple[str, int], i: int, rng: np.random.Generator, pk: str = "p", dk: str = "d"
+) -> None:
     """One real request through P; D's cache must then be what it was plus exactly this request's KV."""
     blocks = [int(b) for b in rng.choice(g.num_blocks, 4, replace=False)]
     req = Req(f"real-{i}", f"p{i}", f"d{i}", blocks, sorted(blocks), 60)
-    exp = d.call("snapshot", "d")
-    d.call("register", "d", req.tid, req.d_rid, (*addr, 1), req.d_blocks, req.n, 0)
-    p.call("prefill", "p", req.tid, req.p_rid, req.p_blocks, req.n)
-    [res] = d.call("results", "d", 1, 30.0)
+    exp = d.call("snapshot", dk)
+    d.call("register", dk, req.tid, req.d_rid, (*addr, 1), req.d_blocks, req.n, 0)
+    p.call("prefill", pk, req.tid, req.p_rid, req.p_blocks, req.n)
+    [res] = d.call("results", dk, 1, 30.0)
     assert res.ok, res
-    [released] = p.call("results", "p", 1, 10.0)
+    [released] = p.call("results", pk, 1, 10.0)
     assert released.ok, released
-    apply_push(exp, g, p.call("snapshot", "p"), g, req)
-    assert_same(d.call("snapshot", "d"), exp, g)
+    apply_push(exp, g, p.call("snapshot", pk), g, req)
+    assert_same(d.call("snapshot", dk), exp, g)
 
 
 def test_flood_keeps_p_bounded_and_real_transfers_exact(nodes: tuple[Node, Node]) -> None:
@@ -179,3 +193,47 @@ def test_flood_keeps_p_bounded_and_real_transfers_exact(nodes: tuple[Node, Node]
     finally:
         d.call("close", "d")
         p.call("close", "p")
+
+
+def test_one_d_key_is_known_as_at_most_peer_max_ranks_d_ranks(nodes: tuple[Node, Node]) -> None:
+    """The per-D-rank limits bound a key only if it cannot make up D rank names: a key's hellos under more
+    names than ``peer_max_ranks`` are refused, and so is a second name on one connection; another key (the
+    real D) still gets in and pushes byte-exact."""
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    cfg: dict[str, Any] = {"staging_bytes": 1 << 20, "peer_max_ranks": 2}
+    addr = tuple(p.call("sender", "pr", g, cfg, "P-ranks", 5))
+    d.call("receiver", "dr", g, cfg, "D-ranks")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        d_layout = msgspec.msgpack.decode(d.call("layout", "dr"), type=KVLayout)
+        own = auth.add_decode_key(auth.keys_dir(""), f"names-{uuid.uuid4().hex[:8]}")
+        keys = auth.client_keys("curve", str(own))
+        assert keys is not None
+
+        def hello(sock: zmq.Socket, name: str) -> protocol.HelloReply:
+            meta = d.call("bare_agent", f"{name}-agent")
+            sock.send(protocol.encode(protocol.Hello(name, 0, 1, f"{name}-agent", meta, d_layout, "")))
+            assert sock.poll(10_000), f"no answer to the hello as {name}"
+            return protocol.decode(sock.recv(), protocol.HelloReply)
+
+        socks.append(dealer(addr, keys, ctx))
+        assert hello(socks[0], "names-0").ok
+        second = hello(socks[0], "names-other")  # the key holds one name: under the cap
+        assert not second.ok and "this connection said hello as D names-0 rank 0" in second.reason, second
+        replies = []
+        for i in range(1, 4):
+            socks.append(dealer(addr, keys, ctx))
+            replies.append(hello(socks[-1], f"names-{i}"))
+        assert [r.ok for r in replies] == [True, False, False], replies
+        assert all("peer_max_ranks 2" in r.reason for r in replies[1:]), replies
+        assert p.call("stats", "pr")["peers"] == 2
+        _push_exact(p, d, g, addr, 0, np.random.default_rng(2), "pr", "dr")
+        assert p.call("stats", "pr")["peers"] == 3
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+        d.call("close", "dr")
+        p.call("close", "pr")

@@ -32,7 +32,7 @@ from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.push_job import DKey
 from kvpush.topology import targets_for
-from kvpush.transport.auth import LOG_EVERY_S
+from kvpush.transport.auth import LOG_EVERY_S, short
 
 if TYPE_CHECKING:
     from kvpush.engine.sender import Sender
@@ -201,13 +201,12 @@ class PeerTable:
             return
         dkey = (msg.engine_id, msg.rank)
         known = self._peers.get(dkey)
-        if known is not None and known.key != key:
-            # Another key claims a D rank's name: refused, or it could drop that rank and its transfers.
-            reason = (
-                f"D {msg.engine_id} rank {msg.rank} is connected under another D key; a D rank's name belongs to "
-                f"the key that said hello with it until it is silent for peer_dead_s ({s.cfg.peer_dead_s:g} s)"
-            )
-            log.warning("%s: refused a hello: %s", s.name, reason)
+        reason = self._name_problem(ident, key, dkey, known)
+        if reason:
+            held = self._throttle.note(("hello", key), now)
+            if held is not None:
+                more = f" ({held} more since the last line)" if held else ""
+                log.warning("%s: refused a hello: %s%s", s.name, reason, more)
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
             return
         if known is not None:
@@ -237,6 +236,30 @@ class PeerTable:
             layout=self.layout,
         )
         s.server.send(ident, reply)
+
+    def _name_problem(self, ident: bytes, key: str, dkey: DKey, known: Peer | None) -> str:
+        """Why a hello under the D rank name ``dkey`` is refused ("" if it is not): the name belongs to another
+        key; the connection said hello under another name; the key holds ``peer_max_ranks`` names already.
+        Each D rank has a connection of its own, so a key can hold names (and with each, the per-D-rank
+        limits) only up to that cap."""
+        s = self.sender
+        if known is not None and known.key != key:
+            # Another key claims a D rank's name: refused, or it could drop that rank and its transfers.
+            return (
+                f"D {dkey[0]} rank {dkey[1]} is connected under another D key; a D rank's name belongs to "
+                f"the key that said hello with it until it is silent for peer_dead_s ({s.cfg.peer_dead_s:g} s)"
+            )
+        other = next((p for p in self._peers.values() if p.ident == ident), None)
+        if other is not None and (other.engine_id, other.rank) != dkey:
+            return f"this connection said hello as D {other.engine_id} rank {other.rank} already (one D rank each)"
+        if known is None and key:
+            held = sum(1 for p in self._peers.values() if p.key == key)
+            if held >= s.cfg.peer_max_ranks:
+                return (
+                    f"D key {short(key)} is known as {held} D ranks on this P rank already "
+                    f"(peer_max_ranks {s.cfg.peer_max_ranks})"
+                )
+        return ""
 
     def _check_register(self, peer: Peer | None, reg: protocol.Register) -> Failed | None:
         """Why this registration cannot be taken, or None."""
