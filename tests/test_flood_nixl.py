@@ -31,6 +31,7 @@ from kvpush import PROTOCOL_VERSION, protocol
 from kvpush.conformance.model import Req, apply_push
 from kvpush.layout import KVLayout
 from kvpush.limits import PeerLimits
+from kvpush.outcome import Cause, Stage
 from kvpush.transport import auth
 
 GROWTH_DURING_MB = 200
@@ -38,6 +39,11 @@ GROWTH_DURING_MB = 200
 holds per connection, what P admitted within its per-peer limits); measured values in docs/security.md."""
 GROWTH_AFTER_MB = 50
 """What may be left once the flood is over (what the flooder holds within its limits, allocator slack)."""
+D_GROWTH_AFTER_MB = 100
+"""What may be left on D after a flood: ZeroMQ's 8 MiB frames are allocated on its I/O thread, whose
+malloc arena keeps freed memory for reuse."""
+D_SECOND_FLOOD_MB = 15
+"""What a second flood may add to that (nothing is held: the slack is reused)."""
 ABORTS = 200_000
 REGISTRATIONS = 10_000
 MAX_FRAMES_S = 2.0
@@ -237,3 +243,83 @@ def test_one_d_key_is_known_as_at_most_peer_max_ranks_d_ranks(nodes: tuple[Node,
         ctx.term()
         d.call("close", "dr")
         p.call("close", "pr")
+
+
+def _fake_p_flood(router: zmq.Socket, idents: list[bytes], errors: list[BaseException]) -> None:
+    """A process holding P's key pair (a compromised P) floods the D that said hello to it (``idents``: the
+    D's connection, once it said hello)."""
+    try:
+        if not idents:
+            assert router.poll(20_000), "D never said hello to the fake P"
+            ident, hello = router.recv_multipart()
+            protocol.decode(hello, protocol.Hello)
+            idents.append(ident)
+        ident = idents[0]
+        router.setsockopt(zmq.SNDTIMEO, -1)
+        for i in range(ABORTS):
+            fail = protocol.Failure(f"{'x' * 240}{i:08d}", "r" * 200, 0, Stage.TRANSFER, Cause.ABORTED, "forged" * 100)
+            router.send_multipart([ident, protocol.encode(fail)])
+        junk = {"junk": list(range(1 << 16, (1 << 16) + 1_670_000)), "type": "fail"}
+        garbage = msgspec.msgpack.encode([PROTOCOL_VERSION, junk])
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < MAX_FRAMES_S:
+            router.send_multipart([ident, garbage])
+        for _ in range(3):
+            router.send_multipart([ident, b"\x00" * (100 << 20)])
+        time.sleep(0.5)
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def test_a_flooding_p_keeps_d_bounded_and_real_transfers_exact(nodes: tuple[Node, Node]) -> None:
+    """D's side: a P key holder that D registered a transfer with floods D with 200,000 failures of transfers
+        D never had, 8 MiB frames that fail to decode only after their bulk, and 100 MB frames, while a real P
+        pushes byte-exact through the same D, twice. D's RSS stays within the bounds of docs/security.md, and the
+    second flood leaves no more behind than the first (what is left is allocator slack, not state)."""
+    p, d = nodes
+    g = Geom(num_blocks=64)
+    cfg: dict[str, Any] = {"staging_bytes": 1 << 20, "peer_dead_s": 600.0, "transfer_timeout_s": 600.0}
+    addr = tuple(p.call("sender", "pd", g, cfg, "P-dside", 9))
+    d.call("receiver", "dd", g, cfg, "D-dside")
+    keys = auth.server_keys("curve", "")
+    assert keys is not None
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.CURVE_SERVER, 1)
+    router.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    router.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    router.setsockopt(zmq.MAXMSGSIZE, -1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        rng = np.random.default_rng(3)
+        _push_exact(p, d, g, addr, 0, rng, "pd", "dd")
+        base = rss_mb(d.proc.pid)
+        sampler = Sampler(d.proc.pid)
+        pushed, after, idents = 0, [], []
+        for rep in range(2):
+            errors: list[BaseException] = []
+            flood = threading.Thread(target=_fake_p_flood, args=(router, idents, errors))
+            flood.start()
+            d.call("register", "dd", f"t-fake{rep}", "d-fake", ("127.0.0.1", port, 1), [60, 61], 30, 0)
+            while flood.is_alive() or pushed < 3 * (rep + 1):
+                pushed += 1
+                _push_exact(p, d, g, addr, pushed, rng, "pd", "dd")
+            flood.join()
+            assert not errors, errors
+            time.sleep(2.0)
+            after.append(rss_mb(d.proc.pid))
+        peak = sampler.stop()
+        st = d.call("stats", "dd")
+        print(
+            f"D RSS: {base:.0f} MB before, {peak:.0f} MB peak, {after} MB after each flood; {pushed} real pushes; {st}"
+        )
+        assert peak - base < GROWTH_DURING_MB, (base, peak, st)
+        assert after[0] - base < D_GROWTH_AFTER_MB, (base, after, st)
+        assert after[1] - after[0] < D_SECOND_FLOOD_MB, (base, after, st)  # nothing held: a second flood adds nothing
+        assert st["pending"] == 2, st  # the fake P's own registrations, nothing else
+    finally:
+        router.close(linger=0)
+        ctx.term()
+        d.call("close", "dd")
+        p.call("close", "pd")

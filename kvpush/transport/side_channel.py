@@ -240,6 +240,7 @@ class Client:
     ) -> None:
         self.budgets = budgets
         self.dropped = 0
+        self._reject_log = Throttle(LOG_EVERY_S, REJECTED_LINES)
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -290,7 +291,10 @@ class Client:
             try:
                 out.append(protocol.decode(data))
             except ProtocolError as exc:
-                log.warning("side channel from %s:%s: rejected message: %s", self.host, self.port, exc)
+                held = self._reject_log.note("", time.monotonic())
+                if held is not None:
+                    more = f" ({held} more rejected since the last lines)" if held else ""
+                    log.warning("side channel from %s:%s: rejected message: %s%s", self.host, self.port, exc, more)
         return out
 
     def _admit(self, nbytes: int) -> bool:
