@@ -424,5 +424,11 @@ def test_block_id_counts_reads_a_registration_without_decoding_its_ids() -> None
         assert protocol.block_id_counts(data) == sizes
         assert protocol.block_id_counts(memoryview(data)) == sizes
     assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))) is None
+    # more groups than any layout has: counted no further than one past the limit, from the header
+    many = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "register", "block_ids": [[]] * 100_000}])
+    assert protocol.block_id_counts(many) == (0,) * (protocol.MAX_GROUPS + 1)
+    # fields before the tag and unknown fields are skipped, not built
+    late = msgspec.msgpack.encode([PROTOCOL_VERSION, {"x": [1] * 1000, "type": "register", "block_ids": [[1, 2]]}])
+    assert protocol.block_id_counts(late) == (2,)
     assert protocol.block_id_counts(b"\xc1 not msgpack") is None
     assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))[:-3]) is None
