@@ -305,6 +305,10 @@ class Rendezvous:
         return ""
 
     def _bury(self, transfer_id: str, until: float, by: DKey | None) -> None:
+        """A tombstone until ``until``; one already there keeps the D rank it counts against (a second
+        abort of the same id refreshes it, and cannot move it onto a rank that is at its limit)."""
+        if transfer_id in self._tombstones:
+            by = self._tombstones[transfer_id][1]
         self._unbury(transfer_id)
         self._tombstones[transfer_id] = (until, by)
         if by is not None:

@@ -65,6 +65,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "peer_max_ranks": 8,
         "peer_registrations_per_s": 50,
         "max_tombstones": 10,
+        "peer_max_tombstones": 5,
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)
