@@ -457,9 +457,10 @@ class Fencing:
         return self._settle(out)
 
     def acknowledged(self, msg: protocol.Ack) -> bool:
-        """P says where a registration's prefill stands (False: not a current writer)."""
+        """P says where a registration's prefill stands (False: not a current writer, or D already gave up
+        on it: an Ack that crossed D's abort does not extend a wait that ended)."""
         inc = self.current.get(msg.transfer_id)
-        if inc is None or inc.attempt != msg.attempt or msg.rank not in inc.writers:
+        if inc is None or inc.attempt != msg.attempt or msg.rank not in inc.writers or inc.aborting is not None:
             return False
         self._bump(Count.ACKS)
         inc.acknowledged(msg.rank, msg.state, msg.tokens_ahead)

@@ -193,8 +193,9 @@ class Result:
 
     On P: the request's blocks may be freed. On D: the KV arrived (``ok``) or
     will never arrive (``ok=False``), and D's blocks are no longer written by
-    anyone (``fenced``; otherwise quarantined until a second Result says so). A failure says where (``stage``), why (``cause``, the
-    metrics' label) and, for people, ``reason``.
+    anyone (``fenced``; otherwise quarantined until a second Result says
+    so). A failure says where (``stage``), why (``cause``, the metrics'
+    label) and, for people, ``reason``.
 
     ``stats`` and ``times`` are the side's typed records (``PushStats`` and
     ``PushTimes`` on P, summed over this rank's pushes of the transfer;

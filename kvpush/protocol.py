@@ -78,6 +78,9 @@ class HelloReply(_Msg, tag="hello_reply"):
     agent_metadata: bytes = b""
     layout: KVLayout | None = None
     epoch: NonNeg = 0
+    busy: bool = False
+    """``ok=False`` for now only: an earlier session of this D rank still has WRITEs in flight; D says hello
+    again shortly (a refusal that fails nothing)."""
 
 
 class Register(_Msg, tag="register"):
@@ -205,9 +208,7 @@ class TimeReply(_Msg, tag="time_reply"):
     now: float
 
 
-Message = Union[
-    Hello, HelloReply, Register, Completion, Posting, Ack, Failure, Abort, Heartbeat, TimeQuery, TimeReply
-]
+Message = Union[Hello, HelloReply, Register, Completion, Posting, Ack, Failure, Abort, Heartbeat, TimeQuery, TimeReply]
 
 
 class _Frame(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
