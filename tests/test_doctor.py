@@ -33,7 +33,7 @@ from kvpush.doctor import (
     explain_plugin,
     has_version_node,
 )
-from kvpush.doctor_libfabric import is_cuda_standin, nvidia_present
+from kvpush.doctor.libfabric import is_cuda_standin, nvidia_present
 
 ROOT = Path(__file__).resolve().parents[1]
 
