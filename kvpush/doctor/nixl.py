@@ -242,7 +242,9 @@ def _providers_check(fab: str, standin: bool) -> Check:
             details=details,
         )
     prov, domains = choice
-    hmem = "with FI_HMEM" if prov in found["hmem"] else "without FI_HMEM (it registers device memory as host memory)"
+    hmem = "with FI_HMEM" if prov in found["hmem"] else "without FI_HMEM"
+    if prov not in ("efa", "cxi"):  # NIXL's plugin looks for an accelerator runtime on efa alone
+        hmem += "; host memory only (device KV goes through a backend's host staging, e.g. cuda staging=host)"
     role = "" if prov in ("efa", "cxi") else "; a test transport: production runs over efa"
     stand = "; CUDA symbols from kvpush's CPU stand-in: host memory only" if standin else ""
     details["plugin_provider"], details["plugin_domains"] = prov, domains
