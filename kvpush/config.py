@@ -80,7 +80,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Blocks of a transfer whose writer was declared dead (or did not answer an abort) are withheld from
     vLLM until that P rank is fenced (it answers a new hello, which it does only once nothing of the old
     session is in flight) or this long has passed: a P frozen and resumed must not write into reused blocks."""
-    max_waiting_registrations: Annotated[int, msgspec.Meta(ge=0)] = 4
+    max_waiting_registrations: Annotated[int, msgspec.Meta(ge=0)] = 16
     """D: at most this many registrations wait on one P instance; a request beyond them gets its blocks
     only when one of them ends (it waits in vLLM's queue, holding nothing), so D does not pin blocks for
     prefills queued behind P's backlog. 0: no bound."""
