@@ -507,6 +507,25 @@ def test_failing_prefill_cancels_decode() -> None:
     run(go())
 
 
+def test_failed_decode_cancels_the_queued_prefill() -> None:
+    """D gives up (an HTTP 5xx, no other D to retry on) while P's request still waits: the router closes P's
+    connection, which makes vLLM drop the request from its queue before it spends the prefill."""
+
+    async def go() -> None:
+        async with cluster(retry_decode=False) as c:
+            c.p[0].delay = 5.0  # queued behind a backlog
+            c.d[0].status = 500
+            status, _, elapsed = await c.post("/v1/completions", COMPLETION)
+            assert status == 502 and elapsed < 2.0
+            deadline = time.monotonic() + 5
+            while c.p[0].seen[0].t_finish is None:
+                assert time.monotonic() < deadline, "P's request was left running"
+                await asyncio.sleep(0.02)
+            assert c.p[0].seen[0].disconnected
+
+    run(go())
+
+
 def test_hanging_prefill_times_out() -> None:
     async def go() -> None:
         async with cluster(prefill_timeout=0.5) as c:
