@@ -255,6 +255,15 @@ class FencingMachine(RuleBasedStateMachine):
         else:
             self._do(self.book.conn_refused(conn, "P refused the handshake", self.now))
 
+    @precondition(lambda self: any(v in ("dead", "pending") for v in self.conns.values()))
+    @rule(data=st.data())
+    def stale_hello_reply(self, data) -> None:
+        """A reply to the hello of the session in which P was declared dead arrives late (the shell drops those;
+        the book must not take it as fencing either: P may still write)."""
+        p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v in ("dead", "pending"))))
+        older = self.epoch[p] - (self.conns[p] == "pending")
+        self._do(self.book.fenced(("p", p), older, self.now))
+
     @precondition(lambda self: any(v in ("ready", "pending") for v in self.conns.values()))
     @rule(data=st.data())
     def p_declared_dead(self, data) -> None:
@@ -409,6 +418,22 @@ def test_a_writer_that_fails_mid_unpack_waits_for_the_unpack() -> None:
     m.p_gives_up(_Draws(m.sessions[0]), Cause.ABORTED)
     m.deliver(_Draws(0))  # _on_report checks the unpack ended first
     assert len(m.reported) == 1 and marker.reached
+
+
+def test_an_ack_that_crosses_ds_abort_does_not_extend_the_wait() -> None:
+    """D gave up at ``transfer_timeout_s`` (abort sent); P's Ack written before it read the abort arrives: the
+    wait stays over, and the report says so once P answers the abort."""
+    m = _machine_with_one_writer(staged=False, split=False)
+    m.time_passes(TIMEOUT_S)
+    [inc] = m.book.current.values()
+    assert inc.aborting is not None and inc.deadline == TIMEOUT_S
+    s = m.sessions[0]
+    assert not m.book.acknowledged(protocol.Ack(s.tid, s.p, PrefillState.QUEUED, s.attempt, 10))
+    assert inc.deadline == TIMEOUT_S and not inc.vouched
+    m.p_gives_up(_Draws(s), Cause.ABORTED)
+    m.deliver(_Draws(0))
+    [rep] = m.reported.values()
+    assert rep.result.reason.startswith("no KV from P within"), rep.result
 
 
 def test_only_a_completion_of_a_newer_attempt_fences_the_older() -> None:
