@@ -1221,8 +1221,12 @@ def _log(msg: str) -> None:
 
 
 def _env(side: Side) -> dict[str, Any]:
+    import kvpush
+
     torch = side.torch
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    # which kvpush ran (a run comparing two trees points PYTHONPATH at each in turn)
+    env["kvpush"] = {"path": os.path.dirname(kvpush.__file__), "protocol": kvpush.PROTOCOL_VERSION}
     try:
         from importlib.metadata import version
 
@@ -1529,7 +1533,10 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
 
 def main(argv: list[str] | None = None) -> int:
     opts, a = parse(argv)
+    import kvpush
+
     _log(f"options: {opts}")
+    _log(f"kvpush from {os.path.dirname(kvpush.__file__)}, protocol v{kvpush.PROTOCOL_VERSION}")
     ctx = mp.get_context("spawn")
     p_conn, d_conn = ctx.Pipe()
     results = ctx.Queue()
