@@ -243,6 +243,7 @@ class PushRunner:
         own heads; a registration asking for fewer gets its list at pairing.
         """
         s = self.s
+        rec.pack_ahead = None
         if s._staging is None or s.cfg.plan == "direct" or prefill.num_tokens <= 0 or not prefill.block_ids:
             return
         heads = (s.layout.head_start, s.layout.head_end)
@@ -252,6 +253,7 @@ class PushRunner:
             log.debug("%s: no pack list ahead for %s: %s", s.name, prefill.transfer_id, exc)
             return
         rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack)
+        s.bump(Count.PACKS_AHEAD)
         try:
             s.backend.prepare_pack(s.region_bases, pack)
         except Exception:
@@ -265,6 +267,7 @@ class PushRunner:
             if slot is not None:
                 local = (self.s._staging.addr + slot, self.s._staging.device_id)
                 remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
+        ahead = self._pack_ahead(prefill, reg, peer, rec)
         plan = build_plan(
             self.s.cfg,
             self.s.layout,
@@ -276,11 +279,13 @@ class PushRunner:
             staging_local=local,
             staging_remote=remote,
             pack_bw=self.s.backend.pack_bandwidth(),
-            pack=self._pack_ahead(prefill, reg, peer, rec),
+            pack=ahead,
         )
         if plan.kind is not PlanKind.STAGED and slot is not None:
             self.s._slots.free(slot)
             slot = None
+        if plan.kind is PlanKind.STAGED and ahead is not None:
+            self.s.bump(Count.PACKS_AHEAD_USED)
         return plan, slot
 
     def _pack_ahead(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> Any:
