@@ -56,7 +56,8 @@ def _nixl() -> Any:
     The ``nixl`` meta package picks its wheel (``nixl_cu13``/``nixl_cu12``/
     ``nixl_rocm``) from torch's CUDA version; with a CPU-only torch that is not
     imported yet it imports torch just to learn there is no CUDA, which costs
-    3-10 s per process on a small host (every test and benchmark process). In
+    seconds per process on a small host (every test and benchmark process;
+    docs/benchmarks.md, "Figures behind code defaults"). In
     exactly that case the meta package then takes the first installed wheel in
     that order, so kvpush imports that wheel itself; otherwise it defers to
     ``nixl``.
