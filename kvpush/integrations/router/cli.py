@@ -118,6 +118,21 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
         help="a client's own kv_transfer_params: reject (HTTP 400, default), strip, or trust (they override the "
         "router's: only behind another router that chooses transfer ids)",
     )
+    g.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=0,
+        metavar="N",
+        help="answer HTTP 503 (retryable, with the reason) when even the least-loaded P has N requests queued or "
+        "running (default 0: no bound)",
+    )
+    g.add_argument(
+        "--queue-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between reads of each P's queue depth from its /metrics (0: off)",
+    )
 
 
 def _per_prefill(ap: argparse.ArgumentParser, name: str, values: Sequence[Any], n: int, default: Any) -> list[Any]:
@@ -164,6 +179,8 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             retry_decode=not a.no_retry,
             client_params=a.client_kv_params,
             selective=a.selective,
+            max_prefill_queue=a.max_prefill_queue,
+            queue_interval=a.queue_interval,
         )
     except ValueError as e:
         ap.error(str(e))

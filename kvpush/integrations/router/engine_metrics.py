@@ -58,6 +58,32 @@ def prefill_totals(text: str) -> tuple[float, float]:
     return seconds, tokens
 
 
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+
+
+def queue_depth(text: str) -> int:
+    """Requests an engine reports waiting or running (vLLM's gauges, summed over its engines)."""
+    total = 0.0
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in (WAITING, RUNNING):
+            total += _value(line)
+    return int(total)
+
+
+async def queue_loop(insts: list[Instance], session: Callable[[], aiohttp.ClientSession], interval: float) -> None:
+    """Every ``interval`` s, each P's own queue depth into ``Instance.reported`` (the router's load measure)."""
+    while True:
+        for inst in insts:
+            try:
+                async with session().get(inst.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    inst.reported = queue_depth(await r.text())
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, IndexError) as e:
+                log.debug("queue depth: %s/metrics: %s", inst.url, e)
+        await asyncio.sleep(interval)
+
+
 class PrefillRate:
     """Every ``interval`` s, each P's prefill seconds per computed token since the last read, into the selector."""
 
