@@ -57,6 +57,8 @@ class Count(enum.StrEnum):
     RELEASED = "released_total"
     DEFERRED_REGISTRATIONS = "deferred_registrations_total"
     PARTS_PREBUILT = "parts_prebuilt_total"
+    PACKS_AHEAD = "packs_ahead_total"  # P: pack lists built when a prefill was handed over
+    PACKS_AHEAD_USED = "packs_ahead_used_total"  # P: staged plans that took such a list instead of building one
     BYTES = "bytes_total"
     DESCRIPTORS = "descriptors_total"
     PLAN_DIRECT = "plan_direct_total"

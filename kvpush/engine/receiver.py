@@ -299,6 +299,8 @@ class Receiver(EngineLoop):
             )
         )
         region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
+        if grant is not None and ok:
+            self._prepare_unpack(pieces, grant.offset)  # while P plans and packs, not before it hears of us
         return self.book.on(inc, inc.register_sent(p, grant, unpack, region_bytes, ok, t_send))
 
     def _grant(self, conn: Conn, inc: Incoming, pieces: np.ndarray) -> tuple[protocol.StagingGrant | None, Any]:
@@ -311,11 +313,15 @@ class Receiver(EngineLoop):
         if off is None:
             self.bump(Count.STAGING_FULL)
             return None, None
+        return protocol.StagingGrant(off, size), pieces
+
+    def _prepare_unpack(self, pieces: np.ndarray, offset: int) -> None:
+        """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
+        left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
         try:
-            self.backend.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, off))
+            self.backend.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, offset))
         except Exception:
             log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
-        return protocol.StagingGrant(off, size), pieces
 
     def _guess_parts(self, pieces: np.ndarray, offset: int) -> list[tuple[int, int, int]]:
         """The parts P will most likely cut a whole-request push into (its rule, D's own config), as

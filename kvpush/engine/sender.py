@@ -222,6 +222,7 @@ class Sender(EngineLoop):
                 rec.times.prefill_done = t
             else:
                 rec.times.prefill_start = t
+            self.runner.prepare_prefill(prefill, rec)
 
     def _on_layers(self, transfer_ids: list[str], regions: int, marker: Any, t: float) -> None:
         self.bump(Count.LAYER_REPORTS)
