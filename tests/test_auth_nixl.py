@@ -227,13 +227,16 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
             s.send(protocol.encode(abort))
             s.send(protocol.encode(msgspec.structs.replace(abort, transfer_id=parked.tid)))
             d_name = msgspec.structs.replace(hello, engine_id="D" + k)  # the victim's engine id, rank 0
-            s.send(protocol.encode(d_name))
-            assert s.poll(5000)
-            refused = protocol.decode(s.recv())
+            s2 = dealer(addr, keys, ctx)  # a connection of its own, as a D rank has
+            s2.send(protocol.encode(d_name))
+            assert s2.poll(5000)
+            refused = protocol.decode(s2.recv())
             assert not refused.ok and "connected under another D key" in refused.reason, refused
             _wait_logs(p, ["ignored an abort of victim"])
         finally:
             s.close(linger=0)
+            if "s2" in locals():
+                s2.close(linger=0)
             ctx.term()
         st = p.call("stats", k + "p")
         # the victim's abort was ignored; the finished one's left at most a tombstone (no transfer to kill)
