@@ -342,6 +342,9 @@ class _Proc:
     """Handle on one side's process; ``send``/``recv`` split a call so both sides can wait at once."""
 
     def __init__(self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...]) -> None:
+        from kvpush_tools.demo.servers import export_temp_keys
+
+        export_temp_keys()  # the side's engines authenticate (the spawned process inherits the variable)
         ctx = mp.get_context("spawn")
         self.role = role
         self.conn, child = ctx.Pipe()
