@@ -203,8 +203,11 @@ class PushRunner:
         if self.s._staging is not None and slot is not None:
             base = self.s._staging.addr + slot
             parts = [(r0, r1, base + r0 * plan.region_bytes) for r0, r1 in cut]
+        # A list built at hand-over was handed to prepare_pack then; without parts to add, again is only work.
+        prepared = rec.pack_ahead is not None and plan.pack is rec.pack_ahead.pack
         try:
-            self.s.backend.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
+            if parts or not prepared:
+                self.s.backend.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", self.s.name)
         made: dict[tuple[int, int], tuple[Any, int]] = {}
