@@ -110,6 +110,8 @@ def build_plan(
     coalescing every piece) is never built, and ``estimate.direct_s`` is that
     bound's. This is the path of a registration arriving after the prefill.
     """
+    src_blocks = np.asarray(src_blocks, dtype=np.int64)  # once: each helper below would convert a list again
+    dst_blocks = np.asarray(dst_blocks, dtype=np.int64)
     pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     nregions = len(src.regions)
     npieces = pieces.shape[0] * nregions

@@ -176,8 +176,9 @@ def registration_problem(layout: KVLayout, d_layout: KVLayout, d_staging: Any, r
     for g, ids in enumerate(reg.block_ids):
         if len(ids) < need:
             return f"group {g} has {len(ids)} blocks, {need} needed for {reg.num_tokens} tokens"
-        if ids and max(ids[:need], default=0) >= d_layout.num_blocks:
-            return f"group {g} block id {max(ids[:need])} out of range (D has {d_layout.num_blocks} blocks)"
+        top = max(ids[:need], default=0)
+        if ids and top >= d_layout.num_blocks:
+            return f"group {g} block id {top} out of range (D has {d_layout.num_blocks} blocks)"
     if reg.staging is not None:
         cap = d_staging.size if d_staging is not None else 0
         if reg.staging.offset + reg.staging.size > cap:

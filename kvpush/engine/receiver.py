@@ -95,7 +95,7 @@ class Receiver(EngineLoop):
         start_token: int = 0,
     ) -> None:
         """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks."""
-        ids = tuple(tuple(int(b) for b in g) for g in block_ids)
+        ids = tuple(tuple(map(int, g)) for g in block_ids)  # on the caller's thread, on the request's path
         self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token))
 
     def abort(self, transfer_id: str, reason: str = "aborted on D") -> None:
@@ -276,9 +276,9 @@ class Receiver(EngineLoop):
             return []  # the hello reply brings ``conn_ready``
         assert conn.layout is not None
         ask = inc.asked
-        blocks = ask.block_ids[0]
         pieces = None
         try:
+            blocks = np.asarray(ask.block_ids[0], dtype=np.int64)  # once, for the checks and the list
             check_unpack(conn.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
             want = staging_decided(self.cfg, self.layout, blocks, ask.num_tokens, ask.start_token)
             if want is None:
