@@ -118,8 +118,12 @@ def build_plan(
     if pieces.shape[0] == 0:
         return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
     if pack is not None and staging_local is not None and staging_remote is not None:
-        runs = max(block_runs(lay, b, num_tokens, start_token) for lay, b in ((src, src_blocks), (dst, dst_blocks)))
+        # D's runs first (most often the fragmented side); P's only when D's do not decide.
+        runs = block_runs(dst, dst_blocks, num_tokens, start_token)
         early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
+        if early is None and cfg.plan == "auto":
+            runs = max(runs, block_runs(src, src_blocks, num_tokens, start_token))
+            early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
         if early is not None:
             return early
     merged = coalesce(_dst_order(pieces))
