@@ -214,6 +214,7 @@ class _Side:
         engine = self.engines[plan]
         deadline = time.monotonic() + timeout
         self._until(engine, "waiting_registrations", tid, "D's registration never reached P", deadline)
+        self.cpu0 = _engine_cpu(engine)
         if order == "ahead":
             engine.prefill_started(tid, tid, [blocks], self.shape.tokens)
             self._until(engine, "in_flight", tid, "P never paired the registration", deadline)
@@ -232,6 +233,7 @@ class _Side:
         engine = self.engines[plan]
         engine.prefill_finished(tid, tid, [blocks], self.shape.tokens)
         self._until(engine, "parked_prefills", tid, "P never parked the prefill", time.monotonic() + timeout)
+        self.cpu0 = _engine_cpu(engine)
 
     def op_released(self, plan: str, tid: str, timeout: float) -> dict[str, Any]:
         """P's result for ``tid`` once it let go of the blocks."""
@@ -240,7 +242,9 @@ class _Side:
         while True:
             for r in engine.poll():
                 if r.transfer_id == tid:
-                    return {"ok": r.ok, "reason": r.reason, **_record(r.stats), "times": _times(r.times, "p_")}
+                    cpu = _engine_cpu(engine) - getattr(self, "cpu0", 0.0)
+                    out = {"ok": r.ok, "reason": r.reason, "times": _times(r.times, "p_"), "cpu": cpu}
+                    return {**out, **_record(r.stats)}
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tid}: P never released the request")
             time.sleep(0.0005)
@@ -289,6 +293,7 @@ class _Side:
         """Register; returns when it was asked (the start of a ``finished`` transfer)."""
         from kvpush.engine import PeerAddress
 
+        self.cpu0 = _engine_cpu(self.engines[plan])
         t0 = time.monotonic()
         self.engines[plan].register(tid, tid, PeerAddress(peer[0], peer[1], 1), [blocks], self.shape.tokens)
         return t0
@@ -301,6 +306,7 @@ class _Side:
                     done = _times(r.times, "").get("result") or time.monotonic()
                     times = _times(r.times, "d_")
                     out = {"t_done": done, "t_sent": times.get("d_sent"), "ok": r.ok, "reason": r.reason}
+                    out["cpu"] = _engine_cpu(self.engines[plan]) - getattr(self, "cpu0", 0.0)
                     return {**out, **_record(r.stats), "times": times}
             time.sleep(0.0002)
         raise TimeoutError(f"{tid}: D saw no result in {timeout}s")
@@ -313,6 +319,17 @@ class _Side:
                     return {"t_done": time.monotonic(), "ok": True, "reason": ""}
             time.sleep(0.0002)
         raise TimeoutError(f"{tag}: D saw no notification in {timeout}s")
+
+
+def _engine_cpu(engine: Any) -> float:
+    """CPU seconds the engine's thread has used (its host work, whatever the load on the host)."""
+    thread = getattr(engine, "_thread", None)
+    if thread is None or thread.ident is None:
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, AttributeError):
+        return 0.0
 
 
 def _record(rec: Any) -> dict[str, Any]:
@@ -465,6 +482,10 @@ def _one(
         # finished: D's work from its register call to the Register leaving (on the path in that order only)
         "register_s": max(0.0, ds["t_sent"] - ps["t0"]) if order == "finished" and ds.get("t_sent") else 0.0,
         "total_s": ds["t_done"] - ps["t0"],
+        # CPU time of P's engine thread (from the hand-over, the registration, or the announce, to the
+        # release) and D's (from the register call to the result): host work, not waiting
+        "p_cpu_s": ps.get("cpu", 0.0),
+        "d_cpu_s": ds.get("cpu", 0.0),
         # P's and D's stage times after the order's start (the H200 bench's ``timeline_median``)
         **{f"at_{k}_s": v - ps["t0"] for k, v in {**ps.get("times", {}), **ds.get("times", {})}.items()},
     }
