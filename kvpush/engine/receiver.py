@@ -47,6 +47,7 @@ from kvpush.outcome import Cause, Failed, Stage
 from kvpush.payload import check_unpack
 from kvpush.plan import part_count, split_regions, staged_bytes, staging_decided, unpack_pieces, wants_staging
 from kvpush.topology import writers_for
+from kvpush.transport.side_channel import client_keys
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class Receiver(EngineLoop):
 
     # -- engine thread -----------------------------------------------------
     def setup(self) -> None:
+        self.client_keys = client_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("d")
 
     def teardown(self) -> None:

@@ -398,6 +398,9 @@ class _Proc:
         knobs: dict[str, int] | None = None,
         tree: str | None = None,
     ) -> None:
+        from kvpush_tools.demo.servers import export_temp_keys
+
+        export_temp_keys()  # the side's engines authenticate (the spawned process inherits the variable)
         ctx = mp.get_context("spawn")
         self.role = role
         self.conn, child = ctx.Pipe()
