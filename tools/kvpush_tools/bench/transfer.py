@@ -26,6 +26,14 @@ registration meet; every total ends at D's result):
 - ``ahead``: D registered while P computes: P announces the prefill, pairs
   and plans before its KV is ready; from "KV ready" (``forward_done``).
 
+``--tree PATH`` (repeatable) runs each kvpush tree's engines in their own
+pair of processes, side by side with the same cases (an A/B against another
+checkout or an old commit); ``--push-parts`` with ``--min-part-bytes`` cuts a
+small staged push into parts, so per-part costs show without large copies.
+Each row also carries P's and D's stage times after the order's start
+(``at_<side>_<stage>_s_median``) and the CPU time of each engine thread per
+transfer (``p_cpu_s``, ``d_cpu_s``), which a loaded host does not inflate.
+
 Each case runs one warm-up and ``--iters`` measured transfers, the cases
 taking turns; the medians are printed, saved as JSON and drawn as a bar chart. D's cache is
 zeroed before every case and compared with P's bytes after it, so a plan that
