@@ -287,8 +287,9 @@ def registration_problem(layout: KVLayout, d_layout: KVLayout, d_staging: Any, r
         # rank's blocks are what it may make P hold.
         if len(ids) > d_layout.num_blocks:
             return f"group {g} lists {len(ids)} block ids, D has {d_layout.num_blocks} blocks"
-        if ids and max(ids) >= d_layout.num_blocks:
-            return f"group {g} block id {max(ids)} out of range (D has {d_layout.num_blocks} blocks)"
+        top = max(ids, default=0)
+        if ids and top >= d_layout.num_blocks:
+            return f"group {g} block id {top} out of range (D has {d_layout.num_blocks} blocks)"
     if reg.staging is not None:
         cap = d_staging.size if d_staging is not None else 0
         if reg.staging.offset + reg.staging.size > cap:
