@@ -1,4 +1,4 @@
-"""D's fencing (``kvpush.incoming``): when D may report a transfer, over every interleaving.
+"""D's fencing (``kvpush.fencing``, ``kvpush.incoming``): when D may report a transfer, over every interleaving.
 
 The state machine plays the receiver thread, the network and an honest P
 around a real ``Fencing``: D registers (and re-registers, a new attempt),
@@ -29,13 +29,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpush import protocol
-from kvpush.incoming import (
-    Asked,
+from kvpush.fencing import Fencing
+from kvpush.fencing_actions import (
     AwaitUnpacks,
     Cancel,
-    Fencing,
     FreeSlot,
-    Incoming,
     Report,
     SendAbort,
     SendRegister,
@@ -43,6 +41,7 @@ from kvpush.incoming import (
     StartUnpack,
     WaitUnpacks,
 )
+from kvpush.incoming import Asked, Incoming
 from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, Stage
 
 NREGIONS = 4
