@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpush.config import Config
-from kvpush.layout import KVLayout, coalesce, descriptors, map_pieces, merge_descriptors
+from kvpush.errors import LayoutError
+from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, map_pieces, merge_descriptors
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,12 @@ def unpack_pieces(
 
 
 def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int) -> int:
-    """Payload size of a staged transfer, computable on either side."""
+    """Payload size of a staged transfer, computable on either side (opaque layouts move whole blocks)."""
     lo, hi = max(src.head_start, dst.head_start), min(src.head_end, dst.head_end)
-    return (num_tokens - start_token) * max(0, hi - lo) * src.head_bytes * len(src.regions)
+    tokens = num_tokens - start_token
+    if TokenOrder.BLOCK in (src.order, dst.order):
+        tokens = (-(-num_tokens // src.block_size) - start_token // src.block_size) * src.block_size
+    return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
 
 
 def estimate(cfg: Config, ndesc: int, nbytes: int, pack_pieces: int, pack_bw: float) -> Estimate:
@@ -115,7 +119,10 @@ def build_plan(
 
     ``staging_local`` is (address, device) of a P slot large enough for the
     payload, ``staging_remote`` (address, length, device) of D's granted slot;
-    without both the plan is direct.
+    without both the plan is direct. A side whose backend cannot let NIXL
+    touch its KV in place (``KVLayout.direct`` false, from the backend's
+    ``Capabilities``) gets a staged plan whatever ``cfg.plan`` says, and
+    ``LayoutError`` when there is no slot to stage through.
     """
     pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     nregions = len(src.regions)
@@ -131,7 +138,15 @@ def build_plan(
     ndesc = merged.shape[0] * nregions
     est = estimate(cfg, ndesc, nbytes, pack.shape[0] * nregions, pack_bw)
     can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
-    want_staged = cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
+    direct_ok = src.direct and dst.direct
+    if not direct_ok and not can_stage:
+        side = "P" if not src.direct else "D"
+        raise LayoutError(
+            f"{side}'s backend cannot let NIXL access its KV in place, so this push must be staged, but "
+            f"{'D granted no staging slot' if staging_remote is None else 'no staging slot was free'} for its "
+            f"{nbytes} bytes (set staging_bytes on both sides, larger than the largest request)"
+        )
+    want_staged = not direct_ok or cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
     if can_stage and want_staged:
         assert staging_local is not None and staging_remote is not None
         remote = (staging_remote[0], staging_remote[2])
@@ -232,8 +247,11 @@ def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndar
     """D's side of the choice: reserve a slot only when direct would post many descriptors.
 
     D sees only its own fragmentation (``dst_pieces`` from ``unpack_pieces``),
-    a lower bound on the direct plan's descriptor count.
+    a lower bound on the direct plan's descriptor count. When either side
+    cannot be accessed in place, the push can only be staged: always reserve.
     """
+    if not (src.direct and dst.direct):
+        return cfg.staging_bytes > 0
     if cfg.plan == "direct" or cfg.staging_bytes == 0:
         return False
     if cfg.plan == "staged":

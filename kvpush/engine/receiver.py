@@ -288,7 +288,7 @@ class Receiver(EngineLoop):
                 grant = protocol.StagingGrant(off, size)
                 w.unpack = pieces
                 try:
-                    self.backend.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, off))
+                    self.copy.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, off))
                 except Exception:
                     log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
             else:
@@ -387,7 +387,7 @@ class Receiver(EngineLoop):
             region_bytes = int(w.unpack[:, 1].sum())
             staging = self._staging.addr + w.grant.offset + r0 * region_bytes
             try:
-                marker = self.backend.start_unpack(self.region_bases[r0:r1], w.unpack, staging)
+                marker = self.copy.start_unpack(self.region_bases[r0:r1], w.unpack, staging)
             except Exception as exc:
                 self._writer_final(inc, w, ok=False, reason=f"unpack failed: {exc}")
                 return

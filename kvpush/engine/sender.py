@@ -237,7 +237,9 @@ class Sender(EngineLoop):
             marker = j.packing[0][2] if j.packing else j.waiting
             if marker is not None:
                 if self._waiter is None:
-                    self._waiter = MarkerWaiter(self.backend.wait_ready, self.wake, self.name)
+                    self._waiter = MarkerWaiter(
+                        self.backend.wait_ready, self.wake, self.name, bind=self.backend.bind_thread
+                    )
                 self._waiter.watch(marker)
                 return False
         return False
@@ -539,7 +541,7 @@ class Sender(EngineLoop):
                 base = self._staging.addr + job.slot
                 parts = [(r0, r1, base + r0 * job.plan.region_bytes) for r0, r1 in cut]
             try:
-                self.backend.prepare_pack(self.region_bases, job.plan.pack, parts=parts)
+                self.copy.prepare_pack(self.region_bases, job.plan.pack, parts=parts)
             except Exception:
                 log.exception("%s: prepare_pack failed (pack will do it)", self.name)
             self._make_parts(job, peer, cut)
@@ -581,7 +583,7 @@ class Sender(EngineLoop):
         ready, job.waiting, after = job.sent, None, None
         # A staged push on a backend that chains: the packs are queued behind the KV's marker on the
         # device as soon as the regions are reported, instead of after this thread sees the marker.
-        chain = plan.kind == "staged" and self.backend.chains_ready
+        chain = plan.kind == "staged" and self.backend.capabilities.chained_ready
         last = step = 0  # step: regions added by the report that ``ready`` comes from
         if not (job.cancel or job.error):
             for regions, marker in self._ready.get(job.reg.transfer_id, ()):
@@ -679,9 +681,9 @@ class Sender(EngineLoop):
             staging = self._staging.addr + job.slot + r0 * plan.region_bytes
             # ``after`` only for backends that chain: others may implement start_pack without it.
             if after is not None:
-                marker = self.backend.start_pack(self.region_bases[r0:r1], plan.pack, staging, after=after)
+                marker = self.copy.start_pack(self.region_bases[r0:r1], plan.pack, staging, after=after)
             else:
-                marker = self.backend.start_pack(self.region_bases[r0:r1], plan.pack, staging)
+                marker = self.copy.start_pack(self.region_bases[r0:r1], plan.pack, staging)
         except Exception as exc:
             job.error, job.error_stage = f"pack failed: {exc}", "post"
             return False
