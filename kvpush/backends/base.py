@@ -63,7 +63,8 @@ class CacheSpec:
     attention backend name (``CPU_ATTN``, ``FLASH_ATTN``, ``CPU_MLA``...):
     some kernels pack a head's tokens their own way, which strides cannot
     show. ``layer_groups`` gives the KV-cache group of each tensor, in
-    order (empty: all in group 0).
+    order (empty: all in group 0). ``tensors_per_layer``: 2 where K and V
+    are separate tensors of one layer (NxDI), listed K then V.
     """
 
     block_size: int
@@ -75,6 +76,7 @@ class CacheSpec:
     axes: str = "KBNHC"
     attention: str = ""
     layer_groups: tuple[int, ...] = ()
+    tensors_per_layer: int = 1
 
     @property
     def local_heads(self) -> int:

@@ -180,7 +180,10 @@ def describe_strided(
     regions: list[Region] = []
     spans: dict[int, tuple[int, int]] = {}
     first: _Geometry | None = None
-    for layer, (name, t) in enumerate(kv_caches.items()):
+    if spec.tensors_per_layer < 1 or len(kv_caches) % spec.tensors_per_layer:
+        raise BackendError(f"{len(kv_caches)} KV tensors are not {spec.tensors_per_layer} a layer")
+    for i, (name, t) in enumerate(kv_caches.items()):
+        layer = i // spec.tensors_per_layer
         desc, info = _layer(name, t, spec, device_type, opaque)
         if first is None:
             first = desc.geometry
@@ -188,7 +191,7 @@ def describe_strided(
             raise BackendError(f"layer {name}: geometry {desc.geometry} differs from the first layer's {first}")
         span = storage_span(t, info)
         for base in desc.bases:
-            regions.append(Region(base, desc.size, info.device_index, group=groups[layer], layer=layer))
+            regions.append(Region(base, desc.size, info.device_index, group=groups[i], layer=layer))
             spans[base] = span
     assert first is not None
     layout = KVLayout(
