@@ -254,8 +254,12 @@ def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any
     if family == "deepseek_v2":
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
+        # vLLM's DeepSeek-V2 does not tie lm_head to the embeddings: a tied checkpoint would load no lm_head.
+        # The body is initialised small (0.05): MLA's prefill and decode paths differ by float rounding, and
+        # a body with larger weights amplifies that into other greedy tokens; a wide lm_head keeps the gaps
+        # between the top logits large.
         cfg = DeepseekV2Config(
-            **common,
+            **{**common, "tie_word_embeddings": False, "initializer_range": 0.05},
             num_key_value_heads=shape["num_heads"],
             kv_lora_rank=512,
             q_lora_rank=None,
@@ -265,7 +269,9 @@ def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any
             first_k_dense_replace=shape["num_layers"],
             rope_scaling=None,
         )
-        return DeepseekV2ForCausalLM(cfg)
+        model = DeepseekV2ForCausalLM(cfg)
+        model.lm_head.weight.data.normal_(0.0, 4 * shape["initializer_range"])
+        return model
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     layers = shape["num_layers"]
