@@ -172,8 +172,9 @@ class Server:
         ranks = self.tp * self.dp
         kw: dict[str, Any] = {"block_size": block_size, "log_dir": logs, "env": {"KVPUSH_LOG_LEVEL": "DEBUG"}}
         if ranks > 1:
-            # Several workers or engines: vLLM's own processes, one core each (a single NUMA node here).
-            kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(ranks))
+            # Several workers or engines, all on this server's core: a rank waiting for KV keeps its engine
+            # stepping, and a core shared with the peer would starve it (seconds of silence on a 2-core host).
+            kw["env"]["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([self.cpus] * ranks)
             kw["extra_args"] = ["--tensor-parallel-size", str(self.tp), "--data-parallel-size", str(self.dp)]
         else:
             kw.update(cpus=self.cpus, fast_start=True)

@@ -59,9 +59,9 @@ FAMILIES = {
         max_tokens=6,
     ),
     "hybrid": Family("gemma3", 32, Server("prefill", cpus="0"), Server("decode", cpus="1"), True, (5, 33, 100, 300)),
-    "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2), None, False, (5, 33, 100, 300)),
-    "tp1-to-tp2": Family(None, 32, None, Server("decode", tp=2), False, (5, 33, 100, 300)),
-    "dp2": Family(None, 32, Server("prefill", dp=2), None, False, (33, 300), router=False, dp=2),
+    "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300)),
+    "tp1-to-tp2": Family(None, 32, None, Server("decode", tp=2, cpus="1"), False, (5, 33, 100, 300)),
+    "dp2": Family(None, 32, Server("prefill", dp=2, cpus="0"), None, False, (33, 300), router=False, dp=2),
 }
 
 
