@@ -7,6 +7,7 @@ because a typo in a JSON blob otherwise silently runs with defaults.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -16,6 +17,28 @@ from kvpush.errors import ConfigError
 Pos = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
+HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+DEFAULT_PORT = 5600
+"""vLLM's NIXL side-channel port: a deployment set up for vLLM's NIXL connectors finds P where it looks."""
+
+
+def _env_host() -> str:
+    return os.environ.get(HOST_ENV) or "127.0.0.1"
+
+
+def _env_port() -> int:
+    raw = os.environ.get(PORT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_PORT
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"environment variable {PORT_ENV}={raw!r} is not a port (0-65535)")
+    return port
+
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """kvpush settings; durations in seconds, sizes in bytes."""
@@ -24,10 +47,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """kvpush backend (entry point in ``kvpush.backends``); "auto" follows vLLM's platform."""
     nixl_backends: tuple[str, ...] = ("UCX",)
     """NIXL transport plugins, in order of preference: UCX here, LIBFABRIC on EFA hosts."""
-    side_channel_host: str = "127.0.0.1"
-    """Address P's side channel binds to; D learns it from the router."""
-    side_channel_port: Port = 0
-    """P rank r listens on port + r; 0 picks a free port (tests)."""
+    side_channel_host: str = msgspec.field(default_factory=_env_host)
+    """Address P's side channel binds to and tells D in its answer; default ``$VLLM_NIXL_SIDE_CHANNEL_HOST``,
+    else 127.0.0.1."""
+    side_channel_port: Port = msgspec.field(default_factory=_env_port)
+    """P rank r listens on port + r; default ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600 (vLLM's). 0 picks a
+    free port per rank (tests), which P cannot tell D."""
     plan: Literal["auto", "direct", "staged"] = "auto"
     """Transfer plan: the cost model's choice, or forced."""
     staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
@@ -91,12 +116,33 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     to 62 ms; docs/cuda.md, "Fifth round")."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
+    proxy_ip: str = ""
+    """Router service discovery (vLLM's name): announce this instance to ``proxy_ip:proxy_ping_port``
+    (vllm-router ``--vllm-discovery-address``) so the router sends P and D their requests at once;
+    empty: no announcement."""
+    proxy_ping_port: Port = 0
+    """Port of the router's service discovery (with ``proxy_ip``)."""
+    http_port: Port = 0
+    """This server's HTTP port, announced with ``side_channel_host`` (with ``proxy_ip``)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:
-        """Build from a mapping (``kv_connector_extra_config``); names the bad key on error."""
+        """Build from a mapping (``kv_connector_extra_config``); names the bad key on error.
+
+        ``backends`` (what vLLM's NIXL connectors call the NIXL backend list) is read as ``nixl_backends``.
+        """
+        data = data or {}
+        if isinstance(data, dict) and "backends" in data:
+            data = dict(data)
+            alias = data.pop("backends")
+            if "nixl_backends" in data and data["nixl_backends"] != alias:
+                raise ConfigError(
+                    f"invalid kvpush configuration: backends {alias!r} and nixl_backends {data['nixl_backends']!r} "
+                    "disagree (both name the NIXL backend list; give one)"
+                )
+            data["nixl_backends"] = alias
         try:
-            return msgspec.convert(data or {}, cls, strict=False)
+            return msgspec.convert(data, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid kvpush configuration: {exc}") from None
 

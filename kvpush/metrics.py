@@ -358,6 +358,11 @@ class Recorder:
             name = mapping.get(k, k if k in ("loop_iterations", "wakeups") else "")
             if name:
                 deltas[name] = deltas.get(name, 0.0) + d
+        if self.side == "prefill":
+            # Also on their own: prefills that held their blocks for a whole lease because no D came.
+            leased = current.get("expired_prefills_total", 0.0) - self._last_counts.get("expired_prefills_total", 0.0)
+            if leased:
+                deltas["prefills_released_at_lease"] = leased
         if self.side == "decode":
             # An expiry also bumped aborts_total on D; do not count it twice.
             exp = current.get("expired_total", 0.0) - self._last_counts.get("expired_total", 0.0)
@@ -482,6 +487,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "Expirations: P, a parked prefill's lease or a registration ran out; D, no KV within transfer_timeout_s.",
     ),
+    MetricSpec(
+        "kvpush_prefills_released_at_lease_total",
+        "counter",
+        "P: finished prefills that held their blocks for the whole prefill_lease_s because no D registered "
+        "(a router that sent P but never D; a D that cancels tells P at once instead).",
+    ),
     MetricSpec("kvpush_aborts_total", "counter", "Transfers aborted by either side (expirations not included)."),
     MetricSpec("kvpush_dead_peers_total", "counter", "Peers declared dead after peer_dead_s of silence."),
     MetricSpec(
@@ -518,6 +529,7 @@ _COUNT_TO_METRIC: dict[str, tuple[str, dict[str, str]]] = {
     "layer_reports": ("kvpush_layer_reports_total", {}),
     "registrations": ("kvpush_registrations_total", {}),
     "expirations": ("kvpush_expirations_total", {}),
+    "prefills_released_at_lease": ("kvpush_prefills_released_at_lease_total", {}),
     "aborts": ("kvpush_aborts_total", {}),
     "dead_peers": ("kvpush_dead_peers_total", {}),
     "loop_iterations": ("kvpush_engine_loop_iterations_total", {}),

@@ -7,6 +7,11 @@ The servers are configured for both files at once:
 
 * P and D run kvpush with ``KVPUSH_LOG_LEVEL=DEBUG`` (the per-transfer
   timeline lines ``test_e2e_metrics`` joins);
+* P is launched the way vLLM's ``NixlPushConnector`` P is (the benchmark's
+  vllm-push stack): vLLM's ``kv_transfer_config`` with only the connector's
+  name (and module) changed, its side channel from
+  ``VLLM_NIXL_SIDE_CHANNEL_PORT``, a fixed NIXL engine id
+  (:data:`P_ENGINE_ID`), so routers written for vLLM drive it unchanged;
 * D declares a silent P dead after 5 s (3 s gave false positives on a
   loaded 2-core machine) and prefills locally when a transfer fails
   (``kv_load_failure_policy=recompute``; the fault cases of ``test_e2e_vllm``);
@@ -28,11 +33,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
+P_ENGINE_ID = "kvpush-e2e-prefill"
+
+
+def vllm_style_kvpush_config(role: str, engine_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    """vLLM's ``NixlPushConnector`` configuration (``kvpush_tools.demo.servers``) with kvpush's connector named."""
+    cfg = srv.vllm_nixl_transfer_config("KVPushConnector", role, engine_id=engine_id)
+    cfg["kv_connector_module_path"] = "kvpush.integrations.vllm.connector"
+    cfg["kv_connector_extra_config"] = {**cfg["kv_connector_extra_config"], **extra}
+    return cfg
 
 
 def model_dir() -> str:
@@ -98,9 +113,9 @@ class E2EServers:
                 p_port,
                 log_dir=self.logs,
                 cpus=self.cpus_p,
-                kv_transfer_config=srv.kvpush_transfer_config("kv_producer", self.kv_port),
+                kv_transfer_config=vllm_style_kvpush_config("kv_producer", P_ENGINE_ID),
                 check_ports=(self.kv_port,),
-                env=debug,
+                env={**debug, **srv.vllm_nixl_env(self.kv_port)},
                 fast_start=True,
             ),
             srv.vllm_server(

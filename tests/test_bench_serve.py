@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvpush_tools.bench import idle, loadgen, plot_serve
-from kvpush_tools.bench.loadgen import MODES, RequestOutput
+from kvpush_tools.bench.loadgen import DEFAULT_MODES, RequestOutput
 from kvpush_tools.bench.serve import request_body, run_load, send_one, sweep_plan
 
 # --------------------------------------------------------------------------- #
@@ -68,13 +68,13 @@ def test_point_seed_differs_between_points_not_modes() -> None:
 
 
 def test_sweep_plan_interleaves_and_rotates_modes() -> None:
-    plan = sweep_plan([256, 1024], [1.0, 2.0, 4.0], list(MODES), 2)
+    plan = sweep_plan([256, 1024], [1.0, 2.0, 4.0], list(DEFAULT_MODES), 2)
     assert len(plan) == 12
     assert [(it, inp, q) for it, inp, q, _ in plan[:3]] == [(0, 256, 1.0), (0, 256, 2.0), (0, 256, 4.0)]
     for _, _, _, order in plan:
-        assert sorted(order) == sorted(MODES)
+        assert sorted(order) == sorted(DEFAULT_MODES)
     firsts = [order[0] for _, _, _, order in plan]
-    assert {m: firsts.count(m) for m in MODES} == {m: 4 for m in MODES}
+    assert {m: firsts.count(m) for m in DEFAULT_MODES} == {m: 4 for m in DEFAULT_MODES}
 
 
 # --------------------------------------------------------------------------- #
@@ -371,7 +371,7 @@ def test_quick_sweep_end_to_end(tmp_path: Path) -> None:
     rc = serve.main(["--quick", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     results = loadgen.load_results(tmp_path)
-    assert sorted(r["kvpush"]["mode"] for r in results) == sorted(MODES)
+    assert sorted(r["kvpush"]["mode"] for r in results) == sorted(DEFAULT_MODES)
     for r in results:
         assert r["completed"] == r["num_prompts"] and r["failed"] == 0
         # D took the prompts from the transfer, not from its own prefill.

@@ -13,12 +13,14 @@ from kvpush.config import Config
 from kvpush.errors import ConfigError
 
 
-def test_defaults() -> None:
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_HOST", raising=False)
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
     c = Config.from_dict(None)
     assert c == Config() == Config.from_dict({})
     assert isinstance(c.backend, str) and c.backend
     assert c.nixl_backends == ("UCX",)
-    assert c.side_channel_host == "127.0.0.1" and c.side_channel_port == 0
+    assert c.side_channel_host == "127.0.0.1" and c.side_channel_port == 5600  # vLLM's NIXL default port
     assert c.plan == "auto"
     assert c.staging_bytes == 64 << 20
     assert c.staged_min_descriptors == 512
@@ -51,6 +53,9 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "layerwise_min_part_bytes": 0,
         "layerwise_lead_layers": 3,
         "model": "meta-llama/Llama-3.1-8B",
+        "proxy_ip": "10.0.0.3",
+        "proxy_ping_port": 30001,
+        "http_port": 8100,
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)
@@ -58,6 +63,29 @@ def test_every_field_is_settable_and_round_trips() -> None:
     assert c.link_gbps == 100.0 and isinstance(c.link_gbps, float)
     assert Config.from_dict(msgspec.structs.asdict(c)) == c
     assert Config.from_dict(msgspec.json.decode(msgspec.json.encode(c))) == c
+
+
+def test_vllm_side_channel_environment_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment set up for vLLM's NIXL connectors finds kvpush's P where it looks; extra config overrides."""
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "10.0.0.9")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "6100")
+    c = Config.from_dict({})
+    assert (c.side_channel_host, c.side_channel_port) == ("10.0.0.9", 6100)
+    c = Config.from_dict({"side_channel_host": "10.0.0.2", "side_channel_port": 7000})
+    assert (c.side_channel_host, c.side_channel_port) == ("10.0.0.2", 7000)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "70000")
+    with pytest.raises(ConfigError, match="VLLM_NIXL_SIDE_CHANNEL_PORT='70000'"):
+        Config.from_dict({})
+    assert Config.from_dict({"side_channel_port": 5}).side_channel_port == 5  # the bad default is not used
+
+
+def test_backends_is_vllms_name_for_the_nixl_backend_list() -> None:
+    assert Config.from_dict({"backends": ["LIBFABRIC"]}).nixl_backends == ("LIBFABRIC",)
+    assert Config.from_dict({"backends": ["UCX"], "nixl_backends": ["UCX"]}).nixl_backends == ("UCX",)
+    with pytest.raises(ConfigError, match="disagree"):
+        Config.from_dict({"backends": ["UCX"], "nixl_backends": ["LIBFABRIC"]})
+    with pytest.raises(ConfigError, match="nixl_backends"):
+        Config.from_dict({"backends": 3})
 
 
 def test_cli_strings_are_converted() -> None:

@@ -114,7 +114,10 @@ class Upstream:
                     "remote_port": 5601,
                     "tp_size": 1,
                 }
-                return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+                prompt = seen.body.get("prompt")
+                tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+                usage = {"prompt_tokens": tokens}
+                return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params, "usage": usage})
             if seen.body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(req)
@@ -671,6 +674,57 @@ def test_vllm_push_learns_engine_id_then_goes_concurrent() -> None:
             assert d2.body["kv_transfer_params"]["remote_engine_id"] == "p-engine"
             assert p2.headers["X-Request-Id"] == d2.headers["X-Request-Id"]
             assert d2.body["kv_transfer_params"]["remote_port"] == 5600
+
+    run(go())
+
+
+def test_client_kv_transfer_params_never_reach_p_or_d_by_default() -> None:
+    """A client must not choose transfer ids, hosts or ports: rejected (400 naming the field) or stripped."""
+    forged = {"do_remote_prefill": True, "transfer_id": "victim", "remote_host": "10.6.6.6", "remote_port": 1}
+
+    async def go() -> None:
+        async with cluster() as c:
+            status, data, _ = await c.post("/v1/completions", {**COMPLETION, "kv_transfer_params": forged})
+            assert status == 400 and b"kv_transfer_params" in data
+            assert not c.p[0].seen and not c.d[0].seen
+        async with cluster(client_params="strip") as c:
+            status, _, _ = await c.post("/v1/completions", {**COMPLETION, "kv_transfer_params": forged})
+            assert status == 200
+            (p,), (d,) = c.p[0].seen, c.d[0].seen
+            for seen in (p, d):
+                params = seen.body["kv_transfer_params"]
+                assert params["transfer_id"] != "victim" and "10.6.6.6" not in json.dumps(seen.body)
+            assert d.body["kv_transfer_params"]["remote_port"] == 5600
+        async with cluster(client_params="trust") as c:  # behind another router that chooses transfer ids
+            status, _, _ = await c.post("/v1/completions", {**COMPLETION, "kv_transfer_params": {"transfer_id": "t7"}})
+            assert status == 200
+            assert c.p[0].seen[0].body["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t7"}
+            d_params = c.d[0].seen[0].body["kv_transfer_params"]
+            assert d_params["transfer_id"] == "t7" and d_params["do_remote_prefill"] is True  # merged, not replaced
+            assert (d_params["remote_host"], d_params["remote_port"]) == ("127.0.0.1", 5600)
+
+    run(go())
+    with pytest.raises(SystemExit):
+        config_from_args(["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://b:1", "--client-kv-params=x"])
+    assert (
+        config_from_args(
+            ["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://b:1", "--client-kv-params=strip"]
+        ).client_params
+        == "strip"
+    )
+
+
+def test_vllm_push_mode_speaks_only_vllms_conventions() -> None:
+    """What vLLM's push proxy sends: no transfer id anywhere; P and D paired by one X-Request-Id."""
+
+    async def go() -> None:
+        async with cluster(mode="vllm-push") as c:
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            (p,), (d,) = c.p[0].seen, c.d[0].seen
+            assert "transfer_id" not in p.body["kv_transfer_params"]
+            assert "transfer_id" not in d.body["kv_transfer_params"]
+            assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"]
+            assert d.body["kv_transfer_params"]["remote_request_id"] == d.headers["X-Request-Id"]
 
     run(go())
 

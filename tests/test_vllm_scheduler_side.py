@@ -3,6 +3,7 @@
 import pytest
 
 from kvpush.errors import ConfigError
+from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide
 
 D_PARAMS = {"do_remote_prefill": True, "transfer_id": "t1", "remote_host": "127.0.0.1", "remote_port": 5600}
@@ -161,3 +162,64 @@ def test_layerwise_candidate_aborted_before_its_final_chunk_is_forgotten():
     orders = s.take_orders()
     assert not orders.layer_prefills
     assert [a.side for a in orders.aborts] == ["prefill"]
+
+
+def test_decode_request_aborted_before_it_got_blocks_tells_p() -> None:
+    """D never registered (aborted while waiting for blocks): P's parked prefill is named at once."""
+    s = SchedulerSide()
+    params = {**D_PARAMS, "tp_size": 2}
+    assert s.matched_tokens("r", params, 64, 0) == (64, True)
+    assert s.finished("r", params, False, ([],), 64) is False  # no blocks to keep
+    (cancel,) = s.take_orders().cancels
+    assert (cancel.request_id, cancel.transfer_id, cancel.host, cancel.port, cancel.tp_size) == (
+        "r",
+        "t1",
+        "127.0.0.1",
+        5600,
+        2,
+    )
+    assert s.finished("r", params, False, ([],), 64) is False  # said once
+    assert not s.take_orders().cancels
+
+
+def test_registered_decode_request_is_not_cancelled_but_fenced() -> None:
+    s = SchedulerSide()
+    params = dict(D_PARAMS)
+    s.matched_tokens("r", params, 64, 0)
+    s.after_alloc("r", params, ([1, 2],), 0, 64)
+    s.take_orders()
+    s.on_output(set(), {"r"})
+    assert s.finished("r", params, True, ([1, 2],), 64) is False
+    orders = s.take_orders()
+    assert not orders.cancels and not orders.aborts
+
+
+def test_prefill_answers_with_vllms_field_names_only_when_its_blocks_wait() -> None:
+    advert = PrefillAdvert("p-engine", "10.0.0.7", 5600, 2)
+    s = SchedulerSide(advert=advert)
+    p = {"do_remote_decode": True, "transfer_id": "t9"}
+    parked = s.finished("cmpl-x-0-deadbeef", p, True, ([3, 4],), 40)
+    answer = s.answer("cmpl-x-0-deadbeef", p, parked)
+    assert answer == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "p-engine",
+        "remote_request_id": "cmpl-x-0-deadbeef",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "tp_size": 2,
+        "transfer_id": "t9",
+    }
+    assert s.answer("cmpl-x-1-deadbeef", {"do_remote_decode": True, "transfer_id": "t9"}, True)["transfer_id"] == "t9"
+    assert s.answer("a", p, False) is None  # aborted, or no blocks: D must not wait for it
+    assert s.answer("a", None, True) is None
+    assert s.answer("a", {**D_PARAMS}, True) is None
+    assert SchedulerSide().answer("a", p, True) is None  # no advert (free port): nothing to tell
+
+
+def test_sub_requests_of_a_prompt_list_get_their_own_transfers() -> None:
+    s = SchedulerSide()
+    p = {"do_remote_decode": True, "transfer_id": "T"}
+    for i in range(3):
+        assert s.finished(f"cmpl-X-{i}-0000000{i}", dict(p), True, ([i],), 10)
+    assert [o.transfer_id for o in s.take_orders().prefills] == ["T", "T/1.0", "T/2.0"]

@@ -102,7 +102,8 @@ class Worker:
     def _config(self, cfg: dict[str, Any]) -> Any:
         from kvpush.config import Config
 
-        return Config.from_dict({"nixl_backends": list(self.target.nixl_backends), **cfg})
+        # A free port per P rank unless the test names one: the default is vLLM's fixed 5600.
+        return Config.from_dict({"nixl_backends": list(self.target.nixl_backends), "side_channel_port": 0, **cfg})
 
     def _start(
         self, key: str, kind: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int | None, ref: bool

@@ -140,6 +140,15 @@ class Receiver(EngineLoop):
         """Give up on a transfer; ``poll`` reports it once no P rank can still write."""
         self.call(lambda: self._on_abort(transfer_id, reason, time.monotonic()))
 
+    def cancel(self, transfer_id: str, request_id: str, peer: PeerAddress, reason: str = "cancelled on D") -> None:
+        """D gave up on a transfer it never registered: tell the P ranks that would have written it.
+
+        A P that already parked the finished prefill frees it now instead of
+        at its lease; one still computing it releases it when it finishes. A
+        transfer this rank did register is aborted as usual.
+        """
+        self.call(lambda: self._on_cancel(transfer_id, request_id, peer, reason, time.monotonic()))
+
     def stats(self) -> dict[str, Any]:
         return self.call_sync(
             lambda: {
@@ -525,6 +534,15 @@ class Receiver(EngineLoop):
                 self._writer_final(inc, w, ok=False, reason=reason)
             else:
                 conn.client.send(protocol.Abort(transfer_id, inc.request_id, reason, inc.attempt))
+
+    def _on_cancel(self, transfer_id: str, request_id: str, peer: PeerAddress, reason: str, now: float) -> None:
+        if transfer_id in self._transfers:
+            self._on_abort(transfer_id, reason, now)
+            return
+        self._bump("cancels_total")
+        for p in writers_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads):
+            # Queued behind the Hello on a new connection: P reads them in order.
+            self._conn(peer.host, peer.port + p, now).client.send(protocol.Abort(transfer_id, request_id, reason, 0))
 
     def _timers(self, now: float) -> None:
         for key, conn in self._conns.items():

@@ -22,7 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 # kvpush and kvpush-cuda with their entry points (no registry: no build isolation).
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/kvp . ./backends/cuda \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/kvp . ./backends/cuda ./tools \
   >"$OUT/install.log" 2>&1 || echo "install of kvpush failed, see install.log"
 export PYTHONPATH=/tmp/kvp:${PYTHONPATH:-}
 cd /tmp/kvp >/dev/null && python3 -c 'import kvpush, kvpush_cuda, nixl; print("kvpush from", kvpush.__file__)'; cd - >/dev/null

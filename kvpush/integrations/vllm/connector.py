@@ -38,7 +38,9 @@ from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
 from kvpush.errors import BackendError, ConfigError
 from kvpush.integrations.vllm import layout as vllm_layout
+from kvpush.integrations.vllm.discovery import Announcer, start_announcer
 from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
+from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 
@@ -118,6 +120,23 @@ def attention_backends(vllm_config: VllmConfig, names: list[str]) -> dict[str, s
     return out
 
 
+def prefill_advert(cfg: Config, engine_id: str, vllm_config: VllmConfig) -> PrefillAdvert | None:
+    """What P's answers tell D (its side channel and TP size); ``None`` when the port is not fixed.
+
+    With ``side_channel_port`` 0 each rank binds a free port the scheduler
+    cannot know, so P returns no ``kv_transfer_params`` and only a router
+    that knows P's address (``kvpush router --prefill-kv``) can pair it.
+    """
+    if cfg.side_channel_port == 0:
+        log.warning(
+            "kvpush: side_channel_port is 0 (a free port per rank): P cannot tell D where it listens, so "
+            "routers that pass P's kv_transfer_params on to D (vllm-router) will not work; set a fixed port"
+        )
+        return None
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return PrefillAdvert(engine_id, cfg.side_channel_host, cfg.side_channel_port, tp)
+
+
 def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
     """The step's scheduled requests as plain values (new, resumed and running ones)."""
     n = out.num_scheduled_tokens
@@ -167,13 +186,24 @@ class KVPushConnector(KVConnectorBase_V1):
             raise ConfigError(f"kv_connector_extra_config for KVPushConnector: {exc}") from None
         if not cfg.model:
             cfg = cfg.replace(model=str(vllm_config.model_config.model))
+        # DP engine k's ranks listen from side_channel_port + k * tp_size (both roles: P's answers say so).
+        parallel = vllm_config.parallel_config
+        offset = vllm_layout.dp_port_offset(parallel, parallel.tensor_parallel_size)
+        if offset and cfg.side_channel_port:
+            cfg = cfg.replace(side_channel_port=cfg.side_channel_port + offset)
         self.cfg = cfg
         self.engine_id = str(ktc.engine_id)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._neuron: Any = None  # kvpush_neuron.vllm_neuron under the Neuron platform
+        self.announcer: Announcer | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.sched = SchedulerSide(layerwise=cfg.layerwise, layerwise_min_tokens=cfg.layerwise_min_tokens)
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self.announcer = start_announcer(cfg, ktc.is_kv_producer, tp)
+            advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
+            self.sched = SchedulerSide(
+                layerwise=cfg.layerwise, layerwise_min_tokens=cfg.layerwise_min_tokens, advert=advert
+            )
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -181,16 +211,12 @@ class KVPushConnector(KVConnectorBase_V1):
             )
 
             name, options, self._neuron = platform_backend(cfg)
-            tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-            offset = vllm_layout.dp_port_offset(vllm_config.parallel_config, tp_size)
-            if offset and cfg.side_channel_port:
-                cfg = cfg.replace(side_channel_port=cfg.side_channel_port + offset)
             self.worker = WorkerSide(
                 cfg,
                 load_backend(name, **options),
                 self.engine_id,
-                tp_rank,
-                tp_size,
+                get_tensor_model_parallel_rank(),
+                get_tensor_model_parallel_world_size(),
                 producer=ktc.is_kv_producer,
                 consumer=ktc.is_kv_consumer,
             )
@@ -234,10 +260,9 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self.sched is not None
         normal = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else [block_ids or []]
-        delay = self.sched.finished(
-            request.request_id, request.kv_transfer_params, normal, groups, request.num_prompt_tokens
-        )
-        return delay, None
+        params = request.kv_transfer_params
+        delay = self.sched.finished(request.request_id, params, normal, groups, request.num_prompt_tokens)
+        return delay, self.sched.answer(request.request_id, params, delay and normal)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.sched is not None
@@ -311,6 +336,8 @@ class KVPushConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.announcer is not None:
+            self.announcer.close()
 
     # ---------------- metrics (kvpush.metrics through vLLM's stats hooks) ----------------
     def get_kv_connector_stats(self) -> KVPushConnectorStats | None:

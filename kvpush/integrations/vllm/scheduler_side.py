@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.integrations.vllm.params import DecodeSide, PrefillSide, parse
+from kvpush.integrations.vllm.params import DecodeSide, PrefillAdvert, PrefillSide, parse, prefill_answer
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,17 @@ class AbortOrder:
 
 
 @dataclass(frozen=True)
+class CancelOrder:
+    """A D request that ended before it got blocks: P's ranks are told, so a parked prefill is freed now."""
+
+    request_id: str
+    transfer_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """One request's part of a scheduler step, as read from vLLM's ``SchedulerOutput``.
 
@@ -86,6 +97,8 @@ class StepOrders:
     registrations: list[Registration] = field(default_factory=list)
     prefills: list[FinishedPrefill] = field(default_factory=list)
     aborts: list[AbortOrder] = field(default_factory=list)
+    cancels: list[CancelOrder] = field(default_factory=list)
+    """D requests that never registered (aborted while waiting for blocks): tell P to drop the prefill."""
     layer_prefills: list[FinishedPrefill] = field(default_factory=list)
     """Prefills whose final chunk runs in this step's forward: pushed layer by layer as it goes."""
 
@@ -100,8 +113,11 @@ class _Candidate:
 
 
 class SchedulerSide:
-    def __init__(self, layerwise: bool = False, layerwise_min_tokens: int = 0) -> None:
+    def __init__(
+        self, layerwise: bool = False, layerwise_min_tokens: int = 0, advert: PrefillAdvert | None = None
+    ) -> None:
         self.layerwise = layerwise
+        self.advert = advert  # P: what its answer tells D (None: P returns no kv_transfer_params)
         self.layerwise_min_tokens = layerwise_min_tokens
         self._candidates: dict[str, _Candidate] = {}  # P requests before their final chunk (layer-wise)
         self._layered: dict[str, str] = {}  # P requests announced layer-wise -> transfer id
@@ -205,6 +221,16 @@ class SchedulerSide:
             self._orders.aborts.append(AbortOrder(request_id, tid, "decode"))
             self._bump("decode_aborts")
             return True
+        role = parse(params, request_id)
+        if isinstance(role, DecodeSide):
+            # Still marked remote: it never got blocks (aborted while waiting).
+            # P may hold a finished prefill for it: say so now, not at P's lease.
+            peer = role.peer
+            self._orders.cancels.append(CancelOrder(request_id, role.transfer_id, peer.host, peer.port, peer.tp_size))
+            self._bump("decode_cancels")
+            if params is not None:
+                params["do_remote_prefill"] = False
+            return False
         self._candidates.pop(request_id, None)
         tid = self._layered.pop(request_id, None)
         if tid is not None:
@@ -218,7 +244,6 @@ class SchedulerSide:
                 self._bump("prefills")
             self._sending[request_id] = tid
             return True
-        role = parse(params, request_id)
         if not isinstance(role, PrefillSide):
             return False
         if not finished_normally:
@@ -241,6 +266,21 @@ class SchedulerSide:
         self._bump("prefills")
         return True
 
+    def answer(self, request_id: str, params: dict[str, Any] | None, parked: bool) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` a P request returns (vLLM's ``request_finished``), or ``None``.
+
+        Only a prefill that finished normally and whose blocks wait for D
+        (``parked``) answers: without them D would
+        register for KV that never comes, while without an answer a
+        sequential router sends D the plain request and D computes it.
+        """
+        if self.advert is None or not parked:
+            return None
+        role = parse(params, request_id)
+        if not isinstance(role, PrefillSide):
+            return None
+        return prefill_answer(self.advert, role, request_id)
+
     def take_orders(self) -> StepOrders:
         orders, self._orders = self._orders, StepOrders()
         return orders
@@ -255,7 +295,9 @@ class SchedulerSide:
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while blocks are held for transfers."""
         o = self._orders
-        return bool(self._sending or self._fencing or o.registrations or o.prefills or o.aborts or o.layer_prefills)
+        return bool(
+            self._sending or self._fencing or o.registrations or o.prefills or o.aborts or o.cancels or o.layer_prefills
+        )
 
     def pending(self) -> dict[str, int]:
         return {"sending": len(self._sending), "waiting_kv": len(self._waiting_kv), "fencing": len(self._fencing)}

@@ -121,6 +121,10 @@ class WorkerSide:
                 self.receiver.abort(a.transfer_id, "request aborted on D")
             elif a.side == "prefill" and self.sender is not None:
                 self.sender.abort(a.transfer_id, "request aborted on P before its prefill finished")
+        for c in orders.cancels:
+            if self.receiver is not None:
+                peer = PeerAddress(c.host, c.port, c.tp_size)
+                self.receiver.cancel(c.transfer_id, c.request_id, peer, "request aborted on D before it got blocks")
 
     def start_layers(self, orders: StepOrders) -> None:
         """Announce this step's layer-wise prefills before its forward writes their first layer.

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench.loadgen import MODES
+from kvpush_tools.bench.loadgen import DEFAULT_MODES, MODES
 from kvpush_tools.bench.stacks import (
     BASELINE,
     Stack,
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpush bench idle", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--modes",
-        default=",".join((BASELINE, *MODES)),
+        default=",".join((BASELINE, *DEFAULT_MODES)),
         help=f"'{BASELINE}' = plain vLLM servers without connector (the baseline an idle server costs anyway)",
     )
     ap.add_argument("--settle", type=float, default=10.0, help="seconds with no request before each window")

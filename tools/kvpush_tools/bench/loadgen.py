@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("kvpush", "vllm-pull", "vllm-push")
+MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
+DEFAULT_MODES = MODES[:3]
+"""What a sweep compares unless told otherwise: the connectors (``kvpush-selective`` differs only in its router)."""
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _NAME_RE = re.compile(
@@ -358,6 +360,7 @@ def ratios(
     gets None for that ratio.
     """
     rows = []
+    selective = any(k[2] == "kvpush-selective" for k in agg)
     for inp, qps in sorted({(k[0], k[1]) for k in agg}):
 
         def get(mode: str, inp: int = inp, qps: float = qps) -> float | None:
@@ -372,6 +375,8 @@ def ratios(
                 "kvpush/vllm-push": ratio(get("kvpush"), get("vllm-push")),
             }
         )
+        if selective:
+            rows[-1]["kvpush-selective/kvpush"] = ratio(get("kvpush-selective"), get("kvpush"))
     return rows
 
 
@@ -383,7 +388,7 @@ def _f(x: float | None, spec: str = "7.0f") -> str:
 def summary_table(agg: Mapping[tuple[int, float, str], Mapping[str, Any]], modes: Sequence[str] = MODES) -> str:
     """The end-of-sweep table: medians per mode, ratios, p90/p99 TTFT and failures per point."""
     modes = [m for m in modes if any(k[2] == m for k in agg)]
-    short = {"kvpush": "kvpush", "vllm-pull": "pull", "vllm-push": "push"}
+    short = {"kvpush": "kvpush", "vllm-pull": "pull", "vllm-push": "push", "kvpush-selective": "select"}
     head1 = f"{'in':>5} {'qps':>4} | " + " ".join(f"{short[m]:>7}" for m in modes)
     head = (
         head1

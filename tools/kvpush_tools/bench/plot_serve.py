@@ -31,8 +31,13 @@ from typing import Any
 from kvpush_tools.bench import loadgen
 from kvpush_tools.bench.loadgen import MODES
 
-COLORS = {"kvpush": "#d62728", "vllm-pull": "#1f77b4", "vllm-push": "#2ca02c"}
-LABELS = {"kvpush": "kvpush (push)", "vllm-pull": "vLLM NixlConnector (pull)", "vllm-push": "vLLM NixlPushConnector"}
+COLORS = {"kvpush": "#d62728", "vllm-pull": "#1f77b4", "vllm-push": "#2ca02c", "kvpush-selective": "#9467bd"}
+LABELS = {
+    "kvpush": "kvpush (push)",
+    "vllm-pull": "vLLM NixlConnector (pull)",
+    "vllm-push": "vLLM NixlPushConnector",
+    "kvpush-selective": "kvpush, selective router",
+}
 Agg = Mapping[tuple[int, float, str], Mapping[str, Any]]
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush_tools.bench import loadgen
-from kvpush_tools.bench.loadgen import MODES, RequestOutput
+from kvpush_tools.bench.loadgen import DEFAULT_MODES, MODES, RequestOutput
 from kvpush_tools.bench.stacks import (
     MODEL_NAME,
     Stack,
@@ -258,7 +258,8 @@ def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path)
             n = sizes[q]
             seed = loadgen.point_seed(args.seed, it, inp, q)
             arrivals = loadgen.poisson_arrivals(n, q, seed, args.burstiness)
-            prompts = [prompt_words(inp, seed=seed * 1000 + j) for j in range(n)]
+            lens = mixed_lengths(inp, n, args.mix, seed)
+            prompts = [prompt_words(k, seed=seed * 1000 + j) for j, k in enumerate(lens)]
             for pos, mode in enumerate(order):
                 stack = stacks[mode]
                 activate(stacks, stack)
@@ -270,7 +271,7 @@ def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path)
                 load0 = os.getloadavg()
                 t_wall = time.time()
                 outs, dur = asyncio.run(
-                    run_load(stack.url, prompts, [inp] * n, arrivals, args.output, on_done=lambda _r: bar.update(1))
+                    run_load(stack.url, prompts, lens, arrivals, args.output, on_done=lambda _r: bar.update(1))
                 )
                 drained = wait_drained(stack)
                 src1 = prompt_token_sources(stack.d_url)
@@ -293,6 +294,27 @@ def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path)
     finally:
         bar.close()
     return written
+
+
+def _mix(text: str) -> tuple[int, float]:
+    tokens, sep, share = text.partition(":")
+    try:
+        mix = int(tokens), float(share)
+    except ValueError:
+        mix = (0, -1.0)
+    if not sep or mix[0] < 1 or not 0.0 <= mix[1] <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected TOKENS:SHARE (e.g. 64:0.5), got {text!r}")
+    return mix
+
+
+def mixed_lengths(inp: int, n: int, mix: tuple[int, float] | None, seed: int) -> list[int]:
+    """Each request's prompt length: ``inp``, or with ``mix=(tokens, share)`` ``tokens`` for that share."""
+    if mix is None:
+        return [inp] * n
+    import random
+
+    rng = random.Random(seed ^ 0x5EED)
+    return [mix[0] if rng.random() < mix[1] else inp for _ in range(n)]
 
 
 def _server_urls(stack: Stack) -> dict[str, str | None]:
@@ -389,8 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ", ".join(MODES))
     ap.add_argument("--inputs", type=ints, default=list(DEFAULT_INPUTS), help="input lengths in tokens")
+    ap.add_argument(
+        "--mix",
+        type=_mix,
+        default=None,
+        metavar="TOKENS:SHARE",
+        help="mixed lengths: each request is TOKENS long with probability SHARE, else the point's input length "
+        "(e.g. 64:0.5); the draw is seeded per point, the same for every mode",
+    )
     ap.add_argument("--qps", type=floats, default=list(DEFAULT_QPS), help="request rates (requests/s)")
     ap.add_argument("--output", type=int, default=DEFAULT_OUTPUT, help="output tokens per request (ignore_eos)")
     ap.add_argument("--iterations", type=int, default=2)
@@ -467,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     "argv": sys.argv[1:] if argv is None else argv,
                     "modes": args.modes,
                     "inputs": args.inputs,
+                    "mix": args.mix,
                     "qps": args.qps,
                     "output": args.output,
                     "iterations": args.iterations,

@@ -46,7 +46,9 @@ from typing import Any
 
 from kvpush_tools.demo import servers as srv
 
-MODES = ("kvpush", "vllm-pull", "vllm-push")
+MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
+KVPUSH_MODES = ("kvpush", "kvpush-selective")
+"""Modes whose servers run kvpush (they differ only in the router: ``--selective``)."""
 BASELINE = "none"  # plain vLLM servers, no KV connector: what an idle server costs anyway
 SINGLE = "single"  # one plain vLLM server (on the prefill cores), no router: P/D without any transfer
 MODEL_NAME = "tiny-qwen3"
@@ -62,7 +64,7 @@ def connector_configs(
     """(P kv_transfer_config, P env, D kv_transfer_config, D env) of one mode."""
     if mode in (BASELINE, SINGLE):
         return None, {}, None, {}
-    if mode == "kvpush":
+    if mode in KVPUSH_MODES:
         return (
             srv.kvpush_transfer_config("kv_producer", p_kv_port),
             {},
@@ -82,7 +84,9 @@ def connector_configs(
 
 def router_args(mode: str, p_url: str, d_url: str, p_kv_port: int, engine_id: str) -> list[str]:
     """The router's command line for one stack (what ``kvpush router`` takes)."""
-    args = ["--mode", mode, "--prefill", p_url]
+    args = ["--mode", "kvpush" if mode in KVPUSH_MODES else mode, "--prefill", p_url]
+    if mode == "kvpush-selective":
+        args.append("--selective")
     if mode != "vllm-pull":
         args += ["--prefill-kv", f"127.0.0.1:{p_kv_port}"]
     if mode == "vllm-push":
@@ -224,7 +228,7 @@ def build_stack(
     p_port, d_port, r_port, p_kv, d_kv = (srv.free_port() for _ in range(5))
     engine_id = f"bench-{name}-prefill-{p_port}"
     p_cfg, p_env, d_cfg, d_env = connector_configs(mode, p_kv, d_kv, engine_id)
-    if mode == "kvpush" and kvpush_extra:
+    if mode in KVPUSH_MODES and kvpush_extra:
         for cfg in (p_cfg, d_cfg):
             assert cfg is not None
             cfg["kv_connector_extra_config"].update(kvpush_extra)
@@ -261,7 +265,7 @@ def build_stack(
         cpus=d_cpus,
         kv_transfer_config=d_cfg,
         env={**env, **d_env},
-        check_ports=(d_kv,) if mode != "kvpush" else (),
+        check_ports=(d_kv,) if mode not in KVPUSH_MODES else (),
         **common,
     )
     for server in (prefill, decode):

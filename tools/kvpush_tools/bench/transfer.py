@@ -146,7 +146,7 @@ class _Side:
         mode = ENGINE_PLANS[plan]
         staging = 0 if mode == "direct" else math.ceil(self.shape.request_bytes / (1 << 20) + 1) << 20
         extra = {"staged_min_descriptors": 1} if mode == "staged" else {}
-        return Config(plan=mode, staging_bytes=staging, nixl_backends=self.nixl_backends, **extra)
+        return Config(plan=mode, staging_bytes=staging, nixl_backends=self.nixl_backends, side_channel_port=0, **extra)
 
     def op_start(self, plan: str) -> Any:
         from kvpush.engine import Receiver, Sender

@@ -1,0 +1,38 @@
+"""OpenAI-compatible router for prefill/decode disaggregated vLLM (``kvpush router``).
+
+One module per job: ``pool`` (instances, least-loaded choice), ``requests``
+(what P and D are sent per mode; clients' ``kv_transfer_params``),
+``config``, ``health`` (the health rule), ``upstream`` (HTTP calls to P and
+D, typed failures), ``app`` (the aiohttp application and the failure
+policy), ``metrics``, ``cli``.
+"""
+
+from kvpush.integrations.router.app import Router
+from kvpush.integrations.router.cli import build_parser, config_from_args, main, serve
+from kvpush.integrations.router.config import RouterConfig
+from kvpush.integrations.router.pool import Instance, Pool
+from kvpush.integrations.router.requests import (
+    MODES,
+    concurrent,
+    decode_body,
+    decode_params,
+    new_transfer_id,
+    prefill_body,
+)
+
+__all__ = [
+    "MODES",
+    "Instance",
+    "Pool",
+    "Router",
+    "RouterConfig",
+    "build_parser",
+    "concurrent",
+    "config_from_args",
+    "decode_body",
+    "decode_params",
+    "main",
+    "new_transfer_id",
+    "prefill_body",
+    "serve",
+]

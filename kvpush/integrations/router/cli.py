@@ -1,0 +1,182 @@
+"""``kvpush router``: the command line, and running the router in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from kvpush.integrations.router.app import Router
+from kvpush.integrations.router.config import (
+    DEFAULT_HEALTH_TIMEOUT,
+    DEFAULT_HEALTH_TIMEOUT_STRIKES,
+    RouterConfig,
+)
+from kvpush.integrations.router.pool import Instance
+from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
+
+log = logging.getLogger("kvpush.router")
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvpush router",
+        description="OpenAI-compatible router for P/D-disaggregated vLLM (kvpush, vLLM NIXL pull or push).",
+    )
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--mode", choices=MODES, default="kvpush")
+    ap.add_argument("--prefill", action="append", default=[], metavar="URL", help="P instance (repeatable)")
+    ap.add_argument(
+        "--prefill-kv",
+        action="append",
+        default=[],
+        type=_hostport,
+        metavar="HOST:PORT",
+        help="KV side channel of the P instance at the same position (kvpush, vllm-push)",
+    )
+    ap.add_argument(
+        "--prefill-tp",
+        action="append",
+        default=[],
+        type=int,
+        metavar="N",
+        help="TP size per P (one value for all, or one per --prefill; default 1)",
+    )
+    ap.add_argument(
+        "--prefill-engine-id",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="vllm-push: NIXL engine id per P (else learned from the first request)",
+    )
+    ap.add_argument("--decode", action="append", default=[], metavar="URL", help="D instance (repeatable)")
+    ap.add_argument("--connect-timeout", type=float, default=5.0)
+    ap.add_argument("--prefill-timeout", type=float, default=600.0, help="seconds for P's whole answer")
+    ap.add_argument("--decode-timeout", type=float, default=600.0, help="longest silence from D (seconds)")
+    ap.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health checks (0: off)")
+    ap.add_argument(
+        "--health-timeout",
+        type=float,
+        default=DEFAULT_HEALTH_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long one /health check may take (default {DEFAULT_HEALTH_TIMEOUT:g})",
+    )
+    ap.add_argument(
+        "--health-timeout-strikes",
+        type=int,
+        default=DEFAULT_HEALTH_TIMEOUT_STRIKES,
+        metavar="N",
+        help="timed-out /health checks in a row before an instance counts as unhealthy; an error answer or a "
+        f"refused connection counts at once (default {DEFAULT_HEALTH_TIMEOUT_STRIKES}; 1: any timeout)",
+    )
+    ap.add_argument("--no-retry", action="store_true", help="do not retry a failed D on another D")
+    ap.add_argument(
+        "--selective",
+        action="store_true",
+        help="serve prompts on D alone when moving their KV costs more than computing them there; both costs "
+        "are learned from the engines' metrics and the router's own timings",
+    )
+    ap.add_argument(
+        "--client-kv-params",
+        choices=CLIENT_PARAMS,
+        default="reject",
+        help="a client's own kv_transfer_params: reject (HTTP 400, default), strip, or trust (they override the "
+        "router's: only behind another router that chooses transfer ids)",
+    )
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def _per_prefill(ap: argparse.ArgumentParser, name: str, values: Sequence[Any], n: int, default: Any) -> list[Any]:
+    if not values:
+        return [default] * n
+    if len(values) == 1 and name == "--prefill-tp":
+        return list(values) * n
+    if len(values) != n:
+        ap.error(f"{name} given {len(values)} times for {n} --prefill instances (they pair in order)")
+    return list(values)
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
+    """Parse the CLI into a validated :class:`RouterConfig`."""
+    ap = build_parser()
+    return _config(ap, ap.parse_args(argv))
+
+
+def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
+    if not a.prefill or not a.decode:
+        ap.error("give at least one --prefill and one --decode")
+    n = len(a.prefill)
+    kvs = _per_prefill(ap, "--prefill-kv", a.prefill_kv, n, None)
+    tps = _per_prefill(ap, "--prefill-tp", a.prefill_tp, n, 1)
+    eids = _per_prefill(ap, "--prefill-engine-id", a.prefill_engine_id, n, None)
+    prefill = [
+        Instance(url, "prefill", kv[0] if kv else None, kv[1] if kv else None, tp, eid)
+        for url, kv, tp, eid in zip(a.prefill, kvs, tps, eids, strict=True)
+    ]
+    decode = [Instance(url, "decode") for url in a.decode]
+    try:
+        return RouterConfig(
+            prefill=prefill,
+            decode=decode,
+            mode=a.mode,
+            host=a.host,
+            port=a.port,
+            connect_timeout=a.connect_timeout,
+            prefill_timeout=a.prefill_timeout,
+            decode_timeout=a.decode_timeout,
+            health_interval=a.health_interval,
+            health_timeout=a.health_timeout,
+            health_timeout_strikes=a.health_timeout_strikes,
+            retry_decode=not a.no_retry,
+            client_params=a.client_kv_params,
+            selective=a.selective,
+        )
+    except ValueError as e:
+        ap.error(str(e))
+        raise  # unreachable: ap.error exits
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run the router until cancelled."""
+    router = Router(config)
+    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info(
+        "kvpush router (%s) on http://%s:%d: prefill %s, decode %s",
+        config.mode,
+        config.host,
+        config.port,
+        [i.url for i in config.prefill],
+        [i.url for i in config.decode],
+    )
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvpush router ...``: run the router in the foreground (Ctrl-C stops it)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    config = _config(ap, args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config))
+    return 0

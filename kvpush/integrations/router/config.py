@@ -1,0 +1,54 @@
+"""The router's settings, validated where they are built (CLI or tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush.integrations.router.pool import Instance
+from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
+
+DEFAULT_HEALTH_TIMEOUT = 5.0
+DEFAULT_HEALTH_TIMEOUT_STRIKES = 3
+
+
+@dataclass
+class RouterConfig:
+    """Everything the router needs; built from the CLI or by tests."""
+
+    prefill: list[Instance]
+    decode: list[Instance]
+    mode: str = "kvpush"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    connect_timeout: float = 5.0
+    prefill_timeout: float = 600.0
+    # Longest D may stay silent (before its first byte and between chunks).
+    decode_timeout: float = 600.0
+    health_interval: float = 5.0
+    # Seconds one /health check may take. 2 s proved too short for a busy D.
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    # Timed-out checks in a row before an instance counts as unhealthy.
+    health_timeout_strikes: int = DEFAULT_HEALTH_TIMEOUT_STRIKES
+    retry_decode: bool = True
+    # A client's own kv_transfer_params: "reject" (HTTP 400), "strip", or "trust" (they override the router's).
+    client_params: str = "reject"
+    # Serve prompts whose measured transfer cost exceeds their prefill cost on D alone (``selective``).
+    selective: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown router mode {self.mode!r}; expected one of {MODES}")
+        if not self.prefill or not self.decode:
+            raise ValueError("the router needs at least one prefill and one decode instance")
+        if not self.health_timeout > 0:
+            raise ValueError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
+        if self.client_params not in CLIENT_PARAMS:
+            raise ValueError(f"client_params must be one of {CLIENT_PARAMS}, got {self.client_params!r}")
+        if self.health_timeout_strikes < 1:
+            raise ValueError(f"health_timeout_strikes must be >= 1, got {self.health_timeout_strikes}")
+        for inst in self.prefill:
+            inst.role = "prefill"
+            if self.mode in ("kvpush", "vllm-push") and (inst.kv_host is None or inst.kv_port is None):
+                raise ValueError(f"{inst.name}: mode {self.mode} needs its KV side-channel address (--prefill-kv)")
+        for inst in self.decode:
+            inst.role = "decode"

@@ -1,0 +1,75 @@
+"""The instances a router sends to, and how it picks one (pure: no HTTP).
+
+Selection: least in-flight requests among the healthy instances, ties broken
+round-robin, so equal loads rotate rather than always landing on the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class Instance:
+    """One vLLM server the router sends to, with its live load and health.
+
+    ``kv_host``/``kv_port`` are P's KV side channel (kvpush: the connector's
+    ``side_channel_port``; vllm-push: ``VLLM_NIXL_SIDE_CHANNEL_PORT``); D
+    needs them to register with P. Unused for D instances.
+    """
+
+    url: str
+    role: str  # "prefill" | "decode"
+    kv_host: str | None = None
+    kv_port: int | None = None
+    tp_size: int = 1
+    engine_id: str | None = None
+    in_flight: int = 0
+    healthy: bool = True
+    last_error: str = ""
+    served: int = 0
+    failures: int = 0
+    # /health checks in a row that timed out (see the module's health rule).
+    health_timeouts: int = 0
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.url}"
+
+
+class Pool:
+    """Instances of one role; picks the least-loaded healthy one.
+
+    Ties are broken round-robin over the pool's order: a cursor remembers
+    where the last pick was, so equal loads rotate rather than always
+    landing on the first instance.
+    """
+
+    def __init__(self, instances: Iterable[Instance]) -> None:
+        self.instances = list(instances)
+        self._cursor = 0
+
+    def pick(self, exclude: Iterable[Instance] = ()) -> Instance | None:
+        """The healthy instance (not in ``exclude``) with the fewest in-flight
+        requests, or ``None`` when there is none."""
+        excluded = {id(i) for i in exclude}
+        n = len(self.instances)
+        best: Instance | None = None
+        best_pos = 0
+        for k in range(n):
+            pos = (self._cursor + k) % n
+            inst = self.instances[pos]
+            if not inst.healthy or id(inst) in excluded:
+                continue
+            if best is None or inst.in_flight < best.in_flight:
+                best, best_pos = inst, pos
+        if best is not None:
+            self._cursor = (best_pos + 1) % n
+        return best
+
+    def any_healthy(self) -> bool:
+        return any(i.healthy for i in self.instances)
