@@ -101,15 +101,15 @@ class Target:
 
 def swap_prompts(n: int, seed: int) -> tuple[str, str]:
     """Two prompts of ``n`` words with the same last word and different others."""
-    a = prompt_words(n, seed=seed).split()
-    q = prompt_words(n, seed=seed + 7919).split()
+    a = prompt_words(n, seed=seed * 1000 + 900).split()
+    q = prompt_words(n, seed=seed * 1000 + 901).split()
     q[-1] = a[-1]
     return " ".join(a), " ".join(q)
 
 
 def check_outputs_and_counters(t: Target, lengths: Sequence[int], seed: int, via_router: bool = True) -> None:
     """Greedy outputs equal the reference's; every prompt token reached D by transfer, none computed."""
-    prompts = [prompt_words(n, seed=seed * 1000 + i) for i, n in enumerate(lengths)]
+    prompts = [prompt_words(n, seed=seed * 1000 + i) for i, n in enumerate(lengths)]  # no shared prefixes
     expected = [t.complete(t.single, p) for p in prompts]
     assert all(e.strip() for e in expected), f"the model generates no words: {expected}"
     pushed0 = metric(t.d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
