@@ -60,7 +60,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
     """D reserves staging only for transfers with at least this many descriptors."""
     descriptor_cost_us: Pos = 7.0
-    """Cost of posting one descriptor (UCX measured ~6-8 us); drives the cost model."""
+    """Cost of posting one descriptor; drives the cost model (measured: docs/benchmarks.md, "Descriptor cost")."""
     link_gbps: Pos = 25.0
     """Link bandwidth in GB/s for the cost model."""
     registration_lease_s: Pos = 120.0
@@ -79,41 +79,37 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     busy_poll_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 1e-3
     """Longest sleep between two NIXL polls while transfers are in flight (the back-off grows from 20 us
     to this). Lower it where a core is cheap next to latency (GPU hosts: 5e-6): a push's tail is a few
-    polls. Below 50 us it also switches on low-latency mode: the engine threads set a 1 us timer slack
-    (else a 5 us sleep lasts ~60 us). Only WRITEs in flight are polled: device markers are waited for
-    by a helper thread that drops the GIL (polling for them took it from the forward's launches), and
-    D polls this fast only for transfers P said it is writing (``Posting``), others every 1 ms."""
+    polls. Below Linux's default timer slack (50 us) it also switches on low-latency mode, a tight timer
+    slack for the engine threads, without which a short sleep overshoots by the slack. Only WRITEs in
+    flight are polled: device markers are waited for by a helper thread that drops the GIL (a poll takes
+    it from the forward's launches), and D polls this fast only for transfers P said it is writing
+    (``Posting``), others every millisecond. Measurements: docs/cuda.md, "Engine defaults"."""
     push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB; the first and
     last half as large), so packing, the wire and D's unpacking overlap; 1 disables the pipelining.
-    4 was best for a 512 MiB push on H200 (docs/cuda.md)."""
+    Measurements behind the default: docs/cuda.md, "Engine defaults"."""
     layerwise: bool = False
     """vLLM connector: push each layer as soon as P's forward has written it (requests whose final
     prefill chunk runs in a step, when D registered), instead of the whole request after the prefill."""
     layerwise_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
-    """With ``layerwise``, shorter prompts are still pushed whole: there the parts' host work takes the
-    GIL from a forward whose launches barely keep ahead of the GPU. On H200 (session 5, Qwen3-32B TP8
-    rank) a 2k-token forward was 1.3 ms slower layer-wise, which ate the 1.5 ms it saved; from 4k
-    tokens D had the KV before the forward ended (docs/cuda.md, "Fifth round")."""
+    """With ``layerwise``, shorter prompts are still pushed whole: there the forward is bound by its
+    kernel launches, and the parts' host work takes the GIL from them for longer than the push saves.
+    Measurements behind the default: docs/cuda.md, "Engine defaults"."""
     layerwise_lead_layers: Annotated[int, msgspec.Meta(ge=1)] = 2
     """With ``layerwise``, ready layers are held back until at most this many layers of the forward are
     left to compute; then they go at once, and the rest as they come (grouped by
-    ``layerwise_min_part_bytes``; the last layer alone). Why hold: on H200 (Qwen3-32B TP8 rank,
-    docs/cuda.md "Sixth round") KV streamed over NVLink during the forward slowed it by ~2 %
-    (+6.8 ms at 16k tokens; a bare copy-engine copy of the same bytes, no kvpush, +5.9 ms), while one
-    burst two layers before the end slowed it by 0.3-0.7 ms and still finished 0.2-2.3 ms before it
-    (4k-16k tokens): TTFT +0.05 / -0.49 / -1.51 ms against +2.48 / +2.63 / +3.23 for a whole-request
-    push. 2 rather than 1: the same TTFT within noise in two calls, more margin for the last layers'
-    pack and unpack. Raise it where the link is slow next to a layer's compute (EFA: this many
-    layers' compute must cover the push); a value >= the model's layer count streams every group as
-    soon as it is ready."""
+    ``layerwise_min_part_bytes``; the last layer alone). Why hold: KV leaving P while the forward
+    computes slows the forward when streamed layer by layer, and not measurably when sent in one burst
+    during the last layers, which still ends before the forward does. Raise it where the link is slow
+    next to a layer's compute (this many layers' compute must cover the push); a value >= the model's
+    layer count streams every group as soon as it is ready. Measurements: docs/cuda.md, "Engine
+    defaults"."""
     layerwise_min_part_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
     """With ``layerwise``, once pushing has begun (``layerwise_lead_layers``), a part is posted when at
     least this many bytes of layers are ready, when one layer is left (so the last part is the last
     layer alone), or with the last layer: layers are grouped so that a part's fixed host costs (pack
-    launch, post, D's unpack launch: 0.1-0.3 ms together on H200) stay small next to its bytes and off
-    the forward's GIL. 0 posts every layer on its own (streaming, on H200 a 2k forward slowed from 39
-    to 62 ms; docs/cuda.md, "Fifth round")."""
+    launch, post, D's unpack launch) stay small next to its bytes and off the forward's GIL. 0 posts
+    every layer on its own (streaming). Measurements: docs/cuda.md, "Engine defaults"."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
     proxy_ip: str = ""

@@ -450,7 +450,7 @@ def self_test(
                 raise RuntimeError(f"transfer {tid} failed: {d_res.reason}")
             _verify(p_be, d_be, p_kv, d_kv, pblocks, dblocks, geom, fallback)
             if r:
-                results.append({"seconds": elapsed, "bytes": d_res.stats.get("bytes", 0.0)})
+                results.append({"seconds": elapsed, "bytes": float(d_res.stats.bytes)})
     except Exception as exc:
         return Check(
             f"selftest:{name}",

@@ -22,15 +22,5 @@ class IncompatiblePeerError(KVPushError):
     """The peer's handshake shows it cannot exchange KV with us."""
 
 
-class TransferError(KVPushError):
-    """A transfer failed; carries the transfer id and stage."""
-
-    def __init__(self, transfer_id: str, stage: str, reason: str) -> None:
-        super().__init__(f"transfer {transfer_id} failed at {stage}: {reason}")
-        self.transfer_id = transfer_id
-        self.stage = stage
-        self.reason = reason
-
-
 class BackendError(KVPushError):
     """A backend cannot describe, register or order the given memory."""

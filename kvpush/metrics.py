@@ -16,29 +16,82 @@ feeds it every ``Result``; whoever exports metrics calls ``take`` now and
 then and gets the interval's ``TransferStats``: the Results since the last
 call, the engine counters' increments and the engine's current gauges.
 
-``PromFeed`` turns a stream of ``TransferStats`` payloads into Prometheus
-updates (observe a histogram, increment a counter, set a gauge) under the
-names of ``METRICS``. The vLLM connector feeds vLLM's own Prometheus classes
-with it (``kvpush.integrations.vllm.metrics``), the router and the tests use
-``TextExposition``, a dependency-free renderer of the same names. Nothing here
-imports vLLM, NIXL or prometheus_client.
+Engines count events by ``Count`` member and report failures by
+``kvpush.outcome.Cause``; nothing here reads a reason's text. The Prometheus
+names these stats are exported under are ``kvpush.prometheus``'s. Nothing
+here imports vLLM, NIXL or prometheus_client.
 """
 
 from __future__ import annotations
 
-import bisect
+import enum
 import math
-import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-if TYPE_CHECKING:  # the engine imports this module; Result is only read here
-    from kvpush.engine.types import Result
+from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result
 
 SIDES = ("prefill", "decode")
+
+
+class Count(enum.StrEnum):
+    """An engine's event counters (``Sender.counters``/``Receiver.counters``, ``stats()``), bumped by member.
+
+    ``COUNT_STAT`` says which of them are exported and under which stats name.
+    """
+
+    REGISTRATIONS = "registrations_total"
+    ABORTS = "aborts_total"
+    DEAD_PEERS = "dead_peers_total"
+    EXPIRED_PREFILLS = "expired_prefills_total"  # P: a parked prefill's lease ran out
+    EXPIRED_REGISTRATIONS = "expired_registrations_total"  # P: a registration's lease ran out
+    EXPIRED = "expired_total"  # D: no KV within transfer_timeout_s
+    PARTS = "parts_total"
+    LAYERWISE_PREFILLS = "layerwise_prefills_total"
+    LAYER_REPORTS = "layer_reports_total"
+    STALE_NOTIFICATIONS = "stale_notifications_total"
+    REJECTED_MESSAGES = "rejected_messages_total"
+    FAILURES_SENT = "failures_total"  # P: Failure messages sent to D
+    RELEASED = "released_total"
+    DEFERRED_REGISTRATIONS = "deferred_registrations_total"
+    PARTS_PREBUILT = "parts_prebuilt_total"
+    BYTES = "bytes_total"
+    DESCRIPTORS = "descriptors_total"
+    PLAN_DIRECT = "plan_direct_total"
+    PLAN_STAGED = "plan_staged_total"
+    PLAN_EMPTY = "plan_empty_total"
+    STAGING_FULL = "staging_full_total"
+    POSTINGS = "postings_total"
+    COMPLETED = "completed_total"
+    FAILED = "failed_total"
+    CANCELS = "cancels_total"  # D: transfers given up before they were registered
+
+    @classmethod
+    def plan(cls, kind: PlanKind) -> Count:
+        return cls(f"plan_{kind.value}_total")
+
+
+COUNT_STAT: dict[Count, tuple[str, ...]] = {
+    Count.REGISTRATIONS: ("registrations",),
+    Count.ABORTS: ("aborts",),
+    Count.DEAD_PEERS: ("dead_peers",),
+    # Also on their own: prefills that held their blocks for a whole lease because no D came.
+    Count.EXPIRED_PREFILLS: ("expirations", "prefills_released_at_lease"),
+    Count.EXPIRED_REGISTRATIONS: ("expirations",),
+    Count.EXPIRED: ("expirations",),
+    Count.PARTS: ("parts",),
+    Count.LAYERWISE_PREFILLS: ("layerwise_prefills",),
+    Count.LAYER_REPORTS: ("layer_reports",),
+    Count.STALE_NOTIFICATIONS: ("stale_notifications",),
+    Count.REJECTED_MESSAGES: ("rejected_messages",),
+}
+"""Engine counters exported (as increments, under these stats names); the others stay internal."""
+_STATS_OF = {c.value: names for c, names in COUNT_STAT.items()} | {
+    "loop_iterations": ("loop_iterations",),
+    "wakeups": ("wakeups",),
+}
 
 P_STAGES = ("registration_wait", "rendezvous_wait", "plan", "ready_wait", "pack", "post", "completion")
 """P's stages, in order. ``registration_wait``: the finished prefill waited for D's registration (D late);
@@ -51,97 +104,52 @@ D_STAGES = ("handshake", "transfer", "unpack")
 """D's stages. ``handshake``: registration to the Register leaving (a first request to a P pays the hello);
 ``transfer``: Register sent to the last P rank's completion notification; ``unpack``: scatter from staging."""
 
-CAUSES = (
-    "expired",
-    "dead_peer",
-    "refused",
-    "superseded",
-    "aborted",
-    "write_error",
-    "post_error",
-    "bad_registration",
-    "side_channel",
-    "other",
-)
-"""Failure causes, a small fixed set so that a label never explodes into one series per message."""
-
-# Ordered: the first pattern found in a failure reason names its cause. Reasons
-# come from kvpush.engine (sender/receiver); tests/test_metrics.py holds one real
-# reason per cause, so a reworded reason that lands in "other" fails a test.
-_CAUSE_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("expired", ("lease expired", "registration expired", "no KV from P within")),
-    ("dead_peer", ("declared dead", "is gone", "said hello again", "did not answer the abort")),
-    ("refused", ("refused the handshake", "before a successful hello")),
-    ("superseded", ("superseded", "replaced by attempt", "re-issued")),
-    ("aborted", ("aborted",)),
-    ("write_error", ("WRITE", "failed at write")),
-    ("post_error", ("post failed", "failed at post")),
-    (
-        "bad_registration",
-        ("failed at register", "bad registration", "block groups", "out of range", "staging grant", "asks for"),
-    ),
-    ("side_channel", ("side channel",)),
-)
-
-
-def failure_cause(reason: str) -> str:
-    """The cause label (one of ``CAUSES``) of a failed transfer's reason text."""
-    for cause, needles in _CAUSE_PATTERNS:
-        if any(n in reason for n in needles):
-            return cause
-    return "other"
-
-
-def _span(times: Mapping[str, float], a: str, b: str) -> float | None:
-    """``times[b] - times[a]`` clipped at 0, or None when either is missing."""
-    if a in times and b in times:
-        return max(0.0, times[b] - times[a])
-    return None
+CAUSES = tuple(c.value for c in Cause)
+"""Failure causes (``kvpush.outcome.Cause``), a small fixed set so that a label never explodes into one series."""
 
 
 def stage_durations(side: str, result: Result) -> dict[str, float]:
     """Seconds per stage of one transfer on one side (stages that did not happen are left out)."""
-    st, tt = result.stats, result.times
     out: dict[str, float] = {}
-    if side == "prefill":
-        if "registered" in tt and "prefill_done" in tt:
-            out["registration_wait"] = max(0.0, tt["registered"] - tt["prefill_done"])
-            if "push_start" in tt:
-                out["rendezvous_wait"] = max(0.0, tt["push_start"] - tt["registered"])
-        for stage, key in (
-            ("plan", "plan_s"),
-            ("ready_wait", "wait_ready_s"),
-            ("pack", "pack_s"),
-            ("post", "post_s"),
-            ("completion", "complete_s"),
+    st, tt = result.stats, result.times
+    if isinstance(st, PushStats) and isinstance(tt, PushTimes):
+        if tt.registered is not None and tt.prefill_done is not None:
+            out["registration_wait"] = max(0.0, tt.registered - tt.prefill_done)
+            if tt.push_start is not None:
+                out["rendezvous_wait"] = max(0.0, tt.push_start - tt.registered)
+        for stage, v in (
+            ("plan", st.plan_s),
+            ("ready_wait", st.wait_ready_s),
+            ("pack", st.pack_s),
+            ("post", st.post_s),
+            ("completion", st.complete_s),
         ):
-            if key in st:
-                out[stage] = float(st[key])
-    else:
-        for stage, (a, b) in (("handshake", ("registered", "sent")), ("transfer", ("sent", "completed"))):
-            v = _span(tt, a, b)
             if v is not None:
-                out[stage] = v
-        if "unpack_s" in st:
-            out["unpack"] = float(st["unpack_s"])
+                out[stage] = float(v)
+    elif isinstance(st, ReceiveStats) and isinstance(tt, ReceiveTimes):
+        for stage, a, b in (("handshake", tt.registered, tt.sent), ("transfer", tt.sent, tt.completed)):
+            if a is not None and b is not None:
+                out[stage] = max(0.0, b - a)
+        if st.unpack_s is not None:
+            out["unpack"] = float(st.unpack_s)
     return out
 
 
 def transfer_latency(side: str, result: Result) -> float | None:
     """P: first push started to last WRITE done; D: registration to result. None if it never got there."""
-    if side == "prefill":
-        return _span(result.times, "push_start", "completed")
-    if "latency_s" in result.stats:
-        return float(result.stats["latency_s"])
-    return _span(result.times, "registered", "result")
+    tt = result.times
+    if isinstance(tt, PushTimes):
+        a, b = tt.push_start, tt.completed
+    else:
+        if isinstance(result.stats, ReceiveStats) and result.stats.latency_s is not None:
+            return float(result.stats.latency_s)
+        a, b = tt.registered, tt.result
+    return max(0.0, b - a) if a is not None and b is not None else None
 
 
 def plan_of(result: Result) -> str:
     """The transfer plan a Result reports (``direct``, ``staged``, ``empty``), or ``""``."""
-    for key in result.stats:
-        if key.startswith("plan_") and not key.endswith("_s"):
-            return key[5:]
-    return ""
+    return result.stats.plan.value if result.stats.plan is not None else ""
 
 
 # --------------------------------------------------------------------------- #
@@ -189,10 +197,10 @@ class TransferStats:
 
         if result.ok:
             inc("transfers_ok")
-            nbytes = float(result.stats.get("bytes", 0.0))
+            nbytes = float(result.stats.bytes)
             inc("bytes", nbytes)
             obs.setdefault("bytes", []).append(nbytes)
-            obs.setdefault("descriptors", []).append(float(result.stats.get("descriptors", 0.0)))
+            obs.setdefault("descriptors", []).append(float(result.stats.descriptors))
             lat = transfer_latency(side, result)
             if lat is not None:
                 obs.setdefault("latency", []).append(lat)
@@ -201,7 +209,7 @@ class TransferStats:
                 inc(f"plan:{plan}")
         else:
             inc("transfers_failed")
-            inc(f"cause:{failure_cause(result.reason)}")
+            inc(f"cause:{(result.cause or Cause.OTHER).value}")
         for stage, secs in stage_durations(side, result).items():
             obs.setdefault(f"stage:{stage}", []).append(secs)
 
@@ -284,28 +292,6 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
 # One engine's recorder.
 # --------------------------------------------------------------------------- #
 
-# Engine counter -> stats count name, per side. Counters not listed stay internal.
-_P_COUNTERS = {
-    "registrations_total": "registrations",
-    "aborts_total": "aborts",
-    "dead_peers_total": "dead_peers",
-    "expired_prefills_total": "expirations",
-    "expired_registrations_total": "expirations",
-    "parts_total": "parts",
-    "layerwise_prefills_total": "layerwise_prefills",
-    "layer_reports_total": "layer_reports",
-}
-_D_COUNTERS = {
-    "registrations_total": "registrations",
-    "dead_peers_total": "dead_peers",
-    "expired_total": "expirations",
-    # D turns an expiry into an abort (it tells P to stop): counted once, as an expiration.
-    "aborts_total": "aborts",
-    "stale_notifications_total": "stale_notifications",
-    "rejected_messages_total": "rejected_messages",
-    "parts_total": "parts",
-}
-
 
 class Recorder:
     """Collects one engine's Results (engine thread) and hands out interval stats (any thread).
@@ -346,30 +332,14 @@ class Recorder:
         now = time.monotonic() if now is None else now
         with self._lock:
             out, self._pending, self._results = self._pending, TransferStats(), 0
-        mapping = _P_COUNTERS if self.side == "prefill" else _D_COUNTERS
-        current = {k: float(v) for k, v in counters.items()}
+        current = {str(k): float(v) for k, v in counters.items()}
         current["loop_iterations"] = float(loops)
         current["wakeups"] = float(wakeups)
         deltas: dict[str, float] = {}
         for k, v in current.items():
             d = v - self._last_counts.get(k, 0.0)
-            if not d:
-                continue
-            name = mapping.get(k, k if k in ("loop_iterations", "wakeups") else "")
-            if name:
+            for name in _STATS_OF.get(k, ()) if d else ():
                 deltas[name] = deltas.get(name, 0.0) + d
-        if self.side == "prefill":
-            # Also on their own: prefills that held their blocks for a whole lease because no D came.
-            leased = current.get("expired_prefills_total", 0.0) - self._last_counts.get("expired_prefills_total", 0.0)
-            if leased:
-                deltas["prefills_released_at_lease"] = leased
-        if self.side == "decode":
-            # An expiry also bumped aborts_total on D; do not count it twice.
-            exp = current.get("expired_total", 0.0) - self._last_counts.get("expired_total", 0.0)
-            if exp:
-                deltas["aborts"] = deltas.get("aborts", 0.0) - exp
-                if not deltas["aborts"]:
-                    del deltas["aborts"]
         out.add_counts(self.side, deltas)
         g: dict[str, float] = {}
         if self.side == "prefill":
@@ -406,310 +376,3 @@ def layout_gauges(layout: Any) -> dict[str, float]:
     """Bytes one token and one block occupy on this rank, over all its regions (for checking volumes)."""
     n = len(layout.regions)
     return {"kv_bytes_per_token": float(layout.token_bytes * n), "kv_bytes_per_block": float(layout.block_bytes * n)}
-
-
-# --------------------------------------------------------------------------- #
-# Prometheus names and the feed that maps stats onto them.
-# --------------------------------------------------------------------------- #
-
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-SIZE_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
-DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0, 16384.0, 65536.0)
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One Prometheus metric kvpush exports: kind, help text, labels beyond vLLM's own, buckets."""
-
-    name: str
-    kind: str  # "histogram" | "counter" | "gauge"
-    help: str
-    labels: tuple[str, ...] = ("side",)
-    buckets: tuple[float, ...] = ()
-
-
-METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(
-        "kvpush_transfer_latency_seconds",
-        "histogram",
-        "Transfer latency of successful transfers: P, first push started to last WRITE done; "
-        "D, blocks registered to KV arrived.",
-        buckets=LATENCY_BUCKETS,
-    ),
-    MetricSpec(
-        "kvpush_transfer_stage_seconds",
-        "histogram",
-        "Time per transfer stage: P registration_wait, rendezvous_wait, plan, ready_wait, pack, post, completion; "
-        "D handshake, transfer, unpack.",
-        ("side", "stage"),
-        LATENCY_BUCKETS,
-    ),
-    MetricSpec("kvpush_transfer_size_bytes", "histogram", "Bytes per successful transfer.", buckets=SIZE_BUCKETS),
-    MetricSpec(
-        "kvpush_transfer_descriptors",
-        "histogram",
-        "NIXL descriptors per successful transfer (after coalescing).",
-        buckets=DESCRIPTOR_BUCKETS,
-    ),
-    MetricSpec("kvpush_transfers_total", "counter", "Transfers ended, by outcome (ok, failed).", ("side", "outcome")),
-    MetricSpec("kvpush_transfer_bytes_total", "counter", "Bytes moved by successful transfers."),
-    MetricSpec(
-        "kvpush_transfer_parts_total",
-        "counter",
-        "WRITEs posted (P) or received (D); a layer-wise or pipelined push is several per transfer.",
-    ),
-    MetricSpec(
-        "kvpush_transfer_plans_total",
-        "counter",
-        "Successful transfers by the plan chosen (direct, staged, empty).",
-        ("side", "plan"),
-    ),
-    MetricSpec(
-        "kvpush_transfer_failures_total",
-        "counter",
-        "Failed transfers by cause (" + ", ".join(CAUSES) + ").",
-        ("side", "cause"),
-    ),
-    MetricSpec(
-        "kvpush_layerwise_prefills_total",
-        "counter",
-        "P: prefills announced for layer-wise push (their final chunk ran with the layerwise option).",
-    ),
-    MetricSpec(
-        "kvpush_layer_reports_total",
-        "counter",
-        "P: 'layers written' reports from the forward (one per layer per step when vLLM calls save_kv_layer; "
-        "one per step when only the end-of-forward fallback ran).",
-    ),
-    MetricSpec("kvpush_registrations_total", "counter", "Registrations received (P) or made (D)."),
-    MetricSpec(
-        "kvpush_expirations_total",
-        "counter",
-        "Expirations: P, a parked prefill's lease or a registration ran out; D, no KV within transfer_timeout_s.",
-    ),
-    MetricSpec(
-        "kvpush_prefills_released_at_lease_total",
-        "counter",
-        "P: finished prefills that held their blocks for the whole prefill_lease_s because no D registered "
-        "(a router that sent P but never D; a D that cancels tells P at once instead).",
-    ),
-    MetricSpec("kvpush_aborts_total", "counter", "Transfers aborted by either side (expirations not included)."),
-    MetricSpec("kvpush_dead_peers_total", "counter", "Peers declared dead after peer_dead_s of silence."),
-    MetricSpec(
-        "kvpush_engine_loop_iterations_total",
-        "counter",
-        "Engine thread loop iterations (idle polling shows as a steady rate).",
-    ),
-    MetricSpec("kvpush_engine_wakeups_total", "counter", "Engine thread wake-ups by a command from vLLM."),
-    MetricSpec(
-        "kvpush_engine_loop_iterations_per_second",
-        "gauge",
-        "Engine loop iterations per second over the last reporting interval (idle: about 1/idle_poll_max_s).",
-    ),
-    MetricSpec(
-        "kvpush_pending_registrations",
-        "gauge",
-        "P: registrations waiting for their prefill; D: registrations waiting for their KV.",
-    ),
-    MetricSpec("kvpush_parked_prefills", "gauge", "P: finished prefills holding blocks while waiting for D."),
-    MetricSpec("kvpush_transfers_in_flight", "gauge", "P: WRITEs posted and not yet complete."),
-    MetricSpec(
-        "kvpush_kv_bytes_per_token", "gauge", "KV bytes of one token on this engine (all layers, this rank's heads)."
-    ),
-    MetricSpec("kvpush_kv_bytes_per_block", "gauge", "KV bytes of one block on this engine (all layers)."),
-)
-METRIC_BY_NAME = {m.name: m for m in METRICS}
-
-_COUNT_TO_METRIC: dict[str, tuple[str, dict[str, str]]] = {
-    "transfers_ok": ("kvpush_transfers_total", {"outcome": "ok"}),
-    "transfers_failed": ("kvpush_transfers_total", {"outcome": "failed"}),
-    "bytes": ("kvpush_transfer_bytes_total", {}),
-    "parts": ("kvpush_transfer_parts_total", {}),
-    "layerwise_prefills": ("kvpush_layerwise_prefills_total", {}),
-    "layer_reports": ("kvpush_layer_reports_total", {}),
-    "registrations": ("kvpush_registrations_total", {}),
-    "expirations": ("kvpush_expirations_total", {}),
-    "prefills_released_at_lease": ("kvpush_prefills_released_at_lease_total", {}),
-    "aborts": ("kvpush_aborts_total", {}),
-    "dead_peers": ("kvpush_dead_peers_total", {}),
-    "loop_iterations": ("kvpush_engine_loop_iterations_total", {}),
-    "wakeups": ("kvpush_engine_wakeups_total", {}),
-}
-_GAUGE_TO_METRIC = {
-    "loop_rate": "kvpush_engine_loop_iterations_per_second",
-    "pending_registrations": "kvpush_pending_registrations",
-    "parked_prefills": "kvpush_parked_prefills",
-    "in_flight": "kvpush_transfers_in_flight",
-    "kv_bytes_per_token": "kvpush_kv_bytes_per_token",
-    "kv_bytes_per_block": "kvpush_kv_bytes_per_block",
-}
-_OBS_TO_METRIC = {
-    "latency": "kvpush_transfer_latency_seconds",
-    "bytes": "kvpush_transfer_size_bytes",
-    "descriptors": "kvpush_transfer_descriptors",
-}
-
-Update = tuple[str, str, dict[str, str], Any]
-"""(kind, metric name, kvpush labels, value): kind "observe" (value: list of floats), "inc" or "set"."""
-
-
-class PromFeed:
-    """Turns ``TransferStats`` payloads into Prometheus updates.
-
-    Gauges are remembered per source and exported as their sum over sources
-    (all TP ranks of one engine), so a payload carrying only some ranks does
-    not make the gauge jump to a partial sum.
-    """
-
-    def __init__(self) -> None:
-        self._gauges: dict[str, dict[str, float]] = {}
-
-    def updates(self, data: Mapping[str, Any]) -> list[Update]:
-        out: list[Update] = []
-        for side, named in (data.get("obs") or {}).items():
-            for key, vals in named.items():
-                if not vals:
-                    continue
-                if key.startswith("stage:"):
-                    out.append(("observe", "kvpush_transfer_stage_seconds", {"side": side, "stage": key[6:]}, vals))
-                elif key in _OBS_TO_METRIC:
-                    out.append(("observe", _OBS_TO_METRIC[key], {"side": side}, vals))
-        for side, named in (data.get("counts") or {}).items():
-            for key, v in named.items():
-                if v <= 0:
-                    continue
-                if key.startswith("plan:"):
-                    out.append(("inc", "kvpush_transfer_plans_total", {"side": side, "plan": key[5:]}, v))
-                elif key.startswith("cause:"):
-                    out.append(("inc", "kvpush_transfer_failures_total", {"side": side, "cause": key[6:]}, v))
-                elif key in _COUNT_TO_METRIC:
-                    name, labels = _COUNT_TO_METRIC[key]
-                    out.append(("inc", name, {"side": side, **labels}, v))
-        touched: set[str] = set()
-        for source, values in (data.get("gauges") or {}).items():
-            self._gauges[source] = dict(values)
-            touched.add(source.split(":", 1)[0])
-        for side in sorted(touched):
-            sums: dict[str, float] = {}
-            for source, values in self._gauges.items():
-                if source.split(":", 1)[0] != side:
-                    continue
-                for k, v in values.items():
-                    sums[k] = sums.get(k, 0.0) + v
-            for k, v in sums.items():
-                if k in _GAUGE_TO_METRIC:
-                    out.append(("set", _GAUGE_TO_METRIC[k], {"side": side}, v))
-        return out
-
-
-# --------------------------------------------------------------------------- #
-# A dependency-free Prometheus text renderer (router, tests, doctor).
-# --------------------------------------------------------------------------- #
-
-
-def _fmt(v: float) -> str:
-    v = float(v)
-    if v == math.inf:
-        return "+Inf"
-    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else repr(v)
-
-
-def _labels(pairs: Iterable[tuple[str, str]]) -> str:
-    items = [f'{k}="{_escape(v)}"' for k, v in pairs]
-    return "{" + ",".join(items) + "}" if items else ""
-
-
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-class TextExposition:
-    """Counters, gauges and histograms rendered in the Prometheus text format (version 0.0.4).
-
-    Small on purpose: the router has no prometheus_client dependency and its
-    metrics live in one process, so a dict per metric is all it needs.
-    """
-
-    def __init__(self, specs: Iterable[MetricSpec] = METRICS) -> None:
-        self.specs = {s.name: s for s in specs}
-        self._values: dict[str, dict[tuple[tuple[str, str], ...], Any]] = {n: {} for n in self.specs}
-
-    def _key(self, name: str, labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-        spec = self.specs[name]
-        extra = set(labels) - set(spec.labels)
-        if extra:
-            raise ValueError(f"{name}: unknown labels {sorted(extra)} (declared: {spec.labels})")
-        return tuple((k, str(labels[k])) for k in spec.labels if k in labels)
-
-    def inc(self, name: str, by: float = 1.0, **labels: str) -> None:
-        key = self._key(name, labels)
-        self._values[name][key] = self._values[name].get(key, 0.0) + by
-
-    def set(self, name: str, value: float, **labels: str) -> None:
-        self._values[name][self._key(name, labels)] = float(value)
-
-    def observe(self, name: str, value: float, **labels: str) -> None:
-        spec = self.specs[name]
-        key = self._key(name, labels)
-        h = self._values[name].get(key)
-        if h is None:
-            h = self._values[name][key] = [[0] * (len(spec.buckets) + 1), 0.0]
-        h[0][bisect.bisect_left(spec.buckets, value)] += 1
-        h[1] += value
-
-    def apply(self, updates: Iterable[Update]) -> None:
-        for kind, name, labels, value in updates:
-            if kind == "observe":
-                for v in value:
-                    self.observe(name, float(v), **labels)
-            elif kind == "inc":
-                self.inc(name, float(value), **labels)
-            else:
-                self.set(name, float(value), **labels)
-
-    def render(self) -> str:
-        lines: list[str] = []
-        for name, spec in self.specs.items():
-            values = self._values[name]
-            lines.append(f"# HELP {name} {spec.help}")
-            lines.append(f"# TYPE {name} {spec.kind}")
-            for key, v in sorted(values.items()):
-                if spec.kind != "histogram":
-                    lines.append(f"{name}{_labels(key)} {_fmt(v)}")
-                    continue
-                counts, total = v
-                acc = 0
-                for le, c in zip([*spec.buckets, math.inf], counts, strict=True):
-                    acc += c
-                    lines.append(f"{name}_bucket{_labels([*key, ('le', _fmt(le))])} {acc}")
-                lines.append(f"{name}_sum{_labels(key)} {_fmt(total)}")
-                lines.append(f"{name}_count{_labels(key)} {acc}")
-        return "\n".join(lines) + "\n"
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples of a Prometheus text page as (name, labels, value); comments skipped."""
-    out: list[tuple[str, dict[str, str], float]] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        labels = dict(_LABEL.findall(m.group(2) or ""))
-        try:
-            out.append((m.group(1), labels, float(m.group(3))))
-        except ValueError:
-            continue
-    return out
-
-
-def sample_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (e.g. over vLLM's engine labels)."""
-    return sum(
-        v for n, lab, v in parse_samples(text) if n == name and all(lab.get(k) == val for k, val in labels.items())
-    )

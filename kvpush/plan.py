@@ -1,8 +1,9 @@
 """Turning a paired request into a transfer plan (pure).
 
-Descriptor count, not bandwidth, is what a fragmented request costs: UCX posts
-each descriptor for ~6-8 us, so 131k block-layer pieces take a second while the
-same bytes contiguous take milliseconds. The plan is either
+Descriptor count, not bandwidth, is what a fragmented request costs: the
+transport posts each descriptor separately, so a request scattered over many
+blocks and layers costs far more than the same bytes contiguous (measured:
+docs/benchmarks.md, "Descriptor cost"). The plan is either
 
 - ``direct``: the pieces, coalesced, written straight into D's blocks; or
 - ``staged``: P packs the pieces into a contiguous staging slot, one WRITE
@@ -15,6 +16,7 @@ P knows its source offsets for that order; D knows its destination offsets.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import numpy as np
 from kvpush.config import Config
 from kvpush.errors import LayoutError
 from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, map_pieces, merge_descriptors
+from kvpush.outcome import PlanKind
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class Plan:
     (staged) without planning again.
     """
 
-    kind: str  # "direct" or "staged" or "empty"
+    kind: PlanKind
     nbytes: int
     pieces: int  # uncoalesced pieces x regions: what a naive push would post
     descriptors: int  # descriptors of a whole-request push (upper bound for direct)
@@ -128,7 +131,7 @@ def build_plan(
     nregions = len(src.regions)
     npieces = pieces.shape[0] * nregions
     if pieces.shape[0] == 0:
-        return Plan("empty", 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+        return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
     ordered = _dst_order(pieces)
     merged = coalesce(ordered)
     nbytes = int(merged[:, 2].sum()) * nregions
@@ -150,8 +153,8 @@ def build_plan(
     if can_stage and want_staged:
         assert staging_local is not None and staging_remote is not None
         remote = (staging_remote[0], staging_remote[2])
-        return Plan("staged", nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est)
-    return Plan("direct", nbytes, npieces, ndesc, nregions, merged, estimate=est)
+        return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est)
+    return Plan(PlanKind.DIRECT, nbytes, npieces, ndesc, nregions, merged, estimate=est)
 
 
 def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +166,7 @@ def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int)
     """
     if not 0 <= r0 < r1 <= plan.nregions:
         raise ValueError(f"part [{r0}, {r1}) outside the plan's {plan.nregions} regions")
-    if plan.kind == "staged":
+    if plan.kind is PlanKind.STAGED:
         assert plan.staging_local is not None and plan.staging_remote is not None
         off, ln = r0 * plan.region_bytes, (r1 - r0) * plan.region_bytes
         lo = np.array([[plan.staging_local[0] + off, ln, plan.staging_local[1]]], dtype=np.int64)
@@ -187,44 +190,73 @@ def part_count(push_parts: int, nbytes: int) -> int:
     return max(1, min(push_parts, nbytes // max(1, MIN_PART_BYTES)))
 
 
-def ready_part_end(
-    sent: int, ready: int, step: int, total: int, region_bytes: int, min_part_bytes: int, lead_layers: int
-) -> int:
-    """Where a layer-wise part posted now ends; ``sent`` means: hold the ready regions back for now.
+@dataclass(frozen=True)
+class PartSchedule:
+    """When a push whose layers become ready one by one posts its parts, and with which layers.
 
-    Ready layers are held back until at most ``lead_layers`` reports
-    (``step`` regions each, the size of the latest one) are left to come:
-    on H200, KV sent over NVLink while the forward runs slowed it by
-    ~2 % when sent layer by layer, but not measurably when sent in one
-    burst during the last layers (docs/cuda.md, "Sixth round"), so the push
-    starts as late as still lets it finish with the forward. From then on,
-    layers are grouped until a part holds ``min_part_bytes`` (a part's
-    fixed host costs stay small next to its bytes). The group is also
-    posted when one report is left: then the last part, the only one whose
-    pack, WRITE and unpack are not hidden behind the forward, is a single
-    layer instead of the whole last group.
+    Ready layers are held back until at most ``lead_layers`` layers are left
+    to compute: KV leaving P while the forward runs slows the forward when it
+    is sent layer by layer, but not when sent in one burst during the last
+    layers, so the push starts as late as still lets it finish with the
+    forward (measurements: docs/cuda.md, "Engine defaults"). From then on, layers
+    are grouped until a part holds ``min_part_bytes`` (a part's fixed host
+    costs stay small next to its bytes). The group is also posted when one
+    layer is left: then the last part, the only one whose pack, WRITE and
+    unpack are not hidden behind the forward, is a single layer. A whole
+    request reported ready at once is one part.
+
+    ``layer_ends[i]`` is how many leading regions hold layers ``0..i``
+    (``KVLayout.regions_through``); positions are counted in regions.
     """
-    if ready <= sent:
+
+    layer_ends: tuple[int, ...]
+    region_bytes: int
+    min_part_bytes: int
+    lead_layers: int
+
+    @classmethod
+    def of(cls, layout: KVLayout, region_bytes: int, min_part_bytes: int, lead_layers: int) -> PartSchedule:
+        ends = tuple(layout.regions_through(i) for i in range(layout.num_layers))
+        return cls(ends, region_bytes, min_part_bytes, lead_layers)
+
+    @property
+    def total(self) -> int:
+        return self.layer_ends[-1] if self.layer_ends else 0
+
+    def layers_left(self, ready: int) -> int:
+        """Layers not completely among the first ``ready`` regions."""
+        return len(self.layer_ends) - bisect.bisect_right(self.layer_ends, ready)
+
+    def part_end(self, sent: int, ready: int) -> int:
+        """Where a part posted now ends, regions ``[0, ready)`` being ready; ``sent`` means: hold them back."""
+        if ready <= sent:
+            return sent
+        left = self.layers_left(ready)
+        if left <= 1:
+            return ready
+        if left <= self.lead_layers and (ready - sent) * self.region_bytes >= self.min_part_bytes:
+            return ready
         return sent
-    left = total - ready
-    if ready >= total or left <= step:
-        return ready
-    if left <= lead_layers * step and (ready - sent) * region_bytes >= min_part_bytes:
-        return ready
-    return sent
 
+    def wake_at(self, sent: int) -> int:
+        """The fewest ready regions (a layer end) with which ``part_end`` posts a part after ``sent``.
 
-def next_part_at(sent: int, step: int, total: int, region_bytes: int, min_part_bytes: int, lead_layers: int) -> int:
-    """The fewest ready regions with which ``ready_part_end`` posts a part after ``sent`` (``step``: 0 if unknown).
-
-    P's forward reports every layer; only these reports can start a part,
-    so only they need to wake the push thread (each wake-up takes the GIL
-    from the forward's launches: ``Sender.kv_ready``).
-    """
-    if step <= 0:  # no report yet: the first one may post, whatever its size
-        return min(total, sent + 1)
-    group = max(sent + max(1, -(-min_part_bytes // max(1, region_bytes))), total - lead_layers * step)
-    return min(total, group, max(sent + 1, total - step))
+        The forward reports every layer; only these reports can start a part,
+        so only they need to wake the push thread (a wake-up takes the GIL
+        from the forward's launches: ``Sender.layer_written``).
+        """
+        ends, n = self.layer_ends, len(self.layer_ends)
+        if not n:
+            return 0
+        first = bisect.bisect_right(ends, sent)
+        if self.min_part_bytes <= 0:
+            by_bytes = first
+        elif self.region_bytes <= 0:
+            by_bytes = n  # no part ever holds enough bytes: only the one-layer-left rule posts
+        else:
+            by_bytes = bisect.bisect_left(ends, sent + -(-self.min_part_bytes // self.region_bytes))
+        i = max(first, min(n - 2, max(by_bytes, n - 1 - self.lead_layers)))
+        return ends[min(i, n - 1)]
 
 
 def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:

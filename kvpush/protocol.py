@@ -19,6 +19,7 @@ import msgspec
 from kvpush import PROTOCOL_VERSION
 from kvpush.errors import LayoutError, ProtocolError
 from kvpush.layout import KVLayout, Region
+from kvpush.outcome import Cause, PlanKind, Stage
 
 MAX_FRAME_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
@@ -107,7 +108,7 @@ class Completion(_Msg, tag="done"):
     transfer_id: Id
     request_id: Id
     rank: Rank
-    plan: Name = "direct"
+    plan: PlanKind = PlanKind.DIRECT
     nbytes: NonNeg = 0
     descriptors: NonNeg = 0
     staging: StagingGrant | None = None
@@ -133,12 +134,17 @@ class Posting(_Msg, tag="posting"):
 
 
 class Failure(_Msg, tag="fail"):
-    """P cannot (or will no longer) write this transfer; D must not wait."""
+    """P cannot (or will no longer) write this transfer; D must not wait.
+
+    ``stage`` and ``cause`` are typed so that D's Result and metrics carry
+    them as P stated them; ``reason`` is for people.
+    """
 
     transfer_id: Id
     request_id: Name
     rank: Rank
-    stage: Name
+    stage: Stage
+    cause: Cause
     reason: Reason
     attempt: NonNeg = 0
 

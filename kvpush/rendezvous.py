@@ -10,18 +10,29 @@ Re-issued requests: a prefill re-announced under the same transfer id (P
 preempted and re-ran it) replaces the parked one, whose blocks are released;
 a registration re-sent by the same D rank (D preempted and re-allocated)
 replaces the earlier one, and if the earlier one was already pushed the new
-blocks are pushed again while P still holds its blocks.
+blocks are pushed again while P still holds its blocks. A new *attempt*
+that arrives while the previous attempt's blocks are being written waits
+(``Hold``) until that WRITE ends, then is pushed: the WRITE cannot be
+recalled, so D learns the old blocks are fenced from its own completion.
+
+Each entry owns the transfer's whole record on P (``push_job.Transfer``:
+readiness, its push jobs, stats, stage times), so everything P knows of a
+transfer is created with its entry and goes with it.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvpush.outcome import Cause, Failed, Stage
 from kvpush.protocol import Register
+from kvpush.push_job import DKey
+from kvpush.transfer import Transfer
 
 
-class Stage(enum.StrEnum):
+class TransferState(enum.StrEnum):
     """Per-transfer state on P, visible in logs and metrics."""
 
     WAITING_FOR_PREFILL = "waiting_for_prefill"
@@ -52,10 +63,18 @@ class Push:
 
 @dataclass(frozen=True)
 class Release:
-    """P may free the prefill's blocks: every expected push finished, or none will come."""
+    """P may free the prefill's blocks: every expected push finished, or none will come.
+
+    ``cause`` is None for "pushed" (then the pushes' own outcome, in
+    ``record.failed``, decides success) and says why otherwise; ``record`` is
+    the transfer's record as it stood (stats and times for the Result).
+    Equality is on what happened: the prefill and the reason.
+    """
 
     prefill: Prefill
     reason: str
+    cause: Cause | None = field(default=None, compare=False)
+    record: Transfer | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -64,24 +83,38 @@ class Refuse:
 
     reg: Register
     reason: str
+    cause: Cause = field(default=Cause.OTHER, compare=False)
+
+    @property
+    def failed(self) -> Failed:
+        return Failed(Stage.RENDEZVOUS, self.cause, self.reason)
 
 
-Decision = Push | Release | Refuse
+@dataclass(frozen=True)
+class Hold:
+    """A new attempt of a registration waits for the WRITE into the previous attempt's blocks to end."""
+
+    reg: Register
+
+
+Decision = Push | Release | Refuse | Hold
 
 
 @dataclass
 class _Entry:
     prefill: Prefill | None = None
-    regs: dict[tuple[str, int], Register] = field(default_factory=dict)
-    in_flight: set[tuple[str, int]] = field(default_factory=set)
-    done: set[tuple[str, int]] = field(default_factory=set)
+    regs: dict[DKey, Register] = field(default_factory=dict)
+    in_flight: set[DKey] = field(default_factory=set)
+    done: set[DKey] = field(default_factory=set)
+    held: dict[DKey, Register] = field(default_factory=dict)  # new attempts waiting for a WRITE in flight
     expected: int = 1
     aborted: bool = False
     reg_deadline: float = float("inf")
     lease_deadline: float = float("inf")
+    record: Transfer = field(default_factory=Transfer)
 
 
-def _key(reg: Register) -> tuple[str, int]:
+def _key(reg: Register) -> DKey:
     return (reg.engine_id, reg.rank)
 
 
@@ -90,12 +123,14 @@ class Rendezvous:
 
     Invariants: a prefill is released exactly once; a registration is either
     pushed, refused, or dropped because D aborted it; nothing waits past its
-    deadline once ``expire`` is called.
+    deadline once ``expire`` is called; a push once decided ends only through
+    ``on_pushed``.
     """
 
     def __init__(self, prefill_lease_s: float = 60.0) -> None:
         self.prefill_lease_s = prefill_lease_s
         self._entries: dict[str, _Entry] = {}
+        self._pushing: dict[str, _Entry] = {}  # entries with a push in flight (iterated every engine step)
         # Transfers aborted before P's prefill finished, until when to remember
         # them: a prefill finishing later is released at once instead of
         # holding its blocks for a whole lease.
@@ -106,21 +141,20 @@ class Rendezvous:
         """P finished a prefill whose KV D will want."""
         out: list[Decision] = []
         if prefill.transfer_id in self._tombstones and prefill.transfer_id not in self._entries:
-            return [Release(prefill, "transfer was aborted before the prefill finished")]
+            return [Release(prefill, "transfer was aborted before the prefill finished", Cause.ABORTED)]
         e = self._entries.setdefault(prefill.transfer_id, _Entry())
         if e.prefill is not None and e.prefill.request_id != prefill.request_id:
             if e.in_flight:
                 # The old blocks are being read; keep the new prefill waiting is
                 # not possible without two sets, so refuse the new one instead.
-                return [Release(prefill, "superseded prefill still transferring")]
-            out.append(Release(e.prefill, "re-issued under a new request id"))
+                return [Release(prefill, "superseded prefill still transferring", Cause.SUPERSEDED)]
+            out.append(Release(e.prefill, "re-issued under a new request id", Cause.SUPERSEDED, e.record))
             e.done.clear()
         e.prefill = prefill
         e.lease_deadline = now + self.prefill_lease_s
         for k, reg in e.regs.items():
             if k not in e.done and k not in e.in_flight:
-                e.in_flight.add(k)
-                out.append(Push(prefill, reg))
+                out.append(self._push(prefill.transfer_id, e, k, reg))
         return out
 
     def on_register(self, reg: Register, now: float, expected: int = 1) -> list[Decision]:
@@ -128,21 +162,31 @@ class Rendezvous:
         e = self._entries.setdefault(reg.transfer_id, _Entry())
         if e.aborted:
             # Aborted while a write was in flight; the entry lives on only until it lands.
-            return [Refuse(reg, "transfer was aborted")]
+            return [Refuse(reg, "transfer was aborted", Cause.ABORTED)]
         e.expected = expected
         k = _key(reg)
         old = e.regs.get(k)
+        out: list[Decision] = []
         if old is not None and k in e.in_flight:
-            return [Refuse(reg, "previous registration from this rank is still being written")]
+            if old.attempt == reg.attempt:
+                return [Refuse(reg, "previous registration from this rank is still being written", Cause.SUPERSEDED)]
+            # D re-allocated while P writes the previous attempt's blocks: this attempt waits for that WRITE.
+            older = e.held.pop(k, None)
+            if older is not None:
+                out.append(Refuse(older, f"replaced by attempt {reg.attempt}", Cause.SUPERSEDED))
+            e.held[k] = reg
+            return [*out, Hold(reg)]
+        if old is not None and k not in e.done and old.attempt != reg.attempt:
+            # The earlier attempt will never be written: tell D so it can reuse those blocks now.
+            out.append(Refuse(old, f"replaced by attempt {reg.attempt}", Cause.SUPERSEDED))
         e.regs[k] = reg
         e.done.discard(k)
         e.reg_deadline = (
             min(e.reg_deadline, now + reg.lease_ms / 1000.0) if old is None else now + reg.lease_ms / 1000.0
         )
         if e.prefill is not None:
-            e.in_flight.add(k)
-            return [Push(e.prefill, reg)]
-        return []
+            out.append(self._push(reg.transfer_id, e, k, reg))
+        return out
 
     def on_pushed(self, transfer_id: str, engine_id: str, rank: int) -> list[Decision]:
         """A WRITE (plus notification) to that D rank finished, successfully or not."""
@@ -150,11 +194,27 @@ class Rendezvous:
         if e is None:
             return []
         k = (engine_id, rank)
-        e.in_flight.discard(k)
-        e.done.add(k)
+        self._settle(transfer_id, e, k)
+        held = e.held.pop(k, None)
+        if held is not None and e.prefill is not None and not e.aborted:
+            # Only the new attempt's outcome counts now.
+            e.record.failed = None
+            e.regs[k] = held
+            return [self._push(transfer_id, e, k, held)]
+        if held is not None:
+            return [Refuse(held, "transfer was aborted", Cause.ABORTED), *self._maybe_release(transfer_id, e)]
         return self._maybe_release(transfer_id, e)
 
-    def on_abort(self, transfer_id: str, now: float, reason: str = "aborted") -> list[Decision]:
+    def push_ended(self, transfer_id: str, key: DKey, failed: Failed | None) -> list[Decision]:
+        """A push job is over (or never started): note why it failed, then ``on_pushed``."""
+        e = self._entries.get(transfer_id)
+        if e is not None and failed is not None:
+            e.record.failed = failed
+        return self.on_pushed(transfer_id, *key)
+
+    def on_abort(
+        self, transfer_id: str, now: float, reason: str = "aborted", cause: Cause = Cause.ABORTED
+    ) -> list[Decision]:
         """Either side gave up. In-flight writes finish first (fencing is D's job)."""
         e = self._entries.get(transfer_id)
         if e is None or e.prefill is None:
@@ -166,8 +226,45 @@ class Rendezvous:
             e.expected = len(e.done) + len(e.in_flight)
             e.aborted = True
             return []
-        del self._entries[transfer_id]
-        return [Release(e.prefill, reason)] if e.prefill is not None else []
+        self._drop(transfer_id)
+        return [Release(e.prefill, reason, cause, e.record)] if e.prefill is not None else []
+
+    def cancel(self, transfer_id: str, now: float, why: Failed) -> list[Decision]:
+        """P's whole rule for an abort: answer every registration that will not be written
+        (waiting, held, or paired but not started), stop the pushes running, then ``on_abort``."""
+        e = self._entries.get(transfer_id)
+        if e is None:
+            return self.on_abort(transfer_id, now, why.reason, why.cause)
+        out: list[Decision] = [Refuse(r, why.reason, why.cause) for r in e.held.values()]
+        e.held.clear()
+        for k in list(e.in_flight):
+            job = e.record.jobs.get(k)
+            if job is None:  # paired in this step, not started: it never will be
+                out.append(Refuse(e.regs[k], why.reason, why.cause))
+                self._settle(transfer_id, e, k)
+            else:
+                job.cancel(why.cause, why.reason)
+        out += [Refuse(r, why.reason, why.cause) for k, r in e.regs.items() if k not in e.in_flight | e.done]
+        return out + self.on_abort(transfer_id, now, why.reason, why.cause)
+
+    def drop_peer(self, key: DKey, now: float, reason: str) -> list[Decision]:
+        """D rank ``key`` is forgotten (dead or restarted): abort what it registered and cancel its pushes.
+
+        Nothing reaches the forgotten rank; the other D ranks of its transfers
+        hear that their waiting registrations will not be written, while their
+        pushes already running finish.
+        """
+        out: list[Decision] = []
+        for tid, e in list(self._entries.items()):
+            e.held.pop(key, None)
+            job = e.record.jobs.get(key)
+            if job is not None:
+                job.peer_gone(reason)
+            if key in e.regs and key not in e.done:
+                waiting = [r for k, r in e.regs.items() if k != key and k not in e.in_flight | e.done]
+                out += [Refuse(r, reason, Cause.DEAD_PEER) for r in waiting]
+                out += self.on_abort(tid, now, reason, Cause.DEAD_PEER)
+        return out
 
     def expire(self, now: float) -> list[Decision]:
         """Drop what waited past its deadline; never touches in-flight writes."""
@@ -178,24 +275,55 @@ class Rendezvous:
             if e.in_flight:
                 continue
             if e.prefill is not None and now >= e.lease_deadline:
-                out.append(Release(e.prefill, "lease expired: no registration arrived"))
-                out.extend(Refuse(r, "prefill lease expired") for k, r in e.regs.items() if k not in e.done)
-                del self._entries[tid]
+                out.append(Release(e.prefill, "lease expired: no registration arrived", Cause.EXPIRED, e.record))
+                out.extend(
+                    Refuse(r, "prefill lease expired", Cause.EXPIRED) for k, r in e.regs.items() if k not in e.done
+                )
+                self._drop(tid)
             elif e.prefill is None and e.regs and now >= e.reg_deadline:
-                out.extend(Refuse(r, "registration expired: prefill never finished here") for r in e.regs.values())
-                del self._entries[tid]
+                out.extend(
+                    Refuse(r, "registration expired: prefill never finished here", Cause.EXPIRED)
+                    for r in e.regs.values()
+                )
+                self._drop(tid)
         return out
 
     # -- queries --------------------------------------------------------
-    def stage(self, transfer_id: str) -> Stage | None:
+    def stage(self, transfer_id: str) -> TransferState | None:
         e = self._entries.get(transfer_id)
         if e is None:
             return None
         if e.in_flight:
-            return Stage.TRANSFERRING
+            return TransferState.TRANSFERRING
         if e.prefill is None:
-            return Stage.WAITING_FOR_PREFILL
-        return Stage.WAITING_FOR_REGISTRATION
+            return TransferState.WAITING_FOR_PREFILL
+        return TransferState.WAITING_FOR_REGISTRATION
+
+    def record(self, transfer_id: str) -> Transfer | None:
+        """The transfer's record, if P knows the transfer."""
+        e = self._entries.get(transfer_id)
+        return e.record if e is not None else None
+
+    def wake_at(self, transfer_id: str) -> int:
+        """The fewest ready regions that can start one of its parts (0: any report may).
+
+        Safe from another thread (the forward's): one dict lookup and one attribute read.
+        """
+        e = self._entries.get(transfer_id)
+        return e.record.wake_at if e is not None else 0
+
+    def pushing(self) -> Iterator[tuple[str, Transfer]]:
+        """Transfers with a push in flight, and their records."""
+        for tid, e in list(self._pushing.items()):
+            yield tid, e.record
+
+    def unstarted(self, transfer_id: str) -> list[Push]:
+        """Pushes decided and not started yet (no job in the record): the engine starts them at its step's end,
+        after every message read in the step, so an abort that came with the registration cancels them."""
+        e = self._entries.get(transfer_id)
+        if e is None or e.prefill is None:
+            return []
+        return [Push(e.prefill, e.regs[k]) for k in sorted(e.in_flight) if k not in e.record.jobs]
 
     def registrations(self, transfer_id: str) -> list[tuple[Register, bool]]:
         """The transfer's registrations and whether each is being written now."""
@@ -212,14 +340,33 @@ class Rendezvous:
         """Counts for metrics: parked prefills, waiting registrations, transfers in flight."""
         parked = sum(1 for e in self._entries.values() if e.prefill is not None and not e.in_flight)
         waiting = sum(1 for e in self._entries.values() if e.prefill is None)
-        flying = sum(len(e.in_flight) for e in self._entries.values())
+        flying = sum(len(e.in_flight) for e in self._pushing.values())
         return {"parked_prefills": parked, "waiting_registrations": waiting, "in_flight": flying}
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    # -- internals ------------------------------------------------------
+    def _push(self, tid: str, e: _Entry, k: DKey, reg: Register) -> Push:
+        assert e.prefill is not None
+        e.done.discard(k)
+        e.in_flight.add(k)
+        self._pushing[tid] = e
+        return Push(e.prefill, reg)
+
+    def _settle(self, tid: str, e: _Entry, k: DKey) -> None:
+        """A decided push to ``k`` is over (written, failed, or never started)."""
+        e.in_flight.discard(k)
+        e.done.add(k)
+        if not e.in_flight:
+            self._pushing.pop(tid, None)
+
+    def _drop(self, tid: str) -> None:
+        del self._entries[tid]
+        self._pushing.pop(tid, None)
+
     def _maybe_release(self, tid: str, e: _Entry) -> list[Decision]:
         if e.in_flight or len(e.done) < e.expected or e.prefill is None:
             return []
-        del self._entries[tid]
-        return [Release(e.prefill, "pushed")]
+        self._drop(tid)
+        return [Release(e.prefill, "pushed", None, e.record)]

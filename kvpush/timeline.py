@@ -39,9 +39,6 @@ LOGGER = logging.getLogger("kvpush.timeline")
 MARKER = "kvpush.timeline "
 VERSION = 1
 
-P_EVENTS = ("registered", "prefill_done", "push_start", "planned", "ready", "packed", "posted", "completed", "released")
-D_EVENTS = ("registered", "sent", "first_part", "last_part", "completed", "result")
-
 
 # --------------------------------------------------------------------------- #
 # Emission (engine thread).
@@ -61,10 +58,11 @@ def record(side: str, engine: str, result: Result, wall_offset: float | None = N
         "engine": engine,
         "ok": result.ok,
         "reason": result.reason,
+        "cause": result.cause.value if result.cause is not None else "",
         "plan": plan_of(result),
-        "bytes": int(result.stats.get("bytes", 0)),
-        "descriptors": int(result.stats.get("descriptors", 0)),
-        "t": {k: round(v + off, 6) for k, v in sorted(result.times.items(), key=lambda kv: kv[1])},
+        "bytes": int(result.stats.bytes),
+        "descriptors": int(result.stats.descriptors),
+        "t": {k: round(v + off, 6) for k, v in sorted(result.times.as_dict().items(), key=lambda kv: kv[1])},
     }
 
 

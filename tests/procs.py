@@ -125,8 +125,8 @@ class Worker(conformance.Worker):
             layer = self.ranks[key].kv[f"layer{i}"]
             layer[...] = rng.integers(0, 256, layer.shape, dtype=np.uint8)
 
-    def op_kv_ready(self, key: str, tids: list[str], regions: int) -> None:
-        self.ranks[key].engine.kv_ready(tids, regions)
+    def op_layer_written(self, key: str, tids: list[str], layer: int) -> None:
+        self.ranks[key].engine.layer_written(tids, layer)
 
     def op_min_part_bytes(self, nbytes: int) -> int:
         """Lower the size under which staged pushes are not split (test caches are small); returns the old one."""

@@ -77,8 +77,7 @@ def test_parts_are_posted_and_reported_only_once_copied(
             time.sleep(0.3)
             loops = p.call("loops", k + "p") - loops
             assert loops < 30, loops
-            nregions = 2 * pg.layers
-            p.call("kv_ready", k + "p", [r.tid for r in reqs], nregions)
+            p.call("layer_written", k + "p", [r.tid for r in reqs], pg.layers - 1)
         first = d.call("results", k + "d", 1, 20.0)
         got = d.call("snapshot", k + "d")  # right away: a result reported before its unpack landed shows here
         d_res = by_rid(first + d.call("results", k + "d", len(reqs) - 1, 20.0))
@@ -86,7 +85,7 @@ def test_parts_are_posted_and_reported_only_once_copied(
         assert len(d_res) == len(p_res) == len(reqs)
         assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
         for r in reqs:
-            assert p_res[r.p_rid].stats["parts"] == 3 and d_res[r.d_rid].stats["parts"] == 3
+            assert p_res[r.p_rid].stats.parts == 3 and d_res[r.d_rid].stats.parts == 3
         src = p.call("snapshot", k + "p")
         exp = make_cache(dg, None)
         apply_push(exp, dg, src, pg, next(r for r in reqs if r.d_rid == first[0].request_id))
@@ -124,7 +123,7 @@ def test_abort_while_unpacking_waits_for_the_unpack(nodes: tuple[Node, Node]) ->
     ):
         d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
         p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-        p.call("kv_ready", k + "p", [r.tid], 2)  # layer 0 (K and V) of 3
+        p.call("layer_written", k + "p", [r.tid], 0)  # layer 0 (K and V) of 3
         # The part arrived and its unpack started (it lands DELAY_S later): give up now.
         assert d.call("wait_stat", k + "d", "parts_total", 1, 20.0)
         d.call("abort", k + "d", r.tid, "client went away")
@@ -157,14 +156,14 @@ def test_p_sleeps_while_a_layer_packs_and_the_waiter_wakes_it(nodes: tuple[Node,
         d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
         p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
         assert p.call("wait_stat", k + "p", "in_flight", 1, 20.0)
-        p.call("kv_ready", k + "p", [r.tid], 2)  # layer 0 of 3: its pack lands DELAY_S later
+        p.call("layer_written", k + "p", [r.tid], 0)  # layer 0 of 3: its pack lands DELAY_S later
         loops = p.call("loops", k + "p")
         time.sleep(DELAY_S * 0.6)
         loops = p.call("loops", k + "p") - loops
         assert loops < 30, f"P polled {loops} times while the pack ran"
         assert d.call("wait_stat", k + "d", "parts_total", 1, 20.0), "layer 0 never reached D"
         assert p.call("stats", k + "p")["marker_waits"] >= 1
-        p.call("kv_ready", k + "p", [r.tid], 2 * pg.layers)
+        p.call("layer_written", k + "p", [r.tid], pg.layers - 1)
         d_res = by_rid(d.call("results", k + "d", 1, 20.0))
         p_res = by_rid(p.call("results", k + "p", 1, 10.0))
         assert d_res[r.d_rid].ok and p_res[r.p_rid].ok, (d_res, p_res)

@@ -29,7 +29,8 @@ import pytest
 from e2e_cluster import E2EServers
 
 from kvpush import timeline
-from kvpush.metrics import P_STAGES, sample_sum
+from kvpush.metrics import P_STAGES
+from kvpush.prometheus import sample_sum
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 

@@ -21,54 +21,51 @@ from kvpush.engine.types import Result
 from kvpush.metrics import (
     CAUSES,
     D_STAGES,
-    METRICS,
     P_STAGES,
-    PromFeed,
     Recorder,
-    TextExposition,
     TransferStats,
-    failure_cause,
     layout_gauges,
-    parse_samples,
-    sample_sum,
     stage_durations,
     take_engine,
     transfer_latency,
 )
+from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes
+from kvpush.prometheus import METRICS, PromFeed, TextExposition, parse_samples, sample_sum
 
 
 def p_result(tid: str = "t", *, prefill_done: float = 100.0, registered: float = 100.05, ok: bool = True) -> Result:
     """A P result whose stages are known: push starts 1 ms after the later half, 6 ms of stages, 20 ms WRITE."""
     start = max(prefill_done, registered) + 0.001
-    times = {
-        "prefill_done": prefill_done,
-        "registered": registered,
-        "push_start": start,
-        "ready": start + 0.001,
-        "planned": start + 0.003,
-        "packed": start + 0.004,
-        "posted": start + 0.006,
-        "completed": start + 0.026,
-        "released": start + 0.027,
-    }
-    stats = {
-        "wait_ready_s": 0.001,
-        "plan_s": 0.002,
-        "pack_s": 0.001,
-        "post_s": 0.002,
-        "complete_s": 0.020,
-        "bytes": 4096.0,
-        "pieces": 8.0,
-        "descriptors": 2.0,
-        "plan_direct": 1.0,
-    }
-    return Result(tid, f"p-{tid}", ok, "" if ok else "lease expired: no registration arrived", stats, times)
+    times = PushTimes(
+        prefill_done=prefill_done,
+        registered=registered,
+        push_start=start,
+        ready=start + 0.001,
+        planned=start + 0.003,
+        packed=start + 0.004,
+        posted=start + 0.006,
+        completed=start + 0.026,
+        released=start + 0.027,
+    )
+    stats = PushStats(
+        wait_ready_s=0.001,
+        plan_s=0.002,
+        pack_s=0.001,
+        post_s=0.002,
+        complete_s=0.020,
+        bytes=4096,
+        pieces=8,
+        descriptors=2,
+        plan=PlanKind.DIRECT,
+    )
+    reason, cause = ("", None) if ok else ("lease expired: no registration arrived", Cause.EXPIRED)
+    return Result(tid, f"p-{tid}", ok, reason, cause, stats=stats, times=times)
 
 
-def d_result(tid: str = "t", ok: bool = True, reason: str = "") -> Result:
-    times = {"registered": 50.0, "sent": 50.004, "completed": 50.104, "result": 50.105}
-    stats = {"bytes": 4096.0, "descriptors": 2.0, "plan_direct": 1.0, "latency_s": 0.105}
-    return Result(tid, f"d-{tid}", ok, reason, stats if ok else {"latency_s": 0.105}, times)
+def d_result(tid: str = "t", ok: bool = True, reason: str = "", cause: Cause | None = None) -> Result:
+    times = ReceiveTimes(registered=50.0, sent=50.004, completed=50.104, result=50.105)
+    stats = ReceiveStats(bytes=4096, descriptors=2, plan=PlanKind.DIRECT, latency_s=0.105)
+    return Result(tid, f"d-{tid}", ok, reason, cause, stats=stats if ok else ReceiveStats(latency_s=0.105), times=times)
 
 
 # -- stage arithmetic ---------------------------------------------------------------
@@ -97,38 +94,13 @@ def test_decode_stages() -> None:
     assert transfer_latency("decode", d_result()) == pytest.approx(0.105)
 
 
-# Reasons exactly as kvpush.engine words them (sender.py / receiver.py / rendezvous.py).
-REASONS = [
-    ("lease expired: no registration arrived", "expired"),
-    ("P rank 0 failed at rendezvous: registration expired: prefill never finished here", "expired"),
-    ("no KV from P within 60s", "expired"),
-    ("P 127.0.0.1:5600 silent for 10.2s: declared dead", "dead_peer"),
-    ("D d-engine rank 0 is gone", "dead_peer"),
-    ("aborted on D (P did not answer the abort)", "dead_peer"),
-    ("P 127.0.0.1:5600 refused the handshake: model differs", "refused"),
-    ("P rank 0 failed at register: registration before a successful hello from this D rank", "refused"),
-    ("superseded by a re-issued registration", "superseded"),
-    ("P rank 1 failed at superseded: replaced by attempt 2", "superseded"),
-    ("request aborted on D", "aborted"),
-    ("aborted by D: request aborted on D", "aborted"),
-    ("P rank 0 failed at aborted: request aborted on P before its prefill finished", "aborted"),
-    ("WRITE to D d rank 0 failed", "write_error"),
-    ("P rank 0 failed at write: NIXL reported an error for the WRITE", "write_error"),
-    ("post failed: NIXL_ERR_BACKEND", "post_error"),
-    ("P rank 0 failed at register: group 0 block id 99 out of range (D has 64 blocks)", "bad_registration"),
-    ("bad registration: start_token 5 must be block-aligned", "bad_registration"),
-    ("side channel send failed", "side_channel"),
-    ("something nobody anticipated", "other"),
-]
-
-
-@pytest.mark.parametrize(("reason", "cause"), REASONS)
-def test_failure_cause(reason: str, cause: str) -> None:
-    assert failure_cause(reason) == cause
-
-
-def test_every_cause_has_a_real_reason() -> None:
-    assert {c for _, c in REASONS} == set(CAUSES)
+def test_causes_are_the_typed_set() -> None:
+    """The failure label set is ``Cause``'s, and a failed Result is counted under its own cause."""
+    assert set(CAUSES) == {c.value for c in Cause}
+    for cause in Cause:
+        s = TransferStats()
+        s.add_result("decode", d_result("x", ok=False, reason="any words at all", cause=cause))
+        assert s.data["counts"]["decode"] == {"transfers_failed": 1.0, f"cause:{cause.value}": 1.0}
 
 
 # -- merging --------------------------------------------------------------------------
@@ -196,10 +168,11 @@ def test_reduce_summarises_both_sides() -> None:
 
 def test_recorder_turns_counters_into_increments() -> None:
     rec = Recorder("decode")
-    rec.observe(d_result("x", ok=False, reason="no KV from P within 60s"))
+    rec.observe(d_result("x", ok=False, reason="no KV from P within 60s", cause=Cause.EXPIRED))
     assert rec.results_pending == 1
+    # D counts an expiry as an expiration only (its abort to P is not counted again).
     first = rec.take(
-        {"aborts_total": 1, "expired_total": 1, "registrations_total": 4}, 100, 3, {}, "decode:0", now=10.0
+        {"aborts_total": 0, "expired_total": 1, "registrations_total": 4}, 100, 3, {}, "decode:0", now=10.0
     )
     cnt = first.data["counts"]["decode"]
     # The expiry also counted as an abort on D: reported once, as an expiration.
@@ -207,7 +180,7 @@ def test_recorder_turns_counters_into_increments() -> None:
     assert cnt["registrations"] == 4 and cnt["loop_iterations"] == 100 and cnt["cause:expired"] == 1
     assert rec.results_pending == 0
     second = rec.take(
-        {"aborts_total": 3, "expired_total": 1, "registrations_total": 4}, 150, 3, {}, "decode:0", now=12.0
+        {"aborts_total": 2, "expired_total": 1, "registrations_total": 4}, 150, 3, {}, "decode:0", now=12.0
     )
     cnt = second.data["counts"]["decode"]
     assert cnt == {"aborts": 2.0, "loop_iterations": 50.0}
@@ -247,6 +220,19 @@ def test_metric_names_follow_prometheus_conventions() -> None:
         "kvpush_engine_loop_iterations_per_second",
     }
     assert required <= set(names)
+
+
+def test_metrics_are_exported_under_vllms_names_and_the_old_ones() -> None:
+    """vLLM's scheme (``vllm:kvpush_*``) so vLLM's dashboards find them; the bare names stay one release."""
+    page = TextExposition()
+    page.apply(PromFeed().updates(_stats("prefill", 0, [p_result()], 2).data))
+    text = page.render()
+    for m in METRICS:
+        assert m.names == (f"vllm:{m.name}", m.name), m
+        assert f"# TYPE vllm:{m.name} {m.kind}" in text and f"# TYPE {m.name} {m.kind}" in text, m.name
+    for name in ("vllm:kvpush_transfers_total", "kvpush_transfers_total"):
+        assert sample_sum(text, name, side="prefill", outcome="ok") == 1, name
+        assert sample_sum(text, name.replace("transfers_total", "pending_registrations"), side="prefill") == 2
 
 
 def test_feed_sums_gauges_over_ranks_even_from_partial_payloads() -> None:
@@ -305,7 +291,9 @@ def test_vllm_prometheus_hooks_export_kvpush_metrics() -> None:
     text = generate_latest(reg).decode()
     for m in METRICS:
         assert f"# TYPE {m.name} {m.kind}" in text, m.name
+        assert f"# TYPE vllm:{m.name} {m.kind}" in text, m.name
     assert sample_sum(text, "kvpush_transfers_total", side="prefill", outcome="ok", engine="0") == 2
+    assert sample_sum(text, "vllm:kvpush_transfers_total", side="prefill", outcome="ok", engine="0") == 2
     assert sample_sum(text, "kvpush_transfer_bytes_total", side="prefill", model_name="tiny") == 8192
     assert sample_sum(text, "kvpush_pending_registrations", side="prefill") == 3
     assert sample_sum(text, "kvpush_transfer_stage_seconds_count", side="prefill", stage="registration_wait") == 2

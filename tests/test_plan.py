@@ -9,15 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.plan import (
-    MIN_PART_BYTES,
-    build_plan,
-    next_part_at,
-    part_count,
-    part_descriptors,
-    ready_part_end,
-    split_regions,
-)
+from kvpush.plan import MIN_PART_BYTES, PartSchedule, build_plan, part_count, part_descriptors, split_regions
 
 
 @settings(max_examples=200, deadline=None)
@@ -85,16 +77,26 @@ def test_part_count_keeps_parts_large_and_at_most_push_parts() -> None:
 
 
 STREAM = 1 << 30
-"""``lead_layers`` larger than any model: every group is posted as soon as it is ready."""
+
+
+def _schedule(layers: int, region_bytes: int, min_part_bytes: int, lead: int, per_layer: int = 1) -> PartSchedule:
+    """A layout of ``layers`` layers of ``per_layer`` regions each."""
+    return PartSchedule(tuple(range(per_layer, layers * per_layer + 1, per_layer)), region_bytes, min_part_bytes, lead)
+
+
+def ready_part_end(sent: int, ready: int, step: int, total: int, nbytes: int, min_part_bytes: int, lead: int) -> int:
+    """``PartSchedule.part_end`` of ``total`` regions in layers of ``step`` regions."""
+    return _schedule(total // step, nbytes, min_part_bytes, lead, step).part_end(sent, ready)
 
 
 def _layer_parts(
     layers: int, layer_bytes: int, min_part_bytes: int, per_report: int = 1, lead: int = STREAM
 ) -> list[tuple[int, int]]:
-    """The parts a forward reporting ``per_report`` layers at a time is posted in (one region per layer)."""
+    """The parts a forward reporting ``per_report`` regions at a time (a layer of that many regions) is posted in."""
     parts, sent = [], 0
+    sched = _schedule(layers // per_report, layer_bytes, min_part_bytes, lead, per_report)
     for ready in range(per_report, layers + 1, per_report):
-        end = ready_part_end(sent, ready, per_report, layers, layer_bytes, min_part_bytes, lead)
+        end = sched.part_end(sent, ready)
         if end > sent:
             parts.append((sent, end))
             sent = end
@@ -132,19 +134,15 @@ def test_layers_are_held_until_lead_layers_are_left() -> None:
     assert ready_part_end(0, 40, 1, 64, mib, 0, 1) == 0  # 24 layers left: held
 
 
-def test_next_part_at_is_the_first_report_that_starts_a_part() -> None:
-    """What ``kv_ready`` wakes the push thread for: exactly the reports ``ready_part_end`` posts at."""
+def test_wake_at_is_the_first_report_that_starts_a_part() -> None:
+    """What ``layer_written`` wakes the push thread for: exactly the reports ``part_end`` posts at."""
     for total in (1, 5, 12):
-        for sent in range(total):
-            for step in range(1, 4):
+        for step in range(1, 4):
+            # Layers of ``step`` regions; the last one may be shorter (any layout lists layers in order).
+            ends = tuple(sorted({*range(step, total, step), total}))
+            for sent in (0, *ends[:-1]):
                 for min_bytes in (0, 1, 7, 25, 30, 100):
                     for lead in (1, 2, 3, STREAM):
-                        ends = [
-                            ready_part_end(sent, r, step, total, 10, min_bytes, lead)
-                            for r in range(sent + 1, total + 1)
-                        ]
-                        starts = [r for r, end in zip(range(sent + 1, total + 1), ends, strict=True) if end > sent]
-                        got = next_part_at(sent, step, total, 10, min_bytes, lead)
-                        assert got == starts[0], (total, sent, step, min_bytes, lead)
-            # No report yet (step unknown): the first report wakes the push thread, which learns the step.
-            assert next_part_at(sent, 0, total, 10, 100, 1) == sent + 1
+                        sched = PartSchedule(ends, 10, min_bytes, lead)
+                        starts = [r for r in ends if r > sent and sched.part_end(sent, r) > sent]
+                        assert sched.wake_at(sent) == starts[0], (total, sent, step, min_bytes, lead)

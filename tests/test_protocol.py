@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvpush import PROTOCOL_VERSION
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.outcome import Cause, PlanKind, Stage
 from kvpush.protocol import (
     MAX_BLOCKS,
     MAX_FRAME_BYTES,
@@ -83,7 +84,7 @@ MESSAGES = [
         transfer_id="t",
         request_id="r",
         rank=7,
-        plan="staged",
+        plan=PlanKind.STAGED,
         nbytes=1 << 33,
         descriptors=12,
         staging=StagingGrant(0, 8),
@@ -92,7 +93,15 @@ MESSAGES = [
         region_end=8,
     ),
     Completion(transfer_id="t", request_id="r", rank=0),
-    Failure(transfer_id="t", request_id="", rank=2, stage="post_write", reason="peer gone", attempt=3),
+    Failure(
+        transfer_id="t",
+        request_id="",
+        rank=2,
+        stage=Stage.WRITE,
+        cause=Cause.WRITE_ERROR,
+        reason="peer gone",
+        attempt=3,
+    ),
     Abort(transfer_id="t", request_id="r", reason="client disconnected"),
     Heartbeat(engine_id="e", rank=0, seq=2**40, sent_at=1712345678.25),
 ]

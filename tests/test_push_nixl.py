@@ -172,11 +172,11 @@ def test_many_concurrent_requests(nodes: tuple[Node, Node], plan: str) -> None:
             assert direct == 0
         else:
             assert staged > 0 and direct > 0, st  # the cost model really chooses
-        assert d_res[reqs[1].d_rid].stats.get("bytes", -1) == 0  # zero new tokens: a bare completion
+        assert d_res[reqs[1].d_rid].stats.bytes == 0  # zero new tokens: a bare completion
         big = max(reqs, key=lambda r: r.n - r.start)
         pst = p_res[big.p_rid].stats
-        assert pst["bytes"] == (big.n - big.start) * pg.num_heads * pg.head_dim * 2 * pg.layers, pst
-        assert pst["pieces"] >= pst["descriptors"] >= 1 and pst["complete_s"] >= 0, pst
+        assert pst.bytes == (big.n - big.start) * pg.num_heads * pg.head_dim * 2 * pg.layers, pst
+        assert pst.pieces >= pst.descriptors >= 1 and pst.complete_s is not None and pst.complete_s >= 0, pst
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
 
@@ -324,7 +324,7 @@ def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node], plan: str) -> No
         for r in reqs:
             # both ranks' bytes counted: the result waited for both completions
             want = (r.n - r.start) * dg.num_heads * dg.head_dim * 2 * dg.layers
-            assert d_res[r.d_rid].stats.get("bytes") == want, (r, d_res[r.d_rid])
+            assert d_res[r.d_rid].stats.bytes == want, (r, d_res[r.d_rid])
         exp = make_cache(dg, None)
         for rank in range(2):
             assert len(p.call("results", f"{k}p{rank}", len(reqs), 10.0)) == len(reqs)

@@ -12,13 +12,18 @@ from __future__ import annotations
 import copy
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from msgspec.structs import replace as msgspec_replace
 
+from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.plan import PartSchedule, Plan
 from kvpush.protocol import Register
-from kvpush.rendezvous import Prefill, Push, Refuse, Release, Rendezvous, Stage
+from kvpush.push_job import Done, JobPlan, Post, PushJob
+from kvpush.rendezvous import Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
 
 LEASE_S = 10.0
 
@@ -50,9 +55,9 @@ def test_register_then_prefill() -> None:
     rv = Rendezvous(prefill_lease_s=LEASE_S)
     r, p = reg(), prefill()
     assert rv.on_register(r, now=0.0) == []
-    assert rv.stage("t1") is Stage.WAITING_FOR_PREFILL
+    assert rv.stage("t1") is TransferState.WAITING_FOR_PREFILL
     assert rv.on_prefill(p, now=1.0) == [Push(p, r)]
-    assert rv.stage("t1") is Stage.TRANSFERRING
+    assert rv.stage("t1") is TransferState.TRANSFERRING
     assert rv.pending() == {"parked_prefills": 0, "waiting_registrations": 0, "in_flight": 1}
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
     assert len(rv) == 0 and rv.stage("t1") is None
@@ -62,7 +67,7 @@ def test_prefill_then_register() -> None:
     rv = Rendezvous(prefill_lease_s=LEASE_S)
     r, p = reg(), prefill()
     assert rv.on_prefill(p, now=0.0) == []
-    assert rv.stage("t1") is Stage.WAITING_FOR_REGISTRATION
+    assert rv.stage("t1") is TransferState.WAITING_FOR_REGISTRATION
     assert rv.pending()["parked_prefills"] == 1
     assert rv.on_register(r, now=1.0) == [Push(p, r)]
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
@@ -83,7 +88,7 @@ def test_transfers_are_independent() -> None:
     assert rv.on_register(reg("a"), 0.0) == [Push(p1, reg("a"))]
     assert rv.on_prefill(p2, 0.0) == [Push(p2, reg("b"))]
     assert rv.on_pushed("b", "d", 0) == [Release(p2, "pushed")]
-    assert rv.stage("a") is Stage.TRANSFERRING
+    assert rv.stage("a") is TransferState.TRANSFERRING
 
 
 # -- re-issue ---------------------------------------------------------------------------
@@ -165,6 +170,22 @@ def test_reregistration_while_in_flight_is_refused() -> None:
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
 
 
+def test_new_attempt_while_the_old_is_written_waits_for_it() -> None:
+    """D re-allocated (a new attempt) while P writes the old attempt's blocks: the new one is held until that
+    WRITE ends, then pushed; an even newer attempt replaces the held one, which is refused."""
+    rv = Rendezvous()
+    p = prefill()
+    rv.on_prefill(p, 0.0)
+    first = reg()
+    assert rv.on_register(first, 0.0) == [Push(p, first)]
+    second, third = msgspec_replace(reg(blocks=(2,)), attempt=1), msgspec_replace(reg(blocks=(3,)), attempt=2)
+    assert rv.on_register(second, 0.1) == [Hold(second)]
+    out = rv.on_register(third, 0.2)
+    assert kinds(out) == ["Refuse", "Hold"] and out[0].reg == second and out[0].cause is Cause.SUPERSEDED
+    assert rv.on_pushed("t1", "d", 0) == [Push(p, third)]
+    assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
+
+
 # -- several D ranks ------------------------------------------------------------------------
 
 
@@ -174,7 +195,7 @@ def test_two_ranks_release_after_both() -> None:
     assert rv.on_register(r0, 0.0, expected=2) == []
     assert rv.on_prefill(p, 0.0) == [Push(p, r0)]
     assert rv.on_pushed("t1", "d", 0) == []
-    assert rv.stage("t1") is Stage.WAITING_FOR_REGISTRATION
+    assert rv.stage("t1") is TransferState.WAITING_FOR_REGISTRATION
     assert rv.on_register(r1, 0.0, expected=2) == [Push(p, r1)]
     assert rv.on_pushed("t1", "d", 1) == [Release(p, "pushed")]
 
@@ -237,7 +258,7 @@ def test_waiting_registration_expires_with_refuse() -> None:
     assert len(rv) == 0
     p = prefill()
     assert rv.on_prefill(p, 53.0) == []  # the prefill now parks alone and expires on its own lease
-    assert rv.stage("t1") is Stage.WAITING_FOR_REGISTRATION
+    assert rv.stage("t1") is TransferState.WAITING_FOR_REGISTRATION
 
 
 def test_reregistration_renews_the_deadline() -> None:
@@ -293,7 +314,7 @@ def test_abort_while_in_flight_waits_for_the_write() -> None:
     rv.on_prefill(p, 0.0)
     rv.on_register(reg(rank=0), 0.0, expected=2)
     assert rv.on_abort("t1", 1.0) == []
-    assert rv.stage("t1") is Stage.TRANSFERRING
+    assert rv.stage("t1") is TransferState.TRANSFERRING
     assert rv.expire(1e9) == []
     # Only the write in flight is awaited; rank 1 is no longer expected.
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
@@ -445,7 +466,7 @@ class RendezvousMachine(RuleBasedStateMachine):
     def in_flight_matches(self) -> None:
         assert self.rv.pending()["in_flight"] == len(self.outstanding)
         for tid, _, _ in self.outstanding:
-            assert self.rv.stage(tid) is Stage.TRANSFERRING
+            assert self.rv.stage(tid) is TransferState.TRANSFERRING
 
     @invariant()
     def nothing_idle_outlives_its_lease(self) -> None:
@@ -504,3 +525,196 @@ def test_prefill_finishing_after_an_abort_is_released_at_once() -> None:
     r.expire(now=100.0)
     assert r.on_prefill(Prefill("t", "p2", ((3,),), 8), now=101.0) == []
     assert len(r) == 1
+
+
+# -- the whole of P's per-transfer rules: pairing, re-registered attempts, pushes, aborts, dead peers --------
+
+
+class TransferMachine(RuleBasedStateMachine):
+    """The rendezvous with its records and push jobs, driven as the sender drives them.
+
+    D ranks register and re-register (a new attempt while the previous one
+    is being written waits for it: ``Hold``), prefills finish, paired pushes
+    start at the step's end unless an abort came first, WRITEs end, either
+    side aborts, a D rank is dropped (dead or restarted), time passes. Every
+    registration gets one answer (pushed, refused, or dropped with its dead
+    peer); each prefill is released once, never while a job of it runs; a
+    held attempt is pushed only after the previous attempt's WRITE ended;
+    nothing starts after an abort; the record goes with its entry.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rv = Rendezvous(prefill_lease_s=LEASE_S)
+        self.now = 0.0
+        self.ids = itertools.count()
+        self.attempts: dict[tuple[str, str, int], int] = {}
+        self.prefills: list[Prefill] = []
+        self.released: list[Prefill] = []
+        self.fate: dict[int, str] = {}  # id(reg) -> pushed / refused / dropped / replaced
+        self.regs: list[Register] = []
+        self.jobs: dict[tuple[str, str, int], PushJob] = {}  # (tid, engine, rank) -> running job
+        self.started: list[tuple[Register, Prefill]] = []
+        self.aborted: set[str] = set()
+        self.gone: set[tuple[str, int]] = set()
+        self.decided: set[int] = set()  # id(reg) of pushes decided and not started
+
+    def _apply(self, decisions) -> None:
+        for d in decisions:
+            if isinstance(d, Release):
+                assert d.prefill not in self.released, f"{d.prefill.request_id} released twice"
+                live = [k for k, j in self.jobs.items() if k[0] == d.prefill.transfer_id]
+                assert not live or d.prefill is not self._prefill_of(live[0]), "released while its push runs"
+                self.released.append(d.prefill)
+            elif isinstance(d, Refuse):
+                if self.fate.get(id(d.reg)) == "dropped":
+                    continue  # the sender has nobody to tell any more
+                # A registration is refused before it is pushed, or when a push decided for it again (a
+                # re-issued prefill) is cancelled before it started.
+                fate = self.fate.get(id(d.reg))
+                assert fate in (None, "held") or id(d.reg) in self.decided, f"refused a {fate} reg"
+                self.decided.discard(id(d.reg))
+                self.fate[id(d.reg)] = "refused"
+            elif isinstance(d, Push):
+                self.decided.add(id(d.reg))
+            elif isinstance(d, Hold):
+                self.fate[id(d.reg)] = "held"
+
+    def _prefill_of(self, key: tuple[str, str, int]) -> Prefill:
+        return next(p for r, p in reversed(self.started) if (r.transfer_id, r.engine_id, r.rank) == key)
+
+    def _end_of_step(self) -> None:
+        """What the sender does at a step's end: start the pushes paired in it."""
+        self._prune()
+        self._start_paired()
+
+    def _prune(self) -> None:
+        """An abort's memory lasts as long as the aborted entry: a registration after that is a new transfer."""
+        self.aborted = {t for t in self.aborted if self.rv.stage(t) is not None}
+
+    def _start_paired(self) -> None:
+        for tid, rec in list(self.rv.pushing()):
+            for push in self.rv.unstarted(tid):
+                key = (tid, push.reg.engine_id, push.reg.rank)
+                if key[1:] in self.gone:  # the sender finds the D rank gone: the push ends unstarted
+                    gone = Failed(Stage.RENDEZVOUS, Cause.DEAD_PEER, "is gone")
+                    self._apply(self.rv.push_ended(tid, key[1:], gone))
+                    continue
+                assert tid not in self.aborted, "a push started after its transfer was aborted"
+                assert key not in self.jobs, "two WRITEs to one D rank at once"
+                assert push.prefill not in self.released, "a push of a released prefill"
+                before = [p for r, p in self.started if r is push.reg]
+                # A registration is pushed once, or again for a re-issued prefill (new blocks on P).
+                assert self.fate.get(id(push.reg)) in (None, "held") or push.prefill not in before, push
+                self.fate[id(push.reg)] = "pushed"
+                self.decided.discard(id(push.reg))
+                plan = Plan(PlanKind.DIRECT, 10, 1, 1, 1, np.zeros((0, 3), dtype=np.int64))
+                jp = JobPlan(plan, PartSchedule((1,), 10, 0, 1))
+                job = PushJob(push.reg, jp, rec.times, self.now, 0.0)
+                rec.jobs[job.key] = job
+                self.jobs[key] = job
+                self.started.append((push.reg, push.prefill))
+                job.ready(1, None, None, self.now)
+                self._run(tid, rec, job)
+
+    def _run(self, tid: str, rec, job: PushJob) -> None:
+        while (a := job.next_action()) is not None:
+            if isinstance(a, Post):
+                job.posted(object(), 1, XferState.PROC, self.now, self.now)
+            elif isinstance(a, Done):
+                rec.end_job(job, a.failed, self.now)
+                del self.jobs[(tid, *job.key)]
+                self._apply(self.rv.push_ended(tid, job.key, a.failed))
+
+    @rule(tid=st.sampled_from(TIDS))
+    def finish_prefill(self, tid: str) -> None:
+        self._prune()
+        p = Prefill(tid, f"{tid}-p{next(self.ids)}", ((1,),), 40)
+        self.prefills.append(p)
+        self._apply(self.rv.on_prefill(p, self.now))
+
+    @rule(tid=st.sampled_from(TIDS), who=st.sampled_from(RANKS), again=st.booleans())
+    def register(self, tid: str, who: tuple[str, int], again: bool) -> None:
+        """A D rank registers; ``again``: a new attempt of its registration (D re-allocated)."""
+        self._prune()
+        if who in self.gone:
+            return
+        key = (tid, *who)
+        attempt = self.attempts.get(key, 0) + (1 if again and key in self.attempts else 0)
+        self.attempts[key] = attempt
+        r = msgspec_replace(reg(tid, who[1], (next(self.ids),), engine=who[0]), num_tokens=40, attempt=attempt)
+        self.regs.append(r)
+        self._apply(self.rv.on_register(r, self.now, expected=EXPECTED[tid]))
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data(), ok=st.booleans())
+    def write_ends(self, data, ok: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(self.jobs)))
+        job = self.jobs[key]
+        rec = self.rv.record(key[0])
+        assert rec is not None and rec.jobs.get(job.key) is job, "the job outlived its record"
+        (h,) = job.flying
+        job.written(h, XferState.DONE if ok else XferState.ERR, self.now)
+        self._run(key[0], rec, job)
+
+    @rule(tid=st.sampled_from(TIDS))
+    def abort(self, tid: str) -> None:
+        if any(k[0] == tid for k in self.jobs) or self.rv.stage(tid) is not None:
+            self.aborted.add(tid)
+        self._apply(self.rv.cancel(tid, self.now, Failed(Stage.RENDEZVOUS, Cause.ABORTED, "client went away")))
+        for tid_, rec in list(self.rv.pushing()):
+            for job in list(rec.jobs.values()):
+                self._run(tid_, rec, job)
+
+    @rule(who=st.sampled_from(RANKS))
+    def peer_dropped(self, who: tuple[str, int]) -> None:
+        self.gone.add(who)
+        for r in self.regs:
+            if ((r.engine_id, r.rank) == who and id(r) not in self.fate) or (
+                (r.engine_id, r.rank) == who and self.fate[id(r)] == "held"
+            ):
+                self.fate[id(r)] = "dropped"
+        self._apply(self.rv.drop_peer(who, self.now, "D declared dead"))
+        for tid, rec in list(self.rv.pushing()):
+            for job in list(rec.jobs.values()):
+                self._run(tid, rec, job)
+
+    @rule(dt=st.sampled_from([1.0, LEASE_S, 200.0]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self._apply(self.rv.expire(self.now))
+
+    @rule()
+    def step_ends(self) -> None:
+        """The engine step ends: every message of the step was read, paired pushes start now."""
+        self._end_of_step()
+
+    @invariant()
+    def jobs_live_in_their_records(self) -> None:
+        for (tid, e, r), job in self.jobs.items():
+            rec = self.rv.record(tid)
+            assert rec is not None and rec.jobs.get((e, r)) is job
+
+    def teardown(self) -> None:
+        self._end_of_step()
+        while self.jobs:
+            key = sorted(self.jobs)[0]
+            job = self.jobs[key]
+            job.written(job.flying[0], XferState.DONE, self.now)
+            self._run(key[0], self.rv.record(key[0]), job)
+            self._end_of_step()
+        self.now += 1e6
+        self._apply(self.rv.expire(self.now))
+        assert len(self.rv) == 0, "an entry (and its record) outlived every deadline"
+        assert sorted(p.request_id for p in self.released) == sorted(p.request_id for p in self.prefills)
+        # Every registration was answered: pushed, refused, dropped with its peer, or replaced by a later
+        # registration of the same D rank before anything was decided for it (the rendezvous keeps the latest).
+        latest = {(r.transfer_id, r.engine_id, r.rank): r for r in self.regs}
+        for r in self.regs:
+            f = self.fate.get(id(r))
+            assert f in ("pushed", "refused", "dropped") or latest[(r.transfer_id, r.engine_id, r.rank)] is not r, r
+        super().teardown()
+
+
+TransferMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+test_transfer_state_machine = TransferMachine.TestCase

@@ -16,6 +16,7 @@ from helpers_local_pair import local_pair
 
 from kvpush import timeline
 from kvpush.engine.types import Result
+from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Stage
 
 P_OFF = 1_700_000_000.0  # P's wall clock minus its monotonic clock
 D_OFF = 1_700_000_000.0 - 3000.0  # D's monotonic clock started 3000 s later (another process, another boot)
@@ -23,26 +24,28 @@ D_OFF = 1_700_000_000.0 - 3000.0  # D's monotonic clock started 3000 s later (an
 
 def p_res(tid: str, t: float, *, rank_delay: float = 0.0, ok: bool = True) -> Result:
     """P's side, in P's monotonic time; D sent the registration at wall P_OFF + t."""
-    ev = {
-        "prefill_done": t - 0.010,  # the prefill was done first: it waited 12 ms for the registration
-        "registered": t + 0.002,
-        "push_start": t + 0.003,
-        "ready": t + 0.003,
-        "planned": t + 0.005,
-        "packed": t + 0.005,
-        "posted": t + 0.006,
-        "completed": t + 0.036 + rank_delay,
-        "released": t + 0.037 + rank_delay,
-    }
-    stats = {"bytes": 65536.0, "descriptors": 4.0, "plan_direct": 1.0}
-    return Result(tid, f"p-{tid}", ok, "" if ok else "post failed: x", stats, ev)
+    ev = PushTimes(
+        prefill_done=t - 0.010,  # the prefill was done first: it waited 12 ms for the registration
+        registered=t + 0.002,
+        push_start=t + 0.003,
+        ready=t + 0.003,
+        planned=t + 0.005,
+        packed=t + 0.005,
+        posted=t + 0.006,
+        completed=t + 0.036 + rank_delay,
+        released=t + 0.037 + rank_delay,
+    )
+    stats = PushStats(bytes=65536, descriptors=4, plan=PlanKind.DIRECT)
+    if ok:
+        return Result(tid, f"p-{tid}", True, stats=stats, times=ev)
+    return Result(tid, f"p-{tid}", False, "post failed: x", Cause.POST_ERROR, Stage.POST, stats, ev)
 
 
 def d_res(tid: str, t: float) -> Result:
     """D's side in D's monotonic time (shifted by 3000 s against P's)."""
     t += 3000.0
-    ev = {"registered": t - 0.001, "sent": t, "completed": t + 0.037, "result": t + 0.038}
-    return Result(tid, f"d-{tid}", True, "", {"bytes": 65536.0, "descriptors": 4.0, "plan_direct": 1.0}, ev)
+    ev = ReceiveTimes(registered=t - 0.001, sent=t, completed=t + 0.037, result=t + 0.038)
+    return Result(tid, f"d-{tid}", True, stats=ReceiveStats(bytes=65536, descriptors=4, plan=PlanKind.DIRECT), times=ev)
 
 
 def line(prefix: str, side: str, engine: str, res: Result, off: float) -> str:

@@ -4,9 +4,9 @@ A device backend whose copies run on the device (a CUDA stream) implements
 ``AsyncCopy``: ``start_pack``/``start_unpack`` return a marker instead of
 waiting, so the engine threads keep progressing NIXL while the device copies,
 and the ``prepare_*`` hints upload piece tables off the critical path. The
-engine never asks which kind it has: ``copier(backend)`` returns the backend
-itself when it implements the protocol, else ``SyncCopy``, which packs and
-unpacks synchronously through the core contract.
+engine never asks which kind it has: it calls ``copier(backend)``, a
+``Copier`` that uses the backend's asynchronous copies and hints where it has
+them, else packs and unpacks synchronously through the core contract.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ Parts = Sequence[tuple[int, int, int]]
 
 @runtime_checkable
 class AsyncCopy(Protocol):
-    """Packs and unpacks that may return before the bytes are in place."""
+    """Packs and unpacks that may return before the bytes are in place.
+
+    A backend implementing it may also offer the hints ``prepare_pack`` and
+    ``prepare_unpack`` (same signatures as on ``Copier``); without them the
+    engine's calls to the hints do nothing.
+    """
 
     def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
         """``pack``, returning a marker for ``poll_ready``/``wait_ready`` that is reached once the bytes are in place.
@@ -40,45 +45,49 @@ class AsyncCopy(Protocol):
         slot is not granted again, the blocks are not handed back).
         """
 
-    def prepare_pack(self, regions: list[int], pieces: np.ndarray, parts: Parts = ()) -> None:
-        """Hint: a pack of these pieces is coming (P calls it when it plans, before the KV is ready).
 
-        ``parts``: the ``start_pack(regions[r0:r1], pieces, staging_addr)``
-        calls P expects to make, as ``(r0, r1, staging_addr)``.
-        """
-
-    def prepare_unpack(self, regions: list[int], pieces: np.ndarray, parts: Parts = ()) -> None:
-        """Hint: an unpack of these pieces is coming (D calls it when it registers); ``parts`` is D's guess
-        at P's cut."""
-
-
-class SyncCopy:
-    """``AsyncCopy`` over a backend that only packs synchronously: markers are ``None`` (reached)."""
+class Copier:
+    """What the engine calls for packs and unpacks: the backend's asynchronous copies and hints where it has
+    them, else synchronous copies through the core contract (markers ``None``: reached) and no-op hints."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self.asynchronous = isinstance(backend, AsyncCopy)
 
     def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
-        """Waits for ``after``, packs, returns None."""
+        if self.asynchronous:
+            if after is None:
+                return self.backend.start_pack(regions, pieces, staging_addr)  # type: ignore[attr-defined]
+            return self.backend.start_pack(regions, pieces, staging_addr, after=after)  # type: ignore[attr-defined]
         if after is not None:
             self.backend.wait_ready(after)
         self.backend.pack(regions, pieces, staging_addr)
         return None
 
     def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
-        """Unpacks, returns None."""
+        if self.asynchronous:
+            return self.backend.start_unpack(regions, pieces, staging_addr)  # type: ignore[attr-defined]
         self.backend.unpack(regions, pieces, staging_addr)
         return None
 
     def prepare_pack(self, regions: list[int], pieces: np.ndarray, parts: Parts = ()) -> None:
-        """Nothing to prepare."""
+        """Hint: a pack of these pieces is coming (P calls it when it plans, before the KV is ready).
+
+        ``parts``: the ``start_pack(regions[r0:r1], pieces, staging_addr)``
+        calls P expects to make, as ``(r0, r1, staging_addr)``.
+        """
+        hint = getattr(self.backend, "prepare_pack", None)
+        if hint is not None:
+            hint(regions, pieces, parts=parts)
 
     def prepare_unpack(self, regions: list[int], pieces: np.ndarray, parts: Parts = ()) -> None:
-        """Nothing to prepare."""
+        """Hint: an unpack of these pieces is coming (D calls it when it registers); ``parts`` is D's guess
+        at P's cut."""
+        hint = getattr(self.backend, "prepare_unpack", None)
+        if hint is not None:
+            hint(regions, pieces, parts=parts)
 
 
-def copier(backend: Backend) -> AsyncCopy:
-    """The backend's asynchronous copies, or synchronous ones through its core contract."""
-    if isinstance(backend, AsyncCopy):
-        return backend
-    return SyncCopy(backend)
+def copier(backend: Backend) -> Copier:
+    """The engine's view of the backend's packs and unpacks (see ``Copier``)."""
+    return Copier(backend)

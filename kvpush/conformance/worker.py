@@ -150,7 +150,7 @@ class Worker:
         r.engine.prefill_finished(tid, rid, [blocks], n, ready=marker)
 
     def op_layered_prefill(self, key: str, tid: str, rid: str, blocks: list[int], n: int, rewrite: int) -> int:
-        """Announce a prefill, then write the cache layer by layer, each followed by its marker and ``kv_ready``.
+        """Announce a prefill, then write the cache layer by layer, each followed by its marker and ``layer_written``.
 
         What the vLLM connector does in layer-wise mode: the payload of
         ``rewrite`` is written one layer at a time (queued like a model
@@ -159,12 +159,10 @@ class Worker:
         """
         r = self.ranks[key]
         data = payload(r.geom, rewrite)
-        nregions = len(r.engine.layout.regions)
-        per_layer = nregions // len(r.kv)
         r.engine.prefill_started(tid, rid, [blocks], n)
         for i, t in enumerate(r.kv.values()):
             r.backend.write_bytes(t, data[i].reshape(-1))
-            r.engine.kv_ready([tid], (i + 1) * per_layer, r.backend.record_ready())
+            r.engine.layer_written([tid], i, r.backend.record_ready())
         return len(r.kv)
 
     def op_register(

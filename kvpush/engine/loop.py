@@ -27,7 +27,7 @@ from kvpush.config import Config
 from kvpush.engine.types import Result
 from kvpush.errors import ConfigError
 from kvpush.layout import KVLayout
-from kvpush.metrics import Recorder
+from kvpush.metrics import Count, Recorder
 from kvpush.staging import SlotAllocator
 from kvpush.transport.nixl_agent import Agent
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 BUSY_BACKOFF_MIN_S = 20e-6
 DEFAULT_TIMER_SLACK_S = 50e-6
-"""Linux's default timer slack: a thread's ``sleep(5e-6)`` lasts ~55-75 us with it."""
+"""Linux's default timer slack: a thread's short sleep may overshoot by this much."""
 TIGHT_TIMER_SLACK_NS = 1000
 
 
@@ -92,6 +92,8 @@ class EngineLoop:
         # read it without a call into the engine.
         self.recorder = Recorder(self.SIDE)
         self.gauges: dict[str, float] = {}
+        self.counters: dict[Count, float] = {}
+        """Event counters (engine thread writes; others copy it with ``dict(...)``)."""
 
     # -- caller side ---------------------------------------------------
     def start(self) -> None:
@@ -152,6 +154,9 @@ class EngineLoop:
         os.close(self._wfd)
 
     # -- engine thread -------------------------------------------------
+    def bump(self, what: Count, by: float = 1.0) -> None:
+        self.counters[what] = self.counters.get(what, 0.0) + by
+
     def emit(self, result: Result) -> None:
         try:
             # Gauges as of this result: a report sent with it must not show the transfer as pending.
@@ -243,9 +248,10 @@ class EngineLoop:
 def _set_timer_slack(ns: int) -> None:
     """Let this thread's short sleeps end on time (Linux ``PR_SET_TIMERSLACK``, this thread only).
 
-    Set where ``busy_poll_max_s`` is below the default 50 us slack: otherwise
-    a 5 us poll interval is really ~60 us, and a transfer's tail is a few
-    polls (P noticing the last layer, its WRITE completing, D's notification).
+    Set where ``busy_poll_max_s`` is below the default slack: otherwise a
+    poll interval shorter than the slack is really the slack, and a
+    transfer's tail is a few polls (P noticing the last layer, its WRITE
+    completing, D's notification).
     """
     _prctl(29, ns)
 

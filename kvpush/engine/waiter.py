@@ -5,10 +5,10 @@ ahead) waiting for the device: a layer's KV event, or the pack queued behind
 it. Polling for it from Python, even every few microseconds, takes the GIL
 once per poll, and the forward's launching thread (the same process: vLLM's
 worker) gives the GIL up on every torch call, so each of its launches waits
-for a poll: a 2k-token forward on H200 went from 35 to 57-100 ms. A helper
-thread blocked in the backend's ``wait_ready`` (CUDA: ``Event.synchronize``,
-which drops the GIL) wakes the engine when the marker is reached, and the
-engine sleeps until then.
+for a poll and the forward slows (measured: docs/cuda.md, "Engine
+defaults"). A helper thread blocked in the backend's ``wait_ready`` (CUDA:
+``Event.synchronize``, which drops the GIL) wakes the engine when the marker
+is reached, and the engine sleeps until then.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvpush.backends.base import MemRegistration
 from kvpush.errors import ConfigError, KVPushError
+from kvpush.outcome import XferState
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,10 @@ class Agent:
         remote_mem: str,
         peer: str,
         notif: bytes,
-    ) -> tuple[Any, str]:
+    ) -> tuple[Any, XferState]:
         """Create and post one WRITE of ``local`` rows into ``remote`` rows, notifying ``peer``.
 
-        Returns the handle and the post state (``DONE``/``PROC``/``ERR``).
+        Returns the handle and the post state.
         """
         handle = self.prepare_write(local, local_mem, remote, remote_mem, peer, notif)
         return handle, self.post(handle)
@@ -167,18 +168,18 @@ class Agent:
         rd = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem)
         return self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
 
-    def post(self, handle: Any) -> str:
-        """Post a WRITE made by ``prepare_write``; returns the post state (``DONE``/``PROC``/``ERR``)."""
-        return self._agent.transfer(handle)
+    def post(self, handle: Any) -> XferState:
+        """Post a WRITE made by ``prepare_write``; returns the post state."""
+        return XferState.of(self._agent.transfer(handle))
 
-    def state(self, handle: Any) -> str:
-        """``DONE``/``PROC``/``ERR``; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
+    def state(self, handle: Any) -> XferState:
+        """The WRITE's state; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
         so one broken transfer cannot stall the engine loop that polls all of them."""
         try:
-            return self._agent.check_xfer_state(handle)
+            return XferState.of(self._agent.check_xfer_state(handle))
         except Exception as exc:
             log.warning("%s: transfer failed: %s", self.name, exc)
-            return "ERR"
+            return XferState.ERR
 
     def release(self, handle: Any) -> None:
         try:

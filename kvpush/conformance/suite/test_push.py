@@ -192,9 +192,9 @@ def test_coalesced_and_uncoalesced_descriptors(nodes: tuple[Node, Node], direct_
             continue
         spans_blocks = (r.start // pg.block_size) != ((r.n - 1) // pg.block_size)
         if shape == "coalesced" and spans_blocks:  # consecutive blocks on both sides merge into one run
-            assert st["descriptors"] < st["pieces"], (r, st)
+            assert st.descriptors < st.pieces, (r, st)
         if shape == "uncoalesced":
-            assert st["descriptors"] == st["pieces"], (r, st)
+            assert st.descriptors == st.pieces, (r, st)
 
 
 def test_auto_plan_honours_capabilities(nodes: tuple[Node, Node], direct_ok: bool) -> None:
@@ -276,7 +276,7 @@ def test_layer_by_layer_push_waits_for_each_layer(nodes: tuple[Node, Node], dire
         p, d, pg, dg, cfg(plan, layerwise_min_part_bytes=0, layerwise_lead_layers=1000), cfg(plan), seeds, name="lw"
     ) as (k, peer):
         dr, pr, layers = push_after_registration(p, d, k, peer, req, "layered_prefill", fresh)
-        assert 1 <= dr.stats["parts"] == pr.stats["parts"] <= layers, (dr.stats, pr.stats)
+        assert 1 <= dr.stats.parts == pr.stats.parts <= layers, (dr.stats, pr.stats)
         check_bytes(p, d, k, pg, dg, seeds, [req], p_data=fresh)
 
 

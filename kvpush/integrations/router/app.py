@@ -53,7 +53,7 @@ from kvpush.integrations.router.upstream import (
     forward_headers,
     loop_time,
 )
-from kvpush.metrics import TextExposition
+from kvpush.prometheus import TextExposition
 
 log = logging.getLogger("kvpush.router")
 

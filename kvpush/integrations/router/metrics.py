@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpush.metrics import LATENCY_BUCKETS, MetricSpec
+from kvpush.prometheus import LATENCY_BUCKETS, MetricSpec
 
 ROUTER_METRICS = (
     MetricSpec(

@@ -13,7 +13,7 @@ from aiohttp import web
 from kvpush.integrations.router.config import RouterConfig
 from kvpush.integrations.router.health import mark_down
 from kvpush.integrations.router.pool import Instance
-from kvpush.metrics import TextExposition
+from kvpush.prometheus import TextExposition
 
 
 class UpstreamError(Exception):

@@ -4,8 +4,9 @@ vLLM collects ``get_kv_connector_stats()`` from every worker each step, adds
 them with ``aggregate``, ships the ``to_dict()`` payload to the API server
 process, and there hands it to ``build_kv_connector_stats`` (for its periodic
 log line) and to the connector's ``build_prom_metrics`` object (for
-``/metrics``). These two classes adapt ``kvpush.metrics`` to that: all logic
-stays in the pure module, here is only vLLM's class surface.
+``/metrics``). These two classes adapt ``kvpush.metrics`` and
+``kvpush.prometheus`` to that: all logic stays in the pure modules, here is
+only vLLM's class surface.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvpush.metrics import METRIC_BY_NAME, METRICS, PromFeed, TransferStats
+from kvpush.metrics import TransferStats
+from kvpush.prometheus import METRIC_BY_NAME, METRICS, PromFeed
 
 
 @dataclass
@@ -43,7 +45,8 @@ class KVPushConnectorStats(KVConnectorStats):
 
 
 class KVPushPromMetrics(KVConnectorPromMetrics):
-    """Registers every metric of ``kvpush.metrics.METRICS`` with vLLM's Prometheus classes.
+    """Registers every metric of ``kvpush.prometheus.METRICS`` with vLLM's Prometheus classes, under each of
+    its exported names (``vllm:kvpush_*`` and the ``kvpush_*`` alias).
 
     vLLM's own labels (model name, engine index) come first; kvpush's (side,
     stage, …) follow. One ``PromFeed`` per engine index keeps gauges per rank.
@@ -57,31 +60,30 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._metrics: dict[str, Any] = {}
+        self._metrics: dict[str, list[Any]] = {}
         for spec in METRICS:
-            kw: dict[str, Any] = {
-                "name": spec.name,
-                "documentation": spec.help,
-                "labelnames": [*labelnames, *spec.labels],
-            }
-            if spec.kind == "histogram":
-                self._metrics[spec.name] = self._histogram_cls(buckets=list(spec.buckets), **kw)
-            elif spec.kind == "counter":
-                self._metrics[spec.name] = self._counter_cls(**kw)
-            else:
-                self._metrics[spec.name] = self._gauge_cls(multiprocess_mode="mostrecent", **kw)
+            self._metrics[spec.name] = [self._make(spec, name, labelnames) for name in spec.names]
         self._feeds: dict[int, PromFeed] = {}
+
+    def _make(self, spec: Any, name: str, labelnames: list[str]) -> Any:
+        kw: dict[str, Any] = {"name": name, "documentation": spec.help, "labelnames": [*labelnames, *spec.labels]}
+        if spec.kind == "histogram":
+            return self._histogram_cls(buckets=list(spec.buckets), **kw)
+        if spec.kind == "counter":
+            return self._counter_cls(**kw)
+        return self._gauge_cls(multiprocess_mode="mostrecent", **kw)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = list(self.per_engine_labelvalues.get(engine_idx, []))
         feed = self._feeds.setdefault(engine_idx, PromFeed())
         for kind, name, labels, value in feed.updates(transfer_stats_data):
             spec = METRIC_BY_NAME[name]
-            child = self._metrics[name].labels(*base, *(labels[k] for k in spec.labels))
-            if kind == "observe":
-                for v in value:
-                    child.observe(float(v))
-            elif kind == "inc":
-                child.inc(float(value))
-            else:
-                child.set(float(value))
+            for metric in self._metrics[name]:
+                child = metric.labels(*base, *(labels[k] for k in spec.labels))
+                if kind == "observe":
+                    for v in value:
+                        child.observe(float(v))
+                elif kind == "inc":
+                    child.inc(float(value))
+                else:
+                    child.set(float(value))

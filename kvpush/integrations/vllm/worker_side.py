@@ -58,10 +58,9 @@ class WorkerSide:
         self._expect: set[str] = set()
         self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
         self._stats_at = -1e9  # monotonic time of the last metrics report
-        # Layer-wise: kv_caches order of each layer name, regions per layer, and this
+        # Layer-wise: each layer name's layer (kv_caches order, as the backend describes them), and this
         # step's layer-wise transfers with the layers the forward has written so far.
         self._layer_index: dict[str, int] = {}
-        self._regions_per_layer = 0
         self._step_tids: list[str] = []
         self._layers_done: list[bool] = []
         self._layers_reported = 0
@@ -69,10 +68,9 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any], spec: CacheSpec) -> None:
         self.layout = self.backend.describe(kv_caches, spec)
-        # Backends list regions layer by layer in kv_caches order, the same number per layer.
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        if kv_caches and len(self.layout.regions) % len(kv_caches) == 0:
-            self._regions_per_layer = len(self.layout.regions) // len(kv_caches)
+        # Backends number layers in kv_caches order (``Region.layer``).
+        if len(kv_caches) == self.layout.num_layers:
+            self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         log.info(
             "kvpush worker %s rank %d: %d regions, %d blocks of %d tokens, %s, %s",
             self.engine_id,
@@ -154,7 +152,7 @@ class WorkerSide:
         to the push thread. Layers are reported as the longest computed prefix
         (in ``kv_caches`` order), whatever order the hooks come in.
         """
-        if not self._step_tids or self.sender is None or not self._regions_per_layer:
+        if not self._step_tids or self.sender is None:
             return
         i = self._layer_index.get(layer_name)
         if i is None:
@@ -165,14 +163,14 @@ class WorkerSide:
             done += 1
         if done > self._layers_reported:
             self._layers_reported = done
-            self.sender.kv_ready(self._step_tids, done * self._regions_per_layer, self.backend.record_ready())
+            self.sender.layer_written(self._step_tids, done - 1, self.backend.record_ready())
 
     def forward_done(self) -> None:
         """vLLM's ``wait_for_save`` (end of the forward): every layer is written, report what the hooks missed."""
-        if not self._step_tids or self.sender is None or self.layout is None:
+        if not self._step_tids or self.sender is None:
             return
-        if self._layers_reported < len(self._layers_done) or not self._regions_per_layer:
-            self.sender.kv_ready(self._step_tids, len(self.layout.regions), self.backend.record_ready())
+        if self._layers_reported < len(self._layers_done) or not self._layers_done:
+            self.sender.forward_done(self._step_tids, self.backend.record_ready())
         self._step_tids = []
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:

@@ -193,12 +193,14 @@ class _Side:
         while True:
             for r in engine.poll():
                 if r.transfer_id == tid:
-                    return {"t0": t0, "ok": r.ok, "reason": r.reason, **r.stats}
+                    return {"t0": t0, "ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tid}: P never released the request")
             time.sleep(0.0005)
 
     def op_raw_push(self, tag: str, sblocks: list[int], dblocks: list[int], timeout: float) -> dict[str, Any]:
+        from kvpush.outcome import XferState
+
         t0 = time.monotonic()
         c0 = time.perf_counter()
         local, remote = per_block_descriptors(self.layout, self.peer_layout, sblocks, dblocks, self.shape.tokens)
@@ -206,7 +208,7 @@ class _Side:
         handle, state = self.agent.write(local, "DRAM", remote, "DRAM", self.peer, tag.encode())
         c2 = time.perf_counter()
         deadline = time.monotonic() + timeout
-        while state == "PROC":
+        while state is XferState.PROC:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tag}: WRITE still in progress after {timeout}s")
             time.sleep(0.0002)
@@ -216,8 +218,8 @@ class _Side:
         nbytes = int(local[:, 1].sum())
         return {
             "t0": t0,
-            "ok": state == "DONE",
-            "reason": "" if state == "DONE" else f"WRITE state {state}",
+            "ok": state is XferState.DONE,
+            "reason": "" if state is XferState.DONE else f"WRITE state {state.value}",
             "plan_s": c1 - c0,
             "pack_s": 0.0,
             "post_s": c2 - c1,
@@ -239,7 +241,7 @@ class _Side:
         while time.monotonic() < deadline:
             for r in self.engines[plan].poll():
                 if r.transfer_id == tid:
-                    return {"t_done": time.monotonic(), "ok": r.ok, "reason": r.reason, **r.stats}
+                    return {"t_done": time.monotonic(), "ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
             time.sleep(0.0002)
         raise TimeoutError(f"{tid}: D saw no result in {timeout}s")
 

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.outcome import XferState
 from kvpush_tools.cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
 
 POISON = 0xA5
@@ -320,13 +321,13 @@ def _wait_xfers(agent: Any, handles: list[Any], timeout: float, release: bool = 
     deadline = time.perf_counter() + timeout
     for h in handles:
         st = agent.state(h)
-        while st not in ("DONE", "ERR"):
+        while st is XferState.PROC:
             if time.perf_counter() > deadline:
                 raise TimeoutError("NIXL transfer did not complete")
             st = agent.state(h)
         if release:
             agent.release(h)
-        if st == "ERR":
+        if st is XferState.ERR:
             raise RuntimeError("NIXL transfer failed (state ERR)")
 
 
@@ -522,8 +523,9 @@ class DServer:
             return
         copier = _stats_delta("d_copy_", before, s.copy_stats())  # before verify's own copies
         ok, detail = self.verify(src, dst) if res.ok else (False, res.reason)
-        result_t = res.times.get("result", 0.0)
-        self.conn.send(("done", (t1 - t0) * 1e3, {**res.stats, **copier}, ok, detail, result_t, dict(res.times)))
+        result_t = res.times.result or 0.0
+        stats = {**res.stats.as_dict(), **copier}
+        self.conn.send(("done", (t1 - t0) * 1e3, stats, ok, detail, result_t, res.times.as_dict()))
 
 
 # --------------------------------------------------------------------------- P
@@ -739,7 +741,7 @@ class PDriver:
             handles.append(h)
             pending.append(h)
             # Progress NIXL so finished chunks notify D (which unpacks them) while we pack the next.
-            pending = [x for x in pending if s.agent.state(x) not in ("DONE", "ERR")]
+            pending = [x for x in pending if s.agent.state(x) is XferState.PROC]
         case.descriptors = len(handles)
         _wait_xfers(s.agent, handles, o.timeout_s, release=False)
         return {"plan_ms": _ms(t_plan - t0), "pack_ms": _ms(pack_s), "post_ms": _ms(post_s)}
@@ -793,14 +795,13 @@ class PDriver:
         D's registration to its result (P plans on the critical path).
         ``ahead``: the vLLM flow when P's block ids are known at scheduling: P
         announces the prefill, D registers, P pairs and plans before the KV
-        exists; time from "KV ready" on P (``kv_ready`` with a CUDA event) to
+        exists; time from "KV ready" on P (``forward_done`` with a CUDA event) to
         D's result (unpacked). ``push_parts`` sets the pipelining.
         """
         s, o = self.s, self.s.opts
         rng = np.random.default_rng(o.seed + 1)
         out = []
         n = 0
-        nregions = len(s.layout.regions)
         runs = [("finished", 1, p) for p in o.patterns]
         runs += [("ahead", parts, p) for parts in o.engine_parts for p in o.patterns]
         current = None
@@ -826,7 +827,7 @@ class PDriver:
                     s.warm(o.warm_ms)
                     before = s.copy_stats()
                     t0 = time.monotonic()
-                    sender.kv_ready([tid], nregions, s.backend.record_ready())
+                    sender.forward_done([tid], s.backend.record_ready())
                     _, _, stats, ok, det, t_result, d_times = _recv(self.conn, o.timeout_s)
                     t = (t_result - t0) * 1e3
                     marks = {f"d_{k}": (v - t0) * 1e3 for k, v in d_times.items() if v >= t0}
@@ -835,14 +836,15 @@ class PDriver:
                 p_res = self._released(sender, tid)
                 released = p_res is not None
                 if released and mode == "ahead":
-                    marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_res.times.items() if v >= t0})
-                    marks.update({f"p_{k}_ms": v * 1e3 for k, v in p_res.stats.items() if k.endswith("_s")})
+                    p_times, p_stats = p_res.times.as_dict().items(), p_res.stats.as_dict().items()
+                    marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_times if v >= t0})
+                    marks.update({f"p_{k}_ms": v * 1e3 for k, v in p_stats if k.endswith("_s")})
                 ok_all &= ok and released
                 detail = detail or det or ("" if released else "P never released the blocks")
                 if it:
                     ms.append(t)
                     timeline.append(marks)
-            plan = next((k[5:] for k in stats if k.startswith("plan_")), "?")
+            plan = str(stats.get("plan", "?"))
             row = {
                 "pattern": pattern,
                 "mode": mode,
@@ -891,8 +893,6 @@ class PDriver:
         """
         torch, s, o = self.s.torch, self.s, self.s.opts
         rng = np.random.default_rng(o.seed + 7)
-        nregions = len(s.layout.regions)
-        rpl = nregions // o.layers
         parts = o.engine_parts[0] if o.engine_parts else 4
         # Modes with their own schedule (_mode_cfg) change P's config between runs (P reads it when it
         # groups layers; D does not use it), so that all modes take turns with one sender.
@@ -958,7 +958,7 @@ class PDriver:
                 a = layer.attention(x)
                 mark()
                 if pushing and mode not in ("whole", "layer_end"):
-                    sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
+                    sender.layer_written([tid], i, s.backend.record_ready())
                 elif side is not None and sim is not None:
                     side.layer(i, t, req_blocks, *sim)
                 if mode == "layer_1gemm":
@@ -966,7 +966,7 @@ class PDriver:
                 else:
                     layer.after_hook(x, a)
                 if mode == "layer_end":
-                    sender.kv_ready([tid], (i + 1) * rpl, s.backend.record_ready())
+                    sender.layer_written([tid], i, s.backend.record_ready())
             mark()
             last = s.backend.record_ready()
             s.backend.wait_ready(last)
@@ -974,7 +974,7 @@ class PDriver:
             # Wall-clock start: lines up a run with outside samples (nvidia-smi's clocks and power).
             row = {"forward_ms": (t_fwd - t0) * 1e3, "wall_start": time.time() - (time.monotonic() - t0)}
             if mode == "whole":  # first: the samples' wait below must not delay the push
-                sender.kv_ready([tid], nregions, last)
+                sender.forward_done([tid], last)
             if sim is not None and side is not None:
                 row["sim_tail_ms"] = (side.wait() - t_fwd) * 1e3
             if marks:
@@ -997,11 +997,11 @@ class PDriver:
             p_res = self._released(sender, tid)
             if p_res is None:
                 return row, False, det or "P never released the blocks"
-            for k in ("posted", "completed"):
-                if k in p_res.times:
-                    row[f"p_{k}_ms"] = (p_res.times[k] - t_fwd) * 1e3
-            row["p_pack_ms_total"] = p_res.stats.get("pack_s", 0.0) * 1e3
-            row["p_post_ms_total"] = p_res.stats.get("post_s", 0.0) * 1e3
+            for k, v in p_res.times.as_dict().items():
+                if k in ("posted", "completed"):
+                    row[f"p_{k}_ms"] = (v - t_fwd) * 1e3
+            row["p_pack_ms_total"] = (p_res.stats.pack_s or 0.0) * 1e3
+            row["p_post_ms_total"] = (p_res.stats.post_s or 0.0) * 1e3
             return row, ok, det
 
         for tokens in o.lw_tokens:

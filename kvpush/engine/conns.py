@@ -1,0 +1,153 @@
+"""D's links to the P ranks that write to it: hello, heartbeats, and declaring a silent P rank dead.
+
+One ZMQ DEALER per P rank, opened at the first registration that needs it.
+A refused handshake is retried after ``REFUSED_RETRY_S`` (the refusal may
+have been transient, or fixed by redeploying P); a P rank that stops
+answering heartbeats for ``peer_dead_s`` is said hello to again (it
+restarted and does not know this D) or, while writers wait on it, declared
+dead, and its NIXL agent unloaded so nothing more of it is read.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpush import protocol
+from kvpush.layout import KVLayout, Region
+from kvpush.metrics import Count
+from kvpush.transport.side_channel import Client
+
+if TYPE_CHECKING:
+    from kvpush.engine.receiver import Receiver
+
+log = logging.getLogger(__name__)
+
+REFUSED_RETRY_S = 5.0
+"""A P rank that refused the handshake is asked again after this long, on the next registration."""
+
+ConnKey = tuple[str, int]
+
+
+class ConnState(enum.StrEnum):
+    HELLO_SENT = "hello_sent"
+    READY = "ready"
+    REFUSED = "refused"
+    DEAD = "dead"
+
+
+@dataclass
+class Conn:
+    """This D rank's link to one P rank."""
+
+    client: Client
+    state: ConnState
+    since: float
+    last_seen: float
+    last_hb: float = 0.0
+    hb_seq: int = 0
+    reason: str = ""
+    p_rank: int = 0
+    agent: str = ""
+    layout: KVLayout | None = None
+
+
+class Conns:
+    """The P ranks one D rank talks to, keyed by their side channel's (host, port)."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.r = receiver
+        self._conns: dict[ConnKey, Conn] = {}
+        self._by_agent: dict[str, ConnKey] = {}
+
+    def get(self, key: ConnKey) -> Conn | None:
+        return self._conns.get(key)
+
+    def ready(self) -> int:
+        return sum(c.state is ConnState.READY for c in self._conns.values())
+
+    def close(self) -> None:
+        for c in self._conns.values():
+            c.client.close()
+
+    def recv(self, now: float) -> Iterator[tuple[ConnKey, Conn, Any]]:
+        for key, conn in list(self._conns.items()):
+            for msg in conn.client.recv():
+                conn.last_seen = now
+                yield key, conn, msg
+
+    def heard_from_agent(self, agent_name: str, now: float) -> None:
+        key = self._by_agent.get(agent_name)
+        if key is not None and key in self._conns:
+            self._conns[key].last_seen = now
+
+    def open(self, key: ConnKey, now: float) -> Conn:
+        """The link to ``key``, saying hello first if there is none (or it is dead, stale, or long refused)."""
+        conn = self._conns.get(key)
+        stale = conn is not None and (
+            (conn.state is ConnState.REFUSED and now - conn.since >= REFUSED_RETRY_S)
+            # P stopped answering heartbeats (it restarted and does not know us): say hello again
+            or (conn.state is ConnState.READY and now - conn.last_seen > self.r.cfg.peer_dead_s)
+        )
+        if conn is not None and conn.state is not ConnState.DEAD and not stale:
+            return conn
+        r = self.r
+        if conn is not None:
+            conn.client.close()
+            r.poller.unregister(conn.client.sock)
+        client = Client(r.ctx, *key)
+        r.poller.register(client.sock, 1)
+        conn = Conn(client, ConnState.HELLO_SENT, now, now)
+        self._conns[key] = conn
+        staging = None
+        if r._staging is not None:
+            staging = Region(r._staging.addr, r._staging.size, r._staging.device_id)
+        hello = protocol.Hello(
+            engine_id=r.engine_id,
+            rank=r.rank,
+            tp_size=r.tp_size,
+            agent_name=r.agent.name,
+            agent_metadata=r.agent.metadata(),
+            layout=r.layout,
+            model=r.cfg.model,
+            staging=staging,
+        )
+        client.send(hello)
+        return conn
+
+    def on_hello_reply(self, key: ConnKey, conn: Conn, msg: protocol.HelloReply, now: float) -> None:
+        if not msg.ok or msg.layout is None:
+            conn.state, conn.reason = ConnState.REFUSED, f"P {key[0]}:{key[1]} refused the handshake: {msg.reason}"
+            conn.since = now
+            log.error("%s: %s", self.r.name, conn.reason)
+        else:
+            conn.state, conn.p_rank, conn.agent, conn.layout = ConnState.READY, msg.rank, msg.agent_name, msg.layout
+            self._by_agent[msg.agent_name] = key
+
+    def tick(self, now: float) -> list[tuple[ConnKey, str]]:
+        """Heartbeats out; returns the links just declared dead, with why."""
+        dead: list[tuple[ConnKey, str]] = []
+        cfg = self.r.cfg
+        for key, conn in self._conns.items():
+            if conn.state is ConnState.READY and now - conn.last_hb >= cfg.heartbeat_s:
+                conn.last_hb = now
+                conn.hb_seq += 1
+                conn.client.send(protocol.Heartbeat(self.r.engine_id, self.r.rank, conn.hb_seq, time.time()))
+            silent = now - conn.last_seen > cfg.peer_dead_s
+            # A READY link nobody waits on is said hello to again at the next registration instead.
+            waited_on = conn.state is ConnState.HELLO_SENT or (
+                conn.state is ConnState.READY and self.r.book.writes_on(key)
+            )
+            if silent and waited_on:
+                conn.state = ConnState.DEAD
+                conn.reason = f"P {key[0]}:{key[1]} silent for {now - conn.last_seen:.1f}s: declared dead"
+                log.error("%s: %s", self.r.name, conn.reason)
+                self.r.bump(Count.DEAD_PEERS)
+                if conn.agent:
+                    self.r.agent.remove_peer(conn.agent)
+                dead.append((key, conn.reason))
+        return dead

@@ -1,0 +1,280 @@
+"""Carrying out P's push jobs: the backend's packs, NIXL's WRITEs, the plan made at pairing.
+
+The sender's engine thread calls ``start_job`` for each push the rendezvous
+decided and ``drive`` for each job on every step; the rules of what to do
+when are ``kvpush.push_job.PushJob``'s. Here is only I/O: confirm device
+markers, start and check packs, build and post WRITEs, and answer each of the
+job's actions with what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvpush import protocol
+from kvpush.errors import KVPushError
+from kvpush.metrics import Count
+from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.plan import PartSchedule, Plan, build_plan, part_descriptors, split_regions
+from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, PushJob, ReleaseMade, StartPack
+from kvpush.rendezvous import Prefill
+from kvpush.transfer import Transfer
+
+if TYPE_CHECKING:
+    from kvpush.engine.sender import Sender
+
+log = logging.getLogger(__name__)
+
+
+class PushRunner:
+    """The I/O half of one P rank's push jobs."""
+
+    def __init__(self, sender: Sender) -> None:
+        self.s = sender
+
+    def drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
+        """Feed the job what happened (readiness, packs, WRITEs) and carry out what it asks for."""
+        try:
+            self._drive(tid, rec, job)
+        except Exception as exc:
+            # A bug or a backend failure must end this push (D is told), not wedge the loop.
+            log.exception("%s: push %s failed", self.s.name, tid)
+            job.failed(Failed(Stage.POST, Cause.OTHER, f"push failed: {exc}"))
+            self._carry_out(tid, rec, job)
+
+    def _drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
+        chain = job.plan.chain
+        if not chain and not job.stopped:
+            while (m := rec.unconfirmed()) is not None and self.s.backend.poll_ready(m.marker):
+                rec.confirm()
+        job.ready(*rec.readiness(job.sent, chain), time.monotonic())
+        job.check_packs()
+        self._carry_out(tid, rec, job)
+        for handle in list(job.flying):
+            state = self.s.agent.state(handle)
+            if state is not XferState.PROC:
+                self.s.agent.release(handle)
+                job.written(handle, state, time.monotonic())
+        self._carry_out(tid, rec, job)
+
+    def _carry_out(self, tid: str, rec: Transfer, job: PushJob) -> None:
+        """Carry out the job's actions until it has none (each answered before the next)."""
+        while (a := job.next_action()) is not None:
+            if isinstance(a, StartPack):
+                self._start_pack(job, a)
+            elif isinstance(a, CheckPack):
+                self._check_pack(job, a)
+            elif isinstance(a, Post):
+                self._post(job, a)
+            elif isinstance(a, Notify):
+                peer = self.s.peers.get(job.key)
+                if peer is not None:
+                    self.s._tell_posting(job, peer)
+            elif isinstance(a, ReleaseMade):
+                for handle in a.handles:
+                    self.s.agent.release(handle)
+            elif isinstance(a, Fail):
+                ident = self.s.peers.ident_of(job.key)
+                if ident is not None:
+                    self.s.fail(ident, job.reg, a.failed)
+            elif isinstance(a, Done):
+                if job.slot is not None:
+                    self.s._slots.free(job.slot)
+                rec.end_job(job, a.failed, time.monotonic())
+                self.s._apply(self.s.rdv.push_ended(tid, job.key, a.failed))
+
+    def _start_pack(self, job: PushJob, a: StartPack) -> None:
+        """Start packing a part; asynchronous where the backend can, so several parts pack back to back."""
+        plan = job.plan.plan
+        assert plan.pack is not None and self.s._staging is not None and job.slot is not None
+        t0 = time.monotonic()
+        try:
+            staging = self.s._staging.addr + job.slot + a.r0 * plan.region_bytes
+            # ``after`` only for backends that chain: others may implement start_pack without it.
+            if a.after is not None:
+                marker = self.s.copy.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging, after=a.after)
+            else:
+                marker = self.s.copy.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging)
+        except Exception as exc:
+            job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
+            return
+        job.pack_started(marker, time.monotonic() - t0)
+
+    def _check_pack(self, job: PushJob, a: CheckPack) -> None:
+        try:
+            if a.block and (a.after is None or self.s.backend.poll_ready(a.after)):
+                self.s.backend.wait_ready(a.marker)  # our own short kernel, never a layer still computing
+                done = True
+            else:
+                done = self.s.backend.poll_ready(a.marker)
+        except Exception as exc:
+            job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
+            return
+        if done:
+            job.packed()
+        else:
+            job.pack_pending()
+
+    def _post(self, job: PushJob, a: Post) -> None:
+        peer = self.s.peers.get(job.key)
+        t1 = time.monotonic()
+        handle, ndesc, state = None, 0, XferState.DONE
+        try:
+            if peer is None:
+                raise KVPushError(f"D {job.key[0]} rank {job.key[1]} is gone")
+            if job.plan.kind is PlanKind.EMPTY:
+                self.s.agent.send_notif(peer.agent, self._completion(job, a.r0, a.r1, 0))
+            else:
+                handle, ndesc = a.made if a.made is not None else self._build_part(job, peer, a.r0, a.r1)
+                state = self.s.agent.post(handle)
+        except Exception as exc:
+            job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
+            return
+        t2 = time.monotonic()
+        if handle is not None:
+            self.s.bump(Count.PARTS)
+            self.s.bump(Count.BYTES, (a.r1 - a.r0) * job.plan.region_bytes)
+            self.s.bump(Count.DESCRIPTORS, ndesc)
+            if a.made is not None:
+                self.s.bump(Count.PARTS_PREBUILT)
+            if state is not XferState.PROC:
+                self.s.agent.release(handle)
+        job.posted(handle, ndesc, state, t1, t2)
+
+    def start_job(self, tid: str, rec: Transfer, prefill: Prefill, reg: protocol.Register) -> None:
+        """Pair made: plan now (often before the KV exists); the job posts parts as regions become ready."""
+        t0 = time.monotonic()
+        key = (reg.engine_id, reg.rank)
+        peer = self.s.peers.get(key)
+        if peer is None:
+            gone = Failed(Stage.RENDEZVOUS, Cause.DEAD_PEER, f"D {reg.engine_id} rank {reg.rank} is gone")
+            self.s._apply(self.s.rdv.push_ended(tid, key, gone))
+            return
+        try:
+            if reg.num_tokens > prefill.num_tokens:
+                why = f"D asks for {reg.num_tokens} tokens, P computed {prefill.num_tokens}"
+                raise _BadRegistration(why)
+            plan, slot = self._plan(prefill, reg, peer)
+        except Exception as exc:
+            cause = Cause.BAD_REGISTRATION if isinstance(exc, _BadRegistration) else Cause.POST_ERROR
+            self.s.fail(peer.ident, reg, Failed(Stage.PLAN, cause, str(exc)))
+            self.s._apply(self.s.rdv.push_ended(tid, key, Failed(Stage.PLAN, cause, f"planning failed: {exc}")))
+            return
+        cfg = self.s.cfg
+        sched = PartSchedule(
+            self.s._layer_ends, plan.region_bytes, cfg.layerwise_min_part_bytes, cfg.layerwise_lead_layers
+        )
+        chain = plan.kind is PlanKind.STAGED and self.s.backend.capabilities.chained_ready
+        jp = JobPlan(plan, sched, cfg.push_parts, chain)
+        made = self._prepare(jp, prefill, rec, peer, reg, slot) if plan.kind is PlanKind.STAGED else {}
+        t_plan = time.monotonic()
+        rec.jobs[key] = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made)
+        rec.times.first("push_start", t0)
+        rec.times.first("planned", t_plan)
+        log.debug(
+            "%s: push %s -> %s/%d plan=%s bytes=%d pieces=%d descs<=%d est=%s",
+            self.s.name,
+            tid,
+            reg.engine_id,
+            reg.rank,
+            plan.kind,
+            plan.nbytes,
+            plan.pieces,
+            plan.descriptors,
+            plan.estimate,
+        )
+        self.s.bump(Count.plan(plan.kind))
+
+    def _prepare(
+        self, jp: JobPlan, prefill: Prefill, rec: Transfer, peer: Any, reg: protocol.Register, slot: int | None
+    ) -> dict[tuple[int, int], tuple[Any, int]]:
+        """Hand the backend its piece tables now and, for a push announced ahead (its KV not reported
+        yet, so most likely reported whole and cut like this), build the parts' WRITEs; a part cut
+        otherwise (layers) is built when posted, unused ones are given back with the job."""
+        plan = jp.plan
+        assert plan.pack is not None
+        ahead = bool(prefill.num_tokens) and not rec.milestones
+        cut = split_regions(0, plan.nregions, jp.parts(plan.nregions)) if ahead else []
+        parts = []
+        if self.s._staging is not None and slot is not None:
+            base = self.s._staging.addr + slot
+            parts = [(r0, r1, base + r0 * plan.region_bytes) for r0, r1 in cut]
+        try:
+            self.s.copy.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
+        except Exception:
+            log.exception("%s: prepare_pack failed (pack will do it)", self.s.name)
+        made: dict[tuple[int, int], tuple[Any, int]] = {}
+        try:
+            for r0, r1 in cut:
+                made[(r0, r1)] = self._build_part_of(plan, reg, peer, r0, r1)
+        except Exception:
+            log.exception("%s: building %s's WRITEs ahead failed (built when posted)", self.s.name, reg.transfer_id)
+            for handle, _ in made.values():
+                self.s.agent.release(handle)
+            made = {}
+        return made
+
+    def _build_part(self, job: PushJob, peer: Any, r0: int, r1: int) -> tuple[Any, int]:
+        return self._build_part_of(job.plan.plan, job.reg, peer, r0, r1)
+
+    def _build_part_of(self, plan: Plan, reg: protocol.Register, peer: Any, r0: int, r1: int) -> tuple[Any, int]:
+        """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count."""
+        local, remote = part_descriptors(plan, self.s.layout, peer.layout, r0, r1)
+        notif = _completion(plan, reg, self.s.rank, r0, r1, local.shape[0])
+        handle = self.s.agent.prepare_write(
+            local, str(self.s.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
+        )
+        return handle, local.shape[0]
+
+    def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:
+        return _completion(job.plan.plan, job.reg, self.s.rank, r0, r1, ndesc)
+
+    def _plan(self, prefill: Prefill, reg: protocol.Register, peer: Any) -> tuple[Plan, int | None]:
+        slot = None
+        local = remote = None
+        if reg.staging is not None and peer.staging is not None and self.s._staging is not None:
+            slot = self.s._slots.alloc(reg.staging.size)
+            if slot is not None:
+                local = (self.s._staging.addr + slot, self.s._staging.device_id)
+                remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
+        plan = build_plan(
+            self.s.cfg,
+            self.s.layout,
+            peer.layout,
+            prefill.block_ids[0],
+            reg.block_ids[0],
+            reg.num_tokens,
+            reg.start_token,
+            staging_local=local,
+            staging_remote=remote,
+            pack_bw=self.s.backend.pack_bandwidth(),
+        )
+        if plan.kind is not PlanKind.STAGED and slot is not None:
+            self.s._slots.free(slot)
+            slot = None
+        return plan, slot
+
+
+class _BadRegistration(KVPushError):
+    """D asks for what P cannot write (more tokens than the prefill computed)."""
+
+
+def _completion(plan: Plan, reg: protocol.Register, rank: int, r0: int, r1: int, ndesc: int) -> bytes:
+    """The notification that travels with the WRITE of regions ``[r0, r1)``."""
+    staged = plan.kind is PlanKind.STAGED
+    return protocol.encode(
+        protocol.Completion(
+            reg.transfer_id,
+            reg.request_id,
+            rank,
+            plan.kind,
+            (r1 - r0) * plan.region_bytes,
+            ndesc,
+            reg.staging if staged else None,
+            reg.attempt,
+            region_start=r0,
+            region_end=r1,
+        )
+    )

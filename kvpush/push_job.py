@@ -1,0 +1,382 @@
+"""P's push of one transfer to one D rank, as a sans-I/O state machine.
+
+A *job* starts when a registration meets its prefill (``kvpush.rendezvous``
+decides that), is planned once, and then posts *parts*: WRITEs of a range of
+regions, each with its own completion, as the KV becomes ready. The job never
+touches NIXL, the backend or a socket: the engine thread feeds it events
+(``ready``, ``pack_started``, ``packed``, ``posted``, ``written``, ``cancel``,
+``failed``) and carries out the actions it asks for, one at a time, feeding
+each action's result back before asking for the next (``next_action``):
+
+* ``Notify``: tell D that this push starts (the ``Posting`` heads-up, once);
+* ``StartPack``: gather regions ``[r0, r1)`` into staging (staged plans);
+* ``CheckPack``: is the oldest pack done (wait for it when ``block``)?
+* ``Post``: post the WRITE of regions ``[r0, r1)`` (a bare completion for an
+  empty plan);
+* ``ReleaseMade``: give back WRITEs built ahead that will not be posted;
+* ``Fail``: tell D that some regions will never be written;
+* ``Done``: the job is over; nothing of it is in flight or being packed.
+
+Rules it keeps: nothing is packed or posted once the job is cancelled or has
+failed; a pack that is running still ends before the job does (P's blocks
+are read by it); D hears ``Fail`` only when no part is in flight any more, so
+nothing lands after D reads it; ``Done`` comes exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.outcome import Cause, Failed, PlanKind, PushStats, PushTimes, Stage, XferState
+from kvpush.plan import PartSchedule, Plan, part_count, split_regions
+from kvpush.protocol import Register
+
+DKey = tuple[str, int]
+"""A D rank: (engine id, rank)."""
+
+
+# -- actions -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Send D the ``Posting`` heads-up: D polls busily only for transfers it was told are being written."""
+
+
+@dataclass(frozen=True)
+class StartPack:
+    """Start packing regions ``[r0, r1)`` into the job's staging slot; answer ``pack_started`` or ``failed``.
+
+    ``after``: the KV marker a backend that chains packs queues this one behind (None: the KV is ready).
+    """
+
+    r0: int
+    r1: int
+    after: Any
+
+
+@dataclass(frozen=True)
+class CheckPack:
+    """Is the oldest pack done? Answer ``packed``, ``pack_pending`` or ``failed``.
+
+    ``block``: wait for it instead of polling, but only once ``after`` (the KV
+    it is queued behind) is reached: then it is a short kernel of ours, never
+    a layer still computing.
+    """
+
+    marker: Any
+    after: Any
+    block: bool
+
+
+@dataclass(frozen=True)
+class Post:
+    """Post the WRITE of regions ``[r0, r1)`` (``made``: its handle built ahead, or None to build it now).
+
+    Answer ``posted`` or ``failed``. For an empty plan the post is the bare completion notification.
+    """
+
+    r0: int
+    r1: int
+    made: tuple[Any, int] | None
+
+
+@dataclass(frozen=True)
+class ReleaseMade:
+    """Give back these unposted WRITE handles (built ahead, no longer needed)."""
+
+    handles: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Tell D this push will not write every region (sent only once nothing is in flight)."""
+
+    failed: Failed
+
+
+@dataclass(frozen=True)
+class Done:
+    """The job is over: free its staging slot, account its stats, end the push in the rendezvous."""
+
+    failed: Failed | None
+
+
+Action = Notify | StartPack | CheckPack | Post | ReleaseMade | Fail | Done
+
+
+# -- the job -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A job's plan and how its parts are cut and scheduled.
+
+    ``push_parts``: most parts a staged run of ready regions is cut into
+    (``plan.part_count``); ``chain``: the backend queues packs behind the KV's
+    marker on the device, so a staged job need not see the marker reached.
+    """
+
+    plan: Plan
+    schedule: PartSchedule
+    push_parts: int = 1
+    chain: bool = False
+
+    @property
+    def kind(self) -> PlanKind:
+        return self.plan.kind
+
+    @property
+    def nregions(self) -> int:
+        return self.plan.nregions
+
+    @property
+    def region_bytes(self) -> int:
+        return self.plan.region_bytes
+
+    def parts(self, nregions: int) -> int:
+        """How many WRITEs a run of ``nregions`` ready regions is cut into."""
+        if self.kind is not PlanKind.STAGED:
+            return 1
+        return part_count(self.push_parts, nregions * self.region_bytes)
+
+
+@dataclass
+class _Packing:
+    r0: int
+    r1: int
+    marker: Any
+    after: Any
+
+
+class PushJob:
+    """The push of one transfer to one D rank, from pairing until its last part is over."""
+
+    def __init__(
+        self,
+        reg: Register,
+        plan: JobPlan,
+        times: PushTimes,
+        t_start: float,
+        plan_s: float,
+        slot: int | None = None,
+        made: dict[tuple[int, int], tuple[Any, int]] | None = None,
+    ) -> None:
+        self.reg = reg
+        self.key: DKey = (reg.engine_id, reg.rank)
+        self.plan = plan
+        self.times = times  # the transfer's stage times (shared by its jobs)
+        self.t_start = t_start
+        self.slot = slot
+        self.made = dict(made or {})
+        self.stats = PushStats(plan=plan.kind, plan_s=plan_s, pieces=plan.plan.pieces)
+        if plan.kind is PlanKind.DIRECT:
+            self.stats.pack_s = 0.0  # a direct push has a pack stage of zero
+        self.sent = 0  # regions [0, sent) are posted or being packed
+        self.nposted = 0  # regions posted (a cancel may drop packed parts)
+        self.packing: deque[_Packing] = deque()
+        self.flying: list[Any] = []  # handles of posted WRITEs not yet over
+        self.waiting: Any = None  # the KV marker this job waits for (backends that do not chain)
+        self.told = False
+        self.failure: Failed | None = None
+        self.cancelled: Failed | None = None
+        self.t_post = 0.0
+        self.t_complete = 0.0
+        self.done = False
+        self._todo: deque[tuple[Any, ...]] = deque()
+        self._asked: Action | None = None  # the action whose result is awaited
+        self._keep = 0  # packs the check in progress leaves running (one while parts are still being started)
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def stopped(self) -> bool:
+        """Cancelled or failed: nothing more is packed or posted."""
+        return self.failure is not None or self.cancelled is not None
+
+    @property
+    def over(self) -> bool:
+        n = self.plan.nregions
+        return not self.flying and not self.packing and (self.nposted == n or self.stopped)
+
+    @property
+    def watch(self) -> Any:
+        """The device marker this job waits for (the oldest pack, else the KV), or None."""
+        return self.packing[0].marker if self.packing else self.waiting
+
+    def wake_at(self) -> int:
+        """Fewest ready regions that can start this job's next part (0: any report may)."""
+        if self.stopped or self.sent >= self.plan.nregions:
+            return 0
+        return self.plan.schedule.wake_at(self.sent)
+
+    # -- events --------------------------------------------------------------
+    def ready(self, ready: int, after: Any, waiting: Any, now: float) -> None:
+        """Regions ``[0, ready)`` are written (packs queue behind ``after``); ``waiting``: the next KV marker.
+
+        Queues the parts the schedule posts now; an empty plan announces
+        itself at once (it has no bytes to wait for).
+        """
+        if self.stopped:
+            return
+        plan = self.plan
+        self.waiting = waiting
+        if plan.kind is PlanKind.EMPTY:
+            if self.sent == 0:
+                self.sent = plan.nregions
+                self._todo.extend([("notify",), ("post", 0, plan.nregions)])
+            return
+        end = plan.schedule.part_end(self.sent, ready)
+        if end <= self.sent:
+            return
+        self.times.first("ready", now)
+        if self.stats.wait_ready_s is None:
+            # Planned at pairing; this is how long the KV took after that (layer-wise: the forward).
+            self.stats.wait_ready_s = max(0.0, now - self.t_start - (self.stats.plan_s or 0.0))
+        for r0, r1 in split_regions(self.sent, end, plan.parts(end - self.sent)):
+            self.sent = r1
+            if plan.kind is PlanKind.STAGED:
+                # One pack ahead: part k is posted while part k+1 packs; the heads-up goes after the
+                # first pack's launch, so it is sent while the device packs.
+                self._todo.extend([("pack", r0, r1, after), ("notify",), ("check", 1)])
+            else:
+                self._todo.extend([("notify",), ("post", r0, r1)])
+
+    def check_packs(self) -> None:
+        """Ask about the packs that may be done (every step, after ``ready``: a pack ends on the device, unseen)."""
+        if self.packing or any(item[0] == "pack" for item in self._todo):
+            self._todo.append(("check", 0))
+
+    def pack_started(self, marker: Any, seconds: float) -> None:
+        a = self._answer(StartPack)
+        self.stats.pack_s = (self.stats.pack_s or 0.0) + seconds
+        self.packing.append(_Packing(a.r0, a.r1, marker, a.after))
+
+    def packed(self) -> None:
+        """The oldest pack is done: post it, then look at the next one."""
+        self._answer(CheckPack)
+        p = self.packing.popleft()
+        # Once stopped, nothing is posted; the pack only had to end before P's blocks go back.
+        self._todo.appendleft(("check", self._keep))
+        if not self.stopped:
+            self._todo.appendleft(("post", p.r0, p.r1))
+
+    def pack_pending(self) -> None:
+        self._answer(CheckPack)
+
+    def posted(self, handle: Any, ndesc: int, state: XferState, t0: float, t1: float) -> None:
+        """The WRITE of the asked part was posted (``state``: NIXL's answer to the post)."""
+        a = self._answer(Post)
+        n = a.r1 - a.r0
+        self.nposted += n
+        if self.plan.kind is PlanKind.EMPTY:
+            return
+        st = self.stats
+        st.post_s = (st.post_s or 0.0) + t1 - t0
+        st.descriptors += ndesc
+        st.bytes += n * self.plan.region_bytes
+        st.parts += 1
+        self.times.first("packed", t0)
+        self.times.latest("posted", t1)
+        self.t_post = t1
+        if state is XferState.PROC:
+            self.flying.append(handle)
+        else:
+            self._ended(state, t1)
+
+    def written(self, handle: Any, state: XferState, now: float) -> None:
+        """A posted WRITE is over (``DONE`` or ``ERR``); ``PROC`` changes nothing."""
+        if state is XferState.PROC:
+            return
+        self.flying = [h for h in self.flying if h is not handle]
+        self._ended(state, now)
+
+    def failed(self, failed: Failed) -> None:
+        """The asked action failed (a pack, a post, a check): the job ends once nothing is in flight."""
+        a = self._asked
+        self._asked = None
+        if isinstance(a, CheckPack) and self.packing:
+            self.packing.popleft()  # a failed pack is over too
+            self._todo.appendleft(("check", self._keep))
+        if self.failure is None:
+            self.failure = failed
+
+    def cancel(self, cause: Cause, reason: str) -> None:
+        """Stop posting (an abort, D gone); what is in flight or packing still ends first."""
+        if self.cancelled is None:
+            stage = Stage.POST if self.sent else Stage.RENDEZVOUS
+            self.cancelled = Failed(stage, cause, reason)
+
+    def peer_gone(self, reason: str) -> None:
+        """D's rank is forgotten: cancel, and give back the WRITEs built for it now (they name its agent)."""
+        self.cancel(Cause.DEAD_PEER, reason)
+        self._todo.appendleft(("release",))
+
+    # -- actions -------------------------------------------------------------
+    def next_action(self) -> Action | None:
+        """The next thing to do, or None (then feed an event). Every action but ``Notify``,
+        ``ReleaseMade``, ``Fail`` and ``Done`` must be answered before the next call."""
+        assert self._asked is None, f"{self._asked} was not answered"
+        while self._todo:
+            a = self._action(self._todo.popleft())
+            if a is not None:
+                if isinstance(a, StartPack | CheckPack | Post):
+                    self._asked = a
+                return a
+        if self.done or not self.over:
+            return None
+        if self.made:
+            return self._action(("release",))
+        self.done = True
+        why = self.failure
+        if why is None and self.cancelled is not None and self.nposted < self.plan.nregions:
+            why = self.cancelled
+        self._todo.append(("done", why))
+        return Fail(why) if why is not None else self.next_action()
+
+    def _action(self, item: tuple[Any, ...]) -> Action | None:
+        kind = item[0]
+        if kind == "notify":
+            if self.told or self.stopped:
+                return None
+            self.told = True
+            return Notify()
+        if kind == "pack":
+            return None if self.stopped else StartPack(item[1], item[2], item[3])
+        if kind == "post":
+            return None if self.stopped else Post(item[1], item[2], self.made.pop((item[1], item[2]), None))
+        if kind == "check":
+            return self._check(item[1])
+        if kind == "release":
+            handles, self.made = tuple(h for h, _ in self.made.values()), {}
+            return ReleaseMade(handles) if handles else None
+        return Done(item[1])
+
+    def _check(self, keep: int) -> CheckPack | None:
+        """``CheckPack`` of the oldest pack while more than ``keep`` are running.
+
+        In the tail (every region is packing or posted) the thread waits for
+        each pack instead of polling: packs are short kernels of ours, and a
+        poll's sleep would add to the critical path per part. Before that
+        (layers still computing) it polls, so a pack slowed by the forward
+        blocks nothing.
+        """
+        if len(self.packing) <= keep:
+            return None
+        self._keep = keep
+        head = self.packing[0]
+        block = self.sent == self.plan.nregions and not self.stopped
+        return CheckPack(head.marker, head.after, block)
+
+    def _answer(self, kind: type) -> Any:
+        a = self._asked
+        assert isinstance(a, kind), f"answer for {kind.__name__}, but {a} was asked"
+        self._asked = None
+        return a
+
+    def _ended(self, state: XferState, now: float) -> None:
+        self.t_complete = now
+        if state is not XferState.DONE and self.failure is None:
+            d = f"D {self.key[0]} rank {self.key[1]}"
+            self.failure = Failed(Stage.WRITE, Cause.WRITE_ERROR, f"WRITE to {d} failed")

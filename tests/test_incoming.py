@@ -1,0 +1,383 @@
+"""D's fencing (``kvpush.incoming``): when D may report a transfer, over every interleaving.
+
+The state machine plays the receiver thread, the network and an honest P
+around a real ``Fencing``: D registers (and re-registers, a new attempt),
+connections come up or are refused, P writes parts (direct or staged, in any
+order, each its own completion), answers aborts, supersedes old attempts the
+way P does (a new attempt is written only after the previous one's WRITE
+ended), or goes silent and is declared dead; unpacks land whenever the
+device says so. The central invariant: **D reports a transfer only when no
+writer can still write into its blocks** (it finished, failed, answered an
+abort, was declared dead, or never got the registration), after every
+unpack into them ended; each attempt is reported exactly once, every
+staging slot freed exactly once, and a transfer reported ok has every region
+of every writer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpush import protocol
+from kvpush.incoming import (
+    Asked,
+    AwaitUnpacks,
+    Cancel,
+    Fencing,
+    FreeSlot,
+    Incoming,
+    Report,
+    SendAbort,
+    SendRegister,
+    Stale,
+    StartUnpack,
+    WaitUnpacks,
+)
+from kvpush.outcome import Cause, Failed, PlanKind, Stage
+
+NREGIONS = 4
+TIDS = ("t0", "t1")
+P_RANKS = (0, 1)
+PEER_DEAD_S = 5.0
+TIMEOUT_S = 30.0
+
+
+@dataclass(eq=False)
+class Marker:
+    reached: bool = False
+
+
+@dataclass
+class Session:
+    """What P knows of one registration it received: (transfer, attempt, P rank)."""
+
+    tid: str
+    attempt: int
+    p: int
+    staged: bool
+    grant: protocol.StagingGrant | None
+    left: list[tuple[int, int]]  # parts not written yet
+    writing: bool = True  # P may still write into D's blocks
+    aborted: bool = False  # D's abort reached P
+    answered: bool = False  # P sent its failure/abort answer
+
+
+@dataclass
+class Network:
+    """Messages on their way to D, delivered in any order."""
+
+    msgs: list[protocol.Completion | protocol.Failure] = field(default_factory=list)
+
+
+class FencingMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.book = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S)
+        self.now = 0.0
+        self.conns: dict[int, str] = {}  # P rank -> "pending" | "ready" | "refused" | "dead"
+        self.sessions: list[Session] = []
+        self.net = Network()
+        self.slots = itertools.count(4096, 4096)
+        self.granted: dict[int, bool] = {}  # offset -> still held
+        self.unpacks: dict[int, list[Marker]] = {}  # id(incoming) -> unpack markers started
+        self.reported: dict[int, Report] = {}  # id(incoming) -> its report
+        self.incomings: list[Incoming] = []
+        self.dead: set[int] = set()
+        self.shape: dict[int, tuple[bool, bool]] = {}  # id(incoming) -> (staged, two parts)
+
+    # -- the receiver's shell -------------------------------------------------------
+    def _do(self, actions: list) -> None:
+        todo = list(actions)
+        while todo:
+            todo[:0] = self._act(todo.pop(0))
+
+    def _act(self, a) -> list:
+        if isinstance(a, SendRegister):
+            inc = a.incoming
+            if inc not in self.incomings:
+                self.incomings.append(inc)
+            state = self.conns.setdefault(a.p_rank, "pending")
+            if state == "dead":  # the shell says hello again; a dead P never answers
+                state = self.conns[a.p_rank] = "pending"
+            conn = ("p", a.p_rank)
+            if state == "refused":
+                return self.book.on(inc, inc.conn_refused(conn, "P refused the handshake", self.now))
+            if state != "ready":
+                return []
+            staged, split = self.shape[id(inc)]
+            grant = protocol.StagingGrant(next(self.slots), 64) if staged else None
+            if grant is not None:
+                self.granted[grant.offset] = True
+            parts = [(0, 1), (1, NREGIONS)] if split else [(0, NREGIONS)]
+            self.sessions.append(Session(inc.transfer_id, inc.attempt, a.p_rank, staged, grant, parts))
+            return self.book.on(inc, inc.register_sent(a.p_rank, grant, "pieces", 16, True, self.now))
+        if isinstance(a, SendAbort):
+            inc = a.incoming
+            if self.conns.get(a.p_rank) == "ready":
+                for s in self._sessions_of(inc, a.p_rank):
+                    s.aborted = True
+                return []
+            if self.conns.get(a.p_rank) == "dead":
+                return []
+            why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, a.reason)
+            return self.book.on(inc, inc.writer_failed(a.p_rank, why, self.now))
+        if isinstance(a, StartUnpack):
+            m = Marker()
+            self.unpacks.setdefault(id(a.incoming), []).append(m)
+            return self.book.unpack_started(a, m, 0.0, self.now)
+        if isinstance(a, AwaitUnpacks):
+            inc, w = a.incoming, a.incoming.writers[a.p_rank]
+            if a.block:
+                for _, _, m in w.unpacking:
+                    m.reached = True
+            out: list = []
+            while w.unpacking and not w.final and w.unpacking[0][2].reached:
+                out += self.book.on(inc, inc.unpacked(a.p_rank, self.now))
+            return out
+        if isinstance(a, WaitUnpacks):
+            for m in a.markers:
+                m.reached = True
+        elif isinstance(a, FreeSlot):
+            assert self.granted.get(a.offset), f"slot {a.offset} freed twice or never granted"
+            self.granted[a.offset] = False
+        elif isinstance(a, Report):
+            self._on_report(a)
+        else:
+            assert isinstance(a, Stale | Cancel), a
+        return []
+
+    def _sessions_of(self, inc: Incoming, p: int) -> list[Session]:
+        return [s for s in self.sessions if (s.tid, s.attempt, s.p) == (inc.transfer_id, inc.attempt, p)]
+
+    def _on_report(self, a: Report) -> None:
+        inc = a.incoming
+        assert id(inc) not in self.reported, f"{inc.transfer_id} attempt {inc.attempt} reported twice"
+        self.reported[id(inc)] = a
+        for p in inc.writers:
+            for s in self._sessions_of(inc, p):
+                assert not s.writing or p in self.dead, f"reported while P rank {p} may still write {s}"
+        assert all(m.reached for m in self.unpacks.get(id(inc), [])), "reported while an unpack still runs"
+        if a.result.ok:
+            for w in inc.writers.values():
+                assert w.covered is not None and w.covered.count(1) == NREGIONS, w
+
+    def _step(self) -> None:
+        self._do([AwaitUnpacks(i, p, block=False) for i, p in self.book.still_unpacking()])
+
+    # -- D's caller ---------------------------------------------------------------------
+    @rule(
+        tid=st.sampled_from(TIDS),
+        ranks=st.sampled_from([(0,), (1,), (0, 1)]),
+        staged=st.booleans(),
+        split=st.booleans(),
+    )
+    def register(self, tid: str, ranks: tuple[int, ...], staged: bool, split: bool) -> None:
+        """D allocates blocks for a request (again while it is pending: a re-issue, the next attempt); P will
+        write it ``staged`` (D unpacks) or not, in one part or two."""
+        if tid not in self.book.current and any(i.transfer_id == tid for i in self.incomings):
+            return  # that request is over; the router never reuses its transfer id
+        writers = {p: ("p", p) for p in ranks}
+        actions = self.book.register(Asked(tid, f"r-{tid}", ((1, 2),), 32), writers, self.now)
+        self.shape[id(self.book.current[tid])] = (staged, split)
+        self._do(actions)
+
+    @rule(tid=st.sampled_from(TIDS))
+    def abort(self, tid: str) -> None:
+        self._do(self.book.abort(tid, Failed(Stage.TRANSFER, Cause.ABORTED, "client went away"), self.now))
+
+    @rule(tid=st.sampled_from(TIDS))
+    def cancel(self, tid: str) -> None:
+        """D gives up on a request that may not have its blocks yet (the connector's cancel)."""
+        why = Failed(Stage.TRANSFER, Cause.ABORTED, "request aborted on D before it got blocks")
+        self._do(self.book.cancel(tid, f"r-{tid}", {0: ("p", 0)}, why, self.now))
+
+    @rule(dt=st.sampled_from([0.5, PEER_DEAD_S, TIMEOUT_S]))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+        for s in self.sessions:
+            inc = next((i for i in self.incomings if (i.transfer_id, i.attempt) == (s.tid, s.attempt)), None)
+            late = inc is not None and inc.aborting is not None and self.now >= inc.abort_deadline
+            if late and s.writing and not s.answered:
+                s.writing = False  # D will take P as gone: an honest P that slow is modelled as dead
+        self._do(self.book.expire(self.now))
+
+    # -- connections --------------------------------------------------------------------
+    def _answering(self) -> list[int]:
+        return sorted(k for k, v in self.conns.items() if v == "pending" and k not in self.dead)
+
+    @precondition(lambda self: self._answering())
+    @rule(data=st.data(), ok=st.booleans())
+    def hello_answered(self, data, ok: bool) -> None:
+        p = data.draw(st.sampled_from(self._answering()))
+        self.conns[p] = "ready" if ok or data.draw(st.booleans()) else "refused"
+        conn = ("p", p)
+        if self.conns[p] == "ready":
+            self._do(self.book.conn_ready(conn, self.now))
+        else:
+            self._do(self.book.conn_refused(conn, "P refused the handshake", self.now))
+
+    @precondition(lambda self: any(v in ("ready", "pending") for v in self.conns.values()))
+    @rule(data=st.data())
+    def p_declared_dead(self, data) -> None:
+        """P falls silent for ``peer_dead_s`` (and stays so); D declares it dead while it waits on it."""
+        p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v in ("ready", "pending"))))
+        if self.conns[p] == "ready" and not self.book.writes_on(("p", p)):
+            return  # D declares a silent P dead only while a writer waits on it
+        self.conns[p] = "dead"
+        self.dead.add(p)
+        for s in self.sessions:
+            if s.p == p:
+                s.writing = False  # dead: it writes nothing more
+        self._do(self.book.conn_dead(("p", p), f"P rank {p} declared dead", self.now))
+
+    # -- an honest P ---------------------------------------------------------------------
+    def _live(self) -> list[Session]:
+        return [s for s in self.sessions if s.writing and s.p not in self.dead]
+
+    def _may_write(self, s: Session) -> bool:
+        """P writes an attempt only after every older attempt of that (transfer, rank) ended on P."""
+        older = [o for o in self.sessions if (o.tid, o.p) == (s.tid, s.p) and o.attempt < s.attempt]
+        return bool(s.left) and not s.aborted and all(not o.writing for o in older)
+
+    @precondition(lambda self: any(self._may_write(s) for s in self._live()))
+    @rule(data=st.data())
+    def p_writes_a_part(self, data) -> None:
+        s = data.draw(st.sampled_from([s for s in self._live() if self._may_write(s)]))
+        r0, r1 = s.left.pop(data.draw(st.integers(0, len(s.left) - 1)))
+        plan = PlanKind.STAGED if s.staged else PlanKind.DIRECT
+        msg = protocol.Completion(s.tid, "p", s.p, plan, 16 * (r1 - r0), 1, s.grant, s.attempt, r0, r1)
+        self.net.msgs.append(msg)
+        if not s.left:
+            s.writing = False  # its last WRITE landed with this notification
+
+    @precondition(lambda self: any(not s.answered for s in self._live()))
+    @rule(data=st.data(), why=st.sampled_from(list(Cause)))
+    def p_gives_up(self, data, why: Cause) -> None:
+        """P answers a registration with a failure (an abort's answer, superseded, lease expired, a WRITE error):
+        it sends it once nothing of that registration is in flight."""
+        s = data.draw(st.sampled_from([s for s in self._live() if not s.answered]))
+        s.writing, s.answered = False, True
+        self.net.msgs.append(protocol.Failure(s.tid, "p", s.p, Stage.RENDEZVOUS, why, "no", s.attempt))
+
+    @precondition(lambda self: self.net.msgs)
+    @rule(data=st.data())
+    def deliver(self, data) -> None:
+        msg = self.net.msgs.pop(data.draw(st.integers(0, len(self.net.msgs) - 1)))
+        if isinstance(msg, protocol.Completion):
+            self._do(self.book.completion(msg, self.now))
+        else:
+            self._do(self.book.failure(msg, self.now))
+        self._step()
+
+    @precondition(lambda self: any(not m.reached for ms in self.unpacks.values() for m in ms))
+    @rule(data=st.data())
+    def unpack_lands(self, data) -> None:
+        pending = [m for ms in self.unpacks.values() for m in ms if not m.reached]
+        pending[data.draw(st.integers(0, len(pending) - 1))].reached = True
+        self._step()
+
+    # -- invariants ------------------------------------------------------------------------
+    @invariant()
+    def books_agree(self) -> None:
+        for tid, inc in self.book.current.items():
+            assert inc.transfer_id == tid and id(inc) not in self.reported
+        for inc in self.book.superseded:
+            assert id(inc) not in self.reported and inc.aborting is not None
+
+    def teardown(self) -> None:
+        """Everything settles: connections answer, P answers or finishes, messages arrive, time runs out.
+        Then every attempt was reported once and every slot given back."""
+        for p, v in list(self.conns.items()):
+            if v == "pending" and p in self.dead:
+                self.conns[p] = "dead"
+                self._do(self.book.conn_dead(("p", p), "never answered the hello", self.now))
+            elif v == "pending":
+                self.conns[p] = "ready"
+                self._do(self.book.conn_ready(("p", p), self.now))
+        for _ in range(50):
+            for s in self._live():
+                if not s.answered:
+                    s.writing, s.answered = False, True
+                    answer = protocol.Failure(s.tid, "p", s.p, Stage.RENDEZVOUS, Cause.ABORTED, "x", s.attempt)
+                    self.net.msgs.append(answer)
+            while self.net.msgs:
+                msg = self.net.msgs.pop(0)
+                if isinstance(msg, protocol.Completion):
+                    self._do(self.book.completion(msg, self.now))
+                else:
+                    self._do(self.book.failure(msg, self.now))
+            for ms in self.unpacks.values():
+                for m in ms:
+                    m.reached = True
+            self._step()
+            self.now += TIMEOUT_S + PEER_DEAD_S
+            self._do(self.book.expire(self.now))
+            if not self.book.current and not self.book.superseded:
+                break
+        assert not self.book.current and not self.book.superseded, (self.book.current, self.book.superseded)
+        assert all(id(i) in self.reported for i in self.incomings), "an attempt was never reported"
+        assert not any(self.granted.values()), "a staging slot was never given back"
+
+
+FencingMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_fencing_state_machine = FencingMachine.TestCase
+
+
+# -- examples the machine finds only rarely ------------------------------------------------------
+
+
+class _Draws:
+    """Fixed answers for a rule's ``data.draw`` calls, in order."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object) -> object:
+        return self.values.pop(0)
+
+
+def _machine_with_one_writer(staged: bool, split: bool) -> FencingMachine:
+    m = FencingMachine()
+    m.register("t0", (0,), staged, split)
+    m.hello_answered(_Draws(0), True)
+    return m
+
+
+def test_a_writer_that_fails_mid_unpack_waits_for_the_unpack() -> None:
+    """P gives up after one part of a staged push: D reports only once that part's unpack ended."""
+    m = _machine_with_one_writer(staged=True, split=True)
+    m.p_writes_a_part(_Draws(m.sessions[0], 0))
+    m.deliver(_Draws(0))
+    [marker] = next(iter(m.unpacks.values()))
+    assert not marker.reached and not m.reported
+    m.p_gives_up(_Draws(m.sessions[0]), Cause.ABORTED)
+    m.deliver(_Draws(0))  # _on_report checks the unpack ended first
+    assert len(m.reported) == 1 and marker.reached
+
+
+def test_only_a_completion_of_a_newer_attempt_fences_the_older() -> None:
+    """D re-registers while P still writes the first attempt: P refusing the new attempt proves nothing about
+    the old one (it is still written); P completing the new attempt proves the old one's WRITE ended."""
+    m = _machine_with_one_writer(staged=False, split=False)
+    m.register("t0", (0,), False, False)  # attempt 1; attempt 0 is superseded, its writer still registered
+    old, new = m.sessions
+    assert (old.attempt, new.attempt) == (0, 1) and len(m.book.superseded) == 1
+    m.p_gives_up(_Draws(new), Cause.SUPERSEDED)
+    m.deliver(_Draws(0))
+    assert len(m.reported) == 1, "only the new attempt ends"  # _on_report checks no live writer
+    assert m.book.superseded, "a failure of the newer attempt fenced the older one"
+
+    m = _machine_with_one_writer(staged=False, split=False)
+    m.register("t0", (0,), False, False)
+    old, new = m.sessions
+    m.p_writes_a_part(_Draws(old, 0))  # the old attempt's WRITE lands; its notification is still on the way
+    m.p_writes_a_part(_Draws(new, 0))  # only then does P write the new attempt
+    m.deliver(_Draws(1))  # the new attempt's completion first
+    assert not m.book.superseded and len(m.reported) == 2, "the new attempt's completion fences the old one"
+    m.deliver(_Draws(0))  # the old notification: stale
+    assert not m.book.current and len(m.reported) == 2

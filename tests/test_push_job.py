@@ -1,0 +1,374 @@
+"""P's push job (``kvpush.push_job``): the sans-I/O rules of posting one transfer to one D rank.
+
+The state machine plays the engine thread and the device around a real
+``Transfer`` record and ``PushJob``: the forward reports layers under
+markers that are reached later, packs and WRITEs end (or fail) whenever the
+device or NIXL says so, and a cancel can come at any point. Every action the
+job asks for is answered the way the shell would, and the invariants are the
+job's promises: nothing is packed or posted after a cancel, a part is posted
+only once its KV (and, staged, its pack) is ready, parts tile the regions
+once, D hears ``Fail`` only when nothing is in flight, every prebuilt WRITE
+and the job itself end exactly once, and an undisturbed job writes
+everything.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.plan import MIN_PART_BYTES, PartSchedule, Plan
+from kvpush.protocol import Register
+from kvpush.push_job import (
+    CheckPack,
+    Done,
+    Fail,
+    JobPlan,
+    Notify,
+    Post,
+    PushJob,
+    ReleaseMade,
+    StartPack,
+)
+from kvpush.transfer import Transfer
+
+
+@dataclass(eq=False)
+class Marker:
+    """A device event: the KV of some layers, or a pack."""
+
+    reached: bool = False
+
+
+@dataclass(eq=False)
+class Handle:
+    """A NIXL WRITE (prebuilt or built when posted)."""
+
+    r0: int
+    r1: int
+    state: XferState = XferState.PROC
+
+
+def _reg() -> Register:
+    return Register(transfer_id="t", request_id="d", engine_id="D", rank=0, block_ids=((1,),), num_tokens=16)
+
+
+def _job(kind: PlanKind, layers: int, per_layer: int, parts: int, chain: bool, min_layers: int, lead: int, ahead: bool):
+    n = layers * per_layer
+    rb = 0 if kind is PlanKind.EMPTY else MIN_PART_BYTES  # a staged push of n regions can be cut in n parts
+    plan = Plan(kind, n * rb, n, 1, n, np.zeros((0, 3), dtype=np.int64))
+    sched = PartSchedule(tuple(range(per_layer, n + 1, per_layer)), rb, min_layers * per_layer * rb, lead)
+    jp = JobPlan(plan, sched, parts, chain and kind is PlanKind.STAGED)
+    made = {}
+    if ahead and kind is PlanKind.STAGED:
+        from kvpush.plan import split_regions
+
+        made = {(a, b): (Handle(a, b), 1) for a, b in split_regions(0, n, jp.parts(n))}
+    rec = Transfer()
+    job = PushJob(_reg(), jp, rec.times, 0.0, 0.001, slot=0, made=made)
+    rec.jobs[job.key] = job
+    return rec, job, made
+
+
+class PushJobMachine(RuleBasedStateMachine):
+    @initialize(
+        kind=st.sampled_from(list(PlanKind)),
+        layers=st.integers(1, 6),
+        per_layer=st.sampled_from([1, 2]),
+        parts=st.integers(1, 4),
+        chain=st.booleans(),
+        min_layers=st.integers(0, 3),
+        lead=st.sampled_from([1, 2, 100]),
+        ahead=st.booleans(),
+    )
+    def setup(self, kind, layers, per_layer, parts, chain, min_layers, lead, ahead) -> None:
+        self.n = layers * per_layer
+        self.per_layer = per_layer
+        self.rec, self.job, made = _job(kind, layers, per_layer, parts, chain, min_layers, lead, ahead)
+        self.kind = kind
+        self.made = set(made.values())
+        self.released_made: list[Handle] = []
+        self.reported = 0  # regions reported by the forward
+        self.markers: list[tuple[int, Marker]] = []  # (regions, marker) per report
+        self.packs: list[tuple[StartPack, Marker]] = []  # packs started, in order
+        self.packed: set[tuple[int, int]] = set()  # parts whose pack is done
+        self.flying: list[Handle] = []
+        self.posted: list[tuple[int, int]] = []
+        self.cancelled = False
+        self.fail: Failed | None = None
+        self.done: Done | None = None
+        self.notified = 0
+        self.now = 0.0
+        self.errors = False  # a pack, post or WRITE failed
+        self._data = None  # the current rule's draws (the shell's random outcomes)
+
+    # -- the shell ----------------------------------------------------------------
+    def _reached(self) -> int:
+        return max((r for r, m in self.markers if m.reached), default=0)
+
+    def _step(self) -> None:
+        rec, job = self.rec, self.job
+        if not job.plan.chain and not job.stopped:
+            while (m := rec.unconfirmed()) is not None and m.marker.reached:
+                rec.confirm()
+        self.now += 0.001
+        job.ready(*rec.readiness(job.sent, job.plan.chain), self.now)
+        job.check_packs()
+        self._carry_out()
+        for h in list(job.flying):
+            if h.state is not XferState.PROC:
+                job.written(h, h.state, self.now)
+                self.flying.remove(h)
+        self._carry_out()
+
+    def _carry_out(self) -> None:
+        job = self.job
+        while (a := job.next_action()) is not None:
+            assert self.done is None, f"{a} after Done"
+            if isinstance(a, Notify):
+                assert not self.posted and not self.cancelled, "heads-up after a post or a cancel"
+                self.notified += 1
+            elif isinstance(a, StartPack):
+                self._start_pack(a)
+            elif isinstance(a, CheckPack):
+                self._check_pack(a)
+            elif isinstance(a, Post):
+                self._post(a)
+            elif isinstance(a, ReleaseMade):
+                for h in a.handles:
+                    assert h not in self.released_made, "a prebuilt WRITE given back twice"
+                    self.released_made.append(h)
+            elif isinstance(a, Fail):
+                assert not self.flying and not job.packing, "Fail while a part is in flight or packing"
+                assert self.fail is None
+                self.fail = a.failed
+            elif isinstance(a, Done):
+                assert not self.flying and not job.packing, "Done while a part is in flight or packing"
+                self.done = a
+                self.rec.end_job(job, a.failed, self.now)
+
+    def _start_pack(self, a: StartPack) -> None:
+        assert self.kind is PlanKind.STAGED and not self.cancelled, f"{a} after a cancel"
+        if self.job.plan.chain:
+            # Queued behind the KV of its regions on the device.
+            assert a.after is None or any(m is a.after and r >= a.r1 for r, m in self.markers), a
+            assert self.reported >= a.r1, "a pack of regions not reported"
+        else:
+            assert self._reached() >= a.r1, "a pack of regions whose KV is not reached"
+        if self._fails(10):
+            self.errors = True
+            self.job.failed(Failed(Stage.PACK, Cause.POST_ERROR, "pack failed"))
+            return
+        m = Marker()
+        self.packs.append((a, m))
+        self.job.pack_started(m, 0.0)
+
+    def _check_pack(self, a: CheckPack) -> None:
+        if a.block and (a.after is None or a.after.reached):
+            a.marker.reached = True  # waited for
+        if a.marker.reached:
+            head = next(p for p, m in self.packs if m is a.marker)
+            self.packed.add((head.r0, head.r1))
+            self.job.packed()
+        else:
+            self.job.pack_pending()
+
+    def _post(self, a: Post) -> None:
+        assert not self.cancelled, f"{a} after a cancel"
+        if self.kind is PlanKind.STAGED:
+            assert (a.r0, a.r1) in self.packed, "posted before its pack was done"
+        elif self.kind is PlanKind.DIRECT:
+            assert self._reached() >= a.r1, "posted regions whose KV is not reached"
+        assert not self.posted or self.posted[-1][1] == a.r0, f"parts out of order: {self.posted} then {a}"
+        assert a.r0 == (self.posted[-1][1] if self.posted else 0)
+        if a.made is not None:
+            assert a.made in self.made and a.made[0] not in self.released_made, "a prebuilt WRITE used twice"
+            self.made.discard(a.made)
+        if self._fails(20):
+            self.errors = True
+            self.job.failed(Failed(Stage.POST, Cause.POST_ERROR, "post failed"))
+            return
+        self.posted.append((a.r0, a.r1))
+        if self.kind is PlanKind.EMPTY:
+            self.job.posted(None, 0, XferState.DONE, self.now, self.now)
+            return
+        h = a.made[0] if a.made is not None else Handle(a.r0, a.r1)
+        state = XferState.PROC if self._data is None or self._data.draw(st.integers(0, 2)) else XferState.DONE
+        if state is XferState.PROC:
+            self.flying.append(h)
+        self.job.posted(h, 1, state, self.now, self.now)
+
+    def _fails(self, one_in: int) -> bool:
+        """Whether the backend or NIXL call fails this time (never in teardown)."""
+        return self._data is not None and self._data.draw(st.integers(0, one_in - 1)) == 0
+
+    # -- the world ------------------------------------------------------------------
+    @precondition(lambda self: self.reported < self.n)
+    @rule(data=st.data(), layers=st.integers(1, 2))
+    def forward_reports(self, data, layers: int) -> None:
+        """The forward wrote one or more layers (a marker orders them); P hears of it at its next step."""
+        self._data = data
+        self.reported = min(self.n, self.reported + layers * self.per_layer)
+        m = Marker()
+        self.markers.append((self.reported, m))
+        self.rec.report(self.reported, m, self.n)
+        self._step()
+
+    @precondition(lambda self: any(not m.reached for _, m in self.markers))
+    @rule(data=st.data())
+    def kv_reached(self, data) -> None:
+        self._data = data
+        next(m for _, m in self.markers if not m.reached).reached = True
+        self._step()
+
+    @precondition(lambda self: any(not m.reached for _, m in self.packs))
+    @rule(data=st.data())
+    def pack_lands(self, data) -> None:
+        self._data = data
+        next(m for _, m in self.packs if not m.reached).reached = True
+        self._step()
+
+    @precondition(lambda self: self.flying)
+    @rule(data=st.data(), ok=st.booleans(), which=st.integers(0, 3))
+    def write_ends(self, data, ok: bool, which: int) -> None:
+        self._data = data
+        h = self.flying[which % len(self.flying)]
+        h.state = XferState.DONE if ok or data.draw(st.integers(0, 4)) else XferState.ERR
+        self.errors |= h.state is XferState.ERR
+        self._step()
+
+    @precondition(lambda self: not self.cancelled and self.done is None)
+    @rule(data=st.data())
+    def cancel(self, data) -> None:
+        self._data = data
+        self.cancelled = True
+        self.job.cancel(Cause.ABORTED, "client went away")
+        self._step()
+
+    @rule(data=st.data())
+    def idle_step(self, data) -> None:
+        self._data = data
+        self._step()
+
+    # -- invariants ---------------------------------------------------------------
+    @invariant()
+    def parts_tile_what_was_posted(self) -> None:
+        covered = [r for a, b in self.posted for r in range(a, b)]
+        assert covered == list(range(len(covered))), self.posted
+        assert self.job.nposted == (len(covered) if self.kind is not PlanKind.EMPTY else self.job.nposted)
+
+    @invariant()
+    def heads_up_once(self) -> None:
+        assert self.notified <= 1
+
+    def teardown(self) -> None:
+        """Let everything happen: the job ends once, every prebuilt WRITE ends once, and an undisturbed job
+        wrote every region without telling D it failed."""
+        if not hasattr(self, "job"):
+            return
+        self._data = None
+        while self.reported < self.n:
+            self.reported = self.n
+            m = Marker()
+            self.markers.append((self.n, m))
+            self.rec.report(self.n, m, self.n)
+        for _ in range(4 * self.n + 8):
+            for _, m in self.markers + [(0, m) for _, m in self.packs]:
+                m.reached = True
+            for h in self.flying:
+                h.state = XferState.DONE
+            self._step()
+            if self.done is not None:
+                break
+        assert self.done is not None, "the job never ended"
+        assert not self.made or all(h in self.released_made for h, _ in self.made), "a prebuilt WRITE leaked"
+        if not self.cancelled and not self.errors:
+            assert self.done.failed is None and self.fail is None, self.done
+            covered = [r for a, b in self.posted for r in range(a, b)]
+            assert covered == list(range(self.n)), self.posted
+        else:
+            assert (self.fail is not None) == (self.done.failed is not None)
+        assert not self.rec.jobs, "the record still holds the job"
+
+
+PushJobMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+test_push_job_state_machine = PushJobMachine.TestCase
+
+
+# -- examples ----------------------------------------------------------------------------------
+
+
+def _drain(job: PushJob) -> list[object]:
+    out = []
+    while (a := job.next_action()) is not None:
+        out.append(a)
+        if isinstance(a, StartPack):
+            job.pack_started(Marker(), 0.0)
+        elif isinstance(a, CheckPack):
+            job.packed() if a.marker.reached else job.pack_pending()
+        elif isinstance(a, Post):
+            job.posted(Handle(a.r0, a.r1), 1, XferState.PROC, 0.0, 0.0)
+    return out
+
+
+def test_one_pack_ahead_of_the_post() -> None:
+    """A staged push cut into parts launches part k+1's pack before it asks about part k's: the first WRITE
+    waits for one pack, not for all of them."""
+    _, job, _ = _job(PlanKind.STAGED, 4, 1, 4, False, 0, 100, False)
+    job.ready(4, None, None, 1.0)
+    job.check_packs()
+    kinds = [type(a).__name__ for a in _drain(job)]
+    assert kinds[:4] == ["StartPack", "Notify", "StartPack", "CheckPack"], kinds
+
+
+def test_cancel_stops_packs_and_posts_but_waits_for_what_flies() -> None:
+    _, job, _ = _job(PlanKind.DIRECT, 4, 1, 1, False, 0, 1, False)
+    job.ready(3, None, None, 1.0)  # three layers, one left: posted at once
+    acts = _drain(job)
+    [post] = [a for a in acts if isinstance(a, Post)]
+    assert (post.r0, post.r1) == (0, 3)
+    job.cancel(Cause.ABORTED, "client went away")
+    job.ready(4, None, None, 2.0)
+    assert _drain(job) == [], "posted after the cancel, or ended with a WRITE in flight"
+    (h,) = job.flying
+    job.written(h, XferState.DONE, 3.0)
+    fail, done = job.next_action(), job.next_action()
+    assert isinstance(fail, Fail) and fail.failed.cause is Cause.ABORTED
+    assert isinstance(done, Done) and done.failed == fail.failed and job.next_action() is None
+
+
+def test_a_failed_write_fails_the_job_with_its_stage_and_cause() -> None:
+    _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False)
+    job.ready(2, None, None, 1.0)
+    _drain(job)
+    (h,) = job.flying
+    job.written(h, XferState.ERR, 2.0)
+    fail = job.next_action()
+    assert isinstance(fail, Fail) and (fail.failed.stage, fail.failed.cause) == (Stage.WRITE, Cause.WRITE_ERROR)
+    assert "WRITE to D D rank 0 failed" in fail.failed.reason
+
+
+def test_prebuilt_writes_are_posted_or_given_back() -> None:
+    _, job, made = _job(PlanKind.STAGED, 4, 1, 2, True, 0, 100, True)
+    assert len(made) == 2
+    job.peer_gone("D D rank 0 said hello again")
+    a = job.next_action()
+    assert isinstance(a, ReleaseMade) and set(a.handles) == {h for h, _ in made.values()}
+    assert isinstance(job.next_action(), Fail) and isinstance(job.next_action(), Done)
+
+
+def test_every_wake_up_report_starts_a_part() -> None:
+    """``wake_at`` is the report that can start the next part: one region short of it, nothing is posted."""
+    for lead, min_layers in itertools.product((1, 2, 100), (0, 2)):
+        _, job, _ = _job(PlanKind.DIRECT, 6, 2, 1, False, min_layers, lead, False)
+        at = job.wake_at()
+        job.ready(at - 2, None, None, 1.0)  # the layer before
+        assert not [a for a in _drain(job) if isinstance(a, Post)], (lead, min_layers)
+        job.ready(at, None, None, 1.0)
+        assert [a for a in _drain(job) if isinstance(a, Post)], (lead, min_layers)
