@@ -134,14 +134,17 @@ class Rendezvous:
         # Transfers aborted before P's prefill finished, until when to remember
         # them: a prefill finishing later is released at once instead of
         # holding its blocks for a whole lease.
-        self._tombstones: dict[str, float] = {}
+        self._tombstones: dict[str, tuple[float, Cause]] = {}  # transfer id -> (until, why)
 
     # -- events ---------------------------------------------------------
     def on_prefill(self, prefill: Prefill, now: float) -> list[Decision]:
         """P finished a prefill whose KV D will want."""
         out: list[Decision] = []
         if prefill.transfer_id in self._tombstones and prefill.transfer_id not in self._entries:
-            return [Release(prefill, "transfer was aborted before the prefill finished", Cause.ABORTED)]
+            cause = self._tombstones[prefill.transfer_id][1]
+            if cause is Cause.NOT_NEEDED:
+                return [Release(prefill, "no D rank takes this rank's copy of the KV", cause)]
+            return [Release(prefill, "transfer was aborted before the prefill finished", cause)]
         e = self._entries.setdefault(prefill.transfer_id, _Entry())
         if e.prefill is not None and e.prefill.request_id != prefill.request_id:
             if e.in_flight:
@@ -218,7 +221,7 @@ class Rendezvous:
         """Either side gave up. In-flight writes finish first (fencing is D's job)."""
         e = self._entries.get(transfer_id)
         if e is None or e.prefill is None:
-            self._tombstones[transfer_id] = now + self.prefill_lease_s
+            self._tombstones[transfer_id] = (now + self.prefill_lease_s, cause)
         if e is None:
             return []
         e.regs = {k: r for k, r in e.regs.items() if k in e.in_flight}
@@ -269,7 +272,7 @@ class Rendezvous:
     def expire(self, now: float) -> list[Decision]:
         """Drop what waited past its deadline; never touches in-flight writes."""
         out: list[Decision] = []
-        self._tombstones = {t: until for t, until in self._tombstones.items() if until > now}
+        self._tombstones = {t: v for t, v in self._tombstones.items() if v[0] > now}
         for tid in list(self._entries):
             e = self._entries[tid]
             if e.in_flight:

@@ -62,6 +62,13 @@ class PeerTable:
         peer = self._peers.get(key)
         return peer.ident if peer is not None else None
 
+    def writes_to(self, peer: Peer | None) -> bool:
+        """Whether this P rank writes into any D rank of ``peer``'s instance (unknown peer: assume so)."""
+        if peer is None:
+            return True
+        s = self.sender
+        return bool(targets_for(s.rank, s.tp_size, peer.tp_size, self.layout.num_heads))
+
     def expected(self, reg: protocol.Register) -> int:
         """How many D ranks of the registering instance this P rank writes to."""
         peer = self._peers[(reg.engine_id, reg.rank)]
@@ -93,7 +100,7 @@ class PeerTable:
             else:
                 s.on_register(ident, msg, now)
         elif isinstance(msg, protocol.Abort):
-            s.on_remote_abort(msg)
+            s.on_remote_abort(msg, self.writes_to(peer))
         else:
             log.warning("%s: unexpected %s on the side channel", s.name, type(msg).__name__)
 

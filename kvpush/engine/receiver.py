@@ -45,7 +45,7 @@ from kvpush.layout import KVLayout
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.plan import part_count, split_regions, staged_bytes, unpack_pieces, wants_staging
-from kvpush.topology import writers_for
+from kvpush.topology import targets_for, writers_for
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +164,16 @@ class Receiver(EngineLoop):
     ) -> None:
         now = time.monotonic()
         writers = self._writers(peer)
+        bystanders = self._bystanders(peer)
         asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token)
-        self._do(self.book.register(asked, writers, now))
+        self._do(self.book.register(asked, writers, now, bystanders))
+
+    def _bystanders(self, peer: PeerAddress) -> dict[int, ConnKey]:
+        """The P ranks of ``peer`` that write into no D rank of this instance (they hold replicated KV that
+        other P ranks write), and their side channels."""
+        heads = self.layout.num_heads
+        idle = [p for p in range(peer.tp_size) if not targets_for(p, peer.tp_size, self.tp_size, heads)]
+        return {p: (peer.host, peer.port + p) for p in idle}
 
     def _writers(self, peer: PeerAddress) -> dict[int, ConnKey]:
         """The P ranks of ``peer`` that write into this D rank, and their side channels."""
