@@ -189,10 +189,12 @@ def heads_overlap(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
     return max(src.head_start, dst.head_start), min(src.head_end, dst.head_end)
 
 
-def _check_ids(ids: np.ndarray, n_needed: int, num_blocks: int, side: str) -> None:
+def _check_ids(ids: np.ndarray, n_needed: int, num_blocks: int, side: str, first: int = 0) -> None:
+    """Block ids ``[first, n_needed)`` exist: the blocks before ``first`` hold no token pushed (D's prefix, or
+    a sliding window's dropped blocks) and may be placeholders."""
     if ids.size < n_needed:
         raise LayoutError(f"{side} has {ids.size} block ids, {n_needed} needed for the tokens pushed")
-    used = ids[:n_needed]
+    used = ids[first:n_needed]
     if used.size and (used.min() < 0 or used.max() >= num_blocks):
         raise LayoutError(f"{side} block id out of range [0, {num_blocks}): min {used.min()}, max {used.max()}")
 
@@ -238,8 +240,8 @@ def map_pieces(
         raise LayoutError(f"start_token {start_token} outside [0, {num_tokens}]")
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
-    _check_ids(sb, -(-num_tokens // src.block_size), src.num_blocks, "P")
-    _check_ids(db, -(-num_tokens // dst.block_size), dst.num_blocks, "D")
+    _check_ids(sb, -(-num_tokens // src.block_size), src.num_blocks, "P", start_token // src.block_size)
+    _check_ids(db, -(-num_tokens // dst.block_size), dst.num_blocks, "D", start_token // dst.block_size)
     if start_token == num_tokens:
         return np.zeros((0, 3), dtype=np.int64)
     lo, hi = heads_overlap(src, dst)
@@ -305,8 +307,8 @@ def _block_pieces(
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
     n_blocks = -(-num_tokens // src.block_size)
-    _check_ids(sb, n_blocks, src.num_blocks, "P")
-    _check_ids(db, n_blocks, dst.num_blocks, "D")
+    _check_ids(sb, n_blocks, src.num_blocks, "P", start_token // src.block_size)
+    _check_ids(db, n_blocks, dst.num_blocks, "D", start_token // dst.block_size)
     lo, hi = heads_overlap(src, dst)
     chunk = src.block_size * src.head_bytes  # one head of one block
     idx = np.arange(start_token // src.block_size, n_blocks)

@@ -56,11 +56,22 @@ class Plan:
     staging_local: tuple[int, int] | None = None  # P slot (address, device)
     staging_remote: tuple[int, int] | None = None  # D slot (address, device)
     estimate: Estimate | None = None
+    group_merged: tuple[np.ndarray, ...] = ()
+    """Hybrid models (several KV-cache groups, each with its own blocks): the merged pieces of each group's
+    regions; ``merged`` is group 0's. Empty: one piece list serves every region."""
+    region_group: tuple[int, ...] = ()  # each region's group, when ``group_merged`` is set
 
     @property
     def region_bytes(self) -> int:
-        """Bytes one region contributes; a part of k regions moves ``k * region_bytes``."""
+        """Bytes one region contributes (on average, for a hybrid plan); see ``bytes_of``."""
         return self.nbytes // self.nregions if self.nregions else 0
+
+    def bytes_of(self, r0: int, r1: int) -> int:
+        """Bytes regions ``[r0, r1)`` move."""
+        if not self.group_merged:
+            return (r1 - r0) * self.region_bytes
+        per = [int(m[:, 2].sum()) for m in self.group_merged]
+        return sum(per[g] for g in self.region_group[r0:r1])
 
 
 def _dst_order(pieces: np.ndarray) -> np.ndarray:
@@ -95,6 +106,77 @@ def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int
     return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
 
 
+HOLE = -1
+"""A block id P no longer holds (its sliding window moved past it): never to be read."""
+
+
+@dataclass(frozen=True)
+class GroupTokens:
+    """One KV-cache group's share of a push: P's and D's block ids of that group, the first token to write."""
+
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    start_token: int
+
+
+def group_tokens(
+    src_ids: tuple[tuple[int, ...], ...],
+    dst: KVLayout,
+    reg_ids: tuple[tuple[int, ...], ...],
+    start: int,
+    skip: tuple[int, ...],
+) -> list[GroupTokens]:
+    """Each group's blocks and first token: D's ``skip`` leading blocks of a group (a sliding window's) are not
+    written, so that group starts at ``max(start, skip * D's block size)``."""
+    return [
+        GroupTokens(
+            tuple(src_ids[g]), tuple(reg_ids[g]), max(start, (skip[g] if g < len(skip) else 0) * dst.block_size)
+        )
+        for g in range(len(reg_ids))
+    ]
+
+
+def _group_pieces(src: KVLayout, dst: KVLayout, gt: GroupTokens, g: int, num_tokens: int) -> np.ndarray:
+    """Pieces of one group, refusing a token D needs that P no longer holds."""
+    if gt.start_token < num_tokens:
+        first = gt.start_token // src.block_size
+        held = gt.src_blocks[first : -(-num_tokens // src.block_size)]
+        if HOLE in held:
+            raise LayoutError(
+                f"KV-cache group {g}: D needs tokens from {gt.start_token}, P no longer holds block "
+                f"{first + held.index(HOLE)} of that group (its sliding window moved past it)"
+            )
+    return map_pieces(src, dst, gt.src_blocks, gt.dst_blocks, num_tokens, gt.start_token)
+
+
+def _hybrid_plan(
+    cfg: Config, src: KVLayout, dst: KVLayout, groups: list[GroupTokens], num_tokens: int, pack_bw: float
+) -> Plan:
+    """A direct plan whose regions carry their group's pieces (staging needs one piece list for all regions)."""
+    if not (src.direct and dst.direct):
+        raise LayoutError("a hybrid model's KV (several KV-cache groups) is pushed directly; a side cannot be")
+    region_group = tuple(r.group for r in src.regions)
+    merged = tuple(coalesce(_dst_order(_group_pieces(src, dst, gt, g, num_tokens))) for g, gt in enumerate(groups))
+    count = [region_group.count(g) for g in range(len(groups))]
+    nbytes = sum(int(m[:, 2].sum()) * c for m, c in zip(merged, count, strict=True))
+    nregions = len(src.regions)
+    if nbytes == 0:
+        return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+    ndesc = sum(m.shape[0] * c for m, c in zip(merged, count, strict=True))
+    est = estimate(cfg, ndesc, nbytes, ndesc, pack_bw)
+    return Plan(
+        PlanKind.DIRECT,
+        nbytes,
+        ndesc,
+        ndesc,
+        nregions,
+        merged[0],
+        estimate=est,
+        group_merged=merged,
+        region_group=region_group,
+    )
+
+
 def estimate(cfg: Config, ndesc: int, nbytes: int, pack_pieces: int, pack_bw: float) -> Estimate:
     """Seconds for each plan under the configured costs."""
     desc = cfg.descriptor_cost_us * 1e-6
@@ -117,6 +199,7 @@ def build_plan(
     staging_local: tuple[int, int] | None = None,
     staging_remote: tuple[int, int, int] | None = None,
     pack_bw: float = 5e9,
+    groups: list[GroupTokens] | None = None,
 ) -> Plan:
     """Choose and build the plan for one (request, D rank).
 
@@ -125,8 +208,14 @@ def build_plan(
     without both the plan is direct. A side whose backend cannot let NIXL
     touch its KV in place (``KVLayout.direct`` false, from the backend's
     ``Capabilities``) gets a staged plan whatever ``cfg.plan`` says, and
-    ``LayoutError`` when there is no slot to stage through.
+    ``LayoutError`` when there is no slot to stage through. ``groups``: a
+    hybrid model's per-group blocks and first tokens (``group_tokens``),
+    whose plan is direct, each region with its group's pieces.
     """
+    if len({r.group for r in src.regions}) > 1:
+        if groups is None or len(groups) != 1 + max(r.group for r in src.regions):
+            raise LayoutError("a hybrid layout (several KV-cache groups) needs every group's blocks to plan")
+        return _hybrid_plan(cfg, src, dst, groups, num_tokens, pack_bw)
     pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     nregions = len(src.regions)
     npieces = pieces.shape[0] * nregions
@@ -172,6 +261,14 @@ def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int)
         lo = np.array([[plan.staging_local[0] + off, ln, plan.staging_local[1]]], dtype=np.int64)
         ro = np.array([[plan.staging_remote[0] + off, ln, plan.staging_remote[1]]], dtype=np.int64)
         return lo, ro
+    if plan.group_merged:
+        runs, a = [], r0  # consecutive regions of one group share its pieces
+        for r in range(r0 + 1, r1 + 1):
+            if r == r1 or plan.region_group[r] != plan.region_group[a]:
+                runs.append((a, r))
+                a = r
+        parts = [descriptors(plan.group_merged[plan.region_group[a]], src, dst, a, b) for a, b in runs]
+        return merge_descriptors(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     return merge_descriptors(*descriptors(plan.merged, src, dst, r0, r1))
 
 
@@ -281,7 +378,10 @@ def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndar
     D sees only its own fragmentation (``dst_pieces`` from ``unpack_pieces``),
     a lower bound on the direct plan's descriptor count. When either side
     cannot be accessed in place, the push can only be staged: always reserve.
+    A hybrid model's push (several KV-cache groups) is direct: never reserve.
     """
+    if len({r.group for r in dst.regions}) > 1:
+        return False
     if not (src.direct and dst.direct):
         return cfg.staging_bytes > 0
     if cfg.plan == "direct" or cfg.staging_bytes == 0:

@@ -76,6 +76,7 @@ class Target:
     p_headers: dict[str, str] = field(default_factory=dict)
     """Headers for P's requests (``X-data-parallel-rank`` picks one of P's DP engines)."""
     max_tokens: int = MAX_TOKENS
+    logs: dict[str, Path] = field(default_factory=dict)  # server logs of the family's own servers, by role
 
     def complete(self, base: str, prompt: str, headers: dict[str, str] | None = None, **kw: Any) -> str:
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, **kw}

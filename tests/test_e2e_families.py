@@ -28,6 +28,7 @@ import pytest
 from e2e_family import Server, Target, check_outputs_and_counters, check_swap, family_model, wait_released
 
 from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo.tiny_model import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -112,10 +113,9 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         )
         router.start()
         srv.wait_all_healthy([router], timeout=60)
-        yield (
-            name,
-            Target(str(model), p, d, router.url, single, ("127.0.0.1", kv_port), p_tp, max_tokens=fam.max_tokens),
-        )
+        logs = {role: s.log_path for role, s in procs.items()}
+        target = Target(str(model), p, d, router.url, single, ("127.0.0.1", kv_port), p_tp, max_tokens=fam.max_tokens)
+        yield name, replace(target, logs=logs)
     except srv.ServerError as exc:
         pytest.fail(str(exc))
     finally:
@@ -153,3 +153,23 @@ def test_d_continues_the_prompt_p_pushed(family: tuple[str, Target]) -> None:
 
 def test_every_block_is_back(family: tuple[str, Target]) -> None:
     wait_released(family[1])
+
+
+def test_hybrid_model_pushes_every_group_and_only_the_window(family: tuple[str, Target]) -> None:
+    """Gemma 3's sliding-window and full layers run under vLLM's hybrid KV-cache manager (two groups with
+    their own blocks, the connector declaring ``SupportsHMA``): P writes each group's blocks, and of the
+    sliding-window layers only the tokens D's window still holds (fewer bytes than every token)."""
+    name, t = family
+    if name != "hybrid":
+        pytest.skip("hybrid family only")
+    for role in ("prefill", "decode"):
+        assert "layer_groups=(0, 1, 0, 1)" in t.logs[role].read_text(), f"{role}: no hybrid KV-cache groups"
+    n = 300
+    prompt = prompt_words(n, seed=seed(name, 0) * 1000 + 950)
+    assert t.pushed("hybrid-window", prompt) == t.complete(t.single, prompt)
+    line = next(x for x in t.logs["prefill"].read_text().splitlines() if "push hybrid-window " in x)
+    sent = int(line.split(" bytes=")[1].split()[0])
+    per_token_layer = 2 * 128 * 4  # two KV heads, each a 64-dim K and V, fp32
+    every_token = n * per_token_layer * 4  # four layers
+    full_layers = n * per_token_layer * 2
+    assert full_layers < sent < every_token, (sent, full_layers, every_token)

@@ -17,7 +17,7 @@ from kvpush import protocol
 from kvpush.errors import KVPushError
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
-from kvpush.plan import PartSchedule, Plan, build_plan, part_descriptors, split_regions
+from kvpush.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
 from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
 from kvpush.transfer import Transfer
@@ -135,7 +135,7 @@ class PushRunner:
         t2 = time.monotonic()
         if handle is not None:
             self.s.bump(Count.PARTS)
-            self.s.bump(Count.BYTES, (a.r1 - a.r0) * job.plan.region_bytes)
+            self.s.bump(Count.BYTES, job.plan.plan.bytes_of(a.r0, a.r1))
             self.s.bump(Count.DESCRIPTORS, ndesc)
             if a.made is not None:
                 self.s.bump(Count.PARTS_PREBUILT)
@@ -250,6 +250,7 @@ class PushRunner:
             staging_local=local,
             staging_remote=remote,
             pack_bw=self.s.backend.pack_bandwidth(),
+            groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
         )
         if plan.kind is not PlanKind.STAGED and slot is not None:
             self.s._slots.free(slot)
@@ -270,7 +271,7 @@ def _completion(plan: Plan, reg: protocol.Register, rank: int, r0: int, r1: int,
             reg.request_id,
             rank,
             plan.kind,
-            (r1 - r0) * plan.region_bytes,
+            plan.bytes_of(r0, r1),
             ndesc,
             reg.staging if staged else None,
             reg.attempt,

@@ -86,10 +86,13 @@ class Receiver(EngineLoop):
         block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
         num_tokens: int,
         start_token: int = 0,
+        skip_blocks: tuple[int, ...] = (),
     ) -> None:
-        """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks."""
+        """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks (``skip_blocks[g]``: leading
+        blocks of group ``g`` D does not hold, as a sliding window's)."""
         ids = tuple(tuple(int(b) for b in g) for g in block_ids)
-        self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token))
+        skip = tuple(int(n) for n in skip_blocks)
+        self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token, skip))
 
     def abort(self, transfer_id: str, reason: str = "aborted on D") -> None:
         """Give up on a transfer; ``poll`` reports it once no P rank can still write."""
@@ -161,11 +164,12 @@ class Receiver(EngineLoop):
         block_ids: tuple[tuple[int, ...], ...],
         num_tokens: int,
         start_token: int,
+        skip_blocks: tuple[int, ...] = (),
     ) -> None:
         now = time.monotonic()
         writers = self._writers(peer)
         bystanders = self._bystanders(peer)
-        asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token)
+        asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token, skip_blocks)
         self._do(self.book.register(asked, writers, now, bystanders))
 
     def _bystanders(self, peer: PeerAddress) -> dict[int, ConnKey]:
@@ -279,6 +283,7 @@ class Receiver(EngineLoop):
                 lease_ms=int(self.cfg.registration_lease_s * 1000),
                 staging=grant,
                 attempt=inc.attempt,
+                skip_blocks=ask.skip_blocks,
             )
         )
         region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -152,7 +153,7 @@ def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
     return chunks
 
 
-class KVPushConnector(KVConnectorBase_V1):
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-mode KV transfer: D registers its blocks, P writes into them."""
 
     _cache_hit_source = CacheHitSource.P2P
@@ -263,6 +264,22 @@ class KVPushConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         delay = self.sched.finished(request.request_id, params, normal, groups, request.num_prompt_tokens)
         return delay, self.sched.answer(request.request_id, params, delay and normal)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request finished for every KV-cache group; each group's blocks are pushed."""
+        return self.request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Learn the block pool's placeholder id: a sliding-window group lists it for blocks it dropped."""
+        if self.sched is not None:
+            self.sched.null_block = int(gpu_block_pool.null_block.block_id)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group: kvpush writes the request's own blocks of each group, not a hashed prefix."""
+        config = self._kv_cache_config
+        return tuple(config.transfer_group_ids) if config is not None else (0,)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.sched is not None
