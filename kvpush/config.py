@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvpush.errors import ConfigError
+from kvpush.transport.backends import traits
 
 Pos = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -59,8 +60,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Size of each rank's staging region for packed transfers (0 disables)."""
     staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
     """D reserves staging only for transfers with at least this many descriptors."""
-    descriptor_cost_us: Pos = 7.0
-    """Cost of posting one descriptor; drives the cost model (measured: docs/benchmarks.md, "Descriptor cost")."""
+    descriptor_cost_us: Pos | None = None
+    """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
+    measured default of the first NIXL backend (``kvpush.transport.backends``; see
+    ``descriptor_cost_s``; measurements: docs/benchmarks.md, "Descriptor cost")."""
     link_gbps: Pos = 25.0
     """Link bandwidth in GB/s for the cost model."""
     registration_lease_s: Pos = 120.0
@@ -141,6 +144,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             return msgspec.convert(data, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid kvpush configuration: {exc}") from None
+
+    def descriptor_cost_s(self) -> float:
+        """Seconds per descriptor: ``descriptor_cost_us`` when set, else the first NIXL backend's default."""
+        us = self.descriptor_cost_us
+        return (traits(self.nixl_backends).descriptor_cost_us if us is None else us) * 1e-6
 
     def replace(self, **changes: Any) -> Config:
         return Config.from_dict({**msgspec.structs.asdict(self), **changes})

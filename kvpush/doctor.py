@@ -42,8 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from kvpush import doctor_libfabric as lf
+from kvpush.doctor_libfabric import LIBFABRIC_VERSION_NODE, has_version_node
+
 DEFAULT_PLUGINS = ("UCX", "LIBFABRIC")
-LIBFABRIC_VERSION_NODE = b"FABRIC_1.10"
+SELF_TEST_PLUGINS = ("UCX", "LIBFABRIC")
+"""Plugins the self-test pushes through, each one that loads (unless ``--nixl-backend`` names one)."""
+__all__ = ["LIBFABRIC_VERSION_NODE", "has_version_node"]
 
 
 @dataclass
@@ -163,14 +168,6 @@ def dlopen_error(path: Path) -> str:
     return proc.stdout.strip()
 
 
-def has_version_node(lib: Path, node: bytes = LIBFABRIC_VERSION_NODE) -> bool:
-    """Whether a shared library defines symbol version ``node`` (its name is in the dynamic string table)."""
-    try:
-        return node + b"\0" in lib.read_bytes()
-    except OSError:
-        return False
-
-
 def explain_plugin(name: str, pdir: Path | None, error: str) -> tuple[str, str, dict[str, Any]]:
     """(why, fix, details) for a plugin that does not load, from its .so and its dependencies."""
     details: dict[str, Any] = {"error": error}
@@ -196,37 +193,21 @@ def explain_plugin(name: str, pdir: Path | None, error: str) -> tuple[str, str, 
     reasons: list[str] = []
     fixes: list[str] = []
     if name == "LIBFABRIC":
-        fab = deps.get("libfabric.so.1", "absent") if deps else "absent"
-        if "libfabric.so.1" in missing:
-            reasons.append(
-                "libfabric is not installed where the loader looks (libfabric.so.1 not found); the plugin needs "
-                f"libfabric >= 1.10 (symbol version {LIBFABRIC_VERSION_NODE.decode()})"
-            )
-            fixes.append(
-                "on an EFA host install the AWS EFA software (aws-efa-installer), which puts a recent libfabric in "
-                "/opt/amazon/efa/lib, and add that directory to LD_LIBRARY_PATH; do not install the distribution's "
-                "libfabric1/rdma-core packages instead (too old here, and they break UCX agents)"
-            )
-        elif isinstance(fab, str) and fab != "absent" and not has_version_node(Path(fab)):
-            reasons.append(
-                f"the libfabric the loader finds ({fab}) is too old: it lacks symbol version "
-                f"{LIBFABRIC_VERSION_NODE.decode()} (libfabric >= 1.10)"
-            )
-            fixes.append(
-                "put the EFA installer's libfabric (/opt/amazon/efa/lib) first on LD_LIBRARY_PATH, or remove the "
-                "old libfabric"
-            )
-        details["libfabric"] = fab
-    others = [m for m in missing if m != "libfabric.so.1"]
-    if others:
-        reasons.append("the plugin also links " + ", ".join(others) + ", which this host lacks")
-        hints = []
-        if any(m.startswith(("libcuda.", "libcudart.")) for m in others):
-            hints.append("the NVIDIA driver/CUDA runtime (this NIXL wheel's plugin is built with CUDA)")
-        if any(m.startswith("libhwloc") for m in others):
-            hints.append("hwloc (libhwloc15)")
-        if hints:
-            fixes.append("install " + " and ".join(hints) + ", or use a NIXL build made for this host")
+        why, fix, more = lf.explain_deps(deps)
+        reasons += why
+        fixes += fix
+        details.update(more)
+    else:
+        others = [m for m in missing if m != "libfabric.so.1"]
+        if others:
+            reasons.append("the plugin links " + ", ".join(others) + ", which this host lacks")
+            hints = []
+            if any(m.startswith(("libcuda.", "libcudart.")) for m in others):
+                hints.append("the NVIDIA driver/CUDA runtime (this NIXL wheel's plugin is built with CUDA)")
+            if any(m.startswith("libhwloc") for m in others):
+                hints.append("hwloc (libhwloc15)")
+            if hints:
+                fixes.append("install " + " and ".join(hints) + ", or use a NIXL build made for this host")
     if not reasons:
         reasons.append(f"NIXL reports {error}" + (f"; the loader says: {loader}" if loader else ""))
         fixes.append("run with NIXL_LOG_LEVEL=DEBUG to see NIXL's own account")
@@ -252,6 +233,62 @@ def check_plugins(names: Sequence[str], wheel_dir: str) -> list[Check]:
         why, fix, details = explain_plugin(n, pdir, err)
         details["listed_by_nixl"] = n in probe["listed"]
         out.append(Check(n, f"NIXL plugin {n}", "missing", f"{n} does not load", why=why, fix=fix, details=details))
+    return out
+
+
+def check_libfabric(pdir: Path | None) -> list[Check]:
+    """The libfabric the LIBFABRIC plugin links here: its providers and the one the plugin will use; and a
+    kvpush CUDA stand-in where a real NVIDIA driver is (a test set-up leaking onto a GPU host)."""
+    so = pdir / "libplugin_LIBFABRIC.so" if pdir is not None else None
+    if so is None or not so.exists():
+        return []
+    deps = ldd(so)
+    out: list[Check] = []
+    cuda, fab = deps.get("libcuda.so.1"), deps.get("libfabric.so.1")
+    standin = lf.is_cuda_standin(cuda)
+    if standin and lf.nvidia_present():
+        out.append(
+            Check(
+                "cuda-standin",
+                "CUDA driver for LIBFABRIC",
+                "fail",
+                f"the plugin resolves libcuda.so.1 to kvpush's CPU stand-in ({cuda}) on a host with an NVIDIA driver",
+                why="a CPU test set-up's library path is in effect here: the plugin could not use the GPU",
+                fix=f"remove {Path(str(cuda)).parent} from LD_LIBRARY_PATH",
+            )
+        )
+    if not fab:
+        return out
+    title = "libfabric providers"
+    try:
+        found = lf.providers(fab)
+    except Exception as exc:
+        return [*out, Check("libfabric", title, "fail", "fi_getinfo failed in a child process", why=str(exc))]
+    env = lf.fi_provider_env()
+    details = {"libfabric": fab, **found, "FI_PROVIDER": env, "cuda_standin": standin}
+    listing = "; ".join(f"{p} ({', '.join(d)})" for p, d in found["rdm"].items()) or "none"
+    choice = lf.plugin_choice(found["rdm"])
+    if choice is None:
+        why = f"reliable-datagram RMA providers here: {listing}" + (f"; FI_PROVIDER={env} filters them" if env else "")
+        out.append(
+            Check(
+                "libfabric",
+                title,
+                "missing",
+                f"{fab}: no provider NIXL's plugin uses ({', '.join(lf.PLUGIN_ORDER)})",
+                why=why,
+                fix="on AWS attach EFA and install aws-efa-installer; unset FI_PROVIDER unless it names efa or tcp",
+                details=details,
+            )
+        )
+        return out
+    prov, domains = choice
+    hmem = "with FI_HMEM" if prov in found["hmem"] else "without FI_HMEM (it registers device memory as host memory)"
+    role = "" if prov in ("efa", "cxi") else "; a test transport: production runs over efa"
+    stand = "; CUDA symbols from kvpush's CPU stand-in: host memory only" if standin else ""
+    details["plugin_provider"], details["plugin_domains"] = prov, domains
+    summary = f"the LIBFABRIC plugin will use {prov} on {', '.join(domains)}, {hmem}{role}{stand}"
+    out.append(Check("libfabric", title, "ok", summary, why=f"{fab}: {listing}", details=details))
     return out
 
 
@@ -394,13 +431,17 @@ def self_test(
     geom: SelfTestGeometry = SelfTestGeometry(),
     rounds: int = 3,
     timeout: float = 60.0,
+    key: str = "",
 ) -> Check:
-    """Push ``geom.tokens`` tokens P -> D through a real Sender/Receiver pair in this process, verify, time it."""
+    """Push ``geom.tokens`` tokens P -> D through a real Sender/Receiver pair in this process, verify, time it.
+
+    ``key``: the check's name for ``--require`` (default ``selftest:<backend>``)."""
     from kvpush.backends.base import CacheSpec
     from kvpush.config import Config
     from kvpush.engine import PeerAddress, Receiver, Sender
 
     title = f"self-test push ({name} over {nixl_backend})"
+    key = key or f"selftest:{name}"
     spec = CacheSpec(geom.block_size, geom.num_heads, geom.head_dim, "float16")
     p_be, d_be = backend_factory(), backend_factory()
     fallback = False
@@ -410,7 +451,7 @@ def self_test(
     except NotImplementedError:
         if name != "host":
             return Check(
-                f"selftest:{name}",
+                key,
                 title,
                 "missing",
                 "skipped: the backend has no test-support surface (make_test_cache)",
@@ -453,7 +494,7 @@ def self_test(
                 results.append({"seconds": elapsed, "bytes": float(d_res.stats.bytes)})
     except Exception as exc:
         return Check(
-            f"selftest:{name}",
+            key,
             title,
             "fail",
             "the loopback push failed",
@@ -469,7 +510,7 @@ def self_test(
     med = sorted(r["seconds"] for r in results)[len(results) // 2]
     gbps = nbytes / best / 1e9
     return Check(
-        f"selftest:{name}",
+        key,
         title,
         "ok",
         f"{rounds} pushes of {nbytes / 2**20:.1f} MiB verified byte for byte; best {gbps:.2f} GB/s "
@@ -652,13 +693,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         pchecks = check_plugins(plugins, wheel_dir)
         checks += pchecks
         loaded = [c.key for c in pchecks if c.status == "ok"]
+        if "LIBFABRIC" in plugins:
+            say("reading libfabric's providers ...")
+            checks += check_libfabric(plugin_dir(wheel_dir))
     checks.append(check_efa())
     say("loading kvpush backends ...")
     bchecks, usable = check_backends()
     checks += bchecks
     if args.self_test and nixl.status == "ok":
-        via = args.nixl_backend or ("UCX" if "UCX" in loaded else (loaded[0] if loaded else ""))
-        if not via:
+        vias = [args.nixl_backend] if args.nixl_backend else [p for p in SELF_TEST_PLUGINS if p in loaded]
+        if not vias:
             checks.append(
                 Check(
                     "selftest", "self-test push", "fail", "skipped: no NIXL plugin loads", fix="see the plugins above"
@@ -668,9 +712,10 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
 
         for name, be in usable.items():
             be.close()  # the self-test makes its own P and D instances
-            if via:
+            for i, via in enumerate(vias):
                 say(f"self-test: pushing through the {name} backend over {via} ...")
-                checks.append(self_test(name, lambda n=name: load_backend(n), via))
+                key = f"selftest:{name}" if i == 0 else f"selftest:{name}@{via}"
+                checks.append(self_test(name, lambda n=name: load_backend(n), via, key=key))
     if args.port is not None:
         checks.append(check_port(args.host, args.port, args.tp_size))
     if args.peer:

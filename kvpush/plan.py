@@ -179,7 +179,7 @@ def _hybrid_plan(
 
 def estimate(cfg: Config, ndesc: int, nbytes: int, pack_pieces: int, pack_bw: float) -> Estimate:
     """Seconds for each plan under the configured costs."""
-    desc = cfg.descriptor_cost_us * 1e-6
+    desc = cfg.descriptor_cost_s()
     wire = nbytes / (cfg.link_gbps * 1e9)
     # Pack and unpack each touch every byte once; per-piece overhead is small
     # next to a descriptor post but not zero.

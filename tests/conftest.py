@@ -8,8 +8,10 @@ so the unit tests pay nothing for them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
+import helpers_libfabric as lf
 import pytest
 from e2e_cluster import E2EServers
 from procs import Node
@@ -57,13 +59,33 @@ def e2e_single(e2e_pair: E2EServers) -> str:
         pytest.fail(str(exc))
 
 
+@pytest.fixture(scope="module", params=lf.BACKENDS)
+def nixl_backend(request: pytest.FixtureRequest) -> str:
+    """The NIXL backend a module's engines run over: every multi-process test runs over each.
+
+    LIBFABRIC skips where its test environment is not set up (helpers_libfabric
+    says how) and fails where it is set up but broken.
+    """
+    name = str(request.param)
+    if name == "LIBFABRIC":
+        try:
+            lf.library_path()
+        except lf.NotSetUp as exc:
+            if lf.PREFIX_ENV in os.environ:
+                pytest.fail(str(exc))
+            pytest.skip(str(exc))
+    return name
+
+
 @pytest.fixture(scope="module")
-def nodes() -> Iterator[tuple[Node, Node]]:
+def nodes(nixl_backend: str) -> Iterator[tuple[Node, Node]]:
     """A P and a D worker process for one test module; fails the module if an engine loop raised."""
-    p, d = Node("P"), Node("D")
+    with lf.spawn_env(nixl_backend):
+        p, d = Node("P", nixl_backend), Node("D", nixl_backend)
     try:
         p.wait_ready()
         d.wait_ready()
+        assert p.call("nixl_backends") == d.call("nixl_backends") == (nixl_backend,)
         yield p, d
         crashes = p.call("crashes") + d.call("crashes")
         assert not crashes, "exceptions escaped into an engine loop:\n" + "\n".join(crashes)

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -94,6 +95,7 @@ class Worker(conformance.Worker):
     def __init__(self, name: str, target: Target) -> None:
         super().__init__(name, target)
         self.agents: list[Any] = []
+        self.progressing: list[tuple[threading.Event, threading.Thread]] = []
         self.retired: list[Any] = []
         self.override: Target | None = None
         self.warnings = _Lines()
@@ -172,12 +174,25 @@ class Worker(conformance.Worker):
         return msgspec.msgpack.encode(self.ranks[key].engine.layout)
 
     def op_bare_agent(self, name: str) -> bytes:
-        """A NIXL agent that belongs to no engine: its metadata lets a raw socket say a valid hello."""
+        """A NIXL agent that belongs to no engine: its metadata lets a raw socket say a valid hello.
+
+        A thread drives its progress every millisecond, as a D's engine does from the moment it says
+        hello: on LIBFABRIC's tcp provider the handshake P sends when it loads the metadata completes
+        only once the peer's agent progresses (docs/libfabric.md)."""
         from kvpush.transport.nixl_agent import Agent
 
-        a = Agent(name)
+        a = Agent(name, self.target.nixl_backends)
         self.agents.append(a)
-        return a.metadata()
+        meta = a.metadata()
+        stop = threading.Event()
+        t = threading.Thread(target=_progress_until, args=(a, stop), name=f"progress-{name}", daemon=True)
+        t.start()
+        self.progressing.append((stop, t))
+        return meta
+
+    def op_nixl_backends(self) -> tuple[str, ...]:
+        """The NIXL backends this worker's agents were created with (its warm-up agent's)."""
+        return tuple(self._warmup.backends)
 
     def op_logs(self) -> list[str]:
         lines, self.warnings.lines = self.warnings.lines, []
@@ -195,9 +210,18 @@ class Worker(conformance.Worker):
 
     def op_exit(self) -> dict[str, Any]:
         report = super().op_exit()
+        for stop, t in self.progressing:
+            stop.set()
+            t.join()
         for a in self.agents:
             a.close()
         return report
+
+
+def _progress_until(agent: Any, stop: threading.Event) -> None:
+    """Drive ``agent``'s progress (the only thread that touches it from now on) until ``stop``."""
+    while not stop.wait(1e-3):
+        agent.notifs()
 
 
 def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) -> None:
@@ -211,7 +235,9 @@ def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) ->
 
 
 class Node(conformance.Node):
-    """Test-side handle of one worker process on the host backend."""
+    """Test-side handle of one worker process on the host backend, its engines over ``nixl_backend``.
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name, HOST, main=worker_main)
+    A LIBFABRIC node must be started inside ``helpers_libfabric.spawn_env`` (its libraries)."""
+
+    def __init__(self, name: str, nixl_backend: str = "UCX") -> None:
+        super().__init__(name, replace(HOST, nixl_backends=(nixl_backend,)), main=worker_main)

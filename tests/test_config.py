@@ -163,3 +163,18 @@ def test_replace() -> None:
 def test_frozen() -> None:
     with pytest.raises(AttributeError):
         Config().plan = "direct"  # type: ignore[misc]
+
+
+def test_descriptor_cost_defaults_to_the_first_nixl_backends_measured_cost() -> None:
+    """The cost model's per-descriptor cost follows the NIXL backend unless set (docs/benchmarks.md, LIBFABRIC)."""
+    from kvpush.transport.backends import LIBFABRIC, UCX
+
+    assert Config().descriptor_cost_us is None
+    assert Config().descriptor_cost_s() == pytest.approx(UCX.descriptor_cost_us * 1e-6)
+    lf = Config.from_dict({"nixl_backends": ["LIBFABRIC", "UCX"]})
+    assert lf.descriptor_cost_s() == pytest.approx(LIBFABRIC.descriptor_cost_us * 1e-6)
+    assert LIBFABRIC.descriptor_cost_us > UCX.descriptor_cost_us
+    assert Config.from_dict({"nixl_backends": ["LIBFABRIC"], "descriptor_cost_us": 2.5}).descriptor_cost_s() == (
+        pytest.approx(2.5e-6)
+    )
+    assert Config.from_dict({"nixl_backends": ["SOMETHING"]}).descriptor_cost_s() == pytest.approx(7e-6)

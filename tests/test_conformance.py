@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 from importlib.util import find_spec
 from pathlib import Path
 
+import helpers_libfabric as lf
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,18 +28,26 @@ SUITE_TIMEOUT_S = 300
 
 
 def run_suite(
-    tmp_path: Path, backend: str, *options: str, pythonpath: tuple[Path, ...] = (), extra: tuple[str, ...] = ()
+    tmp_path: Path,
+    backend: str,
+    *options: str,
+    pythonpath: tuple[Path, ...] = (),
+    extra: tuple[str, ...] = (),
+    nixl_backend: str = "UCX",
+    nixl_log: bool = False,
 ) -> tuple[int, dict[str, str], str]:
-    """Run the suite; returns (exit status, outcome per test id, output tail)."""
+    """Run the suite; returns (exit status, outcome per test id, output)."""
     report = tmp_path / f"junit-{len(list(tmp_path.iterdir()))}.xml"
-    cmd = [sys.executable, "-m", "kvpush.cli", "conformance", "--backend", backend]
+    cmd = [sys.executable, "-m", "kvpush.cli", "conformance", "--backend", backend, "--nixl-backend", nixl_backend]
     cmd += [f"--option={o}" for o in options]
     cmd += ["--", "-q", f"--junitxml={report}", *extra]
-    env = dict(os.environ)
+    env = lf.child_env() if nixl_backend == "LIBFABRIC" else dict(os.environ)
+    if nixl_log:
+        env["NIXL_LOG_LEVEL"] = "INFO"
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S, check=False)
-    out = (proc.stdout + proc.stderr)[-6000:]
+    out = proc.stdout + proc.stderr
     outcomes: dict[str, str] = {}
     if report.exists():
         for case in ET.parse(report).getroot().iter("testcase"):
@@ -51,13 +60,20 @@ def run_suite(
 
 def assert_conforms(rc: int, outcomes: dict[str, str], out: str, skipped: int = 0) -> None:
     bad = {k: v for k, v in outcomes.items() if v not in ("passed", "skipped")}
-    assert rc == 0 and not bad, f"exit {rc}; not passed: {bad}\n{out}"
-    assert len(outcomes) >= 30, f"only {len(outcomes)} tests ran:\n{out}"
+    assert rc == 0 and not bad, f"exit {rc}; not passed: {bad}\n{out[-6000:]}"
+    assert len(outcomes) >= 30, f"only {len(outcomes)} tests ran:\n{out[-6000:]}"
     assert sum(v == "skipped" for v in outcomes.values()) == skipped, outcomes
 
 
-def test_host_backend_conforms(tmp_path: Path) -> None:
-    assert_conforms(*run_suite(tmp_path, "host"))
+def test_host_backend_conforms(tmp_path: Path, nixl_backend: str) -> None:
+    """Over each NIXL backend. NIXL's own log (kept in the JUnit report) proves which one carried the
+    pushes: LIBFABRIC's rails over the tcp provider, or none of them on UCX."""
+    logged = ("-o", "junit_logging=all")
+    rc, outcomes, out = run_suite(tmp_path, "host", nixl_backend=nixl_backend, extra=logged, nixl_log=True)
+    assert_conforms(rc, outcomes, out)
+    report = max(tmp_path.glob("junit-*.xml"), key=lambda p: p.stat().st_mtime).read_text()
+    rails = report.count("rails using provider=tcp")
+    assert (rails > 0) == (nixl_backend == "LIBFABRIC"), (nixl_backend, rails)
 
 
 @pytest.mark.parametrize(("mode", "skipped"), [("direct", 0), ("host_staging", 7)])
@@ -96,8 +112,9 @@ def test_suite_catches_a_broken_backend(tmp_path: Path) -> None:
         tmp_path, "helpers_broken_backend:BrokenBackend", f"bug={bugs}", pythonpath=(MINIMAL, TESTS)
     )
     failed = {k for k, v in outcomes.items() if v in ("failure", "error")}
-    assert rc != 0, out
-    assert failed == set(EXPECTED_FAILURES), f"failed {sorted(failed)}, expected {sorted(EXPECTED_FAILURES)}\n{out}"
+    assert rc != 0, out[-6000:]
+    want = sorted(EXPECTED_FAILURES)
+    assert failed == set(EXPECTED_FAILURES), f"failed {sorted(failed)}, expected {want}\n{out[-6000:]}"
 
 
 def test_docs_show_the_minimal_backend_verbatim() -> None:

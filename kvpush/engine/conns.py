@@ -70,6 +70,11 @@ class Conns:
     def ready(self) -> int:
         return sum(c.state is ConnState.READY for c in self._conns.values())
 
+    def handshaking(self) -> bool:
+        """Whether a hello awaits its reply: P loads this rank's NIXL metadata meanwhile, which over
+        LIBFABRIC's tcp provider completes only while this rank's agent is progressed."""
+        return any(c.state is ConnState.HELLO_SENT for c in self._conns.values())
+
     def close(self) -> None:
         for c in self._conns.values():
             c.client.close()

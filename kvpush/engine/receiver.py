@@ -131,8 +131,8 @@ class Receiver(EngineLoop):
     def step(self, now: float) -> bool:
         for key, conn, msg in self.conns.recv(now):
             self._on_control(key, conn, msg, now)
-        if self.book.current or self.book.superseded:
-            for agent_name, data in self.agent.notifs():
+        if self.book.current or self.book.superseded or self.conns.handshaking():
+            for agent_name, data in self.agent.notifs(drain=bool(self.book.hot)):
                 self._on_notif(agent_name, data, now)
         self._do([AwaitUnpacks(inc, p, block=False) for inc, p in self.book.still_unpacking()])
         if now >= self._next_timer:
@@ -146,7 +146,8 @@ class Receiver(EngineLoop):
     def idle_wait_s(self) -> float:
         """Registrations waiting for P to start writing: their notifications are polled every
         ``WARM_POLL_S``, not every ``busy_poll_max_s`` (each poll takes the GIL from D's decode loop)."""
-        return min(self.idle_poll_max_s, WARM_POLL_S) if self.book.current else self.idle_poll_max_s
+        warm = self.book.current or self.conns.handshaking()
+        return min(self.idle_poll_max_s, WARM_POLL_S) if warm else self.idle_poll_max_s
 
     def refresh_gauges(self) -> None:
         self.gauges = {

@@ -21,8 +21,12 @@ import numpy as np
 from kvpush.backends.base import MemRegistration
 from kvpush.errors import ConfigError, KVPushError
 from kvpush.outcome import XferState
+from kvpush.transport.backends import traits
 
 log = logging.getLogger(__name__)
+
+SETTLE_MAX_ERRORS = 4096
+"""Most failed completions one ``Agent._settle_errors`` reads (a dead peer leaves one per descriptor)."""
 
 
 def _torch_without_cuda_on_disk() -> bool:
@@ -72,6 +76,15 @@ def _nixl() -> Any:
     return nixl_agent, nixl_agent_config
 
 
+def _pairs(new: dict[Any, list[Any]]) -> list[tuple[str, bytes]]:
+    """NIXL's ``{peer: [message, ...]}`` as ``(peer, message)`` pairs, peer names as ``str``."""
+    out: list[tuple[str, bytes]] = []
+    for peer, msgs in new.items():
+        p = peer.decode() if isinstance(peer, bytes) else peer
+        out.extend((p, bytes(m)) for m in msgs)
+    return out
+
+
 class Agent:
     """One NIXL agent with the backends named in configuration."""
 
@@ -94,8 +107,10 @@ class Agent:
             except Exception as exc:
                 raise KVPushError(f"NIXL backend {b} failed to start: {exc}") from None
         self.backends = tuple(backends)
+        self.traits = traits(self.backends)
         self._regs: list[Any] = []
         self._peers: set[str] = set()
+        self._early: list[tuple[str, bytes]] = []
 
     def register(self, regs: list[MemRegistration]) -> None:
         """Register buffers (all of one memory kind per call)."""
@@ -170,13 +185,20 @@ class Agent:
 
     def post(self, handle: Any) -> XferState:
         """Post a WRITE made by ``prepare_write``; returns the post state."""
+        self._settle_errors()
         return XferState.of(self._agent.transfer(handle))
 
     def state(self, handle: Any) -> XferState:
         """The WRITE's state; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
         so one broken transfer cannot stall the engine loop that polls all of them."""
+        self._settle_errors()
         try:
-            return XferState.of(self._agent.check_xfer_state(handle))
+            state = XferState.PROC
+            for _ in range(self.traits.drain_calls):  # each call reaps a bounded number of completions
+                state = XferState.of(self._agent.check_xfer_state(handle))
+                if state is not XferState.PROC:
+                    break
+            return state
         except Exception as exc:
             log.warning("%s: transfer failed: %s", self.name, exc)
             return XferState.ERR
@@ -187,16 +209,32 @@ class Agent:
         except Exception as exc:  # pragma: no cover
             log.debug("release_xfer_handle: %s", exc)
 
-    def notifs(self) -> list[tuple[str, bytes]]:
-        out: list[tuple[str, bytes]] = []
-        try:
-            new = self._agent.get_new_notifs()
-        except Exception as exc:
-            log.warning("%s: reading notifications failed: %s", self.name, exc)
-            return out
-        for peer, msgs in new.items():
-            p = peer.decode() if isinstance(peer, bytes) else peer
-            out.extend((p, bytes(m)) for m in msgs)
+    def _settle_errors(self) -> None:
+        """Where a failed completion fails whichever call reads it (``traits.peer_errors_isolated`` is
+        False), read the pending ones with calls of our own before a post or a poll: each is charged to
+        its own transfer as it is read, so the post or poll that follows is not failed by another
+        peer's error. A dead peer leaves one per descriptor it had in flight. Notifications these calls
+        bring are kept for ``notifs``."""
+        if self.traits.peer_errors_isolated:
+            return
+        for _ in range(SETTLE_MAX_ERRORS):
+            try:
+                self._early.extend(_pairs(self._agent.get_new_notifs()))
+                return
+            except Exception as exc:
+                log.debug("%s: read a failed completion: %s", self.name, exc)
+
+    def notifs(self, drain: bool = False) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as ``(peer agent, message)``. ``drain``: a
+        transfer is being written to us, so progress the backend as many times as it needs for that
+        (``traits.drain_calls``; one call on UCX)."""
+        out, self._early = self._early, []
+        for _ in range(self.traits.drain_calls if drain else 1):
+            try:
+                out.extend(_pairs(self._agent.get_new_notifs()))
+            except Exception as exc:
+                log.warning("%s: reading notifications failed: %s", self.name, exc)
+                break
         return out
 
     def send_notif(self, peer: str, msg: bytes) -> None:

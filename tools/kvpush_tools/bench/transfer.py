@@ -173,6 +173,14 @@ class _Side:
         self.peer = self.agent.add_peer(metadata)
         self.peer_layout = _dec(layout, KVLayout)
 
+    def op_pump(self, seconds: float) -> None:
+        """Progress the raw agent for a while: over LIBFABRIC's tcp provider, loading this agent's metadata
+        on P completes only once this agent has progressed (docs/libfabric.md)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.agent.notifs()
+            time.sleep(0.001)
+
     def op_clear(self) -> None:
         self.cache.fill(0)
 
@@ -227,7 +235,7 @@ class _Side:
             "bytes": float(nbytes),
             "pieces": float(local.shape[0]),
             "descriptors": float(local.shape[0]),
-            "plan_per-block": 1.0,
+            "plan": "per-block",
         }
 
     # D ----------------------------------------------------------------------
@@ -248,7 +256,7 @@ class _Side:
     def op_wait_notif(self, tag: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for _, msg in self.agent.notifs():
+            for _, msg in self.agent.notifs(drain=True):  # a WRITE is in flight to us
                 if msg == tag.encode():
                     return {"t_done": time.monotonic(), "ok": True, "reason": ""}
             time.sleep(0.0002)
@@ -348,9 +356,8 @@ def _one(p: _Proc, d: _Proc, plan: str, tid: str, sblocks: list[int], dblocks: l
         ds = d.recv()
     if not (ps["ok"] and ds["ok"]):
         raise RuntimeError(f"{tid} failed: P: {ps.get('reason')!r}, D: {ds.get('reason')!r}")
-    kind = next((k.removeprefix("plan_") for k in ps if k.startswith("plan_") and k != "plan_s"), "?")
     return {
-        "plan_chosen": kind,
+        "plan_chosen": str(ps.get("plan", "?")),
         "bytes": int(ps["bytes"]),
         "pieces": int(ps["pieces"]),
         "descriptors_posted": int(ps["descriptors"]),
@@ -412,72 +419,87 @@ def _progress(total: int, quiet: bool) -> Any:
         return _Line()
 
 
+def transports(args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """The NIXL backend sets to compare: one per ``--nixl-backend``, else the agents' ``--nixl-backends``."""
+    return [(b,) for b in args.nixl_backend] if args.nixl_backend else [tuple(args.nixl_backends)]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every (pattern, plan) case in two fresh processes; return the report."""
+    """Run every (transport, pattern, plan) case, each transport in its own two fresh processes; return the report.
+
+    Cases are interleaved round-robin (transports, patterns, plans), so that load from other processes on
+    a shared host spreads over every case instead of biasing whichever ran then."""
     shape = Shape(args.tokens, args.layers, args.kv_heads, args.head_dim, args.dtype_bytes, args.block_size)
     rng = np.random.default_rng(args.seed)
     patterns = {
         pat: (block_ids(pat, shape.blocks, shape.pool, rng), block_ids(pat, shape.blocks, shape.pool, rng))
         for pat in args.patterns
     }
-    backends = tuple(args.nixl_backends)
+    nets = transports(args)
     load_start = os.getloadavg()
-    p, d = _Proc("P", shape, args.seed, backends), _Proc("D", shape, None, backends)
-    bar = _progress(len(args.plans) * len(args.patterns) * (args.iters + args.warmup + 1), args.quiet)
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(pat, plan): [] for pat in patterns for plan in args.plans}
+    pairs = {t: (_Proc("P", shape, args.seed, t), _Proc("D", shape, None, t)) for t in nets}
+    cases = [(t, pat, plan) for t in nets for pat in patterns for plan in args.plans]
+    bar = _progress(len(cases) * (args.iters + args.warmup + 1), args.quiet)
+    runs: dict[tuple[tuple[str, ...], str, str], list[dict[str, Any]]] = {c: [] for c in cases}
+    addrs: dict[tuple[tuple[str, ...], str], Any] = {}
     try:
-        p.recv(300.0)
-        d.recv(300.0)
-        addrs = {}
-        for plan in args.plans:
-            addrs[plan] = p.call("start", plan)
-            d_start = d.call("start", plan)
-            if plan == "per-block":
-                p.call("raw_peer", *d_start)
-        # Round-robin over cases, so that load from other processes on a shared
-        # host spreads over every plan instead of biasing whichever ran then.
-        for i in range(args.warmup + args.iters):
-            for pat, (sblocks, dblocks) in patterns.items():
-                for plan in args.plans:
-                    if bar is not None:
-                        bar.set_description(f"{plan} {pat}")
-                    r = _one(p, d, plan, f"{plan}-{pat}-{i}", sblocks, dblocks, addrs[plan])
-                    if i >= args.warmup:
-                        runs[pat, plan].append(r)
-                    if bar is not None:
-                        bar.update(1)
-        # One more, unmeasured transfer per case into a zeroed cache, then
-        # compare: a plan that is fast because it moved the wrong bytes fails.
-        want = {pat: p.call("digest", sb) for pat, (sb, _) in patterns.items()}
-        for pat, (sblocks, dblocks) in patterns.items():
+        for p, d in pairs.values():
+            p.recv(300.0)
+            d.recv(300.0)
+        for t, (p, d) in pairs.items():
             for plan in args.plans:
-                d.call("clear")
-                _one(p, d, plan, f"{plan}-{pat}-verify", sblocks, dblocks, addrs[plan])
-                if d.call("digest", dblocks) != want[pat]:
-                    raise RuntimeError(f"{plan}/{pat}: D's bytes differ from P's after the transfer")
+                addrs[t, plan] = p.call("start", plan)
+                d_start = d.call("start", plan)
+                if plan == "per-block":
+                    d.send("pump", 1.0)
+                    p.call("raw_peer", *d_start)
+                    d.recv()
+        for i in range(args.warmup + args.iters):
+            for t, pat, plan in cases:
+                p, d = pairs[t]
+                sblocks, dblocks = patterns[pat]
+                if bar is not None:
+                    bar.set_description(f"{'+'.join(t)} {plan} {pat}")
+                r = _one(p, d, plan, f"{plan}-{pat}-{i}", sblocks, dblocks, addrs[t, plan])
+                if i >= args.warmup:
+                    runs[t, pat, plan].append(r)
                 if bar is not None:
                     bar.update(1)
-        p.call("stop")
-        d.call("stop")
+        # One more, unmeasured transfer per case into a zeroed cache, then
+        # compare: a plan that is fast because it moved the wrong bytes fails.
+        for t, pat, plan in cases:
+            p, d = pairs[t]
+            sblocks, dblocks = patterns[pat]
+            d.call("clear")
+            _one(p, d, plan, f"{plan}-{pat}-verify", sblocks, dblocks, addrs[t, plan])
+            if d.call("digest", dblocks) != p.call("digest", sblocks):
+                raise RuntimeError(f"{'+'.join(t)} {plan}/{pat}: D's bytes differ from P's after the transfer")
+            if bar is not None:
+                bar.update(1)
+        for p, d in pairs.values():
+            p.call("stop")
+            d.call("stop")
     finally:
         if bar is not None:
             bar.close()
-        p.close()
-        d.close()
-    results = [_summary(pat, plan, runs[pat, plan], shape, True) for pat in patterns for plan in args.plans]
+        for p, d in pairs.values():
+            p.close()
+            d.close()
+    results = [{"nixl": "+".join(t), **_summary(pat, plan, runs[t, pat, plan], shape, True)} for t, pat, plan in cases]
     return {
         "benchmark": "kvpush bench transfer",
         "command": " ".join(["kvpush bench transfer", *args.argv]),
         "shape": {**asdict(shape), "blocks": shape.blocks, "pool_blocks": shape.pool, "bytes": shape.request_bytes},
         "iters": args.iters,
         "warmup": args.warmup,
-        "nixl_backends": list(backends),
+        "nixl_backends": list(dict.fromkeys(b for t in nets for b in t)),
+        "transports": ["+".join(t) for t in nets],
         "host": {
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "nixl": _version("nixl"),
-            "note": "P and D are two processes on one host (loopback); NIXL progress thread off",
+            "note": "P and D are two processes per transport on one host (loopback); NIXL progress thread off",
             # other work on the host skews every number: say how busy it was
             "loadavg_1m_start": load_start[0],
             "loadavg_1m_end": os.getloadavg()[0],
@@ -499,13 +521,14 @@ def _version(dist: str) -> str:
 def table(report: dict[str, Any]) -> str:
     """The report as a fixed-width text table (medians; times in ms)."""
     head = (
-        f"{'pattern':<11}{'plan':<10}{'chosen':<8}{'MiB':>7}{'desc before':>12}{'after':>8}"
+        f"{'nixl':<11}{'pattern':<11}{'plan':<10}{'chosen':<8}{'MiB':>7}{'desc before':>12}{'after':>8}"
         f"{'prep':>8}{'pack':>8}{'post':>8}{'done':>8}{'unpack':>8}{'total':>9}{'GB/s':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         ms = {k: 1e3 * r[f"{k}_s_median"] for k in ("prep", "pack", "post", "complete", "unpack", "total")}
         lines.append(
+            f"{r.get('nixl', '+'.join(report['nixl_backends'])):<11}"
             f"{r['pattern']:<11}{r['plan']:<10}{r['plan_chosen']:<8}{r['bytes'] / 2**20:>7.0f}"
             f"{r['descriptors_before']:>12}{r['descriptors_after']:>8}"
             f"{ms['prep']:>8.1f}{ms['pack']:>8.1f}{ms['post']:>8.1f}{ms['complete']:>8.1f}{ms['unpack']:>8.1f}"
@@ -532,16 +555,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     res = report["results"]
     patterns = list(dict.fromkeys(r["pattern"] for r in res))
-    plans = list(dict.fromkeys(r["plan"] for r in res))
-    width = 0.8 / max(1, len(plans))
-    fig, ax = plt.subplots(figsize=(10, 5))
+    series = list(dict.fromkeys((r.get("nixl", ""), r["plan"]) for r in res))
+    several = len({n for n, _ in series}) > 1
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(10 + 3 * several, 5))
     seen: set[str] = set()
     for i, pat in enumerate(patterns):
-        for j, plan in enumerate(plans):
-            r = next((x for x in res if x["pattern"] == pat and x["plan"] == plan), None)
+        for j, (nixl, plan) in enumerate(series):
+            r = next((x for x in res if x["pattern"] == pat and (x.get("nixl", ""), x["plan"]) == (nixl, plan)), None)
             if r is None:
                 continue
-            x = i + (j - (len(plans) - 1) / 2) * width
+            x = i + (j - (len(series) - 1) / 2) * width
             m = r["median_run"]
             parts = [m["prep_s"], m["pack_s"], m["post_s"] + m["complete_s"], m["unpack_s"]]
             parts.append(max(0.0, m["total_s"] - sum(parts)))
@@ -551,8 +575,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 seen.add(name)
                 bottom += 1e3 * v
             chosen = f" ({r['plan_chosen']})" if plan == "auto" else ""
+            over = f"{nixl}\n" if several else ""
             ax.annotate(
-                f"{plan}{chosen}\n{r['descriptors_after']} desc\n{r['gbps']:.2f} GB/s",
+                f"{over}{plan}{chosen}\n{r['descriptors_after']} desc\n{r['gbps']:.2f} GB/s",
                 (x, bottom),
                 ha="center",
                 va="bottom",
@@ -565,7 +590,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title(
         f"one request: {sh['tokens']} tokens x {sh['layers']} layers x K/V = {sh['bytes'] / 2**20:.0f} MiB, "
         f"block {sh['block_size']} ({sh['blocks'] * sh['layers'] * 2} block-layer pieces)\n"
-        f"{'+'.join(report['nixl_backends'])} between two processes on one host; median of {report['iters']} runs",
+        f"{' vs '.join(report.get('transports', ['+'.join(report['nixl_backends'])]))} between two processes on one "
+        f"host; median of {report['iters']} runs",
         fontsize=9,
     )
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="phase", title_fontsize=8)
@@ -611,7 +637,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=5, help="measured transfers per case (medians reported)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured transfers per case first")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--nixl-backends", type=lambda s: s.split(","), default=["UCX"])
+    ap.add_argument(
+        "--nixl-backends", type=lambda s: s.split(","), default=["UCX"], help="the agents' NIXL backends (default UCX)"
+    )
+    ap.add_argument(
+        "--nixl-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="compare NIXL backends: every case over each (repeatable, e.g. --nixl-backend UCX --nixl-backend "
+        "LIBFABRIC; LIBFABRIC needs its libraries on LD_LIBRARY_PATH: tools/libfabric/setup.sh --ld-path)",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -754,6 +754,7 @@ class PDriver:
             "idle_poll_max_s": 0.001,
             "busy_poll_max_s": o.busy_poll_us * 1e-6,
             "link_gbps": 200.0,
+            "side_channel_port": 0,  # a free port: D learns it from the sender
             "push_parts": parts,
         }
 

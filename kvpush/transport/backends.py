@@ -1,0 +1,52 @@
+"""What each NIXL backend is like where kvpush must drive it differently (plain data, no NIXL import).
+
+The engine speaks to every backend through :class:`kvpush.transport.nixl_agent.Agent`;
+the agent reads these traits, so the engine never names a backend. Each trait
+is a difference found by running kvpush over the backend; docs/libfabric.md
+lists all differences found (some are limits to know, not to drive), and
+docs/benchmarks.md has the measurements behind the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BackendTraits:
+    """How kvpush drives one NIXL backend."""
+
+    descriptor_cost_us: float
+    """Default of ``Config.descriptor_cost_us`` over this backend: what one more descriptor adds to a
+    direct push, for the cost model that chooses between direct and staged plans."""
+    drain_calls: int = 1
+    """NIXL calls per poll while a transfer is in flight: P's poll of a WRITE, and D's poll for
+    notifications while a transfer is being written to it (after P's ``Posting``). kvpush runs no
+    NIXL progress thread, so these calls are what moves data and reaps completions. UCX handles
+    everything pending in one call. LIBFABRIC reaps at most 16 completions per call (one per
+    descriptor on each side), and over libfabric's tcp provider moves about one message: with one
+    call per poll, D took a poll interval per descriptor of a direct push and P learnt that a
+    32768-descriptor WRITE had ended 10 s after D had all of it."""
+    peer_errors_isolated: bool = True
+    """A failed completion fails only its own transfer. Not so on LIBFABRIC driven without its
+    progress thread: the plugin returns a failed completion from whichever call reads it, and NIXL
+    keeps that as the polled transfer's final state, so a dead peer can fail transfers to live ones
+    (cleanly: each ends once and holds nothing). Its progress thread would charge each completion to
+    its own transfer, but stalled live peers' transfers behind a dead peer's writes (docs/libfabric.md)."""
+
+
+UCX = BackendTraits(descriptor_cost_us=7.0)
+LIBFABRIC = BackendTraits(descriptor_cost_us=11.0, drain_calls=32, peer_errors_isolated=False)
+TRAITS: dict[str, BackendTraits] = {"UCX": UCX, "LIBFABRIC": LIBFABRIC}
+
+
+def traits(backends: Iterable[str]) -> BackendTraits:
+    """The traits of an agent with these backends: the first one's costs (NIXL prefers it) and the
+    most draining any of them needs. Backends kvpush has not measured are driven like UCX."""
+    known = [TRAITS.get(b, UCX) for b in backends] or [UCX]
+    return BackendTraits(
+        known[0].descriptor_cost_us,
+        max(t.drain_calls for t in known),
+        all(t.peer_errors_isolated for t in known),
+    )
