@@ -12,8 +12,10 @@ Families (``FAMILIES``), one server start each:
   TP 2 against the session's D (or P) at TP 1; vLLM's CPU cache is moved in
   whole (block, head) chunks, so P's and D's head slices differ;
 * ``dp2``: P with two data-parallel engines, each listening on its own side
-  channel (``side_channel_port + dp_index * tp_size``), picked per request
-  with vLLM's ``X-data-parallel-rank`` header.
+  channel (``side_channel_port + dp_index * tp_size``): the router
+  (``--prefill-dp 2``) picks one per request with vLLM's
+  ``X-data-parallel-rank`` header and both engines serve; the swap test
+  addresses each engine by that header.
 
 Every family passes the checks of ``e2e_family``: greedy equality with the
 plain server, the swap test, D's counters, and empty pools afterwards.
@@ -25,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
-from e2e_family import Server, Target, check_outputs_and_counters, check_swap, family_model, wait_released
+from e2e_family import Server, Target, check_outputs_and_counters, check_swap, family_model, metric, wait_released
 
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
@@ -43,8 +45,8 @@ class Family:
     d: Server | None
     single: bool  # a plain server of its own (else the session's)
     lengths: tuple[int, ...]
-    router: bool = True  # requests through the router (DP: to each P engine directly, by header)
-    dp: int = 1
+    router: bool = True  # greedy outputs through the router (else P and D directly)
+    dp: int = 1  # P's data-parallel engines (the router picks one per request; the swap test each by header)
     extra_cfg: dict = field(default_factory=dict)
     max_tokens: int = 8
 
@@ -79,7 +81,7 @@ FAMILIES = {
     "hybrid": Family("gemma3", 32, Server("prefill", cpus="0"), Server("decode", cpus="1"), True, (5, 33, 100, 300)),
     "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300)),
     "tp1-to-tp2": Family(None, 32, None, Server("decode", tp=2, cpus="1"), False, (5, 33, 100, 300)),
-    "dp2": Family(None, 32, Server("prefill", dp=2, cpus="0"), None, False, (33, 300), router=False, dp=2),
+    "dp2": Family(None, 32, Server("prefill", dp=2, cpus="0"), None, False, (33, 60, 100, 300), dp=2),
 }
 
 
@@ -107,7 +109,10 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         d = procs["decode"].url if fam.d is not None else session.d
         p_tp = fam.p.tp if fam.p is not None else 1
         router = srv.router_server(
-            ["--prefill", p, "--prefill-kv", f"127.0.0.1:{kv_port}", "--prefill-tp", str(p_tp), "--decode", d],
+            [
+                *("--prefill", p, "--prefill-kv", f"127.0.0.1:{kv_port}", "--decode", d),
+                *("--prefill-tp", str(p_tp), "--prefill-dp", str(fam.dp)),
+            ],
             srv.free_port(),
             log_dir=logs,
         )
@@ -139,10 +144,23 @@ def seed(name: str, k: int) -> int:
     return 50_000 + 100 * list(FAMILIES).index(name) + 10 * k
 
 
+def p_prompt_tokens(t: Target, dp: int) -> list[float]:
+    """Prompt tokens each of P's DP engines has prefilled (vLLM labels its metrics by engine)."""
+    return [metric(t.p, "vllm:prompt_tokens_total", engine=str(k)) for k in range(dp)]
+
+
 def test_outputs_equal_the_plain_server_and_tokens_came_by_transfer(family: tuple[str, Target]) -> None:
+    """Through the router: greedy equality and D's counters; with P data parallel, the router spread the
+    prompts over P's engines (each engine prefilled some), and D still took every token by transfer."""
     name, t = family
-    for k, e in enumerate(engines(name, t)):
-        check_outputs_and_counters(e, FAMILIES[name].lengths, seed=seed(name, k), via_router=FAMILIES[name].router)
+    fam = FAMILIES[name]
+    before = p_prompt_tokens(t, fam.dp)
+    targets = [t] if fam.router else engines(name, t)
+    for k, e in enumerate(targets):
+        check_outputs_and_counters(e, fam.lengths, seed=seed(name, k), via_router=fam.router)
+    served = [b - a for a, b in zip(before, p_prompt_tokens(t, fam.dp), strict=True)]
+    assert sum(served) >= sum(fam.lengths), served
+    assert all(n > 0 for n in served), f"the router sent no prompt to some of P's DP engines: {served}"
 
 
 def test_d_continues_the_prompt_p_pushed(family: tuple[str, Target]) -> None:
