@@ -16,7 +16,8 @@ Two generations:
   ``BLNHC`` and ``BLHNC`` (a block of every layer side by side), ``mla``;
   ``LHBNC`` and ``BHLNC`` keep a block's heads apart (not dense): refused.
 - older vLLM: ``old_flash_nhd`` ``[2, nb, bs, h, d]``, ``old_flash_hnd`` (HND
-  strides), ``old_flashinfer`` ``[nb, 2, bs, h, d]``, ``old_cross_layer`` (one
+  strides), ``old_flashinfer`` ``[nb, 2, bs, h, d]`` (NHD), ``old_flashinfer_hnd``
+  (FlashInfer's HND: ``[nb, 2, h, bs, d]`` memory seen as ``[nb, 2, bs, h, d]``), ``old_cross_layer`` (one
   ``[nb, layers, 2, bs, h, d]`` buffer), ``old_mla`` ``[nb, bs, 1, d]``.
 """
 
@@ -29,6 +30,7 @@ LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1
 LAYOUTS |= {"BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
 """vLLM's ``KVCacheLayout`` stride orders: physical order of the logical axes ``[L, B, H, N, C]``."""
 VARIANTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "mla", "old_flash_nhd", "old_flash_hnd", "old_flashinfer")
+VARIANTS += ("old_flashinfer_hnd",)
 VARIANTS += ("old_cross_layer", "old_mla")
 REFUSED = ("LHBNC", "BHLNC")
 """Orders whose blocks are not dense for one layer (a block's heads sit a layer or more apart)."""
@@ -38,7 +40,7 @@ def axes(variant: str) -> str:
     """``CacheSpec.axes`` for the variant's per-layer tensors."""
     if variant in LAYOUTS or variant == "mla":
         return "BHNC"
-    return {"old_flashinfer": "BKNHC", "old_mla": "BNHC"}.get(variant, "KBNHC")
+    return {"old_flashinfer": "BKNHC", "old_flashinfer_hnd": "BKNHC", "old_mla": "BNHC"}.get(variant, "KBNHC")
 
 
 def is_mla(variant: str) -> bool:
@@ -87,6 +89,8 @@ def make_kv(
         return {n: torch.empty((2, nb, h, bs, d), **kw).permute(0, 1, 3, 2, 4) for n in names}
     if variant == "old_flashinfer":
         return {n: torch.empty((nb, 2, bs, h, d), **kw) for n in names}
+    if variant == "old_flashinfer_hnd":
+        return {n: torch.empty((nb, 2, h, bs, d), **kw).permute(0, 1, 3, 2, 4) for n in names}
     if variant == "old_cross_layer":
         buf = torch.empty((nb, L, 2, bs, h, d), **kw)
         return {n: buf[:, i].permute(1, 0, 2, 3, 4) for i, n in enumerate(names)}
@@ -99,7 +103,7 @@ def canonical(t: Any, variant: str) -> Any:
     """A view of one layer's tensor as ``[kv, block, token, head, content]``."""
     if variant in LAYOUTS or variant == "mla":
         return t.transpose(1, 2).unsqueeze(0)  # [B, H, N, C] -> [1, B, N, H, C]
-    if variant == "old_flashinfer":
+    if variant in ("old_flashinfer", "old_flashinfer_hnd"):
         return t.transpose(0, 1)
     if variant == "old_mla":
         return t.unsqueeze(0)

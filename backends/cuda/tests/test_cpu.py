@@ -81,7 +81,7 @@ def test_describe_every_variant_matches_real_addresses(variant: str) -> None:
     assert layout.num_blocks == 7
     assert len(layout.regions) == 3 * regions_per_layer(variant)
     if heads > 1:  # with one head both orders place the same bytes
-        head_major = variant in ("old_flash_hnd", "LBHNC", "BLHNC")
+        head_major = variant in ("old_flash_hnd", "old_flashinfer_hnd", "LBHNC", "BLHNC")
         assert layout.order is (TokenOrder.HND if head_major else TokenOrder.NHD)
     check_addresses(layout, kv, variant)
     regs, rest = allocation_registrations(layout, spans)
@@ -195,6 +195,7 @@ def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int, in_par
     [
         ("old_flash_nhd", "old_flash_hnd"),
         ("old_flashinfer", "old_cross_layer"),
+        ("old_flashinfer_hnd", "old_flash_nhd"),
         ("old_mla", "old_mla"),
         ("LBNHC", "LBHNC"),
         ("BLNHC", "LBNHC"),
