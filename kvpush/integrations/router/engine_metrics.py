@@ -68,9 +68,10 @@ class PrefillRate:
         self._last: dict[str, tuple[float, float, float, float]] = {}
 
     async def read(self, insts: list[Instance]) -> None:
-        """One scrape of every P; the deltas since the previous one go to the selector."""
+        """One scrape of every P server (a data-parallel one once for all its DP ranks, whose metrics its one
+        API server reports); the deltas since the previous one go to the selector."""
         seconds = tokens = push_s = push_bytes = per_token = 0.0
-        for inst in insts:
+        for inst in {i.url: i for i in insts}.values():
             try:
                 timeout = aiohttp.ClientTimeout(total=5)
                 async with self._session().get(inst.url + "/metrics", timeout=timeout) as r:
