@@ -31,6 +31,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "serve": ("kvpush_tools.bench.serve", "TTFT/TPOT of kvpush vs vLLM's NIXL connectors under Poisson load"),
     "plot": ("kvpush_tools.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
     "idle": ("kvpush_tools.bench.idle", "CPU used by an idle P/D pair, per connector"),
+    "pairing": ("kvpush_tools.bench.pairing", "P's planning between D's registration and its first pack, per tree"),
     "layerwise": (
         "kvpush_tools.bench.layerwise",
         "TTFT vs prompt length: single vLLM, whole-request push, layer-wise push",

@@ -71,7 +71,19 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     prefill_lease_s: Pos = 60.0
     """How long P holds finished blocks waiting for D's registration."""
     transfer_timeout_s: Pos = 60.0
-    """D fails a registered transfer whose data has not arrived by then."""
+    """D fails a registered transfer by then unless P acknowledged it as queued, running or pushing
+    (``protocol.Ack``): a prefill P vouches for is waited for up to ``transfer_hard_cap_s``, while P lives."""
+    transfer_hard_cap_s: Pos = 1800.0
+    """The longest D waits for a transfer P keeps acknowledging (queued behind a long backlog): far above
+    any sane queue, a bound for a P that vouches for a prefill it lost."""
+    quarantine_s: Pos = 120.0
+    """Blocks of a transfer whose writer was declared dead (or did not answer an abort) are withheld from
+    vLLM until that P rank is fenced (it answers a new hello, which it does only once nothing of the old
+    session is in flight) or this long has passed: a P frozen and resumed must not write into reused blocks."""
+    max_waiting_registrations: Annotated[int, msgspec.Meta(ge=0)] = 16
+    """D: at most this many registrations wait on one P instance; a request beyond them gets its blocks
+    only when one of them ends (it waits in vLLM's queue, holding nothing), so D does not pin blocks for
+    prefills queued behind P's backlog. 0: no bound."""
     heartbeat_s: Pos = 1.0
     """Interval of liveness messages between peers."""
     peer_dead_s: Pos = 10.0

@@ -7,10 +7,21 @@ abort, an unpack done, a P rank declared dead, time passing) into actions
 for the receiver thread: register with a writer, send an abort, start or
 wait for an unpack, free a staging slot, report the transfer.
 
-The one rule everything here serves: **D reports a transfer only when no
-writer can still write into its blocks** — every writer completed, failed,
-answered an abort, was declared dead, or never got the registration; an
-unpack still running is waited for first. A re-issued registration gets a
+The one rule everything here serves: **D gives a transfer's blocks back
+only when no writer can still write into them** — every writer completed,
+failed, answered an abort, or never got the registration; an unpack still
+running is waited for first. A writer declared dead (or that did not answer
+an abort) may only be frozen and write later, so it is *quarantined*: the
+transfer is reported failed at once (``Result.fenced`` False: the request
+may fail now) and its blocks stay withheld until that P rank is *fenced*
+(it answered a hello D sent after the declaration, which P does only once
+nothing of the old session is in flight and its registrations are dropped),
+P answers for that registration, or ``quarantine_s`` passes; then a second
+Report (``fenced``) gives them back.
+
+D's wait is bounded by what P says (``acknowledged``): until P vouches for
+the prefill (queued, running, pushing) D waits ``transfer_timeout_s`` from
+registration; once it does, up to ``transfer_hard_cap_s``, while P lives. A re-issued registration gets a
 new *attempt*; the older attempt stays (superseded) until P answers it or a
 completion of a newer attempt proves P no longer writes it (P pushes a new
 attempt only after the previous WRITE ended). Time is passed in.
@@ -19,12 +30,12 @@ attempt only after the previous WRITE ended). Time is passed in.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpush import protocol
 from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, PlanKind, ReceiveStats, ReceiveTimes, Result, Stage
+from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, ReceiveStats, ReceiveTimes, Result, Stage
 
 ConnKey = tuple[str, int]
 """A P rank's side channel: (host, port)."""
@@ -106,7 +117,8 @@ class Stale:
 
 @dataclass(frozen=True)
 class Report:
-    """The transfer ended on D: no writer can still write into its blocks."""
+    """The transfer ended on D: no writer can still write into its blocks (``result.fenced``), or it failed
+    while a quarantined writer still might (``fenced`` False: a second Report gives the blocks back)."""
 
     incoming: Incoming
     result: Result
@@ -144,13 +156,24 @@ class Writer:
     region_bytes: int = 0  # bytes one region contributes to the staged payload
     covered: bytearray | None = None  # per region: 0 not announced, 2 being unpacked, 1 arrived
     unpacking: deque[tuple[int, int, Any]] = field(default_factory=deque)  # (r0, r1, marker), oldest first
+    state: PrefillState = PrefillState.UNKNOWN  # what P last acknowledged
+    quarantined: bool = False  # declared dead (or silent on an abort) while it may still write
+    q_until: float = float("inf")  # the quarantine ends by then at the latest
+    q_epoch: int = 0  # a hello of a later epoch answered by its P rank fences it
 
 
 class Incoming:
     """One attempt of one transfer on D: its writers and what arrived from each."""
 
     def __init__(
-        self, asked: Asked, writers: dict[int, ConnKey], nregions: int, now: float, deadline: float, attempt: int = 0
+        self,
+        asked: Asked,
+        writers: dict[int, ConnKey],
+        nregions: int,
+        now: float,
+        deadline: float,
+        attempt: int = 0,
+        hard_deadline: float = float("inf"),
     ) -> None:
         self.asked = asked
         self.transfer_id = asked.transfer_id
@@ -158,7 +181,11 @@ class Incoming:
         self.writers = {p: Writer(p, conn) for p, conn in writers.items()}
         self.nregions = nregions
         self.deadline = deadline
+        self.hard_deadline = hard_deadline
+        self.vouched = False  # some writer said the prefill is queued, running or pushing
+        self.tokens_ahead = 0
         self.attempt = attempt
+        self.failure: Result | None = None  # reported failed while a writer is quarantined
         self.aborting: Failed | None = None
         self.abort_deadline = float("inf")
         self.stats = ReceiveStats()
@@ -175,6 +202,35 @@ class Incoming:
             return self._final(w, Failed(Stage.REGISTER, Cause.SIDE_CHANNEL, "side channel send failed"), t)
         self.times.sent = t  # the last writer's: D waits for every P rank
         return []
+
+    def acknowledged(self, p: int, state: PrefillState, tokens_ahead: int) -> None:
+        """P rank ``p`` says where the prefill stands: once it vouches for it, D waits up to the hard cap."""
+        w = self.writers[p]
+        w.state = state
+        self.tokens_ahead = tokens_ahead
+        if state.alive and not self.vouched:
+            self.vouched = True
+            self.deadline = max(self.deadline, self.hard_deadline)
+
+    def quarantine(self, p: int, failed: Failed, until: float, epoch: int, now: float) -> list[Action]:
+        """Writer ``p`` will not complete but may still write (declared dead, or silent on an abort):
+        the transfer fails now, its blocks (and staging slot) stay withheld until ``release``."""
+        w = self.writers[p]
+        if w.final or w.quarantined:
+            return []
+        if not w.sent:
+            return self._final(w, failed, now)  # it never got the registration: it cannot write
+        out: list[Action] = []
+        if w.unpacking:
+            out.append(WaitUnpacks(tuple(m for _, _, m in w.unpacking)))
+            w.unpacking.clear()
+        w.quarantined, w.failed, w.q_until, w.q_epoch = True, failed, until, epoch
+        return out + self._maybe_report(now)
+
+    def release(self, p: int, now: float) -> list[Action]:
+        """A quarantined writer can no longer write (fenced, it answered, or its quarantine ran out)."""
+        w = self.writers[p]
+        return self._final(w, w.failed, now) if w.quarantined else []
 
     def conn_ready(self, conn: ConnKey, now: float) -> list[Action]:
         out: list[Action] = []
@@ -230,7 +286,7 @@ class Incoming:
         w = self.writers[p]
         if failed.stage is Stage.UNPACK:
             w.unpacking.clear()  # a failed unpack cannot be waited for
-        return [] if w.final else self._final(w, failed, now)
+        return [] if w.final or w.quarantined else self._final(w, failed, now)
 
     def abort(self, why: Failed, now: float, answer_s: float) -> list[Action]:
         """D gives up: writers not registered end now, the others are asked to stop (answer within ``answer_s``)."""
@@ -240,7 +296,7 @@ class Incoming:
         self.abort_deadline = now + answer_s
         out: list[Action] = []
         for w in self.writers.values():
-            if w.final:
+            if w.final or w.quarantined:
                 continue
             out += [SendAbort(self, w.p_rank, why.reason)] if w.sent else self._final(w, why, now)
         return out
@@ -255,15 +311,19 @@ class Incoming:
                 out += self._final(w, self.aborting, now)
         return out
 
-    def expire(self, now: float) -> list[Action]:
-        """Past the abort deadline: writers that did not answer are taken as gone."""
+    def expire(self, now: float, quarantine_s: float, epochs: dict[ConnKey, int]) -> list[Action]:
+        """Past the abort deadline: writers that did not answer are quarantined (they may still write);
+        quarantines past their time end."""
         out: list[Action] = []
         if self.aborting is not None and now >= self.abort_deadline:
             why = self.aborting
             late = Failed(why.stage, Cause.DEAD_PEER, why.reason + " (P did not answer the abort)")
             for w in self.writers.values():
                 if not w.final:
-                    out += self._final(w, late, now)
+                    out += self.quarantine(w.p_rank, late, now + quarantine_s, epochs.get(w.conn, 0), now)
+        for w in self.writers.values():
+            if w.quarantined and now >= w.q_until:
+                out += self.release(w.p_rank, now)
         return out
 
     # -- internals -----------------------------------------------------------
@@ -292,14 +352,30 @@ class Incoming:
         if w.unpacking:
             out.append(WaitUnpacks(tuple(m for _, _, m in w.unpacking)))
             w.unpacking.clear()
-        w.final, w.failed = True, failed
+        w.final, w.failed, w.quarantined = True, failed, False
         if w.grant is not None:
             out.append(FreeSlot(w.grant.offset))
             w.grant = None
-        if all(x.final for x in self.writers.values()):
-            out.append(Report(self, self._result(now)))
+        return out + self._maybe_report(now)
+
+    def _maybe_report(self, now: float) -> list[Action]:
+        """Report once every writer is final; report the failure early once every writer is final or
+        quarantined (the blocks stay withheld until the quarantined ones are released)."""
+        writers = self.writers.values()
+        if all(x.final for x in writers):
             self.reported = True
-        return out
+            result = replace(self.failure, fenced=True) if self.failure is not None else self._result(now)
+            return [Report(self, result)]
+        if self.failure is None and all(x.final or x.quarantined for x in writers):
+            self.failure = replace(self._result(now), fenced=False)
+            return [Report(self, self.failure)]
+        return []
+
+    def quarantined_blocks(self) -> int:
+        """Blocks withheld from vLLM while a writer is quarantined (0 when none is)."""
+        if not any(w.quarantined for w in self.writers.values()):
+            return 0
+        return sum(len(g) for g in self.asked.block_ids)
 
     def _result(self, now: float) -> Result:
         self.times.result = now
@@ -317,10 +393,20 @@ class Incoming:
 class Fencing:
     """Every transfer D registered and not yet reported, current attempts and superseded ones."""
 
-    def __init__(self, nregions: int, transfer_timeout_s: float, peer_dead_s: float) -> None:
+    def __init__(
+        self,
+        nregions: int,
+        transfer_timeout_s: float,
+        peer_dead_s: float,
+        hard_cap_s: float = float("inf"),
+        quarantine_s: float = float("inf"),
+    ) -> None:
         self.nregions = nregions
         self.transfer_timeout_s = transfer_timeout_s
         self.peer_dead_s = peer_dead_s
+        self.hard_cap_s = hard_cap_s
+        self.quarantine_s = quarantine_s
+        self.epochs: dict[ConnKey, int] = {}  # the latest hello epoch each P rank's link answered or died in
         self.current: dict[str, Incoming] = {}
         self.superseded: list[Incoming] = []
         self.hot: set[str] = set()  # transfers a P rank said it is writing (``Posting``): polled busily
@@ -357,7 +443,7 @@ class Fencing:
             self.superseded.append(old)
             out += self._settle(old.supersede(now, self.peer_dead_s))
         deadline = now + self.transfer_timeout_s
-        inc = Incoming(asked, writers, self.nregions, now, deadline, attempt)
+        inc = Incoming(asked, writers, self.nregions, now, deadline, attempt, now + self.hard_cap_s)
         self.current[transfer_id] = inc
         why = f"D takes this KV from P ranks {sorted(writers)}"
         spare = [Cancel(transfer_id, asked.request_id, conn, why) for conn in (bystanders or {}).values()]
@@ -367,30 +453,69 @@ class Fencing:
         """The actions of an event the receiver fed ``inc`` directly (an action's answer), settled here."""
         return self._settle(actions)
 
-    def conn_ready(self, conn: ConnKey, now: float) -> list[Action]:
+    def conn_ready(self, conn: ConnKey, now: float, epoch: int = 0) -> list[Action]:
+        self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
         return self._settle([a for inc in list(self.current.values()) for a in inc.conn_ready(conn, now)])
+
+    def fenced(self, conn: ConnKey, epoch: int, now: float) -> list[Action]:
+        """P rank ``conn`` answered the hello of ``epoch`` (P answers only once nothing of D's earlier
+        session is in flight and its registrations are dropped): writers quarantined before it are released."""
+        self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
+        out: list[Action] = []
+        for inc in [*self.current.values(), *self.superseded]:
+            for w in inc.writers.values():
+                if w.conn == conn and w.quarantined and w.q_epoch < epoch:
+                    self._bump(Count.QUARANTINES_FENCED)
+                    out += inc.release(w.p_rank, now)
+        return self._settle(out)
+
+    def acknowledged(self, msg: protocol.Ack) -> bool:
+        """P says where a registration's prefill stands (False: not a current writer, or D already gave up
+        on it: an Ack that crossed D's abort does not extend a wait that ended)."""
+        inc = self.current.get(msg.transfer_id)
+        if inc is None or inc.attempt != msg.attempt or msg.rank not in inc.writers or inc.aborting is not None:
+            return False
+        self._bump(Count.ACKS)
+        inc.acknowledged(msg.rank, msg.state, msg.tokens_ahead)
+        return True
 
     def conn_refused(self, conn: ConnKey, reason: str, now: float) -> list[Action]:
         return self._settle([a for inc in list(self.current.values()) for a in inc.conn_refused(conn, reason, now)])
 
-    def conn_dead(self, conn: ConnKey, reason: str, now: float) -> list[Action]:
-        """P rank ``conn`` was declared dead: its writers end now (an abort goes out, best effort: if P is
-        only slow, not dead, it reaches P before it posts the WRITE)."""
+    def conn_dead(self, conn: ConnKey, reason: str, now: float, epoch: int = 0) -> list[Action]:
+        """P rank ``conn`` was declared dead in the session of hello ``epoch``: its writers fail now and
+        are quarantined (a frozen P resumes and writes); an abort goes out, best effort: if P is only slow,
+        it reaches P before it posts the WRITE."""
+        self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
         out: list[Action] = []
         dead = Failed(Stage.TRANSFER, Cause.DEAD_PEER, reason)
+        until = now + self.quarantine_s
         for inc in [*self.current.values(), *self.superseded]:
             for w in inc.writers.values():
-                if w.conn == conn and not w.final:
-                    out += [SendAbort(inc, w.p_rank, reason), *inc.writer_failed(w.p_rank, dead, now)]
+                if w.conn == conn and not w.final and not w.quarantined:
+                    abort = [SendAbort(inc, w.p_rank, reason)] if w.sent else []
+                    out += [*abort, *inc.quarantine(w.p_rank, dead, until, epoch, now)]
         return self._settle(out)
 
     def writes_on(self, conn: ConnKey) -> bool:
-        """Some writer on ``conn`` may still write."""
+        """Some writer on ``conn`` is waited for (quarantined ones are not: they failed already)."""
         return any(
-            w.conn == conn and not w.final
+            w.conn == conn and not w.final and not w.quarantined
             for inc in [*self.current.values(), *self.superseded]
             for w in inc.writers.values()
         )
+
+    def quarantined_on(self, conn: ConnKey) -> bool:
+        """Some writer on ``conn`` is quarantined: a fencing hello would release it."""
+        return any(
+            w.conn == conn and w.quarantined
+            for inc in [*self.current.values(), *self.superseded]
+            for w in inc.writers.values()
+        )
+
+    def quarantined_blocks(self) -> int:
+        """Blocks withheld from vLLM by quarantines (the memory cost of fencing)."""
+        return sum(inc.quarantined_blocks() for inc in [*self.current.values(), *self.superseded])
 
     def posting(self, transfer_id: str, p_rank: int, attempt: int) -> bool:
         """P rank says it starts writing: poll this transfer busily (False: not a current writer)."""
@@ -399,12 +524,17 @@ class Fencing:
             return False
         self.hot.add(transfer_id)
         self._bump(Count.POSTINGS)
+        inc.acknowledged(p_rank, PrefillState.PUSHING, 0)
         return True
 
     def completion(self, msg: protocol.Completion, now: float) -> list[Action]:
         inc, w, out = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=True, now=now)
         if inc is None or w is None:
             return out
+        if w.quarantined:
+            # A part of a writer given up on: it failed already; only an answer or fencing releases it.
+            self._bump(Count.STALE_NOTIFICATIONS)
+            return [*out, Stale(msg.transfer_id, msg.rank)]
         parts = inc.stats.parts
         actions = inc.completion(w, msg, now)
         self._bump(Count.PARTS, inc.stats.parts - parts)
@@ -414,6 +544,10 @@ class Fencing:
         inc, w, out = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=False, now=now)
         if inc is None or w is None:
             return out
+        if w.quarantined:
+            # P answers a registration only once nothing of it is in flight: that writer is fenced.
+            self._bump(Count.QUARANTINES_FENCED)
+            return self._settle(out + inc.release(w.p_rank, now))
         why = Failed(msg.stage, msg.cause, f"P rank {msg.rank} failed at {msg.stage}: {msg.reason}")
         return self._settle(out + inc.writer_failed(w.p_rank, why, now))
 
@@ -427,7 +561,7 @@ class Fencing:
     def abort(self, transfer_id: str, why: Failed, now: float) -> list[Action]:
         """D gives up on the current attempt (the caller, or its deadline)."""
         inc = self.current.get(transfer_id)
-        if inc is None or inc.aborting is not None:
+        if inc is None or inc.aborting is not None or inc.failure is not None:
             return []
         self._bump(Count.EXPIRED if why.cause is Cause.EXPIRED else Count.ABORTS)
         return self._settle(inc.abort(why, now, self.peer_dead_s))
@@ -447,11 +581,17 @@ class Fencing:
         for inc in [*self.current.values(), *self.superseded]:
             if inc.reported:
                 continue
-            if inc.aborting is None and now >= inc.deadline:
-                late = f"no KV from P within {self.transfer_timeout_s:g}s"
+            if inc.aborting is None and inc.failure is None and now >= inc.deadline:
+                if inc.vouched:
+                    late = f"P kept the prefill queued or running past transfer_hard_cap_s ({self.hard_cap_s:g}s)"
+                else:
+                    late = f"no KV from P within {self.transfer_timeout_s:g}s"
                 out += self.abort(inc.transfer_id, Failed(Stage.TRANSFER, Cause.EXPIRED, late), now)
             else:
-                out += self._settle(inc.expire(now))
+                q = sum(w.quarantined for w in inc.writers.values())
+                acts = inc.expire(now, self.quarantine_s, self.epochs)
+                self._bump(Count.QUARANTINES_EXPIRED, max(0, q - sum(w.quarantined for w in inc.writers.values())))
+                out += self._settle(acts)
         return out
 
     def still_unpacking(self) -> list[tuple[Incoming, int]]:
@@ -478,7 +618,8 @@ class Fencing:
                     return old, w, out
                 if fences_older:
                     assert old.aborting is not None
-                    out += self._settle(old.writer_failed(p_rank, old.aborting, now))
+                    fence = old.release(p_rank, now) if w.quarantined else old.writer_failed(p_rank, old.aborting, now)
+                    out += self._settle(fence)
         inc = self.current.get(transfer_id)
         w = inc.writers.get(p_rank) if inc is not None else None
         if inc is None or w is None or attempt != inc.attempt or w.final:
@@ -487,15 +628,22 @@ class Fencing:
         return inc, w, out
 
     def _settle(self, actions: list[Action]) -> list[Action]:
-        """Forget transfers that report."""
+        """Forget transfers whose blocks are given back (a failure reported early stays until then)."""
         for a in actions:
-            if isinstance(a, Report):
-                inc, tid = a.incoming, a.result.transfer_id
-                if inc in self.superseded:
-                    self.superseded.remove(inc)
-                elif self.current.get(tid) is inc:
-                    del self.current[tid]
-                    self.hot.discard(tid)
+            if not isinstance(a, Report):
+                continue
+            inc, tid = a.incoming, a.result.transfer_id
+            if not a.result.fenced:
+                self._bump(Count.FAILED)
+                self._bump(Count.QUARANTINES)
+                self.hot.discard(tid)
+                continue
+            if inc in self.superseded:
+                self.superseded.remove(inc)
+            elif self.current.get(tid) is inc:
+                del self.current[tid]
+                self.hot.discard(tid)
+            if inc.failure is None:
                 self._bump(Count.COMPLETED if a.result.ok else Count.FAILED)
         return actions
 

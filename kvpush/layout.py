@@ -201,7 +201,12 @@ def _check_ids(ids: np.ndarray, n_needed: int, num_blocks: int, side: str, first
 
 def _segments(start: int, end: int, bs_a: int, bs_b: int) -> tuple[np.ndarray, np.ndarray]:
     """Split tokens [start, end) where either side starts a new block."""
-    cuts = np.union1d(np.arange(0, end, bs_a), np.arange(0, end, bs_b))
+    lo, hi = min(bs_a, bs_b), max(bs_a, bs_b)
+    if hi % lo == 0:  # every block start of one side is one of the other's: no merge needed
+        cuts = np.arange(0, end, lo, dtype=np.int64)
+    else:  # two sorted progressions: sort their concatenation and drop the shared cuts (cheaper than union1d)
+        cuts = np.sort(np.concatenate((np.arange(0, end, bs_a), np.arange(0, end, bs_b))))
+        cuts = cuts[np.concatenate(([True], cuts[1:] != cuts[:-1]))]
     cuts = cuts[cuts > start]
     starts = np.concatenate(([start], cuts)).astype(np.int64)
     ends = np.concatenate((cuts, [end])).astype(np.int64)
@@ -244,6 +249,41 @@ def map_pieces(
     _check_ids(db, -(-num_tokens // dst.block_size), dst.num_blocks, "D", start_token // dst.block_size)
     if start_token == num_tokens:
         return np.zeros((0, 3), dtype=np.int64)
+    if _block_granular(src, dst):
+        return _block_run_pieces(src, dst, sb, db, num_tokens, start_token)
+    return _token_pieces(src, dst, sb, db, num_tokens, start_token)
+
+
+def _block_granular(src: KVLayout, dst: KVLayout) -> bool:
+    """Both NHD with one block size and exactly the shared heads: a block's tokens are one run on both sides."""
+    lo, hi = heads_overlap(src, dst)
+    return (
+        src.order == TokenOrder.NHD
+        and dst.order == TokenOrder.NHD
+        and src.block_size == dst.block_size
+        and hi - lo == src.local_heads == dst.local_heads
+    )
+
+
+def _block_run_pieces(
+    src: KVLayout, dst: KVLayout, sb: np.ndarray, db: np.ndarray, num_tokens: int, start_token: int
+) -> np.ndarray:
+    """``map_pieces`` when ``_block_granular``: one piece per block touching ``[start_token, num_tokens)``.
+
+    The same pieces the per-segment path gives, from arrays as long as the
+    request's blocks instead of its tokens.
+    """
+    bs, tb = src.block_size, src.token_bytes
+    blk = np.arange(start_token // bs, -(-num_tokens // bs), dtype=np.int64)
+    tok0 = np.maximum(blk * bs, start_token) - blk * bs
+    ln = (np.minimum((blk + 1) * bs, num_tokens) - blk * bs - tok0) * tb
+    return np.stack([sb[blk] * src.block_stride + tok0 * tb, db[blk] * dst.block_stride + tok0 * tb, ln], axis=1)
+
+
+def _token_pieces(
+    src: KVLayout, dst: KVLayout, sb: np.ndarray, db: np.ndarray, num_tokens: int, start_token: int
+) -> np.ndarray:
+    """``map_pieces`` of token-addressable layouts in general: per segment, token, or token and head."""
     lo, hi = heads_overlap(src, dst)
     nh = hi - lo
     s, e = _segments(start_token, num_tokens, src.block_size, dst.block_size)
@@ -261,18 +301,18 @@ def map_pieces(
         so = _offsets(src, sblk[seg], stok[seg], h - src.head_start)
         do = _offsets(dst, dblk[seg], dtok[seg], h - dst.head_start)
         ln = ntok[seg] * hb
+    elif both_nhd and nh == src.local_heads == dst.local_heads:
+        # Same head slice on both sides: a run of tokens is one range.
+        so = _offsets(src, sblk, stok, np.zeros(s.size, dtype=np.int64))
+        do = _offsets(dst, dblk, dtok, np.zeros(s.size, dtype=np.int64))
+        ln = ntok * nh * hb
     else:
         # One piece per token (all shared heads at once when both are NHD,
         # else one per token and head).
         seg = np.repeat(np.arange(s.size), ntok)
         first = np.cumsum(ntok) - ntok
         t = np.arange(seg.size, dtype=np.int64) - first[seg]
-        if both_nhd and nh == src.local_heads == dst.local_heads:
-            # Same head slice on both sides: a run of tokens is one range.
-            so = _offsets(src, sblk, stok, np.zeros(s.size, dtype=np.int64))
-            do = _offsets(dst, dblk, dtok, np.zeros(s.size, dtype=np.int64))
-            ln = ntok * nh * hb
-        elif both_nhd:
+        if both_nhd:
             so = _offsets(src, sblk[seg], stok[seg] + t, np.full(seg.size, lo - src.head_start))
             do = _offsets(dst, dblk[seg], dtok[seg] + t, np.full(seg.size, lo - dst.head_start))
             ln = np.full(seg.size, nh * hb, dtype=np.int64)

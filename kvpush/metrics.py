@@ -57,6 +57,8 @@ class Count(enum.StrEnum):
     RELEASED = "released_total"
     DEFERRED_REGISTRATIONS = "deferred_registrations_total"
     PARTS_PREBUILT = "parts_prebuilt_total"
+    PACKS_AHEAD = "packs_ahead_total"  # P: pack lists built when a prefill was handed over
+    PACKS_AHEAD_USED = "packs_ahead_used_total"  # P: staged plans that took such a list instead of building one
     BYTES = "bytes_total"
     DESCRIPTORS = "descriptors_total"
     PLAN_DIRECT = "plan_direct_total"
@@ -67,6 +69,10 @@ class Count(enum.StrEnum):
     COMPLETED = "completed_total"
     FAILED = "failed_total"
     CANCELS = "cancels_total"  # D: transfers given up before they were registered
+    ACKS = "acks_total"  # D: P's acknowledgements of a registration (queued, running)
+    QUARANTINES = "quarantines_total"  # D: transfers failed with a writer that may still write (blocks withheld)
+    QUARANTINES_FENCED = "quarantines_fenced_total"  # D: quarantined writers released by fencing or P's answer
+    QUARANTINES_EXPIRED = "quarantines_expired_total"  # D: quarantined writers released after quarantine_s
 
     @classmethod
     def plan(cls, kind: PlanKind) -> Count:
@@ -86,6 +92,8 @@ COUNT_STAT: dict[Count, tuple[str, ...]] = {
     Count.LAYER_REPORTS: ("layer_reports",),
     Count.STALE_NOTIFICATIONS: ("stale_notifications",),
     Count.REJECTED_MESSAGES: ("rejected_messages",),
+    Count.QUARANTINES: ("quarantines",),
+    Count.QUARANTINES_EXPIRED: ("quarantines_expired",),
 }
 """Engine counters exported (as increments, under these stats names); the others stay internal."""
 _STATS_OF = {c.value: names for c, names in COUNT_STAT.items()} | {

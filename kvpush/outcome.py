@@ -47,6 +47,25 @@ class Cause(enum.StrEnum):
     OTHER = "other"  # anything else (a malformed part, an unpack error, a bug)
 
 
+class PrefillState(enum.StrEnum):
+    """Where P's prefill of a transfer stands, as P acknowledges a registration (``protocol.Ack``).
+
+    D's wait is bounded by this, not by a clock started at registration: a
+    prefill P says is queued or running is waited for (up to a hard cap), one
+    P knows nothing of is not.
+    """
+
+    UNKNOWN = "unknown"  # P has not seen the request (yet): D keeps its own timeout
+    QUEUED = "queued"  # in P's waiting queue, behind ``tokens_ahead`` prompt tokens
+    RUNNING = "running"  # P's forward is computing it
+    PUSHING = "pushing"  # finished and paired: its WRITEs are being posted
+
+    @property
+    def alive(self) -> bool:
+        """P vouches that the KV will come (D waits up to its hard cap, not its timeout)."""
+        return self is not PrefillState.UNKNOWN
+
+
 class PlanKind(enum.StrEnum):
     """How a push moves its bytes (``kvpush.plan``)."""
 
@@ -175,8 +194,9 @@ class Result:
 
     On P: the request's blocks may be freed. On D: the KV arrived (``ok``) or
     will never arrive (``ok=False``), and D's blocks are no longer written by
-    anyone (fenced). A failure says where (``stage``), why (``cause``, the
-    metrics' label) and, for people, ``reason``.
+    anyone (``fenced``; otherwise quarantined until a second Result says
+    so). A failure says where (``stage``), why (``cause``, the metrics'
+    label) and, for people, ``reason``.
 
     ``stats`` and ``times`` are the side's typed records (``PushStats`` and
     ``PushTimes`` on P, summed over this rank's pushes of the transfer;
@@ -194,3 +214,7 @@ class Result:
     stage: Stage | None = None
     stats: PushStats | ReceiveStats = field(default_factory=ReceiveStats)
     times: PushTimes | ReceiveTimes = field(default_factory=ReceiveTimes)
+    fenced: bool = True
+    """D: no writer can write into the blocks any more, they may be reused. ``False``: the transfer failed
+    (the request may fail now) but a writer declared dead may still write, so the blocks stay quarantined;
+    a second Result with ``fenced=True`` follows when they may be reused."""

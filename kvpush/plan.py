@@ -9,9 +9,8 @@ docs/benchmarks.md, "Descriptor cost"). The plan is either
 - ``staged``: P packs the pieces into a contiguous staging slot, one WRITE
   moves it into a slot D reserved in its staging region, D unpacks.
 
-Staging payload format (both sides derive it without exchanging block lists):
-for each region in order, the request's bytes in ascending *D offset* order.
-P knows its source offsets for that order; D knows its destination offsets.
+Staging payload format: ``kvpush.payload`` (each side derives its half from
+its own block ids, so P's pack list can be built before D registers).
 """
 
 from __future__ import annotations
@@ -24,8 +23,10 @@ import numpy as np
 
 from kvpush.config import Config
 from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, map_pieces, merge_descriptors
+from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, heads_overlap, map_pieces, merge_descriptors
 from kvpush.outcome import PlanKind
+from kvpush.payload import pack_pieces
+from kvpush.payload import unpack_pieces as unpack_pieces
 
 
 @dataclass(frozen=True)
@@ -76,25 +77,6 @@ class Plan:
 
 def _dst_order(pieces: np.ndarray) -> np.ndarray:
     return pieces[np.argsort(pieces[:, 1], kind="stable")] if pieces.shape[0] > 1 else pieces
-
-
-def _merge_on(pieces2: np.ndarray) -> np.ndarray:
-    """Merge consecutive (offset, length) rows contiguous on that one side."""
-    if pieces2.shape[0] <= 1:
-        return pieces2.copy()
-    off, ln = pieces2[:, 0], pieces2[:, 1]
-    joins = off[:-1] + ln[:-1] == off[1:]
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return np.stack([off[starts], np.add.reduceat(ln, starts)], axis=1)
-
-
-def unpack_pieces(
-    src: KVLayout, dst: KVLayout, dst_blocks: list[int] | np.ndarray, num_tokens: int, start_token: int
-) -> np.ndarray:
-    """D's (offset, length) list for unpacking a staged payload; needs no P block ids."""
-    dummy = np.arange(-(-num_tokens // src.block_size), dtype=np.int64) % src.num_blocks
-    pieces = map_pieces(src, dst, dummy, dst_blocks, num_tokens, start_token)
-    return _merge_on(_dst_order(pieces)[:, 1:3])
 
 
 def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int) -> int:
@@ -200,6 +182,7 @@ def build_plan(
     staging_remote: tuple[int, int, int] | None = None,
     pack_bw: float = 5e9,
     groups: list[GroupTokens] | None = None,
+    pack: np.ndarray | None = None,
 ) -> Plan:
     """Choose and build the plan for one (request, D rank).
 
@@ -210,7 +193,8 @@ def build_plan(
     ``Capabilities``) gets a staged plan whatever ``cfg.plan`` says, and
     ``LayoutError`` when there is no slot to stage through. ``groups``: a
     hybrid model's per-group blocks and first tokens (``group_tokens``),
-    whose plan is direct, each region with its group's pieces.
+    whose plan is direct, each region with its group's pieces. ``pack``: P's pack list for exactly this
+    request's tokens and shared heads, built ahead (``payload.pack_pieces``).
     """
     if len({r.group for r in src.regions}) > 1:
         if groups is None or len(groups) != 1 + max(r.group for r in src.regions):
@@ -221,15 +205,15 @@ def build_plan(
     npieces = pieces.shape[0] * nregions
     if pieces.shape[0] == 0:
         return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
-    ordered = _dst_order(pieces)
-    merged = coalesce(ordered)
+    merged = coalesce(_dst_order(pieces))
     nbytes = int(merged[:, 2].sum()) * nregions
-    pack = _merge_on(ordered[:, [0, 2]])
+    can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
+    if pack is None and can_stage:
+        pack = pack_pieces(src, heads_overlap(src, dst), src_blocks, num_tokens, start_token)
     # Descriptor count before cross-region merging: an upper bound, and exact
     # unless regions sit back to back; enough to choose without building them.
     ndesc = merged.shape[0] * nregions
-    est = estimate(cfg, ndesc, nbytes, pack.shape[0] * nregions, pack_bw)
-    can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
+    est = estimate(cfg, ndesc, nbytes, (merged if pack is None else pack).shape[0] * nregions, pack_bw)
     direct_ok = src.direct and dst.direct
     if not direct_ok and not can_stage:
         side = "P" if not src.direct else "D"

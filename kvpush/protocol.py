@@ -5,7 +5,7 @@ struct. ``decode`` never raises anything but ``ProtocolError`` and bounds what
 it accepts (frame size, id lengths, block counts), so a forged or truncated
 frame costs the receiver one log line, not a crash or an allocation bomb.
 
-Control messages (hello, register, abort, heartbeat, posting) travel over
+Control messages (hello, register, abort, heartbeat, posting, ack) travel over
 the side channel; ``Completion`` and ``Failure`` travel as NIXL notifications so that
 a completion is ordered after the data it announces.
 """
@@ -19,7 +19,7 @@ import msgspec
 from kvpush import PROTOCOL_VERSION
 from kvpush.errors import LayoutError, ProtocolError
 from kvpush.layout import KVLayout, Region
-from kvpush.outcome import Cause, PlanKind, Stage
+from kvpush.outcome import Cause, PlanKind, PrefillState, Stage
 
 MAX_FRAME_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
@@ -60,6 +60,10 @@ class Hello(_Msg, tag="hello"):
     layout: KVLayout
     model: Name
     staging: Region | None = None
+    epoch: NonNeg = 0
+    """D's count of hellos to this P rank: P echoes it, so a reply is matched to the hello it answers. A hello
+    D sends after declaring P dead is a *fencing* hello: P answers it ok only once nothing of D's earlier
+    session is in flight and every registration of it is dropped."""
 
 
 class HelloReply(_Msg, tag="hello_reply"):
@@ -73,6 +77,10 @@ class HelloReply(_Msg, tag="hello_reply"):
     agent_name: Name = ""
     agent_metadata: bytes = b""
     layout: KVLayout | None = None
+    epoch: NonNeg = 0
+    busy: bool = False
+    """``ok=False`` for now only: an earlier session of this D rank still has WRITEs in flight; D says hello
+    again shortly (a refusal that fails nothing)."""
 
 
 class Register(_Msg, tag="register"):
@@ -138,6 +146,22 @@ class Posting(_Msg, tag="posting"):
     attempt: NonNeg = 0
 
 
+class Ack(_Msg, tag="ack"):
+    """P rank ``rank`` acknowledges a registration with where its prefill stands (side channel).
+
+    Sent when the registration arrives and when the state changes (queued,
+    running, pushing), so D bounds its wait by what P reports instead of a
+    clock started at registration. ``tokens_ahead``: prompt tokens P computes
+    before this one (queued), for logs and load reports.
+    """
+
+    transfer_id: Id
+    rank: Rank
+    state: PrefillState
+    attempt: NonNeg = 0
+    tokens_ahead: Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)] = 0
+
+
 class Failure(_Msg, tag="fail"):
     """P cannot (or will no longer) write this transfer; D must not wait.
 
@@ -189,7 +213,7 @@ class TimeReply(_Msg, tag="time_reply"):
     now: float
 
 
-Message = Union[Hello, HelloReply, Register, Completion, Posting, Failure, Abort, Heartbeat, TimeQuery, TimeReply]
+Message = Union[Hello, HelloReply, Register, Completion, Posting, Ack, Failure, Abort, Heartbeat, TimeQuery, TimeReply]
 
 
 class _Frame(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):

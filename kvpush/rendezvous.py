@@ -15,6 +15,13 @@ that arrives while the previous attempt's blocks are being written waits
 (``Hold``) until that WRITE ends, then is pushed: the WRITE cannot be
 recalled, so D learns the old blocks are fenced from its own completion.
 
+P's scheduler tells it where each prefill stands (``on_prefill_state``:
+queued behind N tokens, running); every registration waiting for its
+prefill is acknowledged with that state (``Acknowledge``) when it arrives
+and when the state changes, and a registration whose prefill P's scheduler
+holds queued or running does not expire: D bounds its wait by what P
+reports, and P keeps the registration while the prefill is on its way.
+
 Each entry owns the transfer's whole record on P (``push_job.Transfer``:
 readiness, its push jobs, stats, stage times), so everything P knows of a
 transfer is created with its entry and goes with it.
@@ -26,7 +33,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvpush.outcome import Cause, Failed, Stage
+from kvpush.outcome import Cause, Failed, PrefillState, Stage
 from kvpush.protocol import Register
 from kvpush.push_job import DKey
 from kvpush.transfer import Transfer
@@ -97,7 +104,16 @@ class Hold:
     reg: Register
 
 
-Decision = Push | Release | Refuse | Hold
+@dataclass(frozen=True)
+class Acknowledge:
+    """Tell D's rank where this registration's prefill stands (``protocol.Ack``)."""
+
+    reg: Register
+    state: PrefillState
+    tokens_ahead: int = 0
+
+
+Decision = Push | Release | Refuse | Hold | Acknowledge
 
 
 @dataclass
@@ -112,6 +128,7 @@ class _Entry:
     reg_deadline: float = float("inf")
     lease_deadline: float = float("inf")
     record: Transfer = field(default_factory=Transfer)
+    acked: dict[DKey, PrefillState] = field(default_factory=dict)  # the state each registration was last told
 
 
 def _key(reg: Register) -> DKey:
@@ -135,11 +152,14 @@ class Rendezvous:
         # them: a prefill finishing later is released at once instead of
         # holding its blocks for a whole lease.
         self._tombstones: dict[str, tuple[float, Cause]] = {}  # transfer id -> (until, why)
+        # What P's scheduler said of prefills not finished yet: (state, prompt tokens ahead of it).
+        self._queue: dict[str, tuple[PrefillState, int]] = {}
 
     # -- events ---------------------------------------------------------
     def on_prefill(self, prefill: Prefill, now: float) -> list[Decision]:
         """P finished a prefill whose KV D will want."""
         out: list[Decision] = []
+        self._queue.pop(prefill.transfer_id, None)
         if prefill.transfer_id in self._tombstones and prefill.transfer_id not in self._entries:
             cause = self._tombstones[prefill.transfer_id][1]
             if cause is Cause.NOT_NEEDED:
@@ -189,6 +209,32 @@ class Rendezvous:
         )
         if e.prefill is not None:
             out.append(self._push(reg.transfer_id, e, k, reg))
+        elif reg.transfer_id in self._queue:
+            # Silence says "unknown" as well as an ack would: only a known state is sent.
+            state, ahead = self._queue[reg.transfer_id]
+            e.acked[k] = state
+            out.append(Acknowledge(reg, state, ahead))
+        return out
+
+    def on_prefill_state(self, transfer_id: str, state: PrefillState, tokens_ahead: int) -> list[Decision]:
+        """P's scheduler holds this prefill queued (behind ``tokens_ahead`` prompt tokens) or running
+        (``UNKNOWN``: it no longer does, without finishing it: the abort that follows says why).
+
+        Registrations waiting for it are told when the state changes; while it
+        is queued or running they do not expire.
+        """
+        if state is PrefillState.UNKNOWN or state is PrefillState.PUSHING:
+            self._queue.pop(transfer_id, None)
+        else:
+            self._queue[transfer_id] = (state, tokens_ahead)
+        e = self._entries.get(transfer_id)
+        if e is None or e.prefill is not None or transfer_id not in self._queue:
+            return []  # only a known state is sent: what follows a dropped prefill (an abort) says why
+        out: list[Decision] = []
+        for k, reg in e.regs.items():
+            if k not in e.done and k not in e.in_flight and e.acked.get(k) is not state:
+                e.acked[k] = state
+                out.append(Acknowledge(reg, state, tokens_ahead))
         return out
 
     def on_pushed(self, transfer_id: str, engine_id: str, rank: int) -> list[Decision]:
@@ -220,6 +266,7 @@ class Rendezvous:
     ) -> list[Decision]:
         """Either side gave up. In-flight writes finish first (fencing is D's job)."""
         e = self._entries.get(transfer_id)
+        self._queue.pop(transfer_id, None)
         if e is None or e.prefill is None:
             self._tombstones[transfer_id] = (now + self.prefill_lease_s, cause)
         if e is None:
@@ -270,7 +317,8 @@ class Rendezvous:
         return out
 
     def expire(self, now: float) -> list[Decision]:
-        """Drop what waited past its deadline; never touches in-flight writes."""
+        """Drop what waited past its deadline; never touches in-flight writes, nor registrations whose
+        prefill P's scheduler holds queued or running (their lease lives as long as the prefill does)."""
         out: list[Decision] = []
         self._tombstones = {t: v for t, v in self._tombstones.items() if v[0] > now}
         for tid in list(self._entries):
@@ -283,7 +331,7 @@ class Rendezvous:
                     Refuse(r, "prefill lease expired", Cause.EXPIRED) for k, r in e.regs.items() if k not in e.done
                 )
                 self._drop(tid)
-            elif e.prefill is None and e.regs and now >= e.reg_deadline:
+            elif e.prefill is None and e.regs and now >= e.reg_deadline and tid not in self._queue:
                 out.extend(
                     Refuse(r, "registration expired: prefill never finished here", Cause.EXPIRED)
                     for r in e.regs.values()
@@ -345,6 +393,14 @@ class Rendezvous:
         waiting = sum(1 for e in self._entries.values() if e.prefill is None)
         flying = sum(len(e.in_flight) for e in self._pushing.values())
         return {"parked_prefills": parked, "waiting_registrations": waiting, "in_flight": flying}
+
+    def queued(self) -> int:
+        """Prefills P's scheduler holds queued (not running yet)."""
+        return sum(1 for state, _ in self._queue.values() if state is PrefillState.QUEUED)
+
+    def prefill_state(self, transfer_id: str) -> tuple[PrefillState, int]:
+        """What P's scheduler last said of this transfer's prefill (``UNKNOWN``: nothing, or it finished)."""
+        return self._queue.get(transfer_id, (PrefillState.UNKNOWN, 0))
 
     def __len__(self) -> int:
         return len(self._entries)

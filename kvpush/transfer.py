@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvpush.outcome import Failed, PushStats, PushTimes
 from kvpush.push_job import DKey, PushJob
 
@@ -22,6 +24,28 @@ class Milestone:
     reached: bool = False
 
 
+@dataclass(frozen=True)
+class PackAhead:
+    """P's pack list of a prefill, built when it was handed over, before any registration.
+
+    The staged payload needs only P's own block ids (``kvpush.payload``), so
+    a registration arriving later finds its pack list made and uploaded. It
+    was built for the whole prompt and P's own heads: it fits a registration
+    of exactly that prefill (the same object), tokens and shared heads.
+    """
+
+    prefill: Any
+    heads: tuple[int, int]
+    num_tokens: int
+    start_token: int
+    pack: np.ndarray
+
+    def fits(self, prefill: Any, heads: tuple[int, int], num_tokens: int, start_token: int) -> np.ndarray | None:
+        """The list, if it is the one this registration needs."""
+        same = (self.heads, self.num_tokens, self.start_token) == (heads, num_tokens, start_token)
+        return self.pack if same and prefill is self.prefill else None
+
+
 @dataclass
 class Transfer:
     """Everything P keeps about one transfer, owned by its rendezvous entry and gone with it.
@@ -33,6 +57,7 @@ class Transfer:
     everything; ``stats``/``times``: what its Result will say. ``wake_at``:
     the fewest ready regions that can start a part of any of its jobs (read
     from the forward's thread, replaced, never mutated in place).
+    ``pack_ahead``: the staged pack list built at the prefill's hand-over.
     """
 
     milestones: list[Milestone] = field(default_factory=list)
@@ -41,6 +66,7 @@ class Transfer:
     stats: PushStats = field(default_factory=PushStats)
     times: PushTimes = field(default_factory=PushTimes)
     wake_at: int = 0
+    pack_ahead: PackAhead | None = None
     _confirmed: int = 0  # milestones[:_confirmed] are known reached
 
     def reset_readiness(self, regions: int, marker: Any) -> None:

@@ -10,7 +10,7 @@ engines and drive them. What the engine tests need on top is here:
   head whatever its ``dtype`` label says (peers compare the label; a transfer
   only sees bytes), and D's caches start as :data:`SENTINEL`, so a block D
   did not register must still hold it;
-* ops to abort, count engine loops, fetch a layout, make a bare NIXL agent,
+* ops to abort, fill blocks (vLLM reusing them), count engine loops, fetch a layout, make a bare NIXL agent,
   read the warnings an engine logged, and close an engine while keeping its
   memory mapped (a peer may still write into it);
 * a fast exit: a worker skips the interpreter's slow teardown of NIXL/UCX
@@ -157,6 +157,27 @@ class Worker(conformance.Worker):
         from kvpush.engine import PeerAddress
 
         self.ranks[key].engine.cancel(tid, rid, PeerAddress(*peer), reason)
+
+    def op_fill(self, key: str, blocks: list[int], value: int) -> None:
+        """Write ``value`` into every byte of these blocks, as vLLM reusing them for another request would."""
+        for layer in self.ranks[key].kv.values():
+            layer[:, blocks] = value
+
+    def op_stop_at_post(self, key: str) -> None:
+        """The engine's next WRITE post stops this whole process (SIGSTOP) just before it is handed to NIXL:
+        a P frozen mid-push, its WRITE decided, at a moment the test does not have to guess (a WRITE already
+        handed over may complete at once, within the post, over a shared-memory transport)."""
+        import signal
+
+        agent = self.ranks[key].engine.agent
+        post = agent.post
+
+        def stop_then_post(handle: Any) -> Any:
+            agent.post = post
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return post(handle)
+
+        agent.post = stop_then_post
 
     def op_loops(self, key: str) -> int:
         return int(self.ranks[key].engine.loops)

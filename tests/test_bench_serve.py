@@ -377,3 +377,33 @@ def test_quick_sweep_end_to_end(tmp_path: Path) -> None:
         # D took the prompts from the transfer, not from its own prefill.
         assert r["kvpush"]["d_prompt_tokens_by_source"].get("external_kv_transfer", 0) > 0
     assert (tmp_path / "ttft_vs_qps.png").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_overload_profile_points_causes_and_measures() -> None:
+    """The overload profile's defaults (3072 tokens, 1 and 4 QPS, 30 requests) unless chosen; failures are told
+    apart by cause, and TTFT counts only the completed requests."""
+    from kvpush_tools.bench import overload
+    from kvpush_tools.bench.serve import build_parser
+
+    ap = build_parser()
+    args = ap.parse_args(["--profile", "overload"])
+    overload.apply_profile(args, ap.parse_args([]))
+    assert (args.inputs, args.qps, args.min_requests, args.max_requests) == ([3072], [1.0, 4.0], 30, 30)
+    chosen = ap.parse_args(["--profile", "overload", "--inputs", "2048", "--qps", "2"])
+    overload.apply_profile(chosen, ap.parse_args([]))
+    assert (chosen.inputs, chosen.qps) == ([2048], [2.0])
+    errors = {
+        'HTTP 503: {"error": {"message": "overloaded: ...", "type": "overloaded"}}': "overloaded",
+        'HTTP 503: {"error": {"type": "service_unavailable"}}': "http_5xx",
+        "HTTP 500: Internal Server Error": "http_5xx",
+        "HTTP 400: bad": "http_4xx",
+        "stream error: {'message': 'x'}": "stream",
+        "TimeoutError: ": "client",
+    }
+    assert {e: overload.failure_cause(e) for e in errors} == errors
+    outs = [RequestOutput(prompt_len=8, ok=True, ttft=t) for t in (0.1, 0.2, 0.3)]
+    outs += [RequestOutput(prompt_len=8, error=e) for e in errors]
+    m = overload.measure(outs)
+    assert (m["completed"], m["requests"]) == (3, 9) and m["completed_share"] == pytest.approx(1 / 3)
+    assert m["ttft_p50_ms"] == pytest.approx(200.0) and m["ttft_p90_ms"] == pytest.approx(280.0)
+    assert m["failures"] == {"overloaded": 1, "http_5xx": 2, "http_4xx": 1, "stream": 1, "client": 1}

@@ -68,3 +68,17 @@ def test_tiny_run_writes_a_verified_report(tmp_path: Path, capsys: pytest.Captur
     assert res["contiguous", "coalesced"]["descriptors_after"] <= 4
     assert res["shuffled", "staged"]["descriptors_after"] == 1
     assert "GB/s" in capsys.readouterr().out
+
+
+def test_orders_compare_d_registering_after_p_finished_with_ahead(tmp_path: Path) -> None:
+    """``--orders finished,ahead``: each engine case runs in both orders (verified), and the finished one
+    carries its ratio to the ahead one and the time D took to send its registration."""
+    argv = ["--tokens", "40", "--layers", "2", "--iters", "1", "--warmup", "0", "--quiet", "--no-plot"]
+    argv += ["--patterns", "shuffled", "--plans", "staged", "--orders", "finished,ahead", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "transfer_40tok.json").read_text())
+    res = {r["order"]: r for r in report["results"]}
+    assert set(res) == {"finished", "ahead"} and all(r["verified"] for r in res.values())
+    assert res["finished"]["x_ahead"] == res["finished"]["total_s_median"] / res["ahead"]["total_s_median"]
+    assert 0 < res["finished"]["register_s_median"] < res["finished"]["total_s_median"]
+    assert res["ahead"]["register_s_median"] == 0.0

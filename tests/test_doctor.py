@@ -33,7 +33,7 @@ from kvpush.doctor import (
     explain_plugin,
     has_version_node,
 )
-from kvpush.doctor_libfabric import is_cuda_standin, nvidia_present
+from kvpush.doctor.libfabric import is_cuda_standin, nvidia_present
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -293,6 +293,7 @@ def test_doctor_over_libfabric(tmp_path: Path) -> None:
     assert fab["status"] == "ok", fab
     assert fab["details"]["plugin_provider"] == "tcp" and "tcp" in fab["details"]["rdm"], fab
     assert "the LIBFABRIC plugin will use tcp on" in fab["summary"] and "test transport" in fab["summary"]
+    assert "host memory only" in fab["summary"]  # NIXL's plugin takes device memory on efa alone
     standin = json.loads((Path(os.environ[lf_env.PREFIX_ENV]) / lf_env.MARKER).read_text())["cuda_standin"]
     assert fab["details"]["cuda_standin"] is bool(standin)
     assert ("kvpush's CPU stand-in" in fab["summary"]) is bool(standin)

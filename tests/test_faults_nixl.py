@@ -1,11 +1,14 @@
-"""Dead peers: a P or D process killed outright (SIGKILL), with real NIXL agents.
+"""Dead peers: a P or D process killed outright (SIGKILL) or frozen (SIGSTOP), with real NIXL agents.
 
 The other side must notice within ``peer_dead_s`` through the liveness
-heartbeats, fail or release what it held for the dead peer, and keep working.
+heartbeats, fail or release what it held for the dead peer, and keep working;
+a P frozen mid-push and resumed must write nothing into blocks D reused.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -16,7 +19,7 @@ from procs import Geom, Node, make_cache
 from kvpush.conformance.model import Req, apply_push
 from kvpush.transport.backends import traits
 
-FAST = {"heartbeat_s": 0.2, "peer_dead_s": 1.5, "staging_bytes": 1 << 20}
+FAST = {"heartbeat_s": 0.2, "peer_dead_s": 1.5, "staging_bytes": 1 << 20, "quarantine_s": 2.0}
 
 
 @pytest.fixture
@@ -51,8 +54,13 @@ def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node]
     waited = time.monotonic() - t0
     assert not res.ok and "dead" in res.reason, res
     assert waited < FAST["peer_dead_s"] + 3, waited
+    # A P declared dead may only be frozen: its blocks stay quarantined (it never answers a fencing hello)
+    assert not res.fenced and d.call("stats", "r")["quarantined_blocks"] == 2, res
+    [released] = d.call("results", "r", 1, 10.0)
+    assert released.fenced and not released.ok and released.transfer_id == "t1", released
+    assert time.monotonic() - t0 >= FAST["quarantine_s"]
     st = d.call("stats", "r")
-    assert st["pending"] == 0 and st["staging_slots_in_use"] == 0, st
+    assert st["pending"] == 0 and st["staging_slots_in_use"] == 0 and st["quarantined_blocks"] == 0, st
     d.call("close", "r")
 
 
@@ -143,3 +151,72 @@ def test_a_dead_d_fails_only_its_own_transfers(pair: tuple[Node, Node], nixl_bac
         p.call("close", "s")
     finally:
         d1.stop()
+
+
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+REUSED = 0x3C
+"""What D's blocks hold once vLLM reused them for another request (the test fills them)."""
+
+
+def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, Node]) -> None:
+    """P is stopped (SIGSTOP) as it posts the WRITE of a 128 MiB transfer, past ``peer_dead_s``, then resumed.
+
+    D fails the transfer at once but quarantines its blocks: vLLM may reuse them only when D gives them back
+    (``fenced``), and from then on not one byte of them may change. Without the quarantine D gave them back
+    at the dead declaration and the resumed P wrote most of the transfer into them.
+    """
+    p, d = pair
+    g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
+    cfg = {**FAST, "plan": "direct", "peer_dead_s": 1.0, "quarantine_s": 60.0}
+    addr = p.call("sender", "s", g, cfg, "P", 7)
+    peer = (addr[0], addr[1], 1)
+    d.call("receiver", "r", g, cfg, "D")
+    blocks, other = list(range(128)), list(range(128, 136))
+    n = len(blocks) * g.block_size
+    d.call("register", "r", "t1", "d1", peer, blocks, n, 0)
+    time.sleep(0.5)
+    p.call("stop_at_post", "s")
+    p.call("prefill", "s", "t1", "p1", blocks, n)
+    _wait_stopped(p.proc.pid)  # P stopped itself as it posts the WRITE
+    reused = False
+    try:
+        [failed] = d.call("results", "r", 1, 15.0)
+        assert not failed.ok and "dead" in failed.reason, failed
+        if failed.fenced:
+            d.call("fill", "r", blocks, REUSED)  # the blocks are given back: vLLM reuses them at once
+            reused = True
+        else:
+            assert d.call("stats", "r")["quarantined_blocks"] == len(blocks)
+        at_failure = d.call("snapshot", "r")
+        time.sleep(1.0)
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+    # D goes on serving (here: the next request, for the same P), so its NIXL agent keeps progressing
+    d.call("register", "r", "t2", "d2", peer, other, len(other) * g.block_size, 0)
+    if not reused:
+        [released] = d.call("results", "r", 1, 30.0)  # fenced once P's WRITEs ended and it answered a hello
+        assert released.fenced and released.transfer_id == "t1" and not released.ok, released
+        d.call("fill", "r", blocks, REUSED)
+    [pres] = p.call("results", "s", 1, 30.0)  # P's push ended (its WRITEs landed or failed)
+    assert pres.request_id == "p1"
+    p.call("prefill", "s", "t2", "p2", other, len(other) * g.block_size)
+    [second] = d.call("results", "r", 1, 30.0)
+    assert second.ok and second.transfer_id == "t2", second  # P is served again once fenced
+    snap = d.call("snapshot", "r")
+    late = int((snap[:, :, blocks] != at_failure[:, :, blocks]).any(axis=(0, 1, 3, 4, 5)).sum())
+    changed = int((snap[:, :, blocks] != REUSED).any(axis=(0, 1, 3, 4, 5)).sum())
+    assert changed == 0, f"{changed} of {len(blocks)} reused blocks were written after D gave them back"
+    st = d.call("stats", "r")
+    assert st["pending"] == 0 and st["quarantined_blocks"] == 0, st
+    print(f"blocks written after the dead declaration, then reused: {late} of {len(blocks)}")
+    p.call("close", "s")
+    d.call("close", "r")

@@ -3,15 +3,20 @@
 The state machine plays the receiver thread, the network and an honest P
 around a real ``Fencing``: D registers (and re-registers, a new attempt),
 connections come up or are refused, P writes parts (direct or staged, in any
-order, each its own completion), answers aborts, supersedes old attempts the
-way P does (a new attempt is written only after the previous one's WRITE
-ended), or goes silent and is declared dead; unpacks land whenever the
-device says so. The central invariant: **D reports a transfer only when no
-writer can still write into its blocks** (it finished, failed, answered an
-abort, was declared dead, or never got the registration), after every
-unpack into them ended; each attempt is reported exactly once, every
-staging slot freed exactly once, and a transfer reported ok has every region
-of every writer.
+order, each its own completion), acknowledges registrations (queued,
+running), answers aborts, supersedes old attempts the way P does (a new
+attempt is written only after the previous one's WRITE ended), or freezes
+and is declared dead -- and may then resume and go on writing, as a P
+stopped by SIGSTOP does; unpacks land whenever the device says so. The
+central invariant: **D gives a transfer's blocks back (a fenced Report)
+only when no writer can still write into them** (it finished, failed,
+answered an abort, was fenced by a hello it answered after its WRITEs
+ended, or never got the registration; a P silent for the whole quarantine
+is taken as dead for good), after every unpack into them ended; each attempt
+is reported once (plus once early, failed, while a writer is quarantined),
+every staging slot freed exactly once, a transfer reported ok has every
+region of every writer, and D gives up on a transfer P vouches for only at
+the hard cap.
 """
 
 from __future__ import annotations
@@ -38,13 +43,15 @@ from kvpush.incoming import (
     StartUnpack,
     WaitUnpacks,
 )
-from kvpush.outcome import Cause, Failed, PlanKind, Stage
+from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, Stage
 
 NREGIONS = 4
 TIDS = ("t0", "t1")
 P_RANKS = (0, 1)
 PEER_DEAD_S = 5.0
 TIMEOUT_S = 30.0
+HARD_CAP_S = 100.0
+QUARANTINE_S = 60.0
 
 
 @dataclass(eq=False)
@@ -77,9 +84,12 @@ class Network:
 class FencingMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.book = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S)
+        self.book = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
         self.now = 0.0
         self.conns: dict[int, str] = {}  # P rank -> "pending" | "ready" | "refused" | "dead"
+        self.epoch: dict[int, int] = {}  # P rank -> the epoch of D's latest hello to it
+        self.failed_early: set[int] = set()  # id(incoming) reported failed while a writer was quarantined
+        self.vouched: dict[int, float] = {}  # id(incoming) -> when it was registered, once P vouched for it
         self.sessions: list[Session] = []
         self.net = Network()
         self.slots = itertools.count(4096, 4096)
@@ -101,9 +111,12 @@ class FencingMachine(RuleBasedStateMachine):
             inc = a.incoming
             if inc not in self.incomings:
                 self.incomings.append(inc)
+            if a.p_rank not in self.conns:
+                self.epoch[a.p_rank] = self.epoch.get(a.p_rank, 0) + 1
             state = self.conns.setdefault(a.p_rank, "pending")
-            if state == "dead":  # the shell says hello again; a dead P never answers
+            if state == "dead":  # the shell says hello again (a fencing hello: a new epoch)
                 state = self.conns[a.p_rank] = "pending"
+                self.epoch[a.p_rank] += 1
             conn = ("p", a.p_rank)
             if state == "refused":
                 return self.book.on(inc, inc.conn_refused(conn, "P refused the handshake", self.now))
@@ -123,7 +136,8 @@ class FencingMachine(RuleBasedStateMachine):
                     s.aborted = True
                 return []
             if self.conns.get(a.p_rank) == "dead":
-                return []
+                for s in self._sessions_of(inc, a.p_rank):
+                    s.aborted = True  # queued on the link: a frozen P reads it when it resumes
             why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, a.reason)
             return self.book.on(inc, inc.writer_failed(a.p_rank, why, self.now))
         if isinstance(a, StartUnpack):
@@ -157,11 +171,20 @@ class FencingMachine(RuleBasedStateMachine):
     def _on_report(self, a: Report) -> None:
         inc = a.incoming
         assert id(inc) not in self.reported, f"{inc.transfer_id} attempt {inc.attempt} reported twice"
+        if a.result.cause is Cause.EXPIRED and a.result.reason.startswith(("no KV", "P kept")):
+            waited = TIMEOUT_S if id(inc) not in self.vouched else HARD_CAP_S
+            assert self.now >= inc.times.registered + waited, f"gave up after {self.now} on {a.result}"
+        assert all(m.reached for m in self.unpacks.get(id(inc), [])), "reported while an unpack still runs"
+        if not a.result.fenced:
+            assert not a.result.ok and id(inc) not in self.failed_early, "failed early twice"
+            assert all(w.final or w.quarantined for w in inc.writers.values())
+            assert any(w.quarantined for w in inc.writers.values())
+            self.failed_early.add(id(inc))
+            return
         self.reported[id(inc)] = a
         for p in inc.writers:
             for s in self._sessions_of(inc, p):
-                assert not s.writing or p in self.dead, f"reported while P rank {p} may still write {s}"
-        assert all(m.reached for m in self.unpacks.get(id(inc), [])), "reported while an unpack still runs"
+                assert not s.writing or p in self.dead, f"blocks given back while P rank {p} may still write {s}"
         if a.result.ok:
             for w in inc.writers.values():
                 assert w.covered is not None and w.covered.count(1) == NREGIONS, w
@@ -196,14 +219,18 @@ class FencingMachine(RuleBasedStateMachine):
         why = Failed(Stage.TRANSFER, Cause.ABORTED, "request aborted on D before it got blocks")
         self._do(self.book.cancel(tid, f"r-{tid}", {0: ("p", 0)}, why, self.now))
 
-    @rule(dt=st.sampled_from([0.5, PEER_DEAD_S, TIMEOUT_S]))
+    @rule(dt=st.sampled_from([0.5, PEER_DEAD_S, TIMEOUT_S, QUARANTINE_S, HARD_CAP_S]))
     def time_passes(self, dt: float) -> None:
         self.now += dt
+        for inc in self.incomings:
+            for w in inc.writers.values():
+                if w.quarantined and self.now >= w.q_until:
+                    # A P that stayed silent through the whole quarantine is dead for good (the model's one
+                    # assumption: the quarantine is longer than any freeze).
+                    self.dead.add(w.p_rank)
         for s in self.sessions:
-            inc = next((i for i in self.incomings if (i.transfer_id, i.attempt) == (s.tid, s.attempt)), None)
-            late = inc is not None and inc.aborting is not None and self.now >= inc.abort_deadline
-            if late and s.writing and not s.answered:
-                s.writing = False  # D will take P as gone: an honest P that slow is modelled as dead
+            if s.p in self.dead:
+                s.writing = False
         self._do(self.book.expire(self.now))
 
     # -- connections --------------------------------------------------------------------
@@ -214,26 +241,56 @@ class FencingMachine(RuleBasedStateMachine):
     @rule(data=st.data(), ok=st.booleans())
     def hello_answered(self, data, ok: bool) -> None:
         p = data.draw(st.sampled_from(self._answering()))
-        self.conns[p] = "ready" if ok or data.draw(st.booleans()) else "refused"
+        ok = ok or data.draw(st.booleans())
+        if any(s.writing for s in self.sessions if s.p == p):
+            ok = False  # P's rule: no hello from a D rank is answered ok while an older session's WRITE flies
+        self.conns[p] = "ready" if ok else "refused"
         conn = ("p", p)
         if self.conns[p] == "ready":
-            self._do(self.book.conn_ready(conn, self.now))
+            for s in self.sessions:
+                if s.p == p:
+                    s.answered = True  # P dropped the older session's registrations: never written now
+            self._do(self.book.conn_ready(conn, self.now, self.epoch[p]))
+            self._do(self.book.fenced(conn, self.epoch[p], self.now))
         else:
             self._do(self.book.conn_refused(conn, "P refused the handshake", self.now))
+
+    @precondition(lambda self: any(v in ("dead", "pending") for v in self.conns.values()))
+    @rule(data=st.data())
+    def stale_hello_reply(self, data) -> None:
+        """A reply to the hello of the session in which P was declared dead arrives late (the shell drops those;
+        the book must not take it as fencing either: P may still write)."""
+        p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v in ("dead", "pending"))))
+        older = self.epoch[p] - (self.conns[p] == "pending")
+        self._do(self.book.fenced(("p", p), older, self.now))
 
     @precondition(lambda self: any(v in ("ready", "pending") for v in self.conns.values()))
     @rule(data=st.data())
     def p_declared_dead(self, data) -> None:
-        """P falls silent for ``peer_dead_s`` (and stays so); D declares it dead while it waits on it."""
+        """P falls silent for ``peer_dead_s`` (frozen: it may resume and go on writing); D declares it dead
+        while it waits on it."""
         p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v in ("ready", "pending"))))
         if self.conns[p] == "ready" and not self.book.writes_on(("p", p)):
             return  # D declares a silent P dead only while a writer waits on it
         self.conns[p] = "dead"
-        self.dead.add(p)
-        for s in self.sessions:
-            if s.p == p:
-                s.writing = False  # dead: it writes nothing more
-        self._do(self.book.conn_dead(("p", p), f"P rank {p} declared dead", self.now))
+        self._do(self.book.conn_dead(("p", p), f"P rank {p} declared dead", self.now, self.epoch[p]))
+
+    @precondition(lambda self: any(v in ("dead", "refused") for v in self.conns.values()))
+    @rule(data=st.data())
+    def fencing_hello(self, data) -> None:
+        """D says hello again to a P rank it declared dead (or that refused), to fence its quarantined writers."""
+        p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v in ("dead", "refused"))))
+        self.conns[p] = "pending"
+        self.epoch[p] += 1
+
+    @precondition(lambda self: any(self._live()))
+    @rule(data=st.data(), state=st.sampled_from([PrefillState.QUEUED, PrefillState.RUNNING]))
+    def p_acknowledges(self, data, state: PrefillState) -> None:
+        """P says the prefill is queued or running (it vouches that the KV will come)."""
+        s = data.draw(st.sampled_from(self._live()))
+        inc = next(i for i in self.incomings if (i.transfer_id, i.attempt) == (s.tid, s.attempt))
+        if self.book.acknowledged(protocol.Ack(s.tid, s.p, state, s.attempt, 100)) and not inc.reported:
+            self.vouched.setdefault(id(inc), inc.times.registered)
 
     # -- an honest P ---------------------------------------------------------------------
     def _live(self) -> list[Session]:
@@ -290,15 +347,9 @@ class FencingMachine(RuleBasedStateMachine):
             assert id(inc) not in self.reported and inc.aborting is not None
 
     def teardown(self) -> None:
-        """Everything settles: connections answer, P answers or finishes, messages arrive, time runs out.
-        Then every attempt was reported once and every slot given back."""
-        for p, v in list(self.conns.items()):
-            if v == "pending" and p in self.dead:
-                self.conns[p] = "dead"
-                self._do(self.book.conn_dead(("p", p), "never answered the hello", self.now))
-            elif v == "pending":
-                self.conns[p] = "ready"
-                self._do(self.book.conn_ready(("p", p), self.now))
+        """Everything settles: P answers or finishes, messages arrive, connections answer (a fencing hello to
+        each P rank D declared dead that lives), time runs out. Then every attempt was reported (fenced) once
+        and every slot given back."""
         for _ in range(50):
             for s in self._live():
                 if not s.answered:
@@ -311,14 +362,23 @@ class FencingMachine(RuleBasedStateMachine):
                     self._do(self.book.completion(msg, self.now))
                 else:
                     self._do(self.book.failure(msg, self.now))
+            for p, v in list(self.conns.items()):
+                if p in self.dead:
+                    if v == "pending":
+                        self.conns[p] = "dead"
+                        self._do(self.book.conn_dead(("p", p), "never answered the hello", self.now, self.epoch[p]))
+                    continue
+                if v in ("dead", "refused"):
+                    self.fencing_hello(_Draws(p))
+                if self.conns[p] == "pending":
+                    self.hello_answered(_Draws(p), True)
             for ms in self.unpacks.values():
                 for m in ms:
                     m.reached = True
             self._step()
-            self.now += TIMEOUT_S + PEER_DEAD_S
-            self._do(self.book.expire(self.now))
             if not self.book.current and not self.book.superseded:
                 break
+            self.time_passes(TIMEOUT_S + PEER_DEAD_S)
         assert not self.book.current and not self.book.superseded, (self.book.current, self.book.superseded)
         assert all(id(i) in self.reported for i in self.incomings), "an attempt was never reported"
         assert not any(self.granted.values()), "a staging slot was never given back"
@@ -358,6 +418,22 @@ def test_a_writer_that_fails_mid_unpack_waits_for_the_unpack() -> None:
     m.p_gives_up(_Draws(m.sessions[0]), Cause.ABORTED)
     m.deliver(_Draws(0))  # _on_report checks the unpack ended first
     assert len(m.reported) == 1 and marker.reached
+
+
+def test_an_ack_that_crosses_ds_abort_does_not_extend_the_wait() -> None:
+    """D gave up at ``transfer_timeout_s`` (abort sent); P's Ack written before it read the abort arrives: the
+    wait stays over, and the report says so once P answers the abort."""
+    m = _machine_with_one_writer(staged=False, split=False)
+    m.time_passes(TIMEOUT_S)
+    [inc] = m.book.current.values()
+    assert inc.aborting is not None and inc.deadline == TIMEOUT_S
+    s = m.sessions[0]
+    assert not m.book.acknowledged(protocol.Ack(s.tid, s.p, PrefillState.QUEUED, s.attempt, 10))
+    assert inc.deadline == TIMEOUT_S and not inc.vouched
+    m.p_gives_up(_Draws(s), Cause.ABORTED)
+    m.deliver(_Draws(0))
+    [rep] = m.reported.values()
+    assert rep.result.reason.startswith("no KV from P within"), rep.result
 
 
 def test_only_a_completion_of_a_newer_attempt_fences_the_older() -> None:

@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 from kvpush import PROTOCOL_VERSION
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
-from kvpush.outcome import Cause, PlanKind, Stage
+from kvpush.outcome import Cause, PlanKind, PrefillState, Stage
 from kvpush.protocol import (
     MAX_BLOCKS,
     MAX_FRAME_BYTES,
     MAX_GROUPS,
     Abort,
+    Ack,
     Completion,
     Failure,
     Heartbeat,
@@ -111,6 +112,7 @@ MORE_MESSAGES = [
     TimeReply(seq=3, sent_at=1712345678.5, now=1712345679.125),
     # Kept out of MESSAGES, whose indices the tests below use.
     Posting(transfer_id="xfer-1", rank=2, attempt=1),
+    Ack(transfer_id="xfer-1", rank=1, state=PrefillState.QUEUED, attempt=2, tokens_ahead=4096),
 ]
 
 

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from msgspec.structs import replace as msgspec_replace
 
-from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, Stage, XferState
 from kvpush.plan import PartSchedule, Plan
 from kvpush.protocol import Register
 from kvpush.push_job import Done, JobPlan, Post, PushJob
-from kvpush.rendezvous import Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
+from kvpush.rendezvous import Acknowledge, Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
 
 LEASE_S = 10.0
 
@@ -366,6 +366,8 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.current: dict[tuple[str, str, int], Register] = {}  # latest live registration per D rank
         self.fate: dict[int, str] = {}  # id(reg) -> pushed / refused / replaced / dropped
         self.aborted: set[str] = set()  # aborted while a WRITE was in flight (entry still alive)
+        self.queue: dict[str, PrefillState] = {}  # what P's scheduler last said of a prefill not finished
+        self.acked: dict[int, PrefillState] = {}  # id(reg) -> the state it was last told
 
     @staticmethod
     def _key(r: Register) -> tuple[str, str, int]:
@@ -390,8 +392,18 @@ class RendezvousMachine(RuleBasedStateMachine):
                 assert d.prefill not in self.released, f"{d.prefill.request_id} released twice"
                 assert d.prefill not in self.outstanding.values(), "Release while its blocks are still being read"
                 self.released.append(d.prefill)
+            elif isinstance(d, Acknowledge):
+                tid = d.reg.transfer_id
+                assert any(d.reg is r for r in self.registered), "Acknowledge of an unknown registration"
+                assert id(d.reg) not in self.fate, f"Acknowledge of a {self.fate[id(d.reg)]} registration"
+                assert d.state is self.queue.get(tid), f"acknowledged {d.state}, P's scheduler said {self.queue}"
+                assert self.acked.get(id(d.reg)) is not d.state, "acknowledged the same state twice"
+                self.acked[id(d.reg)] = d.state
             elif isinstance(d, Refuse):
                 assert any(d.reg is r for r in self.registered), "Refuse of an unknown registration"
+                assert not (d.cause is Cause.EXPIRED and d.reg.transfer_id in self.queue), (
+                    "a registration expired while P's scheduler holds its prefill queued or running"
+                )
                 assert id(d.reg) not in self.fate, f"Refuse of a {self.fate[id(d.reg)]} registration"
                 self.fate[id(d.reg)] = "refused"
                 if self.current.get(self._key(d.reg)) is d.reg:
@@ -406,7 +418,17 @@ class RendezvousMachine(RuleBasedStateMachine):
         p = Prefill(tid, f"{tid}-p{next(self.ids)}", (tuple(blocks),), 40)
         self.prefills.append(p)
         self.latest[tid] = p
+        self.queue.pop(tid, None)
         self._apply(self.rv.on_prefill(p, self.now))
+
+    @rule(tid=st.sampled_from(TIDS), state=st.sampled_from(list(PrefillState)), ahead=st.integers(0, 9999))
+    def scheduler_says(self, tid: str, state: PrefillState, ahead: int) -> None:
+        """P's scheduler holds the prefill queued or running, or no longer (UNKNOWN)."""
+        if state in (PrefillState.QUEUED, PrefillState.RUNNING):
+            self.queue[tid] = state
+        else:
+            self.queue.pop(tid, None)
+        self._apply(self.rv.on_prefill_state(tid, state, ahead))
 
     @precondition(lambda self: any(p not in self.released for p in self.latest.values()))
     @rule(data=st.data())
@@ -449,6 +471,7 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     @rule(tid=st.sampled_from(TIDS))
     def abort(self, tid: str) -> None:
+        self.queue.pop(tid, None)
         if any(k[0] == tid for k in self.outstanding):
             self.aborted.add(tid)
         self._apply(self.rv.on_abort(tid, self.now))
@@ -474,12 +497,17 @@ class RendezvousMachine(RuleBasedStateMachine):
         probe = copy.deepcopy(self.rv)
         for d in probe.expire(self.now + 60.0):
             assert not isinstance(d, Push)
-        assert len(probe) == len({k[0] for k in self.outstanding})
+        kept = {k[0] for k in self.outstanding}
+        assert len(probe) >= len(kept)
+        # Registrations waiting for a prefill P's scheduler holds live as long as it does.
+        assert set(probe._entries) <= kept | set(self.queue), (probe._entries, kept, self.queue)
 
     def teardown(self) -> None:
         """Finish every write, let every deadline pass: all released once, all registrations answered, empty."""
         while self.outstanding:
             self._finish(sorted(self.outstanding)[0])
+        for tid in list(self.queue):
+            self.scheduler_says(tid, PrefillState.UNKNOWN, 0)
         self.now += 1e6
         self._apply(self.rv.expire(self.now))
         assert len(self.rv) == 0, f"left behind: {self.rv._entries}"

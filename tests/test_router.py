@@ -74,6 +74,8 @@ class Upstream:
     health: int = 200
     health_delay: float = 0.0  # before answering /health (a busy server)
     engine_id: str = "p-engine"
+    waiting: int = 0  # what its /metrics reports as vllm:num_requests_waiting
+    engine_waiting: dict[int, int] = field(default_factory=dict)  # data parallel: per engine (DP rank)
     seen: list[Seen] = field(default_factory=list)
     server: TestServer | None = None
 
@@ -88,7 +90,14 @@ class Upstream:
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    async def _metrics(self, _r: web.Request) -> web.Response:
+        waiting = self.engine_waiting or {0: self.waiting}
+        text = "".join(f'vllm:num_requests_waiting{{engine="{k}"}} {n}.0\n' for k, n in waiting.items())
+        text += "".join(f'vllm:num_requests_running{{engine="{k}"}} 0.0\n' for k in waiting)
+        return web.Response(text=text)
 
     async def _health(self, _r: web.Request) -> web.Response:
         await asyncio.sleep(self.health_delay)
@@ -471,6 +480,67 @@ def test_least_loaded_decode_beats_round_robin() -> None:
     run(go())
 
 
+def test_prefill_goes_to_the_p_with_the_shortest_reported_queue() -> None:
+    """P's own queue (its /metrics, filled by other routers too) counts, not only this router's requests."""
+
+    async def go() -> None:
+        async with cluster(n_p=2, queue_interval=0.05) as c:
+            c.p[0].waiting = 7
+            while c.router.prefill.instances[0].reported != 7:
+                await asyncio.sleep(0.02)
+            for _ in range(3):
+                assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            assert len(c.p[0].seen) == 0 and len(c.p[1].seen) == 3
+            _, pending = await c.get_json("/kvpush/pending")
+            assert [i["reported"] for i in pending["prefill"]] == [7, 0]
+
+    run(go())
+
+
+def test_each_dp_rank_counts_its_own_engines_queue() -> None:
+    """A data-parallel P's /metrics reports each engine's queue (``engine="<DP rank>"``): each DP rank's load
+    is its own engine's, so requests avoid the busy engine of a server whose other engine is idle."""
+
+    async def go() -> None:
+        async with cluster(p_dp=2, queue_interval=0.05) as c:
+            c.p[0].engine_waiting = {0: 7, 1: 0}
+            ranks = c.router.prefill.instances
+            while [i.reported for i in ranks] != [7, 0]:
+                await asyncio.sleep(0.02)
+            for _ in range(3):
+                assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            assert [s.headers["X-data-parallel-rank"] for s in c.p[0].seen] == ["1"] * 3
+
+    run(go())
+
+
+def test_overload_is_a_fast_retryable_503_with_the_reason() -> None:
+    """Beyond ``max_prefill_queue`` requests queued or running on the least-loaded P, the router answers 503
+    at once (reason, Retry-After) and sends nothing to P or D; below it again, requests are served."""
+
+    async def go() -> None:
+        async with cluster(max_prefill_queue=2, queue_interval=0) as c:
+            c.p[0].delay = 1.0
+            busy = [asyncio.create_task(c.post("/v1/completions", COMPLETION)) for _ in range(2)]
+            while len(c.p[0].seen) < 2:
+                await asyncio.sleep(0.01)
+            async with c.session.post(c.url + "/v1/completions", json=COMPLETION) as r:
+                status, body, retry = r.status, await r.json(), r.headers.get("Retry-After")
+            assert status == 503 and retry == "1", (status, body)
+            err = body["error"]
+            assert err["type"] == "overloaded" and err["retryable"] is True
+            assert "2 requests queued or running (limit 2)" in err["message"], err
+            assert len(c.p[0].seen) == 2 and len(c.d[0].seen) == 2  # the refused one reached neither
+            assert [(await t)[0] for t in busy] == [200, 200]
+            while c.router.prefill.instances[0].in_flight:  # D answers before P's one-token reply does
+                await asyncio.sleep(0.02)
+            c.p[0].delay = 0.05
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            assert c.router.counters["overloaded"] == 1
+
+    run(go())
+
+
 def test_decode_may_finish_before_prefill_answers() -> None:
     async def go() -> None:
         async with cluster() as c:
@@ -537,6 +607,25 @@ def test_failing_prefill_cancels_decode() -> None:
                 text = await r.text()
             assert 'kvpush_router_requests_total{outcome="prefill_failures"} 1' in text
             assert "kvpush_router_pending_transfers 0" in text
+
+    run(go())
+
+
+def test_failed_decode_cancels_the_queued_prefill() -> None:
+    """D gives up (an HTTP 5xx, no other D to retry on) while P's request still waits: the router closes P's
+    connection, which makes vLLM drop the request from its queue before it spends the prefill."""
+
+    async def go() -> None:
+        async with cluster(retry_decode=False) as c:
+            c.p[0].delay = 5.0  # queued behind a backlog
+            c.d[0].status = 500
+            status, _, elapsed = await c.post("/v1/completions", COMPLETION)
+            assert status == 502 and elapsed < 2.0
+            deadline = time.monotonic() + 5
+            while c.p[0].seen[0].t_finish is None:
+                assert time.monotonic() < deadline, "P's request was left running"
+                await asyncio.sleep(0.02)
+            assert c.p[0].seen[0].disconnected
 
     run(go())
 

@@ -223,3 +223,44 @@ def test_sub_requests_of_a_prompt_list_get_their_own_transfers() -> None:
     for i in range(3):
         assert s.finished(f"cmpl-X-{i}-0000000{i}", dict(p), True, ([i],), 10)
     assert [o.transfer_id for o in s.take_orders().prefills] == ["T", "T/1.0", "T/2.0"]
+
+
+def test_prefill_states_follow_p_scheduler_queue():
+    """P tells its workers where each prefill stands: queued behind the prompt tokens before it, then running;
+    only changes are ordered, and a finished or aborted prefill is forgotten."""
+    s = SchedulerSide()
+    for rid, tid, n in (("a", "ta", 100), ("b", "tb", 300), ("c", "tc", 50)):
+        s.prefill_arrived(rid, {"do_remote_decode": True, "transfer_id": tid}, n)
+    s.prefill_arrived("plain", None, 1000)  # not a kvpush prefill: not reported, not counted ahead
+    s.step_states({"a", "plain"})
+    told = [(o.transfer_id, o.state.value, o.tokens_ahead) for o in s.take_orders().prefill_states]
+    assert told == [("ta", "running", 0), ("tb", "queued", 0), ("tc", "queued", 300)]
+    s.step_states({"a"})
+    assert not s.take_orders().prefill_states  # nothing changed
+    assert s.finished("b", {"do_remote_decode": True, "transfer_id": "tb"}, False, ([],), 300) is False
+    s.step_states(set())
+    orders = s.take_orders()
+    assert [(o.transfer_id, o.tokens_ahead) for o in orders.prefill_states] == [("tc", 0)]
+    assert [a.transfer_id for a in orders.aborts] == ["tb"]
+    assert s.pending()["queued_prefills"] == 1 and s.pending()["running_prefills"] == 1
+
+
+def test_decode_registers_late_beyond_the_bound_per_p():
+    """At most ``max_waiting_registrations`` registrations wait on one P; a request beyond them holds no blocks
+    (vLLM asks again next step) until one of them ends; other P instances are not affected."""
+    s = SchedulerSide(max_waiting_registrations=2)
+
+    def params(tid: str, port: int = 5600) -> dict:
+        return {**D_PARAMS, "transfer_id": tid, "remote_port": port}
+
+    for rid in ("r1", "r2"):
+        assert s.matched_tokens(rid, params(rid), 64, 0) == (64, True)
+        s.after_alloc(rid, params(rid), ([1],), 0, 64)
+    assert s.matched_tokens("r3", params("r3"), 64, 0) == (None, False)
+    assert s.matched_tokens("o1", params("o1", 5700), 64, 0) == (64, True)
+    assert s.counters["deferred_registrations"] == 1
+    s.on_output(set(), {"r1"})
+    assert s.matched_tokens("r3", params("r3"), 64, 0) == (64, True)
+    s.after_alloc("r3", params("r3"), ([2],), 0, 64)
+    assert s.finished("r2", params("r2"), False, ([1],), 64) is True  # aborted: fencing, not waiting on P
+    assert s.waiting_on(("127.0.0.1", 5600)) == 1

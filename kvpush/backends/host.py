@@ -142,8 +142,8 @@ class HostBackend(TestSupport, Backend):
         gather(regions, pieces, _view(staging_addr, total) if total else np.zeros(0, np.uint8))
 
     def pack_bandwidth(self) -> float:
-        # Measured here (kvpush bench transfer): numpy gathers run at ~1.4-2.6 GB/s,
-        # so staging only pays when descriptors are very many.
+        # numpy's gathers on one core are slow next to a NIXL WRITE of contiguous memory, so staging pays
+        # only when descriptors are very many (docs/benchmarks.md, "Figures behind code defaults").
         return 2e9
 
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:

@@ -6,6 +6,12 @@ have been transient, or fixed by redeploying P); a P rank that stops
 answering heartbeats for ``peer_dead_s`` is said hello to again (it
 restarted and does not know this D) or, while writers wait on it, declared
 dead, and its NIXL agent unloaded so nothing more of it is read.
+
+Every hello carries the link's *epoch* (one more per hello) and P echoes it.
+While writers of a P rank declared dead are quarantined, that rank is said
+hello to again every ``heartbeat_s``: P answers ok only once nothing of
+D's earlier session is in flight (until then it answers *busy*, which fails
+nothing), and that answer fences them.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ class Conn:
     p_rank: int = 0
     agent: str = ""
     layout: KVLayout | None = None
+    epoch: int = 0
+    busy: bool = False  # P answered "not yet" (an earlier session's WRITEs fly): hello again shortly
+    fencing: bool = False  # a hello only to fence quarantined writers: nobody's registration waits on it
 
 
 class Conns:
@@ -63,6 +72,7 @@ class Conns:
         self.r = receiver
         self._conns: dict[ConnKey, Conn] = {}
         self._by_agent: dict[str, ConnKey] = {}
+        self._epochs: dict[ConnKey, int] = {}
 
     def get(self, key: ConnKey) -> Conn | None:
         return self._conns.get(key)
@@ -90,11 +100,16 @@ class Conns:
         if key is not None and key in self._conns:
             self._conns[key].last_seen = now
 
-    def open(self, key: ConnKey, now: float) -> Conn:
-        """The link to ``key``, saying hello first if there is none (or it is dead, stale, or long refused)."""
+    def open(self, key: ConnKey, now: float, again: bool = False) -> Conn:
+        """The link to ``key``, saying hello first if there is none (or it is dead, stale, or long refused;
+        ``again``: a fencing hello, whatever the link's state)."""
         conn = self._conns.get(key)
         stale = conn is not None and (
-            (conn.state is ConnState.REFUSED and now - conn.since >= REFUSED_RETRY_S)
+            again
+            # a registration does not wait on a fencing hello sent long ago (perhaps to a frozen P): its own
+            # hello's silence counts from now
+            or (conn.state is ConnState.HELLO_SENT and conn.fencing)
+            or (conn.state is ConnState.REFUSED and now - conn.since >= REFUSED_RETRY_S)
             # P stopped answering heartbeats (it restarted and does not know us): say hello again
             or (conn.state is ConnState.READY and now - conn.last_seen > self.r.cfg.peer_dead_s)
         )
@@ -106,7 +121,9 @@ class Conns:
             r.poller.unregister(conn.client.sock)
         client = Client(r.ctx, *key)
         r.poller.register(client.sock, 1)
-        conn = Conn(client, ConnState.HELLO_SENT, now, now)
+        epoch = self._epochs[key] = self._epochs.get(key, 0) + 1
+        fencing = again and not r.book.writes_on(key)
+        conn = Conn(client, ConnState.HELLO_SENT, now, now, epoch=epoch, fencing=fencing)
         self._conns[key] = conn
         staging = None
         if r._staging is not None:
@@ -120,39 +137,54 @@ class Conns:
             layout=r.layout,
             model=r.cfg.model,
             staging=staging,
+            epoch=epoch,
         )
         client.send(hello)
         return conn
 
-    def on_hello_reply(self, key: ConnKey, conn: Conn, msg: protocol.HelloReply, now: float) -> None:
+    def on_hello_reply(self, key: ConnKey, conn: Conn, msg: protocol.HelloReply, now: float) -> bool:
+        """Take P's answer; False for an answer to an older hello (another epoch), which changes nothing."""
+        if msg.epoch != conn.epoch or conn.state is not ConnState.HELLO_SENT:
+            name, epoch = self.r.name, conn.epoch
+            log.warning("%s: stale hello reply from P %s:%s (epoch %d, expected %d)", name, *key, msg.epoch, epoch)
+            return False
         if not msg.ok or msg.layout is None:
             conn.state, conn.reason = ConnState.REFUSED, f"P {key[0]}:{key[1]} refused the handshake: {msg.reason}"
-            conn.since = now
-            log.error("%s: %s", self.r.name, conn.reason)
+            conn.since, conn.busy = now, msg.busy
+            (log.info if msg.busy else log.error)("%s: %s", self.r.name, conn.reason)
         else:
             conn.state, conn.p_rank, conn.agent, conn.layout = ConnState.READY, msg.rank, msg.agent_name, msg.layout
             self._by_agent[msg.agent_name] = key
+        return True
 
-    def tick(self, now: float) -> list[tuple[ConnKey, str]]:
-        """Heartbeats out; returns the links just declared dead, with why."""
-        dead: list[tuple[ConnKey, str]] = []
+    def tick(self, now: float) -> list[tuple[ConnKey, str, int]]:
+        """Heartbeats out, fencing hellos; returns the links just declared dead, with why and their epoch."""
+        dead: list[tuple[ConnKey, str, int]] = []
         cfg = self.r.cfg
-        for key, conn in self._conns.items():
+        for key, conn in list(self._conns.items()):
+            busy = conn.state is ConnState.REFUSED and conn.busy and self.r.book.writes_on(key)
+            unanswered = conn.state is ConnState.HELLO_SENT and conn.fencing and now - conn.since >= cfg.peer_dead_s
+            if unanswered or (
+                conn.state in (ConnState.DEAD, ConnState.REFUSED)
+                and now - conn.since >= cfg.heartbeat_s
+                and (self.r.book.quarantined_on(key) or busy)
+            ):
+                conn = self.open(key, now, again=True)  # a fencing hello, or P said "not yet"
             if conn.state is ConnState.READY and now - conn.last_hb >= cfg.heartbeat_s:
                 conn.last_hb = now
                 conn.hb_seq += 1
                 conn.client.send(protocol.Heartbeat(self.r.engine_id, self.r.rank, conn.hb_seq, time.time()))
             silent = now - conn.last_seen > cfg.peer_dead_s
             # A READY link nobody waits on is said hello to again at the next registration instead.
-            waited_on = conn.state is ConnState.HELLO_SENT or (
+            waited_on = (conn.state is ConnState.HELLO_SENT and not conn.fencing) or (
                 conn.state is ConnState.READY and self.r.book.writes_on(key)
             )
             if silent and waited_on:
-                conn.state = ConnState.DEAD
+                conn.state, conn.since = ConnState.DEAD, now
                 conn.reason = f"P {key[0]}:{key[1]} silent for {now - conn.last_seen:.1f}s: declared dead"
                 log.error("%s: %s", self.r.name, conn.reason)
                 self.r.bump(Count.DEAD_PEERS)
                 if conn.agent:
                     self.r.agent.remove_peer(conn.agent)
-                dead.append((key, conn.reason))
+                dead.append((key, conn.reason, conn.epoch))
         return dead

@@ -132,22 +132,25 @@ class PeerTable:
                 reason = str(exc)
         if reason:
             log.warning("%s: refused D %s rank %d: %s", s.name, msg.engine_id, msg.rank, reason)
-            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
+            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         key = (msg.engine_id, msg.rank)
+        # A hello answered ok fences the D rank's earlier session (D releases blocks it quarantined): so no
+        # WRITE of it may still fly, whether P still knows the rank or already forgot it.
+        if s.writing_to(key):
+            reason = "an earlier session of this D rank still has WRITEs in flight; say hello again shortly"
+            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch, busy=True))
+            return
         if key in self._peers:
             # The same D rank says hello again: it restarted (or declared this P
             # dead and came back). Its old registrations point into memory of a
             # previous session, and NIXL refuses to load an agent name twice.
-            if s.writing_to(key):
-                reason = "an earlier session of this D rank still has WRITEs in flight; say hello again shortly"
-                s.server.send(ident, protocol.HelloReply(ok=False, reason=reason))
-                return
             self._drop(key, "said hello again (restarted?)", now)
         try:
             agent_name = s.agent.add_peer(msg.agent_metadata)
         except Exception as exc:
-            s.server.send(ident, protocol.HelloReply(ok=False, reason=f"cannot load D's NIXL metadata: {exc}"))
+            reason = f"cannot load D's NIXL metadata: {exc}"
+            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         self._peers[key] = Peer(ident, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now)
         reply = protocol.HelloReply(
@@ -158,6 +161,7 @@ class PeerTable:
             agent_name=s.agent.name,
             agent_metadata=s.agent.metadata(),
             layout=self.layout,
+            epoch=msg.epoch,
         )
         s.server.send(ident, reply)
 

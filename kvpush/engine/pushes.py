@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush import protocol
 from kvpush.errors import KVPushError
+from kvpush.layout import heads_overlap
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.payload import pack_pieces
 from kvpush.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
 from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
-from kvpush.transfer import Transfer
+from kvpush.transfer import PackAhead, Transfer
 
 if TYPE_CHECKING:
     from kvpush.engine.sender import Sender
@@ -156,7 +158,7 @@ class PushRunner:
             if reg.num_tokens > prefill.num_tokens:
                 why = f"D asks for {reg.num_tokens} tokens, P computed {prefill.num_tokens}"
                 raise _BadRegistration(why)
-            plan, slot = self._plan(prefill, reg, peer)
+            plan, slot = self._plan(prefill, reg, peer, rec)
         except Exception as exc:
             cause = Cause.BAD_REGISTRATION if isinstance(exc, _BadRegistration) else Cause.POST_ERROR
             self.s.fail(peer.ident, reg, Failed(Stage.PLAN, cause, str(exc)))
@@ -231,7 +233,33 @@ class PushRunner:
     def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:
         return _completion(job.plan.plan, job.reg, self.s.rank, r0, r1, ndesc)
 
-    def _plan(self, prefill: Prefill, reg: protocol.Register, peer: Any) -> tuple[Plan, int | None]:
+    def prepare_prefill(self, prefill: Prefill, rec: Transfer) -> None:
+        """Build a prefill's pack list as it is handed over, and give it to the backend (``prepare_pack``).
+
+        The staged payload needs only P's own block ids, so a registration
+        that arrives later (behind a sequential router it always does) finds
+        its pack list made: P's planning leaves the path from D's
+        registration to the first WRITE. Built for the whole prompt and P's
+        own heads; a registration asking for fewer gets its list at pairing.
+        """
+        s = self.s
+        rec.pack_ahead = None
+        if s._staging is None or s.cfg.plan == "direct" or prefill.num_tokens <= 0 or not prefill.block_ids:
+            return
+        heads = (s.layout.head_start, s.layout.head_end)
+        try:
+            pack = pack_pieces(s.layout, heads, prefill.block_ids[0], prefill.num_tokens, 0)
+        except Exception as exc:  # the registration's planning will say what is wrong
+            log.debug("%s: no pack list ahead for %s: %s", s.name, prefill.transfer_id, exc)
+            return
+        rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack)
+        s.bump(Count.PACKS_AHEAD)
+        try:
+            s.backend.prepare_pack(s.region_bases, pack)
+        except Exception:
+            log.exception("%s: prepare_pack failed (pack will do it)", s.name)
+
+    def _plan(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> tuple[Plan, int | None]:
         slot = None
         local = remote = None
         if reg.staging is not None and peer.staging is not None and self.s._staging is not None:
@@ -239,6 +267,7 @@ class PushRunner:
             if slot is not None:
                 local = (self.s._staging.addr + slot, self.s._staging.device_id)
                 remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
+        ahead = self._pack_ahead(prefill, reg, peer, rec)
         plan = build_plan(
             self.s.cfg,
             self.s.layout,
@@ -251,11 +280,19 @@ class PushRunner:
             staging_remote=remote,
             pack_bw=self.s.backend.pack_bandwidth(),
             groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
+            pack=ahead,
         )
         if plan.kind is not PlanKind.STAGED and slot is not None:
             self.s._slots.free(slot)
             slot = None
+        if plan.kind is PlanKind.STAGED and ahead is not None:
+            self.s.bump(Count.PACKS_AHEAD_USED)
         return plan, slot
+
+    def _pack_ahead(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> Any:
+        if rec.pack_ahead is None:
+            return None
+        return rec.pack_ahead.fits(prefill, heads_overlap(self.s.layout, peer.layout), reg.num_tokens, reg.start_token)
 
 
 class _BadRegistration(KVPushError):

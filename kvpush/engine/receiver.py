@@ -71,7 +71,13 @@ class Receiver(EngineLoop):
         tp_size: int = 1,
     ) -> None:
         super().__init__("recv", config, backend, layout, engine_id, rank, tp_size)
-        self.book = Fencing(len(self.layout.regions), config.transfer_timeout_s, config.peer_dead_s)
+        self.book = Fencing(
+            len(self.layout.regions),
+            config.transfer_timeout_s,
+            config.peer_dead_s,
+            config.transfer_hard_cap_s,
+            config.quarantine_s,
+        )
         self.counters = self.book.counters
         self.conns = Conns(self)
         self._next_timer = 0.0
@@ -117,6 +123,7 @@ class Receiver(EngineLoop):
                 "pending": len(self.book),
                 "connections": self.conns.ready(),
                 "staging_slots_in_use": self._slots.slots_in_use,
+                "quarantined_blocks": self.book.quarantined_blocks(),
             }
         )
 
@@ -137,8 +144,8 @@ class Receiver(EngineLoop):
         self._do([AwaitUnpacks(inc, p, block=False) for inc, p in self.book.still_unpacking()])
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
-            for key, reason in self.conns.tick(now):
-                self._do(self.book.conn_dead(key, reason, time.monotonic()))
+            for key, reason, epoch in self.conns.tick(now):
+                self._do(self.book.conn_dead(key, reason, time.monotonic(), epoch))
             self._do(self.book.expire(now))
             self.refresh_gauges()
         return bool(self.book.hot or self.book.superseded or self.book.unpacking)
@@ -154,6 +161,7 @@ class Receiver(EngineLoop):
             "pending_registrations": float(len(self.book)),
             "fencing": float(len(self.book.superseded)),
             "connections": float(self.conns.ready()),
+            "quarantined_blocks": float(self.book.quarantined_blocks()),
         }
 
     # -- events ---------------------------------------------------------------------
@@ -187,13 +195,19 @@ class Receiver(EngineLoop):
 
     def _on_control(self, key: ConnKey, conn: Conn, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.HelloReply):
-            self.conns.on_hello_reply(key, conn, msg, now)
+            if not self.conns.on_hello_reply(key, conn, msg, now):
+                return
             if conn.state is ConnState.READY:
-                self._do(self.book.conn_ready(key, now))
-            else:
+                self._do(self.book.fenced(key, conn.epoch, now))
+                self._do(self.book.conn_ready(key, now, conn.epoch))
+            elif not conn.busy:
                 self._do(self.book.conn_refused(key, conn.reason, now))
         elif isinstance(msg, protocol.Posting):
             self.book.posting(msg.transfer_id, msg.rank, msg.attempt)
+        elif isinstance(msg, protocol.Ack):
+            if self.book.acknowledged(msg):
+                what = (msg.rank, msg.transfer_id, msg.state, msg.tokens_ahead)
+                log.debug("%s: P rank %d: %s is %s (%d tokens ahead)", self.name, *what)
         elif isinstance(msg, protocol.Failure):
             self._do(self.book.failure(msg, time.monotonic()))
         elif not isinstance(msg, protocol.Heartbeat):
@@ -252,6 +266,14 @@ class Receiver(EngineLoop):
         elif isinstance(a, Stale):
             log.warning("%s: stale or unknown message for %s from P rank %d", self.name, a.transfer_id, a.p_rank)
         elif isinstance(a, Report):
+            if not a.result.fenced:
+                log.warning(
+                    "%s: %s failed; its %d blocks stay quarantined until the writer is fenced (%s)",
+                    self.name,
+                    a.result.transfer_id,
+                    a.incoming.quarantined_blocks(),
+                    a.result.reason,
+                )
             self.emit(a.result)
         return []
 
@@ -259,7 +281,7 @@ class Receiver(EngineLoop):
         """Say hello to the writer's P rank if need be; once its connection is ready, send the registration."""
         now = time.monotonic()
         conn = self.conns.open(inc.writers[p].conn, now)
-        if conn.state is ConnState.REFUSED:
+        if conn.state is ConnState.REFUSED and not conn.busy:
             return self.book.on(inc, inc.conn_refused(inc.writers[p].conn, conn.reason, now))
         if conn.state is not ConnState.READY:
             return []  # the hello reply brings ``conn_ready``
@@ -288,6 +310,8 @@ class Receiver(EngineLoop):
             )
         )
         region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
+        if grant is not None and ok:
+            self._prepare_unpack(pieces, grant.offset)  # while P plans and packs, not before it hears of us
         return self.book.on(inc, inc.register_sent(p, grant, unpack, region_bytes, ok, t_send))
 
     def _grant(self, conn: Conn, inc: Incoming, pieces: np.ndarray) -> tuple[protocol.StagingGrant | None, Any]:
@@ -300,11 +324,15 @@ class Receiver(EngineLoop):
         if off is None:
             self.bump(Count.STAGING_FULL)
             return None, None
+        return protocol.StagingGrant(off, size), pieces
+
+    def _prepare_unpack(self, pieces: np.ndarray, offset: int) -> None:
+        """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
+        left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
         try:
-            self.copy.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, off))
+            self.copy.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, offset))
         except Exception:
             log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
-        return protocol.StagingGrant(off, size), pieces
 
     def _guess_parts(self, pieces: np.ndarray, offset: int) -> list[tuple[int, int, int]]:
         """The parts P will most likely cut a whole-request push into (its rule, D's own config), as

@@ -30,12 +30,12 @@ from kvpush.engine.waiter import MarkerWaiter
 from kvpush.errors import KVPushError
 from kvpush.layout import KVLayout
 from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, PushStats, PushTimes, Stage
+from kvpush.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Stage
 from kvpush.push_job import (
     DKey,
     PushJob,
 )
-from kvpush.rendezvous import Decision, Hold, Prefill, Refuse, Release, Rendezvous
+from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Refuse, Release, Rendezvous
 from kvpush.transport.side_channel import Server
 
 log = logging.getLogger(__name__)
@@ -128,13 +128,22 @@ class Sender(EngineLoop):
     def abort(self, transfer_id: str, reason: str = "aborted on P") -> None:
         self.call(lambda: self._abort(transfer_id, reason))
 
+    def prefill_states(self, states: list[tuple[str, PrefillState, int]]) -> None:
+        """Where P's scheduler holds these prefills: (transfer id, queued or running, prompt tokens ahead).
+
+        D's registrations for them are acknowledged with it and kept while
+        the prefill is queued or running (``UNKNOWN``: no longer held).
+        """
+        todo = list(states)
+        self.call(lambda: self._apply([d for t, st, n in todo for d in self.rdv.on_prefill_state(t, st, n)]))
+
     def stats(self) -> dict[str, Any]:
         """Counters and rendezvous sizes (read from the engine thread)."""
 
         def read() -> dict[str, Any]:
             waits = self._waiter.waits if self._waiter is not None else 0
             extra = {"peers": len(self.peers), "marker_waits": waits, "quiet_reports": self.quiet_reports}
-            return {**self.counters, **self.rdv.pending(), **extra}
+            return {**self.counters, **self.rdv.pending(), "queued": self.rdv.queued(), **extra}
 
         return self.call_sync(read)
 
@@ -203,6 +212,7 @@ class Sender(EngineLoop):
                 rec.times.prefill_done = t
             else:
                 rec.times.prefill_start = t
+            self.runner.prepare_prefill(prefill, rec)
 
     def _on_layers(self, transfer_ids: list[str], regions: int, marker: Any, t: float) -> None:
         self.bump(Count.LAYER_REPORTS)
@@ -278,6 +288,11 @@ class Sender(EngineLoop):
                     self.fail(ident, d.reg, d.failed)
             elif isinstance(d, Hold):
                 self.bump(Count.DEFERRED_REGISTRATIONS)
+            elif isinstance(d, Acknowledge):
+                ident = self.peers.ident_of((d.reg.engine_id, d.reg.rank))
+                if ident is not None:
+                    ack = protocol.Ack(d.reg.transfer_id, self.rank, d.state, d.reg.attempt, d.tokens_ahead)
+                    self.server.send(ident, ack)
 
     def _released(self, d: Release) -> None:
         stats, times, failed = d.record.take_outcome() if d.record is not None else (PushStats(), PushTimes(), None)

@@ -26,8 +26,8 @@ class BackendTraits:
     NIXL progress thread, so these calls are what moves data and reaps completions. UCX handles
     everything pending in one call. LIBFABRIC reaps at most 16 completions per call (one per
     descriptor on each side), and over libfabric's tcp provider moves about one message: with one
-    call per poll, D took a poll interval per descriptor of a direct push and P learnt that a
-    32768-descriptor WRITE had ended 10 s after D had all of it."""
+    call per poll, D spends a poll interval per descriptor of a direct push and P learns late that a
+    large WRITE has ended, holding its blocks meanwhile (docs/libfabric.md, difference 1)."""
     peer_errors_isolated: bool = True
     """A failed completion fails only its own transfer. Not so on LIBFABRIC driven without its
     progress thread: the plugin returns a failed completion from whichever call reads it, and NIXL

@@ -241,7 +241,9 @@ def test_benchmark_runs_on_host_memory(tmp_path: Path, monkeypatch: pytest.Monke
     args += ["--write-descs", "1", "--engine-parts", "2", "--lw-tokens", "64", "--lw-iters", "1", "--json", str(out)]
     assert main([*args, "--gpu-samples"]) == 0
     res = json.loads(out.read_text())
-    assert {(e["mode"], e["parts"]) for e in res["engine"]} == {("finished", 1), ("ahead", 2)}
+    assert {(e["mode"], e["parts"]) for e in res["engine"]} == {("finished", 2), ("ahead", 2)}
+    finished = next(e for e in res["engine"] if e["mode"] == "finished")
+    assert finished["x_ahead"] > 0 and finished["timeline_median"]["d_sent"] >= 0  # timed from D's register call
     assert {r["mode"] for r in res["layerwise"]} == set(LW_MODES)
     assert all(r["verified"] for r in [*res["engine"], *res["layerwise"]])
     sampled = [r for r in res["layerwise"] if "median_gpu_sm_mhz" in r]  # a forward under 5 ms may have none

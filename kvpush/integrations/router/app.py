@@ -17,6 +17,10 @@ Failure policy (never a hang):
 * An HTTP 4xx from P or D is the client's error (bad parameters, prompt too
   long): it is passed through as is, without retry.
 * No healthy P or D -> HTTP 503.
+* Overload (``max_prefill_queue``): the least-loaded P already has that
+  many requests queued or running -> HTTP 503 at once, with the reason and
+  ``Retry-After``: a client retries later instead of waiting behind a
+  backlog that would outlast its patience, and P and D hold nothing for it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.integrations.router.config import RouterConfig
-from kvpush.integrations.router.engine_metrics import PrefillRate
+from kvpush.integrations.router.engine_metrics import PrefillRate, queue_loop
 from kvpush.integrations.router.health import HealthChecker, mark_down
 from kvpush.integrations.router.metrics import ROUTER_METRICS
 from kvpush.integrations.router.pool import Instance, Pool
@@ -83,6 +87,7 @@ class Router:
             "decode_failures": 0,
             "retries": 0,
             "unavailable": 0,
+            "overloaded": 0,
         }
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -92,6 +97,7 @@ class Router:
         # P task -> when P answered (selective: where the transfer's time starts); gone with the task.
         self._prefill_done: weakref.WeakKeyDictionary[asyncio.Task[dict[str, Any]], float] = weakref.WeakKeyDictionary()
         self._scrape_task: asyncio.Task[None] | None = None
+        self._queue_task: asyncio.Task[None] | None = None
         self.up = Upstreams(config, lambda: self.session, self.prom)
 
     # -- lifecycle --------------------------------------------------------- #
@@ -115,15 +121,20 @@ class Router:
         )
         if self.cfg.health_interval > 0:
             self._health_task = asyncio.create_task(self.health.loop(self._instances()))
+        if self.cfg.queue_interval > 0:
+            self._queue_task = asyncio.create_task(
+                queue_loop(self.prefill.instances, lambda: self.session, self.cfg.queue_interval)
+            )
         if self.selector is not None:
             rate = PrefillRate(self.selector, lambda: self.session)
             self._scrape_task = asyncio.create_task(rate.loop(self.prefill.instances))
 
     async def _on_cleanup(self, _app: web.Application) -> None:
-        if self._scrape_task is not None:
-            self._scrape_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scrape_task
+        for task in (self._scrape_task, self._queue_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -168,6 +179,7 @@ class Router:
                 "url": i.url,
                 "healthy": i.healthy,
                 "in_flight": i.in_flight,
+                "reported": i.reported,
                 "served": i.served,
                 "failures": i.failures,
                 "health_timeouts": i.health_timeouts,
@@ -214,7 +226,7 @@ class Router:
             "# HELP kvpush_router_requests_total Requests by outcome.",
             "# TYPE kvpush_router_requests_total counter",
         ]
-        for outcome in ("ok", "client_errors", "prefill_failures", "decode_failures", "unavailable"):
+        for outcome in ("ok", "client_errors", "prefill_failures", "decode_failures", "unavailable", "overloaded"):
             lines.append(f'kvpush_router_requests_total{{outcome="{outcome}"}} {self.counters[outcome]}')
         lines += [
             "# HELP kvpush_router_received_total Requests received on completion endpoints.",
@@ -311,6 +323,17 @@ class Router:
         if (p is None and not local) or d is None:
             self.counters["unavailable"] += 1
             return self._unavailable() or _error(503, "no healthy decode instance left to try", "service_unavailable")
+        bound = self.cfg.max_prefill_queue
+        if p is not None and bound and p.load >= bound:
+            self.counters["overloaded"] += 1
+            why = (
+                f"overloaded: the least-loaded prefill instance ({p.url}) has {p.load} requests queued or running "
+                f"(limit {bound}); retry later"
+            )
+            log.warning("%s", why)
+            resp = _error(503, why, "overloaded", retryable=True)
+            resp.headers["Retry-After"] = "1"
+            return resp
         if choice is not None:
             self.prom.inc("kvpush_router_routes_total", route=choice.route.value)
         tried.append(d)

@@ -36,11 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpush router",
         description="OpenAI-compatible router for P/D-disaggregated vLLM (kvpush, vLLM NIXL pull or push).",
     )
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--mode", choices=MODES, default="kvpush")
-    ap.add_argument("--prefill", action="append", default=[], metavar="URL", help="P instance (repeatable)")
-    ap.add_argument(
+    _listen_args(ap.add_argument_group("serving"))
+    _instance_args(ap.add_argument_group("instances"))
+    _timeout_args(ap.add_argument_group("timeouts and health checks"))
+    _policy_args(ap.add_argument_group("routing policy"))
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def _listen_args(g: argparse._ArgumentGroup) -> None:
+    """Where the router listens and which connector's conventions it speaks."""
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--mode", choices=MODES, default="kvpush")
+
+
+def _instance_args(g: argparse._ArgumentGroup) -> None:
+    """The P and D instances; the per-P flags pair with ``--prefill`` in order."""
+    g.add_argument("--prefill", action="append", default=[], metavar="URL", help="P instance (repeatable)")
+    g.add_argument(
         "--prefill-kv",
         action="append",
         default=[],
@@ -48,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="KV side channel of the P instance at the same position (kvpush, vllm-push)",
     )
-    ap.add_argument(
+    g.add_argument(
         "--prefill-tp",
         action="append",
         default=[],
@@ -56,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="TP size per P (one value for all, or one per --prefill; default 1)",
     )
-    ap.add_argument(
+    g.add_argument(
         "--prefill-dp",
         action="append",
         default=[],
@@ -66,15 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
         "picks the engine with vLLM's X-data-parallel-rank header and tells D that engine's side channel "
         "(kvpush: --prefill-kv port + rank * TP size; vllm-push: + rank)",
     )
-    ap.add_argument(
+    g.add_argument(
         "--prefill-engine-id",
         action="append",
         default=[],
         metavar="ID",
         help="vllm-push: NIXL engine id per P (else learned from the first request)",
     )
-    ap.add_argument("--decode", action="append", default=[], metavar="URL", help="D instance (repeatable)")
-    ap.add_argument(
+    g.add_argument("--decode", action="append", default=[], metavar="URL", help="D instance (repeatable)")
+    g.add_argument(
         "--decode-dp",
         action="append",
         default=[],
@@ -83,18 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel engines per D (one value for all, or one per --decode; default 1): requests are "
         "spread over them with the X-data-parallel-rank header",
     )
-    ap.add_argument("--connect-timeout", type=float, default=5.0)
-    ap.add_argument("--prefill-timeout", type=float, default=600.0, help="seconds for P's whole answer")
-    ap.add_argument("--decode-timeout", type=float, default=600.0, help="longest silence from D (seconds)")
-    ap.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health checks (0: off)")
-    ap.add_argument(
+
+
+def _timeout_args(g: argparse._ArgumentGroup) -> None:
+    """How long the router waits on an instance, and when it stops sending to one."""
+    g.add_argument("--connect-timeout", type=float, default=5.0)
+    g.add_argument("--prefill-timeout", type=float, default=600.0, help="seconds for P's whole answer")
+    g.add_argument("--decode-timeout", type=float, default=600.0, help="longest silence from D (seconds)")
+    g.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health checks (0: off)")
+    g.add_argument(
         "--health-timeout",
         type=float,
         default=DEFAULT_HEALTH_TIMEOUT,
         metavar="SECONDS",
         help=f"how long one /health check may take (default {DEFAULT_HEALTH_TIMEOUT:g})",
     )
-    ap.add_argument(
+    g.add_argument(
         "--health-timeout-strikes",
         type=int,
         default=DEFAULT_HEALTH_TIMEOUT_STRIKES,
@@ -102,22 +120,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed-out /health checks in a row before an instance counts as unhealthy; an error answer or a "
         f"refused connection counts at once (default {DEFAULT_HEALTH_TIMEOUT_STRIKES}; 1: any timeout)",
     )
-    ap.add_argument("--no-retry", action="store_true", help="do not retry a failed D on another D")
-    ap.add_argument(
+
+
+def _policy_args(g: argparse._ArgumentGroup) -> None:
+    """What the router does with a failed D, a short prompt, and a client's own transfer parameters."""
+    g.add_argument("--no-retry", action="store_true", help="do not retry a failed D on another D")
+    g.add_argument(
         "--selective",
         action="store_true",
         help="serve prompts on D alone when moving their KV costs more than computing them there; both costs "
         "are learned from the engines' metrics and the router's own timings",
     )
-    ap.add_argument(
+    g.add_argument(
         "--client-kv-params",
         choices=CLIENT_PARAMS,
         default="reject",
         help="a client's own kv_transfer_params: reject (HTTP 400, default), strip, or trust (they override the "
         "router's: only behind another router that chooses transfer ids)",
     )
-    ap.add_argument("--log-level", default="INFO")
-    return ap
+    g.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=0,
+        metavar="N",
+        help="answer HTTP 503 (retryable, with the reason) when even the least-loaded P has N requests queued or "
+        "running (default 0: no bound)",
+    )
+    g.add_argument(
+        "--queue-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between reads of each P's queue depth from its /metrics (0: off)",
+    )
 
 
 _ONE_FOR_ALL = ("--prefill-tp", "--prefill-dp", "--decode-dp")
@@ -175,6 +210,8 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             retry_decode=not a.no_retry,
             client_params=a.client_kv_params,
             selective=a.selective,
+            max_prefill_queue=a.max_prefill_queue,
+            queue_interval=a.queue_interval,
         )
     except ValueError as e:
         ap.error(str(e))

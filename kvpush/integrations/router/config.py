@@ -25,7 +25,8 @@ class RouterConfig:
     # Longest D may stay silent (before its first byte and between chunks).
     decode_timeout: float = 600.0
     health_interval: float = 5.0
-    # Seconds one /health check may take. 2 s proved too short for a busy D.
+    # Seconds one /health check may take: a D busy with decodes answers late while it still serves
+    # (docs/benchmarks.md, "Caveats, all together": router health checks).
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT
     # Timed-out checks in a row before an instance counts as unhealthy.
     health_timeout_strikes: int = DEFAULT_HEALTH_TIMEOUT_STRIKES
@@ -34,6 +35,11 @@ class RouterConfig:
     client_params: str = "reject"
     # Serve prompts whose measured transfer cost exceeds their prefill cost on D alone (``selective``).
     selective: bool = False
+    # Backpressure: a request whose least-loaded P already has this many requests queued or running is
+    # answered HTTP 503 with the reason and Retry-After at once, instead of queueing behind them (0: no bound).
+    max_prefill_queue: int = 0
+    # Seconds between reads of each P's queue depth from its /metrics (0: off; then only this router's count).
+    queue_interval: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -44,6 +50,8 @@ class RouterConfig:
             raise ValueError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
         if self.client_params not in CLIENT_PARAMS:
             raise ValueError(f"client_params must be one of {CLIENT_PARAMS}, got {self.client_params!r}")
+        if self.max_prefill_queue < 0:
+            raise ValueError(f"max_prefill_queue must be >= 0 (0: no bound), got {self.max_prefill_queue}")
         if self.health_timeout_strikes < 1:
             raise ValueError(f"health_timeout_strikes must be >= 1, got {self.health_timeout_strikes}")
         for inst in self.prefill:

@@ -58,6 +58,45 @@ def prefill_totals(text: str) -> tuple[float, float]:
     return seconds, tokens
 
 
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+
+
+def queue_depth(text: str, engine: int | None = None) -> int:
+    """Requests a server reports waiting or running (vLLM's gauges, summed over its engines); ``engine``: only
+    that data-parallel engine's (vLLM labels each engine's gauges ``engine="<DP rank>"``)."""
+    total = 0.0
+    label = None if engine is None else f'engine="{engine}"'
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in (WAITING, RUNNING) and (label is None or label in line.split("}", 1)[0]):
+            total += _value(line)
+    return int(total)
+
+
+async def queue_loop(insts: list[Instance], session: Callable[[], aiohttp.ClientSession], interval: float) -> None:
+    """Every ``interval`` s, each P's own queue depth into ``Instance.reported`` (the router's load measure)."""
+    while True:
+        await read_queues(insts, session)
+        await asyncio.sleep(interval)
+
+
+async def read_queues(insts: list[Instance], session: Callable[[], aiohttp.ClientSession]) -> None:
+    """One read of every P server's ``/metrics`` (once per server: its DP ranks share it), each instance
+    getting its own engine's depth."""
+    by_url: dict[str, list[Instance]] = {}
+    for inst in insts:
+        by_url.setdefault(inst.url, []).append(inst)
+    for url, ranks in by_url.items():
+        try:
+            async with session().get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                text = await r.text()
+            for inst in ranks:
+                inst.reported = queue_depth(text, inst.dp_rank)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, IndexError) as e:
+            log.debug("queue depth: %s/metrics: %s", url, e)
+
+
 class PrefillRate:
     """Every ``interval`` s, each P's prefill seconds per computed token since the last read, into the selector."""
 

@@ -5,9 +5,9 @@ Health rule (``--health-timeout``, ``--health-timeout-strikes``): a
 instance at all (connection refused or reset), marks it unhealthy at once:
 that is a definite answer. A check that merely *times out* is only a strike:
 an instance busy with prefills or decodes can be slow to answer its health
-endpoint while still serving (on a loaded 2-core machine a 2 s probe of a
-busy D timed out and took the only D out of rotation, turning a slow
-request into an HTTP 503). Only ``health_timeout_strikes`` timeouts in a
+endpoint while still serving, and taking the only D out of rotation turns
+a slow request into an HTTP 503 (docs/benchmarks.md, "Caveats, all
+together": router health checks). Only ``health_timeout_strikes`` timeouts in a
 row (default 3) mark it unhealthy; any answered check resets the count. A
 hung instance is thus taken out after about ``strikes * (interval +
 timeout)`` seconds (30 s with the defaults); meanwhile its growing in-flight

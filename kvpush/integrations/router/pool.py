@@ -1,7 +1,10 @@
 """The instances a router sends to, and how it picks one (pure: no HTTP).
 
-Selection: least in-flight requests among the healthy instances, ties broken
-round-robin, so equal loads rotate rather than always landing on the first.
+Selection: the least-loaded healthy instance, ties broken round-robin, so
+equal loads rotate rather than always landing on the first. An instance's
+load is the larger of this router's requests in flight to it and the
+requests the instance itself reports waiting or running (``reported``: its
+own queue, which other routers' requests fill too).
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ class Instance:
     failures: int = 0
     # /health checks in a row that timed out (see the module's health rule).
     health_timeouts: int = 0
+    reported: int = 0  # requests waiting or running, as the instance's own /metrics last said
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -69,7 +77,7 @@ class Pool:
             inst = self.instances[pos]
             if not inst.healthy or id(inst) in excluded:
                 continue
-            if best is None or inst.in_flight < best.in_flight:
+            if best is None or inst.load < best.load:
                 best, best_pos = inst, pos
         if best is not None:
             self._cursor = (best_pos + 1) % n

@@ -203,7 +203,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             self.announcer = start_announcer(cfg, ktc.is_kv_producer, tp)
             advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
             self.sched = SchedulerSide(
-                layerwise=cfg.layerwise, layerwise_min_tokens=cfg.layerwise_min_tokens, advert=advert
+                layerwise=cfg.layerwise,
+                layerwise_min_tokens=cfg.layerwise_min_tokens,
+                advert=advert,
+                max_waiting_registrations=cfg.max_waiting_registrations if ktc.is_kv_consumer else 0,
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -223,6 +226,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     # ---------------- scheduler hooks ----------------
+    def on_new_request(self, request: Request) -> None:
+        assert self.sched is not None
+        self.sched.prefill_arrived(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.sched is not None
         return self.sched.matched_tokens(
@@ -253,6 +260,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.sched is not None
         if self.sched.layerwise:
             self.sched.scheduled(scheduled_chunks(scheduler_output))
+        self.sched.step_states(set(scheduler_output.num_scheduled_tokens))
         return KVPushMetadata(self.sched.take_orders())
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:

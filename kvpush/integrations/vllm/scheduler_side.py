@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.integrations.vllm.params import DecodeSide, PrefillAdvert, PrefillSide, parse, prefill_answer
+from kvpush.outcome import PrefillState
 from kvpush.plan import HOLE
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,15 @@ class CancelOrder:
 
 
 @dataclass(frozen=True)
+class PrefillStateOrder:
+    """Where P's scheduler holds a prefill: queued behind ``tokens_ahead`` prompt tokens, or running."""
+
+    transfer_id: str
+    state: PrefillState
+    tokens_ahead: int
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """One request's part of a scheduler step, as read from vLLM's ``SchedulerOutput``.
 
@@ -103,6 +113,8 @@ class StepOrders:
     """D requests that never registered (aborted while waiting for blocks): tell P to drop the prefill."""
     layer_prefills: list[FinishedPrefill] = field(default_factory=list)
     """Prefills whose final chunk runs in this step's forward: pushed layer by layer as it goes."""
+    prefill_states: list[PrefillStateOrder] = field(default_factory=list)
+    """P: prefills whose place in P's scheduler changed (D's registrations are acknowledged with it)."""
 
 
 @dataclass
@@ -116,9 +128,18 @@ class _Candidate:
 
 class SchedulerSide:
     def __init__(
-        self, layerwise: bool = False, layerwise_min_tokens: int = 0, advert: PrefillAdvert | None = None
+        self,
+        layerwise: bool = False,
+        layerwise_min_tokens: int = 0,
+        advert: PrefillAdvert | None = None,
+        max_waiting_registrations: int = 0,
     ) -> None:
         self.layerwise = layerwise
+        self.max_waiting = max_waiting_registrations  # D: registrations waiting on one P (0: no bound)
+        self._peer_of: dict[str, tuple[str, int]] = {}  # D request registered -> its P's side channel
+        self._queued: dict[str, tuple[str, int]] = {}  # P request not yet scheduled -> (transfer id, tokens)
+        self._running: dict[str, str] = {}  # P request scheduled -> transfer id
+        self._told: dict[str, tuple[PrefillState, int]] = {}  # transfer id -> state last told the workers
         self.advert = advert  # P: what its answer tells D (None: P returns no kv_transfer_params)
         self.layerwise_min_tokens = layerwise_min_tokens
         self._candidates: dict[str, _Candidate] = {}  # P requests before their final chunk (layer-wise)
@@ -162,7 +183,17 @@ class SchedulerSide:
         if not isinstance(role, DecodeSide) or request_id in self._waiting_kv:
             return 0, False
         count = num_prompt_tokens - num_computed
+        if count > 0 and self.max_waiting and self.waiting_on((role.peer.host, role.peer.port)) >= self.max_waiting:
+            # Late registration: the request waits in vLLM's queue holding no blocks (None: ask again next
+            # step) until one of the registrations waiting on that P ends, instead of pinning blocks behind
+            # P's backlog.
+            self._bump("deferred_registrations")
+            return None, False
         return (count, True) if count > 0 else (0, False)
+
+    def waiting_on(self, peer: tuple[str, int]) -> int:
+        """D's registrations with P ``peer`` whose KV has not arrived."""
+        return sum(1 for rid in self._waiting_kv if self._peer_of.get(rid) == peer)
 
     def after_alloc(
         self,
@@ -191,10 +222,42 @@ class SchedulerSide:
         self._orders.registrations.append(reg)
         log.debug("kvpush scheduler: register %s", reg)
         self._waiting_kv[request_id] = role.transfer_id
+        self._peer_of[request_id] = (role.peer.host, role.peer.port)
         self._bump("registrations")
         if params is not None:
             # vLLM may ask again after the load; nothing more is remote then.
             params["do_remote_prefill"] = False
+
+    # P side: where each prefill stands ---------------------------------------------
+    def prefill_arrived(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int) -> None:
+        """vLLM's ``on_new_request``: a P request joins the waiting queue (in arrival order)."""
+        role = parse(params, request_id)
+        if isinstance(role, PrefillSide):
+            self._queued[request_id] = (role.transfer_id, num_prompt_tokens)
+
+    def step_states(self, scheduled: set[str]) -> None:
+        """This step's scheduled requests: P requests among them run, the others queue behind the prompt
+        tokens that arrived before them. Only changes are ordered (D acknowledges them)."""
+        for rid in [r for r in self._queued if r in scheduled]:
+            tid, _ = self._queued.pop(rid)
+            self._running[rid] = tid
+            self._tell(tid, PrefillState.RUNNING, 0)
+        ahead = 0
+        for tid, tokens in self._queued.values():
+            self._tell(tid, PrefillState.QUEUED, ahead)
+            ahead += tokens
+
+    def _tell(self, tid: str, state: PrefillState, ahead: int) -> None:
+        if self._told.get(tid) != (state, ahead):
+            self._told[tid] = (state, ahead)
+            self._orders.prefill_states.append(PrefillStateOrder(tid, state, ahead))
+
+    def _forget(self, request_id: str) -> None:
+        tid = self._running.pop(request_id, None)
+        queued = self._queued.pop(request_id, None)
+        tid = tid if queued is None else queued[0]
+        if tid is not None:
+            self._told.pop(tid, None)
 
     # P side, layer-wise ---------------------------------------------------------
     def prefill_admitted(
@@ -239,6 +302,8 @@ class SchedulerSide:
         num_prompt_tokens: int,
     ) -> bool:
         """vLLM's ``request_finished``: return True to keep the blocks for a transfer."""
+        self._forget(request_id)
+        self._peer_of.pop(request_id, None)
         if request_id in self._waiting_kv:
             # D request ended before its KV arrived (abort, timeout): fence.
             tid = self._waiting_kv.pop(request_id)
@@ -315,6 +380,7 @@ class SchedulerSide:
             self._fencing.pop(rid, None)
         for rid in finished_recving or ():
             self._waiting_kv.pop(rid, None)
+            self._peer_of.pop(rid, None)
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while blocks are held for transfers."""
@@ -324,4 +390,10 @@ class SchedulerSide:
         )
 
     def pending(self) -> dict[str, int]:
-        return {"sending": len(self._sending), "waiting_kv": len(self._waiting_kv), "fencing": len(self._fencing)}
+        return {
+            "sending": len(self._sending),
+            "waiting_kv": len(self._waiting_kv),
+            "fencing": len(self._fencing),
+            "queued_prefills": len(self._queued),
+            "running_prefills": len(self._running),
+        }

@@ -88,6 +88,8 @@ class WorkerSide:
 
     def apply(self, orders: StepOrders) -> None:
         """Hand this step's orders to the engine threads (non-blocking)."""
+        if orders.prefill_states and self.sender is not None:
+            self.sender.prefill_states([(o.transfer_id, o.state, o.tokens_ahead) for o in orders.prefill_states])
         if orders.prefills:
             assert self.sender is not None, "prefill orders on a worker without the producer role"
             ready = self.backend.record_ready()

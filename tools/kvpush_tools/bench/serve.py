@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench import loadgen
+from kvpush_tools.bench import loadgen, overload
 from kvpush_tools.bench.loadgen import DEFAULT_MODES, MODES, RequestOutput
 from kvpush_tools.bench.stacks import (
     MODEL_NAME,
@@ -442,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
+    overload.add_arguments(ap)
     return ap
 
 
@@ -466,7 +467,8 @@ def source_state() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; 0 when every request of every run succeeded, 1 if some failed."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.modes = comma_list(args.modes)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
@@ -475,6 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.inputs, args.qps, args.iterations = [1024], [1.0], 1
         args.min_requests = args.max_requests = 6
+    opts = stack_options(args)
+    if args.profile == "overload":
+        overload.apply_profile(args, parser.parse_args([]))
+        opts = stack_options(
+            args,
+            prefill_args=tuple(args.overload_prefill_args.split()),
+            kvpush_router_args=tuple(args.overload_router_args.split()),
+        )
     attached = dict(a.split("=", 1) for a in args.attach)
     out_dir = args.out or Path("results/bench_serve") / time.strftime("run-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -485,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return make_tiny_model(args.model_dir)
 
-    stacks = build_stacks(args.modes, make_model, out_dir / "logs", stack_options(args), attached)
+    stacks = build_stacks(args.modes, make_model, out_dir / "logs", opts, attached)
 
     def run() -> None:
         t0 = time.monotonic()
@@ -512,11 +522,14 @@ def main(argv: list[str] | None = None) -> int:
             + "\n"
         )
         t1 = time.monotonic()
+        if args.profile == "overload":
+            overload.run(args, stacks, out_dir, say)
+            return
         run_sweep(args, stacks, out_dir)
         say(f"sweep done in {(time.monotonic() - t1) / 60:.1f} min")
 
     rc = run_with_stacks(stacks, run, say)
-    if rc:
+    if rc or args.profile == "overload":
         return rc
     from kvpush_tools.bench import plot_serve
 

@@ -204,6 +204,8 @@ def build_stack(
     kvpush_extra: Mapping[str, Any] | None = None,
     max_model_len: int | None = None,
     name: str | None = None,
+    prefill_args: Sequence[str] = (),
+    kvpush_router_args: Sequence[str] = (),
 ) -> Stack:
     """A (not started) stack of ``mode`` on fresh ports (``"none"``: two plain
     vLLM servers without connector or router, the idle baseline;
@@ -222,7 +224,9 @@ def build_stack(
     ablation: NIXL agents without their spinning progress thread (see
     ``tools/kvpush_tools/bench/ablation_no_prog_thread/sitecustomize.py``).
     ``kvpush_extra``: more ``kv_connector_extra_config`` keys for kvpush's P
-    and D (e.g. ``{"idle_poll_max_s": 0.05}``), for experiments.
+    and D (e.g. ``{"idle_poll_max_s": 0.05}``), for experiments. ``prefill_args``: more vLLM flags for P
+    alone (every mode alike: the overload profile slows P with them); ``kvpush_router_args``: more flags of
+    the router in kvpush modes.
     """
     name = name or mode
     p_port, d_port, r_port, p_kv, d_kv = (srv.free_port() for _ in range(5))
@@ -256,7 +260,7 @@ def build_stack(
         kv_transfer_config=p_cfg,
         env={**env, **p_env},
         check_ports=(p_kv,),
-        **common,
+        **{**common, "extra_args": [*args, *prefill_args]},
     )
     decode = srv.vllm_server(
         f"{name}-decode",
@@ -271,6 +275,8 @@ def build_stack(
     for server in (prefill, decode):
         _unset_kvcache_space(server)
     rargs = router_args(mode, prefill.url, decode.url, p_kv, engine_id) if mode != BASELINE else []
+    if mode in KVPUSH_MODES:
+        rargs += list(kvpush_router_args)
     router = srv.router_server(rargs, r_port, log_dir=logs) if mode != BASELINE else None
     info = {
         "mode": mode,
@@ -278,6 +284,7 @@ def build_stack(
         "prefill_cpus": p_cpus,
         "decode_cpus": d_cpus,
         "server_args": args,
+        "prefill_args": list(prefill_args),
         "prefill_kv_transfer_config": p_cfg,
         "decode_kv_transfer_config": d_cfg,
         "router_args": rargs,
@@ -437,6 +444,8 @@ class StackOptions:
     vllm_no_progress_thread: bool = False
     kvpush_extra: Mapping[str, Any] | None = None
     max_model_len: int | None = None
+    prefill_args: tuple[str, ...] = ()
+    kvpush_router_args: tuple[str, ...] = ()
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -447,6 +456,8 @@ class StackOptions:
             "vllm_no_progress_thread": self.vllm_no_progress_thread,
             "kvpush_extra": self.kvpush_extra,
             "max_model_len": self.max_model_len,
+            "prefill_args": self.prefill_args,
+            "kvpush_router_args": self.kvpush_router_args,
         }
 
 

@@ -15,8 +15,19 @@ and layer) between two processes over real NIXL agents, for
   (the engine, ``plan="staged"``: pack, one WRITE, unpack) and ``auto`` (the
   engine's cost model choosing).
 
-Each (pattern, plan) runs one warm-up and ``--iters`` measured transfers; the
-medians are printed, saved as JSON and drawn as a bar chart. D's cache is
+Engine plans run in each ``--orders`` (the order in which P's prefill and D's
+registration meet; every total ends at D's result):
+
+- ``registered`` (the default): D registered first, then P's prefill is
+  handed over finished; from the hand-over (P plans then);
+- ``finished``: what a sequential router does (P answers, then the router
+  sends D): P's finished prefill is parked, then D registers; from D's
+  register call, so D's and P's planning are on it;
+- ``ahead``: D registered while P computes: P announces the prefill, pairs
+  and plans before its KV is ready; from "KV ready" (``forward_done``).
+
+Each case runs one warm-up and ``--iters`` measured transfers, the cases
+taking turns; the medians are printed, saved as JSON and drawn as a bar chart. D's cache is
 zeroed before every case and compared with P's bytes after it, so a plan that
 is fast because it moved the wrong bytes fails loudly.
 """
@@ -42,6 +53,7 @@ import numpy as np
 
 PATTERNS = ("shuffled", "runs16", "contiguous")
 PLANS = ("per-block", "coalesced", "staged", "auto")
+ORDERS = ("registered", "finished", "ahead")
 ENGINE_PLANS = {"coalesced": "direct", "staged": "staged", "auto": "auto"}
 RUN = 16
 
@@ -188,23 +200,46 @@ class _Side:
         return _digest(self.cache, blocks, self.shape.tokens)
 
     # P ----------------------------------------------------------------------
-    def op_push(self, plan: str, tid: str, blocks: list[int], timeout: float) -> dict[str, Any]:
-        """Wait until D's registration is here, hand the prefill over, wait for the release."""
+    def op_push(self, plan: str, tid: str, blocks: list[int], timeout: float, order: str) -> dict[str, Any]:
+        """Wait until D's registration is here, then (``registered``) hand the prefill over, or (``ahead``)
+        announce it, wait until P paired and planned, and report its KV ready; wait for the release."""
         engine = self.engines[plan]
         deadline = time.monotonic() + timeout
-        while engine.stats()["waiting_registrations"] < 1:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{tid}: D's registration never reached P")
-            time.sleep(0.001)
-        t0 = time.monotonic()
+        self._until(engine, "waiting_registrations", tid, "D's registration never reached P", deadline)
+        if order == "ahead":
+            engine.prefill_started(tid, tid, [blocks], self.shape.tokens)
+            self._until(engine, "in_flight", tid, "P never paired the registration", deadline)
+            t0 = time.monotonic()
+            engine.forward_done([tid])
+        else:
+            t0 = time.monotonic()
+            engine.prefill_finished(tid, tid, [blocks], self.shape.tokens)
+        return {"t0": t0, **self.op_released(plan, tid, deadline - time.monotonic())}
+
+    def op_park(self, plan: str, tid: str, blocks: list[int], timeout: float) -> None:
+        """Hand over a finished prefill nobody registered for yet, and wait until P parked it."""
+        engine = self.engines[plan]
         engine.prefill_finished(tid, tid, [blocks], self.shape.tokens)
+        self._until(engine, "parked_prefills", tid, "P never parked the prefill", time.monotonic() + timeout)
+
+    def op_released(self, plan: str, tid: str, timeout: float) -> dict[str, Any]:
+        """P's result for ``tid`` once it let go of the blocks."""
+        engine = self.engines[plan]
+        deadline = time.monotonic() + timeout
         while True:
             for r in engine.poll():
                 if r.transfer_id == tid:
-                    return {"t0": t0, "ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
+                    return {"ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tid}: P never released the request")
             time.sleep(0.0005)
+
+    @staticmethod
+    def _until(engine: Any, gauge: str, tid: str, what: str, deadline: float) -> None:
+        while engine.stats()[gauge] < 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tid}: {what}")
+            time.sleep(0.0002)
 
     def op_raw_push(self, tag: str, sblocks: list[int], dblocks: list[int], timeout: float) -> dict[str, Any]:
         from kvpush.outcome import XferState
@@ -239,17 +274,21 @@ class _Side:
         }
 
     # D ----------------------------------------------------------------------
-    def op_register(self, plan: str, tid: str, peer: tuple[str, int], blocks: list[int]) -> None:
+    def op_register(self, plan: str, tid: str, peer: tuple[str, int], blocks: list[int]) -> float:
+        """Register; returns when it was asked (the start of a ``finished`` transfer)."""
         from kvpush.engine import PeerAddress
 
+        t0 = time.monotonic()
         self.engines[plan].register(tid, tid, PeerAddress(peer[0], peer[1], 1), [blocks], self.shape.tokens)
+        return t0
 
     def op_wait(self, plan: str, tid: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for r in self.engines[plan].poll():
                 if r.transfer_id == tid:
-                    return {"t_done": time.monotonic(), "ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
+                    done = r.times.result or time.monotonic()
+                    return {"t_done": done, "t_sent": r.times.sent, "ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
             time.sleep(0.0002)
         raise TimeoutError(f"{tid}: D saw no result in {timeout}s")
 
@@ -342,17 +381,27 @@ class _Proc:
 # -- orchestration ------------------------------------------------------------------------
 
 
-def _one(p: _Proc, d: _Proc, plan: str, tid: str, sblocks: list[int], dblocks: list[int], addr: Any) -> dict:
-    """One measured transfer; times are seconds, ``total_s`` from P's hand-over to D's result."""
+def _one(
+    p: _Proc, d: _Proc, case: tuple[str, str], tid: str, sblocks: list[int], dblocks: list[int], addr: Any
+) -> dict:
+    """One measured transfer of ``case`` (plan, order); times are seconds, ``total_s`` from the order's
+    start (P's hand-over, D's register call, or P's KV ready) to D's result."""
+    plan, order = case
     timeout = 120.0
     if plan == "per-block":
         d.send("wait_notif", tid, timeout)
         ps = p.call("raw_push", tid, sblocks, dblocks, timeout)
         ds = d.recv()
+    elif order == "finished":
+        p.call("park", plan, tid, sblocks, timeout)
+        t0 = d.call("register", plan, tid, addr, dblocks)
+        d.send("wait", plan, tid, timeout)
+        ps = {"t0": t0, **p.call("released", plan, tid, timeout)}
+        ds = d.recv()
     else:
         d.call("register", plan, tid, addr, dblocks)
         d.send("wait", plan, tid, timeout)
-        ps = p.call("push", plan, tid, sblocks, timeout)
+        ps = p.call("push", plan, tid, sblocks, timeout, order)
         ds = d.recv()
     if not (ps["ok"] and ds["ok"]):
         raise RuntimeError(f"{tid} failed: P: {ps.get('reason')!r}, D: {ds.get('reason')!r}")
@@ -366,17 +415,20 @@ def _one(p: _Proc, d: _Proc, plan: str, tid: str, sblocks: list[int], dblocks: l
         "post_s": ps.get("post_s", 0.0),
         "complete_s": ps.get("complete_s", 0.0),
         "unpack_s": ds.get("unpack_s", 0.0),
+        # finished: D's work from its register call to the Register leaving (on the path in that order only)
+        "register_s": max(0.0, ds["t_sent"] - ps["t0"]) if order == "finished" and ds.get("t_sent") else 0.0,
         "total_s": ds["t_done"] - ps["t0"],
     }
 
 
-def _summary(pattern: str, plan: str, runs: list[dict], shape: Shape, verified: bool) -> dict[str, Any]:
+def _summary(pattern: str, case: tuple[str, str], runs: list[dict], shape: Shape, verified: bool) -> dict[str, Any]:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_s")}
     total = med["total_s"]
     blocks_layers = shape.blocks * shape.layers * 2
     return {
         "pattern": pattern,
-        "plan": plan,
+        "plan": case[0],
+        "order": case[1],
         "plan_chosen": runs[-1]["plan_chosen"],
         "bytes": runs[-1]["bytes"],
         "descriptors_before": blocks_layers,
@@ -438,9 +490,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nets = transports(args)
     load_start = os.getloadavg()
     pairs = {t: (_Proc("P", shape, args.seed, t), _Proc("D", shape, None, t)) for t in nets}
-    cases = [(t, pat, plan) for t in nets for pat in patterns for plan in args.plans]
+    kinds = [(plan, "") if plan == "per-block" else (plan, o) for plan in args.plans for o in args.orders]
+    cases = [(t, pat, kind) for t in nets for pat in patterns for kind in dict.fromkeys(kinds)]
     bar = _progress(len(cases) * (args.iters + args.warmup + 1), args.quiet)
-    runs: dict[tuple[tuple[str, ...], str, str], list[dict[str, Any]]] = {c: [] for c in cases}
+    runs: dict[tuple[tuple[str, ...], str, tuple[str, str]], list[dict[str, Any]]] = {c: [] for c in cases}
     addrs: dict[tuple[tuple[str, ...], str], Any] = {}
     try:
         for p, d in pairs.values():
@@ -455,25 +508,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     p.call("raw_peer", *d_start)
                     d.recv()
         for i in range(args.warmup + args.iters):
-            for t, pat, plan in cases:
+            for t, pat, kind in cases:
                 p, d = pairs[t]
                 sblocks, dblocks = patterns[pat]
+                name = "-".join(x for x in (*kind, pat) if x)
                 if bar is not None:
-                    bar.set_description(f"{'+'.join(t)} {plan} {pat}")
-                r = _one(p, d, plan, f"{plan}-{pat}-{i}", sblocks, dblocks, addrs[t, plan])
+                    bar.set_description(f"{'+'.join(t)} {name}")
+                r = _one(p, d, kind, f"{name}-{i}", sblocks, dblocks, addrs[t, kind[0]])
                 if i >= args.warmup:
-                    runs[t, pat, plan].append(r)
+                    runs[t, pat, kind].append(r)
                 if bar is not None:
                     bar.update(1)
         # One more, unmeasured transfer per case into a zeroed cache, then
         # compare: a plan that is fast because it moved the wrong bytes fails.
-        for t, pat, plan in cases:
+        for t, pat, kind in cases:
             p, d = pairs[t]
             sblocks, dblocks = patterns[pat]
             d.call("clear")
-            _one(p, d, plan, f"{plan}-{pat}-verify", sblocks, dblocks, addrs[t, plan])
+            name = "-".join(x for x in (*kind, pat) if x)
+            _one(p, d, kind, f"{name}-verify", sblocks, dblocks, addrs[t, kind[0]])
             if d.call("digest", dblocks) != p.call("digest", sblocks):
-                raise RuntimeError(f"{'+'.join(t)} {plan}/{pat}: D's bytes differ from P's after the transfer")
+                raise RuntimeError(f"{'+'.join(t)} {name}: D's bytes differ from P's after the transfer")
             if bar is not None:
                 bar.update(1)
         for p, d in pairs.values():
@@ -485,7 +540,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p, d in pairs.values():
             p.close()
             d.close()
-    results = [{"nixl": "+".join(t), **_summary(pat, plan, runs[t, pat, plan], shape, True)} for t, pat, plan in cases]
+    results = [{"nixl": "+".join(t), **_summary(pat, kind, runs[t, pat, kind], shape, True)} for t, pat, kind in cases]
+    order_ratios(results)
     return {
         "benchmark": "kvpush bench transfer",
         "command": " ".join(["kvpush bench transfer", *args.argv]),
@@ -521,7 +577,7 @@ def _version(dist: str) -> str:
 def table(report: dict[str, Any]) -> str:
     """The report as a fixed-width text table (medians; times in ms)."""
     head = (
-        f"{'nixl':<11}{'pattern':<11}{'plan':<10}{'chosen':<8}{'MiB':>7}{'desc before':>12}{'after':>8}"
+        f"{'nixl':<11}{'pattern':<11}{'plan':<10}{'order':<11}{'chosen':<8}{'MiB':>7}{'desc before':>12}{'after':>8}"
         f"{'prep':>8}{'pack':>8}{'post':>8}{'done':>8}{'unpack':>8}{'total':>9}{'GB/s':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -529,15 +585,33 @@ def table(report: dict[str, Any]) -> str:
         ms = {k: 1e3 * r[f"{k}_s_median"] for k in ("prep", "pack", "post", "complete", "unpack", "total")}
         lines.append(
             f"{r.get('nixl', '+'.join(report['nixl_backends'])):<11}"
-            f"{r['pattern']:<11}{r['plan']:<10}{r['plan_chosen']:<8}{r['bytes'] / 2**20:>7.0f}"
+            f"{r['pattern']:<11}{r['plan']:<10}{r.get('order', ''):<11}{r['plan_chosen']:<8}{r['bytes'] / 2**20:>7.0f}"
             f"{r['descriptors_before']:>12}{r['descriptors_after']:>8}"
             f"{ms['prep']:>8.1f}{ms['pack']:>8.1f}{ms['post']:>8.1f}{ms['complete']:>8.1f}{ms['unpack']:>8.1f}"
             f"{ms['total']:>9.1f}{r['gbps']:>7.2f}"
         )
+    for r in report["results"]:
+        if "x_ahead" in r:
+            lines.append(
+                f"{r.get('nixl', '')} {r['pattern']} {r['plan']}: D registering after P finished takes "
+                f"{r['x_ahead']:.2f}x the time of D registered ahead ({1e3 * r['total_s_median']:.2f} ms)"
+            )
     return "\n".join(lines)
 
 
+def order_ratios(results: list[dict[str, Any]]) -> None:
+    """Mark each ``finished`` case with its total over the ``ahead`` case of the same transport, pattern and plan."""
+    ahead = {
+        (r.get("nixl"), r["pattern"], r["plan"]): r["total_s_median"] for r in results if r.get("order") == "ahead"
+    }
+    for r in results:
+        key = (r.get("nixl"), r["pattern"], r["plan"])
+        if r.get("order") == "finished" and ahead.get(key):
+            r["x_ahead"] = r["total_s_median"] / ahead[key]
+
+
 PHASES = (
+    ("D registers (finished)", "register_s_median", "#cc79a7"),
     ("prep", "prep_s_median", "#8c8c8c"),
     ("pack", "pack_s_median", "#e69f00"),
     ("WRITE (post + done)", None, "#0072b2"),
@@ -555,19 +629,24 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     res = report["results"]
     patterns = list(dict.fromkeys(r["pattern"] for r in res))
-    series = list(dict.fromkeys((r.get("nixl", ""), r["plan"]) for r in res))
-    several = len({n for n, _ in series}) > 1
+    series = list(dict.fromkeys((r.get("nixl", ""), r["plan"], r.get("order", "")) for r in res))
+    several = len({n for n, _, _ in series}) > 1
+    orders = len({o for _, _, o in series if o}) > 1
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(10 + 3 * several, 5))
     seen: set[str] = set()
     for i, pat in enumerate(patterns):
-        for j, (nixl, plan) in enumerate(series):
-            r = next((x for x in res if x["pattern"] == pat and (x.get("nixl", ""), x["plan"]) == (nixl, plan)), None)
+        for j, (nixl, plan, order) in enumerate(series):
+            key = (nixl, plan, order)
+            r = next(
+                (x for x in res if x["pattern"] == pat and (x.get("nixl", ""), x["plan"], x.get("order", "")) == key),
+                None,
+            )
             if r is None:
                 continue
             x = i + (j - (len(series) - 1) / 2) * width
             m = r["median_run"]
-            parts = [m["prep_s"], m["pack_s"], m["post_s"] + m["complete_s"], m["unpack_s"]]
+            parts = [m.get("register_s", 0.0), m["prep_s"], m["pack_s"], m["post_s"] + m["complete_s"], m["unpack_s"]]
             parts.append(max(0.0, m["total_s"] - sum(parts)))
             bottom = 0.0
             for (name, _, color), v in zip(PHASES, parts, strict=True):
@@ -576,8 +655,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 bottom += 1e3 * v
             chosen = f" ({r['plan_chosen']})" if plan == "auto" else ""
             over = f"{nixl}\n" if several else ""
+            when = f"\n{order}" if orders and order else ""
             ax.annotate(
-                f"{over}{plan}{chosen}\n{r['descriptors_after']} desc\n{r['gbps']:.2f} GB/s",
+                f"{over}{plan}{chosen}{when}\n{r['descriptors_after']} desc\n{r['gbps']:.2f} GB/s",
                 (x, bottom),
                 ha="center",
                 va="bottom",
@@ -634,6 +714,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--patterns", type=_csv(PATTERNS), default=list(PATTERNS))
     ap.add_argument("--plans", type=_csv(PLANS), default=list(PLANS))
+    ap.add_argument(
+        "--orders",
+        type=_csv(ORDERS),
+        default=["registered"],
+        help="when D registers: registered (before P's prefill is handed over; P plans then), finished (after "
+        "it: a sequential router), ahead (while P computes: P plans before the KV is ready); several compare",
+    )
     ap.add_argument("--iters", type=int, default=5, help="measured transfers per case (medians reported)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured transfers per case first")
     ap.add_argument("--seed", type=int, default=0)

@@ -144,6 +144,8 @@ class Options:
     warm_ms: float = 2.0
     engine: bool = True
     engine_parts: tuple[int, ...] = (4, 1, 2, 8)
+    engine_orders: tuple[str, ...] = ("finished", "ahead")
+    engine_iters: int = 5
     busy_poll_us: float = 50.0
     lw_tokens: tuple[int, ...] = ()
     lw_iters: int = 3
@@ -504,28 +506,28 @@ class DServer:
         self.poison()
         s.warm(s.opts.warm_ms)
         before = s.copy_stats()
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         n = s.opts.tokens if tokens is None else tokens
         self.receiver.register(tid, tid, PeerAddress(address[0], address[1], 1), [dst.tolist()], n)
         if announce:
             self.conn.send(("registered",))
         res = None
-        deadline = t0 + s.opts.timeout_s
+        deadline = time.perf_counter() + s.opts.timeout_s
         while res is None and time.perf_counter() < deadline:
             for r in self.receiver.poll():
                 if r.transfer_id == tid:
                     res = r
             if res is None:
                 time.sleep(50e-6)  # a busy poll would starve the engine thread of the GIL
-        t1 = time.perf_counter()
+        t1 = time.monotonic()
         if res is None:
-            self.conn.send(("done", (t1 - t0) * 1e3, {}, False, "no result from the receiver", 0.0, {}))
+            self.conn.send(("done", (t1 - t0) * 1e3, {}, False, "no result from the receiver", 0.0, {}, t0))
             return
         copier = _stats_delta("d_copy_", before, s.copy_stats())  # before verify's own copies
         ok, detail = self.verify(src, dst) if res.ok else (False, res.reason)
         result_t = res.times.result or 0.0
         stats = {**res.stats.as_dict(), **copier}
-        self.conn.send(("done", (t1 - t0) * 1e3, stats, ok, detail, result_t, res.times.as_dict()))
+        self.conn.send(("done", (result_t - t0) * 1e3, stats, ok, detail, result_t, res.times.as_dict(), t0))
 
 
 # --------------------------------------------------------------------------- P
@@ -790,85 +792,76 @@ class PDriver:
             time.sleep(100e-6)
 
     def engine(self) -> list[dict[str, Any]]:
-        """The same request through kvpush.engine with this backend; the core picks the plan.
+        """The same request through kvpush.engine with this backend, in both orders; the core picks the plan.
 
-        ``finished``: P hands over the finished prefill, D registers; time from
-        D's registration to its result (P plans on the critical path).
-        ``ahead``: the vLLM flow when P's block ids are known at scheduling: P
-        announces the prefill, D registers, P pairs and plans before the KV
-        exists; time from "KV ready" on P (``forward_done`` with a CUDA event) to
-        D's result (unpacked). ``push_parts`` sets the pipelining.
+        ``finished``: the order behind a sequential router (P answers, then the
+        router sends D): P hands over the finished prefill and parks it, then D
+        registers; time from D's register call to D's result, so D's and P's
+        planning and every hand-off after the registration are on it.
+        ``ahead``: D registered while P computes: P announces the prefill, D
+        registers, P pairs and plans before the KV exists; time from "KV ready"
+        on P (``forward_done`` with a CUDA event) to D's result (unpacked).
+        Both orders run with each ``push_parts`` and take turns run by run.
         """
-        s, o = self.s, self.s.opts
+        o = self.s.opts
         rng = np.random.default_rng(o.seed + 1)
         out = []
-        n = 0
-        runs = [("finished", 1, p) for p in o.patterns]
-        runs += [("ahead", parts, p) for parts in o.engine_parts for p in o.patterns]
-        current = None
-        sender = None
-        for mode, parts, pattern in runs:
-            if current != parts:
-                if sender is not None:
-                    sender.close()
-                sender, current = self._sender(parts), parts
-            ms, ok_all, detail, stats = [], True, "", {}
-            timeline: list[dict[str, float]] = []
-            for it in range(min(o.iters, 5) + 1):
-                src, dst = block_ids(pattern, o, rng)
-                n += 1
-                tid = f"bench-{pattern}-{n}"
-                if mode == "finished":
-                    sender.prefill_finished(tid, tid, [src.tolist()], o.tokens, ready=s.backend.record_ready())
-                    self.conn.send(("engine", tid, sender.address, src, dst))
-                    _, t, stats, ok, det, _, _ = _recv(self.conn, o.timeout_s)
-                    marks = {}
-                else:
-                    self._announce(sender, tid, src, dst, o.tokens)
-                    s.warm(o.warm_ms)
-                    before = s.copy_stats()
-                    t0 = time.monotonic()
-                    sender.forward_done([tid], s.backend.record_ready())
-                    _, _, stats, ok, det, t_result, d_times = _recv(self.conn, o.timeout_s)
-                    t = (t_result - t0) * 1e3
-                    marks = {f"d_{k}": (v - t0) * 1e3 for k, v in d_times.items() if v >= t0}
-                    marks.update({k: v for k, v in stats.items() if k.startswith("d_copy_")})
-                    marks.update(_stats_delta("p_copy_", before, s.copy_stats()))
-                p_res = self._released(sender, tid)
-                released = p_res is not None
-                if released and mode == "ahead":
-                    p_times, p_stats = p_res.times.as_dict().items(), p_res.stats.as_dict().items()
-                    marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_times if v >= t0})
-                    marks.update({f"p_{k}_ms": v * 1e3 for k, v in p_stats if k.endswith("_s")})
-                ok_all &= ok and released
-                detail = detail or det or ("" if released else "P never released the blocks")
-                if it:
-                    ms.append(t)
-                    timeline.append(marks)
-            plan = str(stats.get("plan", "?"))
-            row = {
-                "pattern": pattern,
-                "mode": mode,
-                "parts": parts,
-                "plan": plan,
-                "ms": ms,
-                "median_ms": statistics.median(ms),
-                "verified": ok_all,
-                "detail": detail,
-                "stats": stats,
-                # ms after "KV ready" on P (ahead mode): P's stage times and stage durations, D's arrivals
-                "timeline_median": {k: statistics.median(m.get(k, 0.0) for m in timeline) for k in timeline[0]}
-                if timeline and timeline[0]
-                else {},
-            }
-            _log(
-                f"engine {mode:>8} parts={parts} {pattern:>10}: plan={plan} {row['median_ms']:.3f} ms "
-                f"verified={ok_all} {detail}"
-            )
-            out.append(row)
-        if sender is not None:
-            sender.close()
+        for parts in o.engine_parts:
+            sender = self._sender(parts)
+            try:
+                for pattern in o.patterns:
+                    runs: dict[str, list[tuple[Any, ...]]] = {m: [] for m in o.engine_orders}
+                    for it in range(o.engine_iters + 1):
+                        for mode in o.engine_orders if it % 2 else o.engine_orders[::-1]:
+                            src, dst = block_ids(pattern, o, rng)
+                            self.seq += 1
+                            one = self._engine_once(sender, mode, f"bench-{pattern}-{self.seq}", src, dst)
+                            if it:
+                                runs[mode].append(one)
+                    for mode, got in runs.items():
+                        out.append(_engine_row(pattern, mode, parts, got))
+                        r = out[-1]
+                        _log(
+                            f"engine {mode:>8} parts={parts} {pattern:>10}: plan={r['plan']} "
+                            f"{r['median_ms']:.3f} ms verified={r['verified']} {r['detail']}"
+                        )
+            finally:
+                sender.close()
         return out
+
+    def _engine_once(
+        self, sender: Any, mode: str, tid: str, src: np.ndarray, dst: np.ndarray
+    ) -> tuple[float, bool, str, dict[str, Any], dict[str, float]]:
+        """One transfer in ``mode``: (ms, verified, detail, D's stats, stage times in ms after the timed start)."""
+        s, o = self.s, self.s.opts
+        before = s.copy_stats()
+        if mode == "finished":
+            sender.prefill_finished(tid, tid, [src.tolist()], o.tokens, ready=s.backend.record_ready())
+            deadline = time.perf_counter() + o.timeout_s
+            while sender.stats()["parked_prefills"] < 1:  # handed over and parked (P's engine thread saw it)
+                if time.perf_counter() > deadline:
+                    raise TimeoutError("P never parked the prefill")
+                time.sleep(100e-6)
+            s.warm(o.warm_ms)
+            self.conn.send(("engine", tid, sender.address, src, dst))
+            _, t, stats, ok, det, _, d_times, t0 = _recv(self.conn, o.timeout_s)
+        else:
+            self._announce(sender, tid, src, dst, o.tokens)
+            s.warm(o.warm_ms)
+            t0 = time.monotonic()
+            sender.forward_done([tid], s.backend.record_ready())
+            _, _, stats, ok, det, t_result, d_times, _ = _recv(self.conn, o.timeout_s)
+            t = (t_result - t0) * 1e3
+        marks = {f"d_{k}": (v - t0) * 1e3 for k, v in d_times.items() if v >= t0}
+        marks.update({k: v for k, v in stats.items() if k.startswith("d_copy_")})
+        marks.update(_stats_delta("p_copy_", before, s.copy_stats()))
+        p_res = self._released(sender, tid)
+        if p_res is not None:
+            marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_res.times.as_dict().items() if v >= t0})
+            marks.update({f"p_{k}_ms": v * 1e3 for k, v in p_res.stats.as_dict().items() if k.endswith("_s")})
+        ok = ok and p_res is not None
+        det = det or ("" if p_res is not None else "P never released the blocks")
+        return t, ok, det, stats, marks
 
     def layerwise(self) -> list[dict[str, Any]]:
         """Time-to-KV-on-D after a simulated prefill: no transfer, whole-request push, layer-wise push.
@@ -986,7 +979,7 @@ class PDriver:
                 row.update(sampler.window(t0, t_fwd))
             if not pushing:
                 return row, True, ""
-            _, _, stats, ok, det, t_result, d_times = _recv(self.conn, o.timeout_s)
+            _, _, stats, ok, det, t_result, d_times, _ = _recv(self.conn, o.timeout_s)
             row["overhead_ms"] = (t_result - t_fwd) * 1e3
             row["kv_on_d_ms"] = (t_result - t0) * 1e3
             row["parts"] = float(stats.get("parts", 0))
@@ -1185,6 +1178,28 @@ class _SideCopies:
         return time.monotonic()
 
 
+def _engine_row(pattern: str, mode: str, parts: int, runs: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """One (pattern, order, push_parts) row from its runs ``(ms, ok, detail, D's stats, stage marks)``."""
+    ms = [r[0] for r in runs]
+    marks = [r[4] for r in runs]
+    keys = dict.fromkeys(k for m in marks for k in m)
+    stats = runs[-1][3] if runs else {}
+    return {
+        "pattern": pattern,
+        "mode": mode,
+        "parts": parts,
+        "plan": str(stats.get("plan", "?")),
+        "ms": ms,
+        "median_ms": statistics.median(ms) if ms else float("nan"),
+        "verified": all(r[1] for r in runs),
+        "detail": next((r[2] for r in runs if r[2]), ""),
+        "stats": stats,
+        # ms after the timed start (finished: D's register call; ahead: P's KV ready): P's and D's stage
+        # times and P's stage durations
+        "timeline_median": {k: statistics.median(m[k] for m in marks if k in m) for k in keys},
+    }
+
+
 def _prepared(strategy: str) -> bool:
     """Whether a strategy prepares ahead: NIXL lists once per peer, piece tables while planning."""
     return strategy.startswith("pipelined") or "prepped" in strategy
@@ -1208,8 +1223,12 @@ def _log(msg: str) -> None:
 
 
 def _env(side: Side) -> dict[str, Any]:
+    import kvpush
+
     torch = side.torch
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    # which kvpush ran (a run comparing two trees points PYTHONPATH at each in turn)
+    env["kvpush"] = {"path": os.path.dirname(kvpush.__file__), "protocol": kvpush.PROTOCOL_VERSION}
     try:
         from importlib.metadata import version
 
@@ -1296,6 +1315,10 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
         e["x_peer_copy"] = e["median_ms"] / peer
         label = f"eng:{e.get('mode', 'finished')}/{e.get('parts', 1)}:{e['plan']}"
         rows.append((e["pattern"], label, int(e["stats"].get("descriptors", 0)), e["median_ms"], e["verified"]))
+    ahead = {(e["pattern"], e["parts"]): e["median_ms"] for e in res["engine"] if e.get("mode") == "ahead"}
+    for e in res["engine"]:
+        if e.get("mode") == "finished" and (e["pattern"], e["parts"]) in ahead:
+            e["x_ahead"] = e["median_ms"] / ahead[(e["pattern"], e["parts"])]
     plan = {(c["pattern"], c["strategy"]): c["breakdown"].get("plan_ms", 0.0) for c in res["cases"]}
     head = f"{'pattern':>12} {'strategy':>16} {'descs':>8} {'median ms':>10} {'GB/s':>8} {'x peer':>7}"
     lines = [f"{head} {'plan ms':>8} {'x peer w/o plan':>15} ok"]
@@ -1305,6 +1328,12 @@ def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
             f"{pat:>12} {strat:>16} {nd:>8} {ms:>10.3f} {gb / (ms / 1e3):>8.1f} {ms / peer:>7.2f} "
             f"{p:>8.3f} {(ms - p) / peer:>15.2f} {ok}"
         )
+    for e in res["engine"]:
+        if "x_ahead" in e:
+            lines.append(
+                f"{e['pattern']:>12} finished/ahead, {e['parts']} parts: {e['median_ms']:.3f} / "
+                f"{ahead[(e['pattern'], e['parts'])]:.3f} ms = {e['x_ahead']:.2f}x"
+            )
     lw = res.get("layerwise") or []
     if lw:
         # +ms: D's result after the end of the run's own forward (the transfer's tail); /whole: that tail
@@ -1434,7 +1463,13 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--write-descs", default=",".join(map(str, d.write_descs)))
     ap.add_argument("--warm-ms", type=float, default=d.warm_ms)
     ap.add_argument("--no-engine", action="store_true")
-    ap.add_argument("--engine-parts", default=",".join(map(str, d.engine_parts)), help="push_parts values (ahead)")
+    ap.add_argument("--engine-parts", default=",".join(map(str, d.engine_parts)), help="push_parts values")
+    ap.add_argument(
+        "--engine-orders",
+        default=",".join(d.engine_orders),
+        help="finished (D registers after P's prefill: a sequential router), ahead (D registered while P computes)",
+    )
+    ap.add_argument("--engine-iters", type=int, default=d.engine_iters, help="measured runs per engine row")
     ap.add_argument("--busy-poll-us", type=float, default=d.busy_poll_us, help="engines' busy_poll_max_s, in us")
     ap.add_argument("--lw-tokens", default="", help="layer-wise microbenchmark prompt lengths, e.g. 2048,16384")
     ap.add_argument("--lw-iters", type=int, default=d.lw_iters)
@@ -1462,6 +1497,9 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     unknown = sorted(m for m in lw_modes if not _known_mode(m))
     if unknown or "none" not in lw_modes:
         ap.error(f"--lw-modes: unknown {unknown}, or no 'none' (the others are measured against it)")
+    orders = tuple(x for x in a.engine_orders.split(",") if x)
+    if not orders or set(orders) - {"finished", "ahead"}:
+        ap.error(f"--engine-orders: choose from finished, ahead (got {a.engine_orders!r})")
     opts = Options(
         tokens=1024 if a.quick else a.tokens,
         layers=4 if a.quick else a.layers,
@@ -1482,6 +1520,8 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
         warm_ms=a.warm_ms,
         engine=not a.no_engine,
         engine_parts=tuple(int(x) for x in a.engine_parts.split(",") if x),
+        engine_orders=orders,
+        engine_iters=1 if a.quick else a.engine_iters,
         busy_poll_us=a.busy_poll_us,
         lw_tokens=tuple(int(x) for x in a.lw_tokens.split(",") if x),
         lw_iters=a.lw_iters,
@@ -1495,7 +1535,10 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
 
 def main(argv: list[str] | None = None) -> int:
     opts, a = parse(argv)
+    import kvpush
+
     _log(f"options: {opts}")
+    _log(f"kvpush from {os.path.dirname(kvpush.__file__)}, protocol v{kvpush.PROTOCOL_VERSION}")
     ctx = mp.get_context("spawn")
     p_conn, d_conn = ctx.Pipe()
     results = ctx.Queue()

@@ -1,0 +1,154 @@
+"""P's pack list built ahead, when the prefill is handed over, through real NIXL agents in two processes.
+
+A staged payload follows P's in-block order (``kvpush/payload.py``), so P
+builds its pack list from its own block ids as soon as a prefill is handed
+over; a registration that arrives afterwards (what a sequential router always
+does) takes that list instead of mapping the request again. The list fits only
+a registration of exactly what was built (the whole prompt, all of P's heads):
+a D with a prefix hit, fewer tokens, or only some of P's heads gets its list
+at pairing. Every case checks D's whole cache against the conformance
+reference, byte by byte, so a list used where it does not fit shows as wrong
+bytes, and P's counters say which list the plan took.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from procs import Geom, Node, make_cache
+from test_push_nixl import _cfg, _key, assert_idle, assert_same, by_rid, engines
+
+from kvpush.conformance.model import Req, apply_push
+
+
+def _staged(**kw: object) -> dict[str, object]:
+    return _cfg(plan="staged", **kw)
+
+
+def _check(p: Node, d: Node, pkey: str, dkey: str, dg: Geom, pg: Geom, reqs: list[Req]) -> None:
+    """Every transfer ok on both sides, D's cache as the reference says, both sides idle."""
+    d_res = by_rid(d.call("results", dkey, len(reqs), 20.0))
+    p_res = by_rid(p.call("results", pkey, len(reqs), 10.0))
+    assert sorted(d_res) == sorted(r.d_rid for r in reqs), d_res
+    assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
+    src = p.call("snapshot", pkey)
+    exp = make_cache(dg, None)
+    for r in reqs:
+        apply_push(exp, dg, src, pg, r)
+    assert_same(d.call("snapshot", dkey), exp, dg)
+    assert_idle(p, pkey)
+    assert_idle(d, dkey)
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_registration_after_the_prefill_takes_the_list_built_at_hand_over(nodes: tuple[Node, Node], order: str) -> None:
+    """The sequential router's order: P's prefills finish and are parked, their pack lists built then;
+    D registers afterwards and every staged plan takes the list P already had."""
+    p, d = nodes
+    pg = Geom(num_blocks=128, order=order)
+    dg = Geom(num_blocks=128, block_size=32, order="NHD" if order == "HND" else "HND")
+    k = _key("ahead")
+    rng = np.random.default_rng(17)
+    reqs = [
+        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(128)[:8].tolist(), [4 * i + j for j in range(4)], n)
+        for i, n in enumerate((128, 100, 37, 1))
+    ]
+    with (
+        engines(p, "sender", [(k + "p", pg, _staged(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1), "D" + k)]),
+    ):
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        # Built when handed over, before any D rank said a word about these transfers.
+        assert p.call("wait_stat", k + "p", "packs_ahead_total", len(reqs), 10.0)
+        st = p.call("stats", k + "p")
+        assert st["parked_prefills"] == len(reqs) and st.get("registrations_total", 0) == 0, st
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        _check(p, d, k + "p", k + "d", dg, pg, reqs)
+        st = p.call("stats", k + "p")
+        assert st.get("plan_staged_total") == len(reqs), st
+        assert st.get("packs_ahead_used_total") == len(reqs), st
+
+
+def test_registration_that_differs_from_the_list_gets_its_own(nodes: tuple[Node, Node]) -> None:
+    """D asks for other tokens than the prefill's whole prompt (a prefix hit on D, fewer tokens): the list
+    built ahead does not fit and the plan builds the right one; the whole-prompt request beside them uses it."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=128), Geom(num_blocks=128, block_size=32, order="HND")
+    k = _key("differs")
+    whole = Req(f"{k}-w", f"{k}-pw", f"{k}-dw", [9, 3, 40, 41, 7, 100, 2, 60], [0, 1, 2, 3], 120)
+    prefix = Req(f"{k}-x", f"{k}-px", f"{k}-dx", [11, 12, 50, 51, 90, 91, 92, 20], [10, 4, 11, 5], 120, 48)
+    shorter = Req(f"{k}-s", f"{k}-ps", f"{k}-ds", [30, 31, 32, 33, 34, 35, 36, 37], [20, 21, 22], 70)
+    reqs = [whole, prefix, shorter]
+    with (
+        engines(p, "sender", [(k + "p", pg, _staged(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1), "D" + k)]),
+    ):
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, 120)  # P computed the whole prompt
+        assert p.call("wait_stat", k + "p", "packs_ahead_total", len(reqs), 10.0)
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        _check(p, d, k + "p", k + "d", dg, pg, reqs)
+        st = p.call("stats", k + "p")
+        assert st.get("plan_staged_total") == len(reqs), st
+        assert st.get("packs_ahead_used_total") == 1, st  # only the whole-prompt one fits
+
+
+def test_d_rank_holding_some_of_ps_heads_gets_its_own_list(nodes: tuple[Node, Node]) -> None:
+    """P tp=1 into D tp=2: each D rank wants half of P's heads, so neither takes the list P built for all
+    of them; both get the right bytes, and a later re-issued prefill's list replaces the old one."""
+    p, d = nodes
+    pg = Geom(num_blocks=64, order="HND")
+    dgs = [Geom(num_blocks=64, tp_rank=r, tp_size=2) for r in range(2)]
+    k = _key("heads")
+    r = Req(f"{k}-t", f"{k}-p", f"{k}-d", [5, 9, 1, 30, 31, 2, 40, 8], [7, 3, 12, 13, 0, 60, 61, 62], 117)
+    with (
+        engines(p, "sender", [(k + "p", pg, _staged(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(f"{k}d{i}", dgs[i], _staged(staged_min_descriptors=1), "D" + k) for i in range(2)]),
+    ):
+        p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        assert p.call("wait_stat", k + "p", "packs_ahead_total", 1, 10.0)
+        for i in range(2):
+            d.call("register", f"{k}d{i}", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        src = p.call("snapshot", k + "p")
+        for i in range(2):
+            [res] = d.call("results", f"{k}d{i}", 1, 20.0)
+            assert res.ok, res
+            exp = make_cache(dgs[i], None)
+            apply_push(exp, dgs[i], src, pg, r)
+            assert_same(d.call("snapshot", f"{k}d{i}"), exp, dgs[i])
+        [pr] = p.call("results", k + "p", 1, 10.0)
+        assert pr.ok, pr
+        st = p.call("stats", k + "p")
+        assert st.get("plan_staged_total") == 2 and st.get("packs_ahead_used_total", 0) == 0, st
+        assert_idle(p, k + "p")
+
+
+def test_reissued_prefill_pushes_from_its_own_blocks(nodes: tuple[Node, Node]) -> None:
+    """P re-ran a prefill under a new request id into other blocks before D registered: the push that
+    follows packs the re-run's blocks (the list built for the first run went with it)."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=64, order="HND")
+    k = _key("reissue")
+    first = Req(f"{k}-t", f"{k}-r1", f"{k}-d", [1, 2, 3, 4], [10, 20, 30, 40], 60)
+    again = Req(f"{k}-t", f"{k}-r2", f"{k}-d", [50, 51, 52, 53], [10, 20, 30, 40], 60)
+    with (
+        engines(p, "sender", [(k + "p", pg, _staged(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1), "D" + k)]),
+    ):
+        p.call("prefill", k + "p", first.tid, first.p_rid, first.p_blocks, first.n)
+        p.call("prefill", k + "p", again.tid, again.p_rid, again.p_blocks, again.n)
+        assert p.call("wait_stat", k + "p", "packs_ahead_total", 2, 10.0)
+        d.call("register", k + "d", again.tid, again.d_rid, (addr[0], addr[1], 1), again.d_blocks, again.n, 0)
+        [dr] = d.call("results", k + "d", 1, 10.0)
+        assert dr.ok, dr
+        pr = by_rid(p.call("results", k + "p", 2, 10.0))
+        assert not pr[first.p_rid].ok and pr[again.p_rid].ok, pr
+        src = p.call("snapshot", k + "p")
+        exp = make_cache(dg, None)
+        apply_push(exp, dg, src, pg, again)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        assert p.call("stats", k + "p").get("packs_ahead_used_total") == 1
+        assert_idle(p, k + "p")
