@@ -255,7 +255,7 @@ class PushRunner:
         rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack)
         s.bump(Count.PACKS_AHEAD)
         try:
-            s.backend.prepare_pack(s.region_bases, pack)
+            s.copy.prepare_pack(s.region_bases, pack)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", s.name)
 
