@@ -44,9 +44,7 @@ class BackendTraits:
 
 
 UCX = BackendTraits(descriptor_cost_us=7.0)
-LIBFABRIC = BackendTraits(
-    descriptor_cost_us=11.0, drain_calls=32, peer_errors_isolated=False, reloads_live_peer=False
-)
+LIBFABRIC = BackendTraits(descriptor_cost_us=11.0, drain_calls=32, peer_errors_isolated=False, reloads_live_peer=False)
 TRAITS: dict[str, BackendTraits] = {"UCX": UCX, "LIBFABRIC": LIBFABRIC}
 
 
