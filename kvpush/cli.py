@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvpush.integrations.router", "run the P/D router in front of vLLM servers"),
     "demo": ("kvpush_tools.demo.run", "run the end-to-end demo"),
     "doctor": ("kvpush.doctor", "check this host: NIXL plugins, devices, backends"),
+    "keys": ("kvpush.keys", "make the side channel's key set (P's pair, allowed D keys)"),
     "timeline": ("kvpush.timeline", "render a transfer timeline"),
 }
 BENCH: dict[str, tuple[str, str]] = {
@@ -31,6 +32,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "serve": ("kvpush_tools.bench.serve", "TTFT/TPOT of kvpush vs vLLM's NIXL connectors under Poisson load"),
     "plot": ("kvpush_tools.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
     "idle": ("kvpush_tools.bench.idle", "CPU used by an idle P/D pair, per connector"),
+    "auth": ("kvpush_tools.bench.auth", "side-channel round trips with and without CURVE authentication"),
     "pairing": ("kvpush_tools.bench.pairing", "P's planning between D's registration and its first pack, per tree"),
     "layerwise": (
         "kvpush_tools.bench.layerwise",

@@ -127,6 +127,36 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     every layer on its own (streaming). Measurements: docs/cuda.md, "Engine defaults"."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
+    peer_bytes_per_s: Pos = float(64 << 20)
+    """Side-channel bytes one peer (one D key on P) may make this side read per second; frames over it
+    are dropped unread and logged. Far above any real peer (a registration is a few KB)."""
+    peer_messages_per_s: Pos = 20_000.0
+    """Side-channel messages one peer may make this side read per second (as ``peer_bytes_per_s``)."""
+    peer_max_registrations: Annotated[int, msgspec.Meta(ge=1)] = 16_384
+    """Open registrations one D rank may have on a P rank at once; more are refused (cause ``over_limit``)."""
+    peer_max_block_ids: Annotated[int, msgspec.Meta(ge=1)] = 1 << 21
+    """Block ids one D rank's open registrations may hold on a P rank (also at most twice that D rank's
+    whole cache, as it declared at hello); more are refused."""
+    peer_registrations_per_s: Pos = 2_000.0
+    """Registrations per second one D rank may make (a burst of as many); more are refused."""
+    max_tombstones: Annotated[int, msgspec.Meta(ge=0)] = 65_536
+    """Transfers aborted before their prefill that P remembers (so the prefill is released at once); the
+    oldest is forgotten first (then that prefill waits for its lease)."""
+    peer_max_tombstones: Annotated[int, msgspec.Meta(ge=0)] = 4_096
+    """Of those, how many one D rank's aborts of transfers no D registered may leave; its further such
+    aborts are ignored (logged, counted)."""
+    peer_max_ranks: Annotated[int, msgspec.Meta(ge=1)] = 256
+    """D ranks (engine id, rank) one D key may be known as on a P rank at once; a hello under a further
+    name is refused. The per-D-rank limits above then bound what one key can make P hold. With one D key
+    shared by the whole D fleet, at least the number of D ranks that use one P rank. Not applied with
+    ``"auth": "none"`` (every peer is then the same nobody)."""
+    auth: Literal["curve", "none"] = "curve"
+    """Side channel authentication: "curve" (ZeroMQ CURVE keys: P accepts only D keys it allows, D talks only
+    to a P holding the key it trusts) or "none" (anyone who reaches the port gets NIXL access to the KV cache;
+    logged as a warning at start). See docs/security.md."""
+    auth_keys_dir: str = ""
+    """Key set directory (``kvpush keys DIR`` makes one); empty: ``$KVPUSH_AUTH_KEYS_DIR``, else the
+    ``KVPUSH_AUTH_*`` key variables. Missing keys with ``auth`` on are a start-up error naming what is missing."""
     proxy_ip: str = ""
     """Router service discovery (vLLM's name): announce this instance to ``proxy_ip:proxy_ping_port``
     (vllm-router ``--vllm-discovery-address``) so the router sends P and D their requests at once;

@@ -43,6 +43,7 @@ class Cause(enum.StrEnum):
     POST_ERROR = "post_error"  # planning, packing or posting failed on P
     BAD_REGISTRATION = "bad_registration"  # block ids, groups, staging or token counts that cannot be right
     SIDE_CHANNEL = "side_channel"  # a control message could not be sent
+    OVER_LIMIT = "over_limit"  # a per-peer limit on P (open registrations, block ids, registration rate)
     OTHER = "other"  # anything else (a malformed part, an unpack error, a bug)
 
 

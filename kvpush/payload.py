@@ -59,6 +59,62 @@ def unpack_pieces(
     return side_pieces(dst, payload_order(src), dst_blocks, num_tokens, start_token, heads_overlap(src, dst), "D")
 
 
+def check_unpack(
+    src: KVLayout, dst: KVLayout, dst_blocks: np.ndarray | list[int], num_tokens: int, start_token: int
+) -> None:
+    """Raise the ``LayoutError`` ``unpack_pieces`` would, without building the list.
+
+    D checks its registration with this before sending it and builds its
+    unpack list after the send, while P pairs, plans and packs.
+    """
+    check_compatible(src, dst)
+    if (src.order == TokenOrder.BLOCK) != (dst.order == TokenOrder.BLOCK):
+        raise LayoutError(f"opaque (BLOCK) layouts exchange with opaque layouts only: P is {src.order}, D {dst.order}")
+    check_side(dst, payload_order(src), dst_blocks, num_tokens, start_token, heads_overlap(src, dst), "D")
+
+
+def check_side(
+    layout: KVLayout,
+    order: PayloadOrder,
+    blocks: np.ndarray | list[int],
+    num_tokens: int,
+    start_token: int,
+    heads: tuple[int, int],
+    side: str,
+) -> tuple[np.ndarray, int]:
+    """Validate one side's part of a payload; returns its block ids as an array and how many are needed."""
+    lo, hi = heads
+    if not layout.head_start <= lo < hi <= layout.head_end:
+        raise LayoutError(f"{side} holds heads [{layout.head_start}, {layout.head_end}), not all of [{lo}, {hi})")
+    if not 0 <= start_token <= num_tokens:
+        raise LayoutError(f"start_token {start_token} outside [0, {num_tokens}]")
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    need = -(-num_tokens // layout.block_size)
+    if ids.size < need:
+        raise LayoutError(f"{side} has {ids.size} block ids, {need} needed for the tokens pushed")
+    if need and (ids[:need].min() < 0 or ids[:need].max() >= layout.num_blocks):
+        raise LayoutError(f"{side} block id out of range [0, {layout.num_blocks})")
+    if start_token < num_tokens and (order is PayloadOrder.BLOCK) != (layout.order == TokenOrder.BLOCK):
+        raise LayoutError(f"a {order} payload does not fit {side}'s {layout.order} layout")
+    return ids, need
+
+
+def block_runs(layout: KVLayout, blocks: np.ndarray | list[int], num_tokens: int, start_token: int) -> int:
+    """Runs of consecutive ids among the blocks holding tokens ``[start_token, num_tokens)``.
+
+    A lower bound on the pieces per region of any list moving those tokens
+    on this side (a piece is contiguous, and bytes of blocks in different
+    runs never are), so a cost decision that holds for it holds for the
+    real list, which need not be built to decide.
+    """
+    bs = layout.block_size
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)[start_token // bs : -(-num_tokens // bs)]
+    if ids.size <= 1:
+        return int(ids.size)
+    ids = np.sort(ids)
+    return 1 + int(np.count_nonzero(np.diff(ids) > 1))
+
+
 def side_pieces(
     layout: KVLayout,
     order: PayloadOrder,
@@ -74,22 +130,11 @@ def side_pieces(
     pieces); the lengths add up to one region's share of the payload.
     ``side`` ("P" or "D") only names the side in errors.
     """
-    lo, hi = heads
-    if not layout.head_start <= lo < hi <= layout.head_end:
-        raise LayoutError(f"{side} holds heads [{layout.head_start}, {layout.head_end}), not all of [{lo}, {hi})")
-    if not 0 <= start_token <= num_tokens:
-        raise LayoutError(f"start_token {start_token} outside [0, {num_tokens}]")
-    bs = layout.block_size
-    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
-    need = -(-num_tokens // bs)
-    if ids.size < need:
-        raise LayoutError(f"{side} has {ids.size} block ids, {need} needed for the tokens pushed")
-    if need and (ids[:need].min() < 0 or ids[:need].max() >= layout.num_blocks):
-        raise LayoutError(f"{side} block id out of range [0, {layout.num_blocks})")
+    ids, need = check_side(layout, order, blocks, num_tokens, start_token, heads, side)
     if start_token == num_tokens:
         return np.zeros((0, 2), dtype=np.int64)
-    if (order is PayloadOrder.BLOCK) != (layout.order == TokenOrder.BLOCK):
-        raise LayoutError(f"a {order} payload does not fit {side}'s {layout.order} layout")
+    lo, hi = heads
+    bs = layout.block_size
     blk = np.arange(start_token // bs, need, dtype=np.int64)
     base = ids[blk] * layout.block_stride
     if order is PayloadOrder.BLOCK:

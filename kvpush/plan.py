@@ -24,7 +24,7 @@ import numpy as np
 from kvpush.config import Config
 from kvpush.layout import KVLayout, coalesce, descriptors, heads_overlap, map_pieces, merge_descriptors
 from kvpush.outcome import PlanKind
-from kvpush.payload import pack_pieces
+from kvpush.payload import block_runs, pack_pieces
 from kvpush.payload import unpack_pieces as unpack_pieces
 
 
@@ -103,12 +103,29 @@ def build_plan(
     payload, ``staging_remote`` (address, length, device) of D's granted slot;
     without both the plan is direct. ``pack``: P's pack list for exactly this
     request's tokens and shared heads, built ahead (``payload.pack_pieces``).
+
+    With a pack list given, the cost model first compares staging with a
+    lower bound of the direct plan's descriptors (``payload.block_runs``):
+    when staging wins even against that, the direct plan (sorting and
+    coalescing every piece) is never built, and ``estimate.direct_s`` is that
+    bound's. This is the path of a registration arriving after the prefill.
     """
+    src_blocks = np.asarray(src_blocks, dtype=np.int64)  # once: each helper below would convert a list again
+    dst_blocks = np.asarray(dst_blocks, dtype=np.int64)
     pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     nregions = len(src.regions)
     npieces = pieces.shape[0] * nregions
     if pieces.shape[0] == 0:
         return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+    if pack is not None and staging_local is not None and staging_remote is not None:
+        # D's runs first (most often the fragmented side); P's only when D's do not decide.
+        runs = block_runs(dst, dst_blocks, num_tokens, start_token)
+        early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
+        if early is None and cfg.plan == "auto":
+            runs = max(runs, block_runs(src, src_blocks, num_tokens, start_token))
+            early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
+        if early is not None:
+            return early
     merged = coalesce(_dst_order(pieces))
     nbytes = int(merged[:, 2].sum()) * nregions
     can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
@@ -124,6 +141,30 @@ def build_plan(
         remote = (staging_remote[0], staging_remote[2])
         return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est)
     return Plan(PlanKind.DIRECT, nbytes, npieces, ndesc, nregions, merged, estimate=est)
+
+
+def _staged_early(
+    cfg: Config,
+    pieces: np.ndarray,
+    nregions: int,
+    runs: int,
+    pack: np.ndarray,
+    staging_local: tuple[int, int],
+    staging_remote: tuple[int, int, int],
+    pack_bw: float,
+) -> Plan | None:
+    """The staged plan if staging wins even against direct's fewest possible descriptors (``runs`` per
+    region), so that the direct plan need not be built; None when only the real count can decide."""
+    nbytes = int(pieces[:, 2].sum()) * nregions
+    if staging_remote[1] < nbytes:
+        return None
+    est = estimate(cfg, runs * nregions, nbytes, pack.shape[0] * nregions, pack_bw)
+    if cfg.plan != "staged" and not (cfg.plan == "auto" and est.staged_s < est.direct_s):
+        return None
+    remote = (staging_remote[0], staging_remote[2])
+    empty = np.zeros((0, 3), dtype=np.int64)
+    npieces = pieces.shape[0] * nregions
+    return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, empty, pack, staging_local, remote, est)
 
 
 def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
@@ -242,6 +283,24 @@ def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:
     total = sum(weights)
     cuts = [r0 + round(n * sum(weights[:i]) / total) for i in range(k + 1)]
     return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def staging_decided(
+    cfg: Config, dst: KVLayout, dst_blocks: np.ndarray | list[int], num_tokens: int, start_token: int
+) -> bool | None:
+    """D's side of the choice where it can be made without D's unpack list, else None (``wants_staging``).
+
+    D's unpack list has at least ``block_runs`` pieces per region, so when
+    that bound already asks for a slot, D grants one, sends its Register and
+    builds the list afterwards, while P pairs, plans and packs.
+    """
+    if cfg.plan == "direct" or cfg.staging_bytes == 0:
+        return False
+    if cfg.plan == "staged":
+        return True
+    if block_runs(dst, dst_blocks, num_tokens, start_token) * len(dst.regions) >= cfg.staged_min_descriptors:
+        return True
+    return None
 
 
 def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndarray) -> bool:

@@ -256,14 +256,63 @@ def decode(data: bytes | memoryview, expected: type | tuple[type, ...] | None = 
     return msg
 
 
-def _peek_version(data: bytes | memoryview) -> int | None:
+class _RegisterHead(msgspec.Struct, frozen=True, tag_field="type", tag="register"):
+    """A registration's block ids left undecoded; every other field is skipped without being built."""
+
+    block_ids: msgspec.Raw
+
+
+class _HeadFrame(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    msg: _RegisterHead
+
+
+_head_decoder = msgspec.msgpack.Decoder(_HeadFrame)
+_groups_decoder = msgspec.msgpack.Decoder(tuple[msgspec.Raw, ...])
+_version_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def block_id_counts(data: bytes | memoryview) -> tuple[int, ...] | None:
+    """How many block ids each group of a registration frame lists, read from the array headers without
+    decoding the ids (None: not a registration, or not readable that way; ``decode`` then says why).
+    More groups than ``MAX_GROUPS``: only the first ``MAX_GROUPS + 1`` counts (the frame is refused anyway).
+
+    A decoded block id is a Python int: a frame of a few MB of them is hundreds of MB of objects, so a
+    receiver checks the counts against what the peer can hold before it decodes the frame.
+    """
     try:
-        raw = msgspec.msgpack.decode(data)
-    except Exception:
+        raw = _head_decoder.decode(data).msg.block_ids
+        outer = _array_length(memoryview(raw)[:5].tobytes())
+        if outer > MAX_GROUPS:
+            return (0,) * (MAX_GROUPS + 1)
+        groups = _groups_decoder.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return None
-    if isinstance(raw, list) and raw and isinstance(raw[0], int):
-        return raw[0]
-    return None
+    return tuple(_array_length(memoryview(g)[:5].tobytes()) for g in groups)
+
+
+def _array_length(head: bytes) -> int:
+    """The length in a msgpack array header (-1 if it is not an array)."""
+    if not head:
+        return -1
+    b = head[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(head) >= 3:
+        return int.from_bytes(head[1:3], "big")
+    if b == 0xDD and len(head) >= 5:
+        return int.from_bytes(head[1:5], "big")
+    return -1
+
+
+def _peek_version(data: bytes | memoryview) -> int | None:
+    """The version of a frame that failed to decode, read without building its message (a generic decode
+    of a malformed frame of the largest size would be hundreds of MB of objects)."""
+    try:
+        version, _ = _version_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    return version
 
 
 def _check_layout(msg: Hello | HelloReply) -> None:

@@ -33,6 +33,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvpush.limits import Holdings, PeerLimits
 from kvpush.outcome import Cause, Failed, PrefillState, Stage
 from kvpush.protocol import Register
 from kvpush.push_job import DKey
@@ -128,11 +129,27 @@ class _Entry:
     reg_deadline: float = float("inf")
     lease_deadline: float = float("inf")
     record: Transfer = field(default_factory=Transfer)
+    owner: str | None = None  # the D key whose registration came first: only it may register again or abort
     acked: dict[DKey, PrefillState] = field(default_factory=dict)  # the state each registration was last told
 
 
 def _key(reg: Register) -> DKey:
     return (reg.engine_id, reg.rank)
+
+
+def block_count(reg: Register) -> int:
+    """Block ids a registration holds (all groups)."""
+    return sum(len(g) for g in reg.block_ids)
+
+
+def _holding(e: _Entry) -> dict[DKey, tuple[int, int]]:
+    """(registrations, block ids) each D rank holds in this entry."""
+    out: dict[DKey, tuple[int, int]] = {}
+    for regs in (e.regs, e.held):
+        for k, r in regs.items():
+            n, ids = out.get(k, (0, 0))
+            out[k] = (n + 1, ids + block_count(r))
+    return out
 
 
 class Rendezvous:
@@ -144,14 +161,20 @@ class Rendezvous:
     ``on_pushed``.
     """
 
-    def __init__(self, prefill_lease_s: float = 60.0) -> None:
+    def __init__(self, prefill_lease_s: float = 60.0, limits: PeerLimits | None = None) -> None:
         self.prefill_lease_s = prefill_lease_s
+        self.limits = limits or PeerLimits()
+        self.holdings = Holdings(self.limits)
+        """What each D rank holds in the entries (registrations and their block ids), kept equal to
+        the entries by every event (``_settle_holdings``)."""
         self._entries: dict[str, _Entry] = {}
         self._pushing: dict[str, _Entry] = {}  # entries with a push in flight (iterated every engine step)
         # Transfers aborted before P's prefill finished, until when to remember
-        # them: a prefill finishing later is released at once instead of
-        # holding its blocks for a whole lease.
-        self._tombstones: dict[str, float] = {}
+        # them (and the D rank whose abort left each, for its limit): a prefill
+        # finishing later is released at once instead of holding its blocks for
+        # a whole lease.
+        self._tombstones: dict[str, tuple[float, DKey | None]] = {}
+        self._tombs_of: dict[DKey, int] = {}
         # What P's scheduler said of prefills not finished yet: (state, prompt tokens ahead of it).
         self._queue: dict[str, tuple[PrefillState, int]] = {}
 
@@ -177,12 +200,39 @@ class Rendezvous:
                 out.append(self._push(prefill.transfer_id, e, k, reg))
         return out
 
-    def on_register(self, reg: Register, now: float, expected: int = 1) -> list[Decision]:
-        """D rank registered its blocks; ``expected`` is how many D ranks this P rank writes to."""
-        e = self._entries.setdefault(reg.transfer_id, _Entry())
-        if e.aborted:
+    def on_register(
+        self, reg: Register, now: float, expected: int = 1, owner: str = "", cap: int | None = None
+    ) -> list[Decision]:
+        """D rank registered its blocks; ``expected`` is how many D ranks this P rank writes to.
+
+        ``owner`` is the key the D proved (kvpush.transport.auth; "" without auth): a transfer belongs to
+        the key whose registration came first, and a registration from another key is refused, so no
+        peer can take a transfer (and its KV) from the D it was meant for. ``cap`` bounds the block ids
+        this D rank may hold in all its open registrations (what its own cache can hold); the
+        ``PeerLimits`` bound them too, with the registrations and their rate.
+        """
+        e = self._entries.get(reg.transfer_id)
+        if e is not None and e.owner is not None and e.owner != owner:
+            return [Refuse(reg, "the transfer is registered by another D (a different key)", Cause.REFUSED)]
+        if e is not None and e.aborted:
             # Aborted while a write was in flight; the entry lives on only until it lands.
             return [Refuse(reg, "transfer was aborted", Cause.ABORTED)]
+        k = _key(reg)
+        replaced = None if e is None else (e.held.get(k) if k in e.in_flight else e.regs.get(k))
+        why = self.holdings.admit(
+            k, block_count(reg), now, cap, block_count(replaced) if replaced is not None else None
+        )
+        if why:
+            return [Refuse(reg, why, Cause.OVER_LIMIT)]
+        before = self._holding_of(reg.transfer_id)
+        out = self._on_register(reg, now, expected, owner)
+        self._settle_holdings(reg.transfer_id, before)
+        return out
+
+    def _on_register(self, reg: Register, now: float, expected: int, owner: str) -> list[Decision]:
+        e = self._entries.setdefault(reg.transfer_id, _Entry())
+        if e.owner is None:
+            e.owner = owner
         e.expected = expected
         k = _key(reg)
         old = e.regs.get(k)
@@ -236,6 +286,12 @@ class Rendezvous:
 
     def on_pushed(self, transfer_id: str, engine_id: str, rank: int) -> list[Decision]:
         """A WRITE (plus notification) to that D rank finished, successfully or not."""
+        before = self._holding_of(transfer_id)
+        out = self._on_pushed(transfer_id, engine_id, rank)
+        self._settle_holdings(transfer_id, before)
+        return out
+
+    def _on_pushed(self, transfer_id: str, engine_id: str, rank: int) -> list[Decision]:
         e = self._entries.get(transfer_id)
         if e is None:
             return []
@@ -259,13 +315,70 @@ class Rendezvous:
         return self.on_pushed(transfer_id, *key)
 
     def on_abort(
-        self, transfer_id: str, now: float, reason: str = "aborted", cause: Cause = Cause.ABORTED
+        self,
+        transfer_id: str,
+        now: float,
+        reason: str = "aborted",
+        cause: Cause = Cause.ABORTED,
+        by: DKey | None = None,
     ) -> list[Decision]:
-        """Either side gave up. In-flight writes finish first (fencing is D's job)."""
+        """Either side gave up. In-flight writes finish first (fencing is D's job).
+
+        ``by``: the D rank whose abort this is (None: P's own); a tombstone it leaves counts against it.
+        """
+        before = self._holding_of(transfer_id)
+        out = self._on_abort(transfer_id, now, reason, cause, by)
+        self._settle_holdings(transfer_id, before)
+        return out
+
+    def may_abort(self, transfer_id: str, key: str, by: DKey) -> str:
+        """Why D rank ``by``, of D key ``key``, may not abort this transfer ("" if it may).
+
+        A transfer a D registered belongs to that D's key: no other key may abort it. One that no D
+        registered yet (a prefill parked, or nothing here: D gave up before it had blocks) may be
+        cancelled by any D, which leaves a tombstone when P's prefill has not finished; a D rank holds
+        at most ``max_peer_tombstones`` of those, so a flood of aborts costs a bounded amount of memory.
+        """
+        e = self._entries.get(transfer_id)
+        if e is not None and e.owner is not None and e.owner != key:
+            return "the transfer is registered by another D (a different key)"
+        buries = (e is None or e.prefill is None) and transfer_id not in self._tombstones
+        held = self._tombs_of.get(by, 0)
+        if buries and held >= self.limits.max_peer_tombstones:
+            return (
+                f"this D rank left {held} aborts of unknown transfers already (limit {self.limits.max_peer_tombstones})"
+            )
+        return ""
+
+    def _bury(self, transfer_id: str, until: float, by: DKey | None) -> None:
+        """A tombstone until ``until``; one already there keeps the D rank it counts against (a second
+        abort of the same id refreshes it, and cannot move it onto a rank that is at its limit)."""
+        if transfer_id in self._tombstones:
+            by = self._tombstones[transfer_id][1]
+        self._unbury(transfer_id)
+        self._tombstones[transfer_id] = (until, by)
+        if by is not None:
+            self._tombs_of[by] = self._tombs_of.get(by, 0) + 1
+        while len(self._tombstones) > self.limits.max_tombstones:
+            # The oldest goes: forgetting one costs at most a prefill parked for its lease.
+            self._unbury(next(iter(self._tombstones)))
+
+    def _unbury(self, transfer_id: str) -> None:
+        _, by = self._tombstones.pop(transfer_id, (0.0, None))
+        if by is not None:
+            left = self._tombs_of[by] - 1
+            if left:
+                self._tombs_of[by] = left
+            else:
+                del self._tombs_of[by]
+
+    def _on_abort(
+        self, transfer_id: str, now: float, reason: str, cause: Cause, by: DKey | None = None
+    ) -> list[Decision]:
         e = self._entries.get(transfer_id)
         self._queue.pop(transfer_id, None)
         if e is None or e.prefill is None:
-            self._tombstones[transfer_id] = now + self.prefill_lease_s
+            self._bury(transfer_id, now + self.prefill_lease_s, by)
         if e is None:
             return []
         e.regs = {k: r for k, r in e.regs.items() if k in e.in_flight}
@@ -276,12 +389,18 @@ class Rendezvous:
         self._drop(transfer_id)
         return [Release(e.prefill, reason, cause, e.record)] if e.prefill is not None else []
 
-    def cancel(self, transfer_id: str, now: float, why: Failed) -> list[Decision]:
+    def cancel(self, transfer_id: str, now: float, why: Failed, by: DKey | None = None) -> list[Decision]:
         """P's whole rule for an abort: answer every registration that will not be written
         (waiting, held, or paired but not started), stop the pushes running, then ``on_abort``."""
+        before = self._holding_of(transfer_id)
+        out = self._cancel(transfer_id, now, why, by)
+        self._settle_holdings(transfer_id, before)
+        return out
+
+    def _cancel(self, transfer_id: str, now: float, why: Failed, by: DKey | None) -> list[Decision]:
         e = self._entries.get(transfer_id)
         if e is None:
-            return self.on_abort(transfer_id, now, why.reason, why.cause)
+            return self._on_abort(transfer_id, now, why.reason, why.cause, by)
         out: list[Decision] = [Refuse(r, why.reason, why.cause) for r in e.held.values()]
         e.held.clear()
         for k in list(e.in_flight):
@@ -292,7 +411,7 @@ class Rendezvous:
             else:
                 job.cancel(why.cause, why.reason)
         out += [Refuse(r, why.reason, why.cause) for k, r in e.regs.items() if k not in e.in_flight | e.done]
-        return out + self.on_abort(transfer_id, now, why.reason, why.cause)
+        return out + self._on_abort(transfer_id, now, why.reason, why.cause, by)
 
     def drop_peer(self, key: DKey, now: float, reason: str) -> list[Decision]:
         """D rank ``key`` is forgotten (dead or restarted): abort what it registered and cancel its pushes.
@@ -303,6 +422,7 @@ class Rendezvous:
         """
         out: list[Decision] = []
         for tid, e in list(self._entries.items()):
+            before = _holding(e)
             e.held.pop(key, None)
             job = e.record.jobs.get(key)
             if job is not None:
@@ -310,14 +430,17 @@ class Rendezvous:
             if key in e.regs and key not in e.done:
                 waiting = [r for k, r in e.regs.items() if k != key and k not in e.in_flight | e.done]
                 out += [Refuse(r, reason, Cause.DEAD_PEER) for r in waiting]
-                out += self.on_abort(tid, now, reason, Cause.DEAD_PEER)
+                out += self._on_abort(tid, now, reason, Cause.DEAD_PEER)
+            self._settle_holdings(tid, before)
+        self.holdings.forget(key)
         return out
 
     def expire(self, now: float) -> list[Decision]:
         """Drop what waited past its deadline; never touches in-flight writes, nor registrations whose
         prefill P's scheduler holds queued or running (their lease lives as long as the prefill does)."""
         out: list[Decision] = []
-        self._tombstones = {t: until for t, until in self._tombstones.items() if until > now}
+        for t in [t for t, (until, _) in self._tombstones.items() if until <= now]:
+            self._unbury(t)
         for tid in list(self._entries):
             e = self._entries[tid]
             if e.in_flight:
@@ -327,12 +450,14 @@ class Rendezvous:
                 out.extend(
                     Refuse(r, "prefill lease expired", Cause.EXPIRED) for k, r in e.regs.items() if k not in e.done
                 )
+                self._settle_holdings(tid, _holding(e), dropped=True)
                 self._drop(tid)
             elif e.prefill is None and e.regs and now >= e.reg_deadline and tid not in self._queue:
                 out.extend(
                     Refuse(r, "registration expired: prefill never finished here", Cause.EXPIRED)
                     for r in e.regs.values()
                 )
+                self._settle_holdings(tid, _holding(e), dropped=True)
                 self._drop(tid)
         return out
 
@@ -391,6 +516,10 @@ class Rendezvous:
         flying = sum(len(e.in_flight) for e in self._pushing.values())
         return {"parked_prefills": parked, "waiting_registrations": waiting, "in_flight": flying}
 
+    def tombstones(self) -> int:
+        """Transfers remembered as aborted before their prefill finished."""
+        return len(self._tombstones)
+
     def queued(self) -> int:
         """Prefills P's scheduler holds queued (not running yet)."""
         return sum(1 for state, _ in self._queue.values() if state is PrefillState.QUEUED)
@@ -403,6 +532,18 @@ class Rendezvous:
         return len(self._entries)
 
     # -- internals ------------------------------------------------------
+    def _holding_of(self, tid: str) -> dict[DKey, tuple[int, int]]:
+        e = self._entries.get(tid)
+        return _holding(e) if e is not None else {}
+
+    def _settle_holdings(self, tid: str, before: dict[DKey, tuple[int, int]], dropped: bool = False) -> None:
+        """Bring ``holdings`` to what entry ``tid`` holds now, given what it held ``before`` the event."""
+        after = {} if dropped else self._holding_of(tid)
+        for k in before.keys() | after.keys():
+            (n0, b0), (n1, b1) = before.get(k, (0, 0)), after.get(k, (0, 0))
+            if (n0, b0) != (n1, b1):
+                self.holdings.change(k, n1 - n0, b1 - b0)
+
     def _push(self, tid: str, e: _Entry, k: DKey, reg: Register) -> Push:
         assert e.prefill is not None
         e.done.discard(k)

@@ -39,6 +39,7 @@ class PackAhead:
     num_tokens: int
     start_token: int
     pack: np.ndarray
+    blocks: np.ndarray | None = None  # P's block ids (group 0) as an array, made once for the plan too
 
     def fits(self, prefill: Any, heads: tuple[int, int], num_tokens: int, start_token: int) -> np.ndarray | None:
         """The list, if it is the one this registration needs."""

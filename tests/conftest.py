@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import helpers_libfabric as lf
 import pytest
@@ -19,6 +20,13 @@ from procs import Node
 from kvpush_tools.demo import servers as srv
 
 SINGLE = "e2e_single"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def auth_keys(kvpush_auth_keys: Path) -> Path:
+    """Every engine, worker and server of the session authenticates with one key set (the plugin's
+    ``kvpush_auth_keys``, exported as ``KVPUSH_AUTH_KEYS_DIR``); tests of authentication make their own."""
+    return kvpush_auth_keys
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvpush.transport.auth import ENV_DIR
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import make_tiny_model
 
@@ -106,6 +107,7 @@ class E2EServers:
         """Start P, D (and the plain server) in parallel, then the router; raises ``ServerError``."""
         p_port, d_port, router_port, self.kv_port = (srv.free_port() for _ in range(4))
         debug = {"KVPUSH_LOG_LEVEL": "DEBUG"}
+        keys = srv.temp_keys()
         self.pair = [
             srv.vllm_server(
                 "prefill",
@@ -115,7 +117,8 @@ class E2EServers:
                 cpus=self.cpus_p,
                 kv_transfer_config=vllm_style_kvpush_config("kv_producer", P_ENGINE_ID),
                 check_ports=(self.kv_port,),
-                env={**debug, **srv.vllm_nixl_env(self.kv_port)},
+                # vLLM's configuration untouched: the key set comes from the environment, as a drop-in would
+                env={**debug, **srv.vllm_nixl_env(self.kv_port), ENV_DIR: keys},
                 fast_start=True,
             ),
             srv.vllm_server(
@@ -125,7 +128,7 @@ class E2EServers:
                 log_dir=self.logs,
                 cpus=self.cpus_d,
                 kv_transfer_config={
-                    **srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=5.0),
+                    **srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, peer_dead_s=5.0),
                     "kv_load_failure_policy": "recompute",
                 },
                 env=debug,

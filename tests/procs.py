@@ -63,6 +63,23 @@ class Geom(model.Geom):
         return self.head_dim
 
 
+def dealer(addr: tuple[str, int], keys: Any = None, ctx: Any = None) -> Any:
+    """A raw DEALER to a P side channel, with ``keys`` (a D's ``ClientKeys``) or without any: what a test's
+    own peer (buggy, hostile, or replaying) talks through. It never blocks a send."""
+    import zmq
+
+    s = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IMMEDIATE, 0)
+    s.setsockopt(zmq.SNDTIMEO, 0)
+    if keys is not None:
+        s.setsockopt(zmq.CURVE_SERVERKEY, keys.server)
+        s.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        s.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    s.connect(f"tcp://{addr[0]}:{addr[1]}")
+    return s
+
+
 def make_cache(geom: Geom, seed: int | None) -> np.ndarray:
     """Random bytes (P, the conformance payload of ``seed``) or the sentinel everywhere (D, ``seed=None``)."""
     if seed is None:

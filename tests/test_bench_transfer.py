@@ -82,3 +82,21 @@ def test_orders_compare_d_registering_after_p_finished_with_ahead(tmp_path: Path
     assert res["finished"]["x_ahead"] == res["finished"]["total_s_median"] / res["ahead"]["total_s_median"]
     assert 0 < res["finished"]["register_s_median"] < res["finished"]["total_s_median"]
     assert res["ahead"]["register_s_median"] == 0.0
+
+
+def test_trees_side_by_side_with_parts_and_stage_times(tmp_path: Path) -> None:
+    """``--tree`` runs each tree's engine in its own processes (a lane each), ``--push-parts`` with
+    ``--min-part-bytes`` cuts a small staged push into parts, and each row carries stage times after
+    the order's start and the engine threads' CPU time."""
+    tree = str(Path(__file__).resolve().parents[1])
+    argv = ["--tokens", "64", "--layers", "2", "--iters", "1", "--warmup", "0", "--quiet", "--no-plot"]
+    argv += ["--patterns", "shuffled", "--plans", "staged", "--orders", "ahead", "--out", str(tmp_path)]
+    argv += ["--tree", tree, "--push-parts", "2", "--min-part-bytes", "1"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "transfer_64tok.json").read_text())
+    [row] = report["results"]
+    assert row["verified"] and row["nixl"] == f"UCX@{Path(tree).name}" and report["push_parts"] == 2
+    assert row["descriptors_after"] == 2  # two parts, one descriptor each
+    assert 0 < row["at_p_ready_s_median"] <= row["at_p_posted_s_median"] < row["at_d_result_s_median"]
+    assert row["at_d_first_part_s_median"] <= row["at_d_last_part_s_median"]
+    assert row["p_cpu_s_median"] > 0 and row["d_cpu_s_median"] > 0

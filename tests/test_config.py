@@ -59,6 +59,16 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "proxy_ip": "10.0.0.3",
         "proxy_ping_port": 30001,
         "http_port": 8100,
+        "auth": "none",
+        "auth_keys_dir": "/etc/kvpush/keys",
+        "peer_bytes_per_s": 1e6,
+        "peer_messages_per_s": 500,
+        "peer_max_registrations": 100,
+        "peer_max_block_ids": 1000,
+        "peer_max_ranks": 8,
+        "peer_registrations_per_s": 50,
+        "max_tombstones": 10,
+        "peer_max_tombstones": 5,
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)

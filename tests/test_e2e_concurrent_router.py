@@ -46,9 +46,9 @@ class Stack:
         return _post(base + "/v1/completions", body)["choices"][0]["text"]
 
 
-def announcing(role: str, kv_port: int, http_port: int, discovery: int) -> dict[str, object]:
+def announcing(role: str, kv_port: int, http_port: int, discovery: int, keys: str) -> dict[str, object]:
     extra = {"proxy_ip": "127.0.0.1", "proxy_ping_port": discovery, "http_port": http_port}
-    return srv.kvpush_transfer_config(role, kv_port, **extra)
+    return srv.kvpush_transfer_config(role, kv_port, auth_keys_dir=keys, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +56,14 @@ def stack(e2e_pair: E2EServers, e2e_single: str, tmp_path_factory: pytest.TempPa
     logs = tmp_path_factory.mktemp("concurrent")
     p_port, d_port, kv_port, discovery, r_port, prom = (srv.free_port() for _ in range(6))
     debug = {"KVPUSH_LOG_LEVEL": "DEBUG"}  # P's transfer timeline
+    keys = srv.temp_keys()
     p = srv.vllm_server(
         "prefill-announcing",
         e2e_pair.model,
         p_port,
         log_dir=logs,
         cpus=e2e_pair.cpus_p,
-        kv_transfer_config=announcing("kv_producer", kv_port, p_port, discovery),
+        kv_transfer_config=announcing("kv_producer", kv_port, p_port, discovery, keys),
         check_ports=(kv_port,),
         env=debug,
         fast_start=True,
@@ -73,7 +74,7 @@ def stack(e2e_pair: E2EServers, e2e_single: str, tmp_path_factory: pytest.TempPa
         d_port,
         log_dir=logs,
         cpus=e2e_pair.cpus_d,
-        kv_transfer_config=announcing("kv_consumer", 0, d_port, discovery),
+        kv_transfer_config=announcing("kv_consumer", 0, d_port, discovery, keys),
         fast_start=True,
     )
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "moriio"]

@@ -54,6 +54,7 @@ def cluster(
     logs = tmp_path_factory.mktemp(f"e2e-layerwise-{request.param}-logs")
     p_port, d_port, router_port, kv_port = (srv.free_port() for _ in range(4))
     cpus_p, cpus_d = ("0", "1") if (os.cpu_count() or 1) > 1 else ("0", "0")
+    keys = srv.temp_keys()
     servers = [
         srv.vllm_server(
             "prefill",
@@ -63,7 +64,12 @@ def cluster(
             cpus=cpus_p,
             # Every prompt layer-wise, however short (the default threshold is 4096 tokens).
             kv_transfer_config=srv.kvpush_transfer_config(
-                "kv_producer", kv_port, layerwise=True, layerwise_min_tokens=0, **SCHEDULES[request.param]
+                "kv_producer",
+                kv_port,
+                auth_keys_dir=keys,
+                layerwise=True,
+                layerwise_min_tokens=0,
+                **SCHEDULES[request.param],
             ),
             check_ports=(kv_port,),
             fast_start=True,
@@ -77,7 +83,7 @@ def cluster(
             d_port,
             log_dir=logs,
             cpus=cpus_d,
-            kv_transfer_config=srv.kvpush_transfer_config("kv_consumer", 0),
+            kv_transfer_config=srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys),
             fast_start=True,
         ),
     ]

@@ -55,13 +55,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("overload")
     model = model_dir()
     p_port, d_port, kv_port, r_port = (srv.free_port() for _ in range(4))
+    keys = srv.temp_keys()  # P and D of this stack authenticate with one key set
     p = srv.vllm_server(
         "prefill-slow",
         model,
         p_port,
         log_dir=logs,
         cpus="0",
-        kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port),
+        kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, auth_keys_dir=keys),
         check_ports=(kv_port,),
         extra_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "2"],
         fast_start=True,
@@ -73,7 +74,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         d_port,
         log_dir=logs,
         cpus="1",
-        kv_transfer_config=srv.kvpush_transfer_config("kv_consumer", 0, **d_cfg),
+        kv_transfer_config=srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, **d_cfg),
         fast_start=True,
     )
     args = ["--prefill", p.url, "--prefill-kv", f"127.0.0.1:{kv_port}", "--decode", d.url]

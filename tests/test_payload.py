@@ -17,9 +17,17 @@ from hypothesis import strategies as st
 
 from kvpush.config import Config
 from kvpush.errors import LayoutError
-from kvpush.layout import TokenOrder, heads_overlap, map_pieces
-from kvpush.payload import PayloadOrder, pack_pieces, payload_order, side_pieces, unpack_pieces
-from kvpush.plan import build_plan, staged_bytes
+from kvpush.layout import TokenOrder, coalesce, heads_overlap, map_pieces
+from kvpush.payload import (
+    PayloadOrder,
+    block_runs,
+    check_unpack,
+    pack_pieces,
+    payload_order,
+    side_pieces,
+    unpack_pieces,
+)
+from kvpush.plan import build_plan, staged_bytes, staging_decided, wants_staging
 
 PROPERTY = settings(max_examples=200, deadline=None)
 
@@ -92,7 +100,67 @@ def test_staged_plan_packs_the_payload_and_accepts_it_built_ahead(scn: Scenario)
     ahead = pack_pieces(sl, heads_overlap(sl, dl), scn.src_blocks, scn.num_tokens, scn.start_token)
     assert plan.kind == "staged" and np.array_equal(plan.pack, ahead)
     again = build_plan(cfg, *scn.call_args(), **kw, pack=ahead)
-    assert again.pack is ahead and again.nbytes == plan.nbytes and np.array_equal(again.merged, plan.merged)
+    assert again.pack is ahead and again.nbytes == plan.nbytes
+    assert (again.kind, again.pieces, again.descriptors) == (plan.kind, plan.pieces, plan.descriptors)
+    # A staged plan decided before the direct plan is built does not carry the direct plan's pieces.
+    assert again.merged.shape == (0, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenarios(), st.floats(1e-7, 1e-4), st.floats(1e8, 1e11), st.sampled_from([1e8, 5e9, 1e12]))
+def test_plan_with_a_list_ahead_chooses_as_the_full_cost_model(scn: Scenario, desc_s, link, pack_bw) -> None:
+    """The early choice (staging against a lower bound of direct's descriptors) never differs from the
+    choice with the direct plan built: a registration arriving after the prefill is planned the same."""
+    sl, dl = scn.src.layout, scn.dst.layout
+    cfg = Config(plan="auto", descriptor_cost_us=desc_s * 1e6, link_gbps=link / 1e9)
+    kw = {"staging_local": (1 << 20, 0), "staging_remote": (1 << 30, 1 << 40, 1), "pack_bw": pack_bw}
+    full = build_plan(cfg, *scn.call_args(), **kw)
+    if full.kind == "empty":
+        return
+    ahead = pack_pieces(sl, heads_overlap(sl, dl), scn.src_blocks, scn.num_tokens, scn.start_token)
+    early = build_plan(cfg, *scn.call_args(), **kw, pack=ahead)
+    assert early.kind == full.kind and early.nbytes == full.nbytes and early.pieces == full.pieces
+    if full.kind == "direct":
+        assert np.array_equal(early.merged, full.merged) and early.descriptors == full.descriptors
+
+
+@PROPERTY
+@given(scenarios())
+def test_block_runs_bound_every_list(scn: Scenario) -> None:
+    """``block_runs`` is a lower bound on the pieces per region of the coalesced direct plan and of D's
+    unpack list: the early choices rest on it."""
+    sl, dl = scn.src.layout, scn.dst.layout
+    pieces = map_pieces(*scn.call_args())
+    if pieces.shape[0] == 0:
+        return
+    merged = coalesce(pieces[np.argsort(pieces[:, 1], kind="stable")])
+    unpack = unpack_pieces(sl, dl, scn.dst_blocks, scn.num_tokens, scn.start_token)
+    runs_p = block_runs(sl, scn.src_blocks, scn.num_tokens, scn.start_token)
+    runs_d = block_runs(dl, scn.dst_blocks, scn.num_tokens, scn.start_token)
+    assert max(runs_p, runs_d) <= merged.shape[0]
+    assert runs_d <= unpack.shape[0]
+
+
+def test_block_runs_count_runs_of_the_set_not_of_the_order() -> None:
+    """Blocks out of token order still coalesce when both sides hold them alike: one run, not three."""
+    lay = _side(TokenOrder.NHD)
+    pieces = map_pieces(lay, lay, [0, 2, 1], [0, 2, 1], 48, 0)
+    merged = coalesce(pieces[np.argsort(pieces[:, 1], kind="stable")])
+    assert merged.shape[0] == 1 and block_runs(lay, [0, 2, 1], 48, 0) == 1
+    assert block_runs(lay, [5, 0, 2, 1], 64, 16) == 1 and block_runs(lay, [0, 3, 1], 48, 0) == 2
+
+
+@PROPERTY
+@given(scenarios(), st.integers(1, 5000), st.sampled_from(["auto", "staged", "direct"]))
+def test_d_decides_staging_before_its_list_as_with_it(scn: Scenario, min_descs: int, plan: str) -> None:
+    """D's choice made before its unpack list is built (to send the Register first) is the choice the
+    list would make; and its checks reject exactly what building the list rejects."""
+    sl, dl = scn.src.layout, scn.dst.layout
+    cfg = Config(plan=plan, staged_min_descriptors=min_descs)
+    unpack = unpack_pieces(sl, dl, scn.dst_blocks, scn.num_tokens, scn.start_token)
+    check_unpack(sl, dl, scn.dst_blocks, scn.num_tokens, scn.start_token)
+    early = staging_decided(cfg, dl, scn.dst_blocks, scn.num_tokens, scn.start_token)
+    assert early is None or early == wants_staging(cfg, sl, dl, unpack)
 
 
 @st.composite
@@ -180,6 +248,24 @@ def test_bad_input_is_named(call, words: list[str]) -> None:
 def test_opaque_and_token_layouts_do_not_mix() -> None:
     with pytest.raises(LayoutError, match="opaque"):
         unpack_pieces(_side(TokenOrder.BLOCK), _side(TokenOrder.NHD), [0], 8, 0)
+    with pytest.raises(LayoutError, match="opaque"):
+        check_unpack(_side(TokenOrder.BLOCK), _side(TokenOrder.NHD), [0], 8, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (([0], 40, 0), ["D has 1 block ids, 3 needed"]),
+        (([0, 9, 1], 40, 0), ["out of range [0, 8)"]),
+        (([0], 8, 9), ["start_token 9 outside [0, 8]"]),
+    ],
+)
+def test_d_checks_before_sending_name_the_problem(args, words: list[str]) -> None:
+    """What D checks before its Register leaves (its list is built after): the errors building it gives."""
+    for call in (check_unpack, unpack_pieces):
+        with pytest.raises(LayoutError) as e:
+            call(_side(TokenOrder.NHD), _side(TokenOrder.NHD), *args)
+        assert all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_nothing_to_move_is_an_empty_list() -> None:

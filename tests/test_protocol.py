@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush import PROTOCOL_VERSION
+from kvpush import PROTOCOL_VERSION, protocol
 from kvpush.errors import ProtocolError
 from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
 from kvpush.outcome import Cause, PlanKind, PrefillState, Stage
@@ -416,3 +416,21 @@ def test_fuzz_structured(msg, key: str, value, version: int) -> None:
 def test_completion_with_an_empty_region_range_is_rejected() -> None:
     data = encode(Completion(transfer_id="t", request_id="r", rank=0, region_start=3, region_end=3))
     assert "empty region range [3, 3)" in _err(data)
+
+
+def test_block_id_counts_reads_a_registration_without_decoding_its_ids() -> None:
+    """What P checks before it decodes a registration: the count of each group, from the array headers."""
+    for sizes in [(0,), (3,), (15, 16), (65_535, 65_536, 70_000)]:
+        reg = protocol.Register("t", "r", "d", 0, tuple(tuple(range(n)) for n in sizes), 0)
+        data = protocol.encode(reg)
+        assert protocol.block_id_counts(data) == sizes
+        assert protocol.block_id_counts(memoryview(data)) == sizes
+    assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))) is None
+    # more groups than any layout has: counted no further than one past the limit, from the header
+    many = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "register", "block_ids": [[]] * 100_000}])
+    assert protocol.block_id_counts(many) == (0,) * (protocol.MAX_GROUPS + 1)
+    # fields before the tag and unknown fields are skipped, not built
+    late = msgspec.msgpack.encode([PROTOCOL_VERSION, {"x": [1] * 1000, "type": "register", "block_ids": [[1, 2]]}])
+    assert protocol.block_id_counts(late) == (2,)
+    assert protocol.block_id_counts(b"\xc1 not msgpack") is None
+    assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))[:-3]) is None

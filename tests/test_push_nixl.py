@@ -21,12 +21,13 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from procs import SENTINEL, Geom, Node, assert_same, make_cache
+from procs import SENTINEL, Geom, Node, assert_same, dealer, make_cache
 
 from kvpush import protocol
 from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.engine.types import Result
 from kvpush.layout import KVLayout
+from kvpush.transport import auth
 
 STAGING = 4 << 20
 
@@ -402,10 +403,8 @@ def test_unmatched_registration_and_prefill_expire(nodes: tuple[Node, Node]) -> 
 
 
 def _dealer(addr: tuple[str, int]) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"tcp://{addr[0]}:{addr[1]}")
-    return s
+    """A raw socket holding a D key of the session's key set: a buggy peer, but an authenticated one."""
+    return dealer(addr, auth.client_keys("curve", ""))
 
 
 def _reply(sock: zmq.Socket, timeout_s: float = 5.0) -> Any:

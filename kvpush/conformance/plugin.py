@@ -11,6 +11,7 @@ filled in.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -68,7 +69,29 @@ def kvpush_target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     with cls.conformance_setup(workdir) as env, pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
+        _use_key_set(mp, workdir / "keys")
         yield target
+
+
+@pytest.fixture(scope="session")
+def kvpush_auth_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A side-channel key set (``kvpush keys``) for the session: engines started by this process, its
+    spawned workers and the servers it launches find it through ``KVPUSH_AUTH_KEYS_DIR``. A key set
+    already named there is kept."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield _use_key_set(mp, tmp_path_factory.mktemp("kvpush-keys"))
+
+
+def _use_key_set(mp: pytest.MonkeyPatch, path: Path) -> Path:
+    import os
+
+    from kvpush.transport import auth
+
+    if os.environ.get(auth.ENV_DIR):
+        return Path(os.environ[auth.ENV_DIR])
+    auth.make_key_set(path)
+    mp.setenv(auth.ENV_DIR, str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace, progress: Say | None = None) -> list[Check]:
     if args.port is not None:
         checks.append(check_port(args.host, args.port, args.tp_size))
     if args.peer:
-        checks.append(check_clock(args.peer, args.max_skew_ms))
+        checks.append(check_clock(args.peer, args.max_skew_ms, args.auth_keys_dir or "", args.auth))
     return checks
 
 
@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp-size", type=int, default=1, help="P ranks that bind port .. port + tp_size - 1")
     ap.add_argument("--peer", metavar="HOST:PORT", help="measure the clock offset to this P side channel")
     ap.add_argument("--max-skew-ms", type=float, default=5.0, help="clock offset that counts as a failure")
+    ap.add_argument("--auth-keys-dir", help="D key set to authenticate to --peer with (default: $KVPUSH_AUTH_KEYS_DIR)")
+    ap.add_argument(
+        "--auth", choices=("curve", "none"), default="curve", help="none: --peer runs without authentication"
+    )
     ap.add_argument("--json", type=Path, help="also write the findings as JSON here")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return ap

@@ -8,6 +8,8 @@ the bytes D receives are compared with P's byte for byte.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,11 +98,17 @@ def engine_pair(nixl_backend: str, p: _Side, d: _Side, spec: Any) -> Iterator[tu
     """P's ``Sender`` and D's ``Receiver`` over ``nixl_backend``, closed on the way out.
 
     The one place the self-test configures the side channel and the engines:
-    they run as a deployment's would, on a port the system picks."""
+    they run as a deployment's would, on a port the system picks, authenticated
+    with a throwaway key set."""
     from kvpush.config import Config
     from kvpush.engine import Receiver, Sender
+    from kvpush.transport.auth import make_key_set
 
-    cfg = Config.from_dict({"nixl_backends": [nixl_backend], "side_channel_port": 0, "model": "kvpush-doctor"})
+    keys = tempfile.mkdtemp(prefix="kvpush-doctor-keys-")
+    make_key_set(keys)
+    cfg = Config.from_dict(
+        {"nixl_backends": [nixl_backend], "side_channel_port": 0, "model": "kvpush-doctor", "auth_keys_dir": keys}
+    )
     sender = receiver = None
     try:
         sender = Sender(cfg, p.be, p.be.describe(p.kv, spec), "doctor-p")
@@ -110,6 +118,7 @@ def engine_pair(nixl_backend: str, p: _Side, d: _Side, spec: Any) -> Iterator[tu
         for e in (receiver, sender):
             if e is not None:
                 e.close()
+        shutil.rmtree(keys, ignore_errors=True)
 
 
 def _push_rounds(

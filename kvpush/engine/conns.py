@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush import protocol
 from kvpush.layout import KVLayout, Region
 from kvpush.metrics import Count
-from kvpush.transport.side_channel import Client
+from kvpush.transport.side_channel import Client, peer_budgets
 
 if TYPE_CHECKING:
     from kvpush.engine.receiver import Receiver
@@ -94,6 +94,10 @@ class Conns:
             for msg in conn.client.recv():
                 conn.last_seen = now
                 yield key, conn, msg
+            if conn.state is ConnState.HELLO_SENT and conn.client.refused:
+                # The authentication failed (a P without the key this D trusts, or refusing this D's key):
+                # a refused handshake, now and with its reason, not a P silent for peer_dead_s.
+                yield key, conn, protocol.HelloReply(ok=False, reason=conn.client.failure)
 
     def heard_from_agent(self, agent_name: str, now: float) -> None:
         key = self._by_agent.get(agent_name)
@@ -119,7 +123,7 @@ class Conns:
         if conn is not None:
             conn.client.close()
             r.poller.unregister(conn.client.sock)
-        client = Client(r.ctx, *key)
+        client = Client(r.ctx, *key, r.client_keys, peer_budgets(r.cfg))
         r.poller.register(client.sock, 1)
         epoch = self._epochs[key] = self._epochs.get(key, 0) + 1
         fencing = again and not r.book.writes_on(key)
@@ -182,6 +186,8 @@ class Conns:
             if silent and waited_on:
                 conn.state, conn.since = ConnState.DEAD, now
                 conn.reason = f"P {key[0]}:{key[1]} silent for {now - conn.last_seen:.1f}s: declared dead"
+                if conn.client.failure:
+                    conn.reason += f" ({conn.client.failure})"
                 log.error("%s: %s", self.r.name, conn.reason)
                 self.r.bump(Count.DEAD_PEERS)
                 if conn.agent:

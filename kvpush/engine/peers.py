@@ -7,6 +7,14 @@ reaches the rendezvous. A D rank silent for ``peer_dead_s`` is forgotten,
 and so is one that says hello again (it restarted: its old registrations
 point into memory of a previous session). The transfer rules stay in the
 sender's machines; this table only decides who is heard.
+
+Who a peer is comes from the side channel's authentication: every message
+carries the D key its connection proved (``kvpush.transport.auth``). A D
+rank's name (engine id, rank) belongs to the key that said hello with it, so
+a hello under another D rank's name from a different key is refused (it
+would otherwise drop that rank and its transfers); registrations carry their
+key to the rendezvous, which binds each transfer to it; an abort counts only
+from the key that registered the transfer.
 """
 
 from __future__ import annotations
@@ -19,15 +27,21 @@ from typing import TYPE_CHECKING, Any
 from kvpush import protocol
 from kvpush.errors import LayoutError
 from kvpush.layout import KVLayout, check_compatible
+from kvpush.limits import Throttle
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.push_job import DKey
 from kvpush.topology import targets_for
+from kvpush.transport.auth import LOG_EVERY_S, short
 
 if TYPE_CHECKING:
     from kvpush.engine.sender import Sender
 
 log = logging.getLogger(__name__)
+
+UNKNOWN_PEER_BLOCKS = 4096
+"""Block ids per group a registration from a connection that said no hello may list and still be decoded
+(to be answered with a refusal naming why); larger ones are dropped unread."""
 
 
 @dataclass
@@ -35,6 +49,7 @@ class Peer:
     """A D rank that said hello."""
 
     ident: bytes
+    key: str  # the D key this rank's connection proved ("" with auth none)
     engine_id: str
     rank: int
     tp_size: int
@@ -51,6 +66,7 @@ class PeerTable:
         self.sender = sender
         self.layout = layout
         self._peers: dict[DKey, Peer] = {}
+        self._throttle = Throttle(LOG_EVERY_S)
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -68,13 +84,14 @@ class PeerTable:
         s = self.sender
         return max(1, len(targets_for(s.rank, s.tp_size, peer.tp_size, self.layout.num_heads)))
 
-    def on_message(self, ident: bytes, msg: Any, now: float) -> None:
+    def on_message(self, ident: bytes, key: str, msg: Any, now: float) -> None:
+        """One message from the connection ``ident``, which proved the D key ``key``."""
         s = self.sender
         if isinstance(msg, protocol.Hello):
-            self._on_hello(ident, msg, now)
+            self._on_hello(ident, key, msg, now)
             return
         if isinstance(msg, protocol.TimeQuery):
-            # Anyone may ask the time (``kvpush doctor --peer``): it reveals nothing else.
+            # Any authenticated peer may ask the time (``kvpush doctor --peer``): it reveals nothing else.
             s.server.send(ident, protocol.TimeReply(msg.seq, msg.sent_at, time.time()))
             return
         peer = next((p for p in self._peers.values() if p.ident == ident), None)
@@ -91,11 +108,66 @@ class PeerTable:
             if problem is not None:
                 s.fail(ident, msg, problem)
             else:
-                s.on_register(ident, msg, now)
+                assert peer is not None
+                s.on_register(ident, msg, now, peer.key, self.block_cap(peer))
         elif isinstance(msg, protocol.Abort):
-            s.on_remote_abort(msg)
+            self._on_abort(peer, msg, now)
         else:
             log.warning("%s: unexpected %s on the side channel", s.name, type(msg).__name__)
+
+    def admits(self, ident: bytes, key: str, frame: memoryview) -> bool:
+        """Whether to decode this frame: a registration listing more block ids than its D rank has blocks
+        (or more groups than there are) is dropped unread, logged once per interval per peer. Decoded,
+        each id is a Python int: such a frame would cost hundreds of MB before it could be refused."""
+        counts = protocol.block_id_counts(frame)
+        if counts is None:
+            return True
+        peer = next((p for p in self._peers.values() if p.ident == ident), None)
+        most = peer.layout.num_blocks if peer is not None else UNKNOWN_PEER_BLOCKS
+        groups = 1 + max(r.group for r in self.layout.regions)
+        if len(counts) <= groups and max(counts, default=0) <= most:
+            return True
+        s = self.sender
+        s.bump(Count.REJECTED_MESSAGES)
+        held = self._throttle.note(("oversized", key), time.monotonic())
+        if held is not None:
+            who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "a D rank that said no hello"
+            log.warning(
+                "%s: dropped a registration from %s unread: %s block ids per group, it has %d blocks (%d group%s)%s",
+                s.name,
+                who,
+                list(counts),
+                most,
+                groups,
+                "" if groups == 1 else "s",
+                f" ({held} more since the last line)" if held else "",
+            )
+        return False
+
+    def block_cap(self, peer: Peer) -> int:
+        """The most block ids a D rank's open registrations may hold: every block of its cache, twice (a
+        re-registration's new blocks while the earlier attempt's are still being written)."""
+        groups = 1 + max(r.group for r in self.layout.regions)
+        return 2 * groups * peer.layout.num_blocks
+
+    def _on_abort(self, peer: Peer | None, msg: protocol.Abort, now: float) -> None:
+        """An abort counts only from the key that registered the transfer (``Rendezvous.may_abort``); others
+        are counted, logged once per interval per peer, and leave nothing behind."""
+        s = self.sender
+        if peer is None:
+            why = "from a connection that never said hello"
+        else:
+            why = s.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank))
+        if not why:
+            assert peer is not None
+            s.on_remote_abort(msg, (peer.engine_id, peer.rank))
+            return
+        s.bump(Count.ABORTS_IGNORED)
+        who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "an unknown D rank"
+        held = self._throttle.note(("abort", peer.key if peer is not None else ""), now)
+        if held is not None:
+            more = f" ({held} more ignored since the last line)" if held else ""
+            log.warning("%s: ignored an abort of %s from %s: %s%s", s.name, msg.transfer_id, who, why, more)
 
     def check(self, now: float) -> None:
         """Forget D ranks silent for ``peer_dead_s``."""
@@ -112,7 +184,7 @@ class PeerTable:
         if not any(p.agent == peer.agent for p in self._peers.values()):
             self.sender.agent.remove_peer(peer.agent)
 
-    def _on_hello(self, ident: bytes, msg: protocol.Hello, now: float) -> None:
+    def _on_hello(self, ident: bytes, key: str, msg: protocol.Hello, now: float) -> None:
         s = self.sender
         reason = ""
         if s.cfg.model and msg.model and msg.model != s.cfg.model:
@@ -127,25 +199,36 @@ class PeerTable:
             log.warning("%s: refused D %s rank %d: %s", s.name, msg.engine_id, msg.rank, reason)
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
-        key = (msg.engine_id, msg.rank)
+        dkey = (msg.engine_id, msg.rank)
+        known = self._peers.get(dkey)
+        reason = self._name_problem(ident, key, dkey, known)
+        if reason:
+            held = self._throttle.note(("hello", key), now)
+            if held is not None:
+                more = f" ({held} more since the last line)" if held else ""
+                log.warning("%s: refused a hello: %s%s", s.name, reason, more)
+            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
+            return
         # A hello answered ok fences the D rank's earlier session (D releases blocks it quarantined): so no
         # WRITE of it may still fly, whether P still knows the rank or already forgot it.
-        if s.writing_to(key):
+        if s.writing_to(dkey):
             reason = "an earlier session of this D rank still has WRITEs in flight; say hello again shortly"
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch, busy=True))
             return
-        if key in self._peers:
+        if known is not None:
             # The same D rank says hello again: it restarted (or declared this P
             # dead and came back). Its old registrations point into memory of a
             # previous session, and NIXL refuses to load an agent name twice.
-            self._drop(key, "said hello again (restarted?)", now)
+            self._drop(dkey, "said hello again (restarted?)", now)
         try:
             agent_name = s.agent.add_peer(msg.agent_metadata, msg.agent_name)
         except Exception as exc:
             reason = f"cannot load D's NIXL metadata: {exc}"
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
-        self._peers[key] = Peer(ident, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now)
+        self._peers[dkey] = Peer(
+            ident, key, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now
+        )
         reply = protocol.HelloReply(
             ok=True,
             engine_id=s.engine_id,
@@ -157,6 +240,30 @@ class PeerTable:
             epoch=msg.epoch,
         )
         s.server.send(ident, reply)
+
+    def _name_problem(self, ident: bytes, key: str, dkey: DKey, known: Peer | None) -> str:
+        """Why a hello under the D rank name ``dkey`` is refused ("" if it is not): the name belongs to another
+        key; the connection said hello under another name; the key holds ``peer_max_ranks`` names already.
+        Each D rank has a connection of its own, so a key can hold names (and with each, the per-D-rank
+        limits) only up to that cap."""
+        s = self.sender
+        if known is not None and known.key != key:
+            # Another key claims a D rank's name: refused, or it could drop that rank and its transfers.
+            return (
+                f"D {dkey[0]} rank {dkey[1]} is connected under another D key; a D rank's name belongs to "
+                f"the key that said hello with it until it is silent for peer_dead_s ({s.cfg.peer_dead_s:g} s)"
+            )
+        other = next((p for p in self._peers.values() if p.ident == ident), None)
+        if other is not None and (other.engine_id, other.rank) != dkey:
+            return f"this connection said hello as D {other.engine_id} rank {other.rank} already (one D rank each)"
+        if known is None and key:
+            held = sum(1 for p in self._peers.values() if p.key == key)
+            if held >= s.cfg.peer_max_ranks:
+                return (
+                    f"D key {short(key)} is known as {held} D ranks on this P rank already "
+                    f"(peer_max_ranks {s.cfg.peer_max_ranks})"
+                )
+        return ""
 
     def _check_register(self, peer: Peer | None, reg: protocol.Register) -> Failed | None:
         """Why this registration cannot be taken, or None."""
@@ -176,8 +283,13 @@ def registration_problem(layout: KVLayout, d_layout: KVLayout, d_staging: Any, r
     for g, ids in enumerate(reg.block_ids):
         if len(ids) < need:
             return f"group {g} has {len(ids)} blocks, {need} needed for {reg.num_tokens} tokens"
-        if ids and max(ids[:need], default=0) >= d_layout.num_blocks:
-            return f"group {g} block id {max(ids[:need])} out of range (D has {d_layout.num_blocks} blocks)"
+        # Every id, not only those the tokens need: a registration is held by P (a lease), and one D
+        # rank's blocks are what it may make P hold.
+        if len(ids) > d_layout.num_blocks:
+            return f"group {g} lists {len(ids)} block ids, D has {d_layout.num_blocks} blocks"
+        top = max(ids, default=0)
+        if ids and top >= d_layout.num_blocks:
+            return f"group {g} block id {top} out of range (D has {d_layout.num_blocks} blocks)"
     if reg.staging is not None:
         cap = d_staging.size if d_staging is not None else 0
         if reg.staging.offset + reg.staging.size > cap:

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvpush import protocol
 from kvpush.errors import KVPushError
 from kvpush.layout import heads_overlap
@@ -203,8 +205,11 @@ class PushRunner:
         if self.s._staging is not None and slot is not None:
             base = self.s._staging.addr + slot
             parts = [(r0, r1, base + r0 * plan.region_bytes) for r0, r1 in cut]
+        # A list built at hand-over was handed to prepare_pack then; without parts to add, again is only work.
+        prepared = rec.pack_ahead is not None and plan.pack is rec.pack_ahead.pack
         try:
-            self.s.backend.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
+            if parts or not prepared:
+                self.s.backend.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", self.s.name)
         made: dict[tuple[int, int], tuple[Any, int]] = {}
@@ -248,11 +253,12 @@ class PushRunner:
             return
         heads = (s.layout.head_start, s.layout.head_end)
         try:
-            pack = pack_pieces(s.layout, heads, prefill.block_ids[0], prefill.num_tokens, 0)
+            blocks = np.asarray(prefill.block_ids[0], dtype=np.int64)
+            pack = pack_pieces(s.layout, heads, blocks, prefill.num_tokens, 0)
         except Exception as exc:  # the registration's planning will say what is wrong
             log.debug("%s: no pack list ahead for %s: %s", s.name, prefill.transfer_id, exc)
             return
-        rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack)
+        rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack, blocks)
         s.bump(Count.PACKS_AHEAD)
         try:
             s.backend.prepare_pack(s.region_bases, pack)
@@ -268,11 +274,14 @@ class PushRunner:
                 local = (self.s._staging.addr + slot, self.s._staging.device_id)
                 remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
         ahead = self._pack_ahead(prefill, reg, peer, rec)
+        src_blocks = prefill.block_ids[0]
+        if ahead is not None and rec.pack_ahead is not None and rec.pack_ahead.blocks is not None:
+            src_blocks = rec.pack_ahead.blocks
         plan = build_plan(
             self.s.cfg,
             self.s.layout,
             peer.layout,
-            prefill.block_ids[0],
+            src_blocks,
             reg.block_ids[0],
             reg.num_tokens,
             reg.start_token,

@@ -44,8 +44,10 @@ from kvpush.incoming import (
 from kvpush.layout import KVLayout
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
-from kvpush.plan import part_count, split_regions, staged_bytes, unpack_pieces, wants_staging
+from kvpush.payload import check_unpack
+from kvpush.plan import part_count, split_regions, staged_bytes, staging_decided, unpack_pieces, wants_staging
 from kvpush.topology import writers_for
+from kvpush.transport.side_channel import client_keys
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class Receiver(EngineLoop):
         start_token: int = 0,
     ) -> None:
         """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks."""
-        ids = tuple(tuple(int(b) for b in g) for g in block_ids)
+        ids = tuple(tuple(map(int, g)) for g in block_ids)  # on the caller's thread, on the request's path
         self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token))
 
     def abort(self, transfer_id: str, reason: str = "aborted on D") -> None:
@@ -126,6 +128,7 @@ class Receiver(EngineLoop):
 
     # -- engine thread -----------------------------------------------------
     def setup(self) -> None:
+        self.client_keys = client_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("d")
 
     def teardown(self) -> None:
@@ -274,13 +277,19 @@ class Receiver(EngineLoop):
         if conn.state is not ConnState.READY:
             return []  # the hello reply brings ``conn_ready``
         assert conn.layout is not None
+        ask = inc.asked
+        pieces = None
         try:
-            ask = inc.asked
-            pieces = unpack_pieces(conn.layout, self.layout, ask.block_ids[0], ask.num_tokens, ask.start_token)
+            blocks = np.asarray(ask.block_ids[0], dtype=np.int64)  # once, for the checks and the list
+            check_unpack(conn.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
+            want = staging_decided(self.cfg, self.layout, blocks, ask.num_tokens, ask.start_token)
+            if want is None:
+                pieces = unpack_pieces(conn.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
+                want = wants_staging(self.cfg, conn.layout, self.layout, pieces)
         except Exception as exc:
             why = Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, f"bad registration: {exc}")
             return self.book.on(inc, inc.writer_failed(p, why, now))
-        grant, unpack = self._grant(conn, inc, pieces)
+        grant = self._grant(conn, inc, want)
         t_send = time.monotonic()  # before the send: P may read the message before this thread runs again
         ok = conn.client.send(
             protocol.Register(
@@ -296,22 +305,30 @@ class Receiver(EngineLoop):
                 attempt=inc.attempt,
             )
         )
-        region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
+        unpack, region_bytes = None, 0
         if grant is not None and ok:
-            self._prepare_unpack(pieces, grant.offset)  # while P plans and packs, not before it hears of us
+            # After the send, while P pairs, plans and packs: this thread handles P's first part only later.
+            # The checks above make this build infallible; if it fails anyway, the part fails the writer.
+            try:
+                if pieces is None:
+                    pieces = unpack_pieces(conn.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
+                unpack, region_bytes = pieces, int(pieces[:, 1].sum()) if pieces.size else 0
+                self._prepare_unpack(pieces, grant.offset)
+            except Exception:
+                log.exception("%s: building the unpack list of %s failed", self.name, inc.transfer_id)
         return self.book.on(inc, inc.register_sent(p, grant, unpack, region_bytes, ok, t_send))
 
-    def _grant(self, conn: Conn, inc: Incoming, pieces: np.ndarray) -> tuple[protocol.StagingGrant | None, Any]:
+    def _grant(self, conn: Conn, inc: Incoming, want: bool) -> protocol.StagingGrant | None:
         """A slot of D's staging region for this writer, when D's own fragmentation wants one."""
         assert conn.layout is not None
         size = staged_bytes(conn.layout, self.layout, inc.asked.num_tokens, inc.asked.start_token)
-        if size <= 0 or self._staging is None or not wants_staging(self.cfg, conn.layout, self.layout, pieces):
-            return None, None
+        if size <= 0 or self._staging is None or not want:
+            return None
         off = self._slots.alloc(size)
         if off is None:
             self.bump(Count.STAGING_FULL)
-            return None, None
-        return protocol.StagingGrant(off, size), pieces
+            return None
+        return protocol.StagingGrant(off, size)
 
     def _prepare_unpack(self, pieces: np.ndarray, offset: int) -> None:
         """Hand the backend the unpack list (and the parts P will most likely cut) after the registration

@@ -29,6 +29,7 @@ from kvpush.engine.types import Result
 from kvpush.engine.waiter import MarkerWaiter
 from kvpush.errors import KVPushError
 from kvpush.layout import KVLayout
+from kvpush.limits import Throttle, peer_limits
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Stage
 from kvpush.push_job import (
@@ -36,9 +37,13 @@ from kvpush.push_job import (
     PushJob,
 )
 from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Refuse, Release, Rendezvous
-from kvpush.transport.side_channel import Server
+from kvpush.transport.auth import LOG_EVERY_S
+from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
 log = logging.getLogger(__name__)
+
+PEER_CAUSED = frozenset({Cause.OVER_LIMIT, Cause.BAD_REGISTRATION, Cause.REFUSED})
+"""Refusals a D can cause at will: logged once per interval per D rank and cause (``Sender.fail``)."""
 
 TIMER_PERIOD_S = 0.05
 
@@ -58,7 +63,8 @@ class Sender(EngineLoop):
         tp_size: int = 1,
     ) -> None:
         super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
-        self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s)
+        self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s, limits=peer_limits(config))
+        self._fail_log = Throttle(LOG_EVERY_S)
         self.peers = PeerTable(self, layout)
         self.runner = PushRunner(self)
         self._layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
@@ -142,15 +148,22 @@ class Sender(EngineLoop):
 
         def read() -> dict[str, Any]:
             waits = self._waiter.waits if self._waiter is not None else 0
-            extra = {"peers": len(self.peers), "marker_waits": waits, "quiet_reports": self.quiet_reports}
+            extra = {
+                "peers": len(self.peers),
+                "marker_waits": waits,
+                "quiet_reports": self.quiet_reports,
+                "tombstones": self.rdv.tombstones(),
+            }
             return {**self.counters, **self.rdv.pending(), "queued": self.rdv.queued(), **extra}
 
         return self.call_sync(read)
 
     # -- engine thread ---------------------------------------------------
     def setup(self) -> None:
+        keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("p")
-        self.server = Server(self.ctx, self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank)
+        port = self.cfg.side_channel_port + self.rank
+        self.server = Server(self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg))
         self.poller.register(self.server.sock, 1)
         self.address = (self.server.host, self.server.port)
         log.info("%s: side channel on %s:%d", self.name, *self.address)
@@ -166,8 +179,7 @@ class Sender(EngineLoop):
         self.agent.close()
 
     def step(self, now: float) -> bool:
-        for ident, msg in self.server.recv():
-            self.peers.on_message(ident, msg, now)
+        self.server.deliver(lambda ident, key, msg: self.peers.on_message(ident, key, msg, now), self.peers.admits)
         self._progress()
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
@@ -220,21 +232,23 @@ class Sender(EngineLoop):
             if reported and regions >= len(self.region_bases):
                 rec.times.prefill_done = t
 
-    def on_register(self, ident: bytes, reg: protocol.Register, now: float) -> None:
-        """A registration from a D rank the peer table accepted."""
-        decisions = self.rdv.on_register(reg, now, expected=self.peers.expected(reg))
+    def on_register(self, ident: bytes, reg: protocol.Register, now: float, owner: str, cap: int) -> None:
+        """A registration from a D rank the peer table accepted, by the D key ``owner``; ``cap``: the block ids
+        that rank's open registrations may hold."""
+        decisions = self.rdv.on_register(reg, now, expected=self.peers.expected(reg), owner=owner, cap=cap)
         rec = self.rdv.record(reg.transfer_id)
         if rec is not None:
             # Its own clock reading: ``now`` is the step's start, which can precede the message's arrival.
             rec.times.first("registered", time.monotonic())
         self._apply(decisions)
 
-    def on_remote_abort(self, msg: protocol.Abort) -> None:
-        self._abort(msg.transfer_id, f"aborted by D: {msg.reason}")
+    def on_remote_abort(self, msg: protocol.Abort, by: DKey) -> None:
+        self._abort(msg.transfer_id, f"aborted by D: {msg.reason}", by)
 
-    def _abort(self, transfer_id: str, reason: str) -> None:
+    def _abort(self, transfer_id: str, reason: str, by: DKey | None = None) -> None:
         self.bump(Count.ABORTS)
-        self._apply(self.rdv.cancel(transfer_id, time.monotonic(), Failed(Stage.RENDEZVOUS, Cause.ABORTED, reason)))
+        why = Failed(Stage.RENDEZVOUS, Cause.ABORTED, reason)
+        self._apply(self.rdv.cancel(transfer_id, time.monotonic(), why, by))
 
     def drop_peer(self, key: DKey, reason: str, now: float) -> None:
         """Forget D rank ``key``: abort what it registered, cancel its pushes, give back their prebuilt WRITEs
@@ -251,17 +265,26 @@ class Sender(EngineLoop):
         return any(key in rec.jobs and rec.jobs[key].flying for _, rec in self.rdv.pushing())
 
     def fail(self, ident: bytes, reg: protocol.Register, failed: Failed) -> None:
-        """Tell a D rank that this registration will not (all) be written."""
+        """Tell a D rank that this registration will not (all) be written.
+
+        Refusals a D can cause at will (a bad registration, one over its limits) are logged once per
+        interval per D rank and cause, with a count: a flood of them must not flood the log.
+        """
         self.bump(Count.FAILURES_SENT)
-        log.warning(
-            "%s: transfer %s from D %s rank %d failed at %s: %s",
-            self.name,
-            reg.transfer_id,
-            reg.engine_id,
-            reg.rank,
-            failed.stage,
-            failed.reason,
-        )
+        held: int | None = 0
+        if failed.cause in PEER_CAUSED:
+            held = self._fail_log.note((reg.engine_id, reg.rank, failed.cause), time.monotonic())
+        if held is not None:
+            log.warning(
+                "%s: transfer %s from D %s rank %d failed at %s: %s%s",
+                self.name,
+                reg.transfer_id,
+                reg.engine_id,
+                reg.rank,
+                failed.stage,
+                failed.reason,
+                f" ({held} more like it since the last line)" if held else "",
+            )
         msg = protocol.Failure(
             reg.transfer_id, reg.request_id, self.rank, failed.stage, failed.cause, failed.reason, attempt=reg.attempt
         )

@@ -28,6 +28,12 @@ if _REAL:
     os.environ.setdefault("NEURON_RT_VISIBLE_CORES", TEST_CORES[0])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def auth_keys(kvpush_auth_keys: Path) -> Path:
+    """The side-channel key set the push workers' engines find through ``KVPUSH_AUTH_KEYS_DIR``."""
+    return kvpush_auth_keys
+
+
 @pytest.fixture(scope="session")
 def nrt_lib(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Path of the runtime library; exported as ``KVPUSH_NRT_LIB`` for the session and its workers."""

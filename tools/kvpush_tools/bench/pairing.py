@@ -13,6 +13,9 @@ the trees taking turns round by round:
   registration the list built ahead does not fit);
 - ``pack_ahead``: building the list at hand-over (off the path).
 
+Block ids are tuples of ints, as the engine holds them (``--plan auto``: the
+cost model chooses, as by default; ``staged``: forced).
+
 No NIXL, no copies: the layouts describe zero-filled host caches.
 """
 
@@ -43,6 +46,7 @@ try:
 except ImportError:
     pack_pieces = None
 tokens, layers, bs, hd, seed = (int(x) for x in sys.argv[1:6])
+mode = sys.argv[6]
 blocks = -(-tokens // bs)
 pool = 2 * blocks
 spec = CacheSpec(bs, 1, hd, "bfloat16")
@@ -50,8 +54,14 @@ arr = np.zeros((layers, 2, pool, bs, 1, hd), dtype=np.uint8)
 be = HostBackend()
 lay = be.describe({f"layer{i}": arr[i] for i in range(layers)}, spec)
 rng = np.random.default_rng(seed)
-sb, db = rng.permutation(pool)[:blocks], rng.permutation(pool)[:blocks]
-cfg = Config(plan="staged", staging_bytes=1)
+# Block ids as the engine holds them: tuples of ints (the prefill's, and the Register's off the wire).
+sb, db = (tuple(int(b) for b in rng.permutation(pool)[:blocks]) for _ in range(2))
+try:  # a tree whose pack list at hand-over keeps P's block ids as an array plans from that array
+    from kvpush.transfer import PackAhead
+    keeps_array = "blocks" in PackAhead.__dataclass_fields__
+except ImportError:
+    keeps_array = False
+cfg = Config(plan=mode, staging_bytes=1)
 nbytes = staged_bytes(lay, lay, tokens, 0)
 kw = dict(staging_local=(1 << 40, 0), staging_remote=(1 << 41, nbytes, 0))
 print(json.dumps({"kvpush": kvpush.__file__, "protocol": kvpush.PROTOCOL_VERSION, "ahead": pack_pieces is not None}))
@@ -60,14 +70,15 @@ for line in sys.stdin:
     out = {}
     if pack_pieces is not None:
         t0 = time.perf_counter()
-        pack = pack_pieces(lay, heads_overlap(lay, lay), sb, tokens, 0)
+        src = np.asarray(sb, dtype=np.int64) if keeps_array else sb
+        pack = pack_pieces(lay, heads_overlap(lay, lay), src, tokens, 0)
         out["pack_ahead_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     plan = build_plan(cfg, lay, lay, sb, db, tokens, 0, **kw)
     out["plan_no_ahead_s"] = time.perf_counter() - t0
     if pack_pieces is not None:
         t0 = time.perf_counter()
-        plan = build_plan(cfg, lay, lay, sb, db, tokens, 0, pack=pack, **kw)
+        plan = build_plan(cfg, lay, lay, src, db, tokens, 0, pack=pack, **kw)
         out["plan_s"] = time.perf_counter() - t0
     else:
         out["plan_s"] = out["plan_no_ahead_s"]
@@ -81,7 +92,7 @@ KEYS = ("plan_s", "plan_no_ahead_s", "pack_ahead_s")
 
 def _start(tree: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    argv = [str(a) for a in (args.tokens, args.layers, args.block_size, args.head_dim * 2, args.seed)]
+    argv = [str(a) for a in (args.tokens, args.layers, args.block_size, args.head_dim * 2, args.seed, args.plan)]
     proc = subprocess.Popen(
         [sys.executable, "-c", _WORKER, *argv],
         stdin=subprocess.PIPE,
@@ -126,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "kvpush bench pairing",
         "command": "kvpush bench pairing " + " ".join(args.argv),
+        "plan_setting": args.plan,
         "shape": {"tokens": args.tokens, "layers": args.layers, "block_size": args.block_size, "kv_heads": 1},
         "rounds": args.rounds,
         "host": {
@@ -185,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plan", choices=("staged", "auto"), default="staged", help="the plan setting (auto: cost model)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_pairing"))
     args = ap.parse_args(argv)
     args.argv = argv

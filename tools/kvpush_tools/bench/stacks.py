@@ -61,14 +61,15 @@ Say = Callable[[str], None]
 def connector_configs(
     mode: str, p_kv_port: int, d_kv_port: int, engine_id: str
 ) -> tuple[dict[str, Any] | None, dict[str, str], dict[str, Any] | None, dict[str, str]]:
-    """(P kv_transfer_config, P env, D kv_transfer_config, D env) of one mode."""
+    """(P kv_transfer_config, P env, D kv_transfer_config, D env) of one mode (kvpush: with a fresh key set)."""
     if mode in (BASELINE, SINGLE):
         return None, {}, None, {}
     if mode in KVPUSH_MODES:
+        keys = srv.temp_keys()
         return (
-            srv.kvpush_transfer_config("kv_producer", p_kv_port),
+            srv.kvpush_transfer_config("kv_producer", p_kv_port, auth_keys_dir=keys),
             {},
-            srv.kvpush_transfer_config("kv_consumer", 0),
+            srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys),
             {},
         )
     if mode in ("vllm-pull", "vllm-push"):

@@ -26,6 +26,14 @@ registration meet; every total ends at D's result):
 - ``ahead``: D registered while P computes: P announces the prefill, pairs
   and plans before its KV is ready; from "KV ready" (``forward_done``).
 
+``--tree PATH`` (repeatable) runs each kvpush tree's engines in their own
+pair of processes, side by side with the same cases (an A/B against another
+checkout or an old commit); ``--push-parts`` with ``--min-part-bytes`` cuts a
+small staged push into parts, so per-part costs show without large copies.
+Each row also carries P's and D's stage times after the order's start
+(``at_<side>_<stage>_s_median``) and the CPU time of each engine thread per
+transfer (``p_cpu_s``, ``d_cpu_s``), which a loaded host does not inflate.
+
 Each case runs one warm-up and ``--iters`` measured transfers, the cases
 taking turns; the medians are printed, saved as JSON and drawn as a bar chart. D's cache is
 zeroed before every case and compared with P's bytes after it, so a plan that
@@ -138,11 +146,17 @@ def per_block_descriptors(src: Any, dst: Any, sblocks: list[int], dblocks: list[
 class _Side:
     """State of the P or D process: its cache, the engine or raw agent of the current plan."""
 
-    def __init__(self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...]) -> None:
+    def __init__(
+        self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...], knobs: dict[str, int]
+    ) -> None:
+        import kvpush.plan
         from kvpush.backends.base import CacheSpec
         from kvpush.backends.host import HostBackend
 
-        self.role, self.shape, self.nixl_backends = role, shape, nixl_backends
+        self.role, self.shape, self.nixl_backends, self.knobs = role, shape, nixl_backends, knobs
+        if knobs.get("min_part_bytes") is not None:
+            # A bench knob: lets small payloads be cut into parts, so per-part costs show without big copies.
+            kvpush.plan.MIN_PART_BYTES = knobs["min_part_bytes"]
         self.cache = _cache(shape, seed)
         self.backend = HostBackend()
         spec = CacheSpec(shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes, "bfloat16")
@@ -157,7 +171,9 @@ class _Side:
 
         mode = ENGINE_PLANS[plan]
         staging = 0 if mode == "direct" else math.ceil(self.shape.request_bytes / (1 << 20) + 1) << 20
-        extra = {"staged_min_descriptors": 1} if mode == "staged" else {}
+        extra: dict[str, Any] = {"staged_min_descriptors": 1} if mode == "staged" else {}
+        if self.knobs.get("push_parts") is not None:
+            extra["push_parts"] = self.knobs["push_parts"]
         return Config(plan=mode, staging_bytes=staging, nixl_backends=self.nixl_backends, side_channel_port=0, **extra)
 
     def op_start(self, plan: str) -> Any:
@@ -206,11 +222,15 @@ class _Side:
         engine = self.engines[plan]
         deadline = time.monotonic() + timeout
         self._until(engine, "waiting_registrations", tid, "D's registration never reached P", deadline)
+        self.cpu0 = _engine_cpu(engine)
         if order == "ahead":
             engine.prefill_started(tid, tid, [blocks], self.shape.tokens)
             self._until(engine, "in_flight", tid, "P never paired the registration", deadline)
             t0 = time.monotonic()
-            engine.forward_done([tid])
+            if hasattr(engine, "forward_done"):
+                engine.forward_done([tid])
+            else:  # a kvpush tree before forward_done (``--tree`` A/B against an old commit)
+                engine.kv_ready([tid], len(self.layout.regions))
         else:
             t0 = time.monotonic()
             engine.prefill_finished(tid, tid, [blocks], self.shape.tokens)
@@ -221,6 +241,7 @@ class _Side:
         engine = self.engines[plan]
         engine.prefill_finished(tid, tid, [blocks], self.shape.tokens)
         self._until(engine, "parked_prefills", tid, "P never parked the prefill", time.monotonic() + timeout)
+        self.cpu0 = _engine_cpu(engine)
 
     def op_released(self, plan: str, tid: str, timeout: float) -> dict[str, Any]:
         """P's result for ``tid`` once it let go of the blocks."""
@@ -229,7 +250,9 @@ class _Side:
         while True:
             for r in engine.poll():
                 if r.transfer_id == tid:
-                    return {"ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
+                    cpu = _engine_cpu(engine) - getattr(self, "cpu0", 0.0)
+                    out = {"ok": r.ok, "reason": r.reason, "times": _times(r.times, "p_"), "cpu": cpu}
+                    return {**out, **_record(r.stats)}
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tid}: P never released the request")
             time.sleep(0.0005)
@@ -278,6 +301,7 @@ class _Side:
         """Register; returns when it was asked (the start of a ``finished`` transfer)."""
         from kvpush.engine import PeerAddress
 
+        self.cpu0 = _engine_cpu(self.engines[plan])
         t0 = time.monotonic()
         self.engines[plan].register(tid, tid, PeerAddress(peer[0], peer[1], 1), [blocks], self.shape.tokens)
         return t0
@@ -287,8 +311,11 @@ class _Side:
         while time.monotonic() < deadline:
             for r in self.engines[plan].poll():
                 if r.transfer_id == tid:
-                    done = r.times.result or time.monotonic()
-                    return {"t_done": done, "t_sent": r.times.sent, "ok": r.ok, "reason": r.reason, **r.stats.as_dict()}
+                    done = _times(r.times, "").get("result") or time.monotonic()
+                    times = _times(r.times, "d_")
+                    out = {"t_done": done, "t_sent": times.get("d_sent"), "ok": r.ok, "reason": r.reason}
+                    out["cpu"] = _engine_cpu(self.engines[plan]) - getattr(self, "cpu0", 0.0)
+                    return {**out, **_record(r.stats), "times": times}
             time.sleep(0.0002)
         raise TimeoutError(f"{tid}: D saw no result in {timeout}s")
 
@@ -300,6 +327,28 @@ class _Side:
                     return {"t_done": time.monotonic(), "ok": True, "reason": ""}
             time.sleep(0.0002)
         raise TimeoutError(f"{tag}: D saw no notification in {timeout}s")
+
+
+def _engine_cpu(engine: Any) -> float:
+    """CPU seconds the engine's thread has used (its host work, whatever the load on the host)."""
+    thread = getattr(engine, "_thread", None)
+    if thread is None or thread.ident is None:
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def _record(rec: Any) -> dict[str, Any]:
+    """A result's stats as a dict (typed records since the redesign, plain dicts before)."""
+    return dict(rec) if isinstance(rec, dict) else rec.as_dict()
+
+
+def _times(rec: Any, prefix: str) -> dict[str, float]:
+    """A result's stage times (``time.monotonic()``) that are set, their names prefixed."""
+    d = dict(rec) if isinstance(rec, dict) else rec.as_dict()
+    return {prefix + k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and v}
 
 
 def _enc(obj: Any) -> bytes:
@@ -314,12 +363,19 @@ def _dec(data: bytes, typ: type) -> Any:
     return msgspec.msgpack.decode(data, type=typ)
 
 
-def _side_main(conn: Connection, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...]) -> None:
+def _side_main(
+    conn: Connection,
+    role: str,
+    shape: Shape,
+    seed: int | None,
+    nixl_backends: tuple[str, ...],
+    knobs: dict[str, int],
+) -> None:
     """Process entry: build the side, then answer ``(op, args)`` commands until ``exit``."""
     import traceback
 
     try:
-        side = _Side(role, shape, seed, nixl_backends)
+        side = _Side(role, shape, seed, nixl_backends, knobs)
         conn.send(("ok", None))
     except Exception:
         conn.send(("err", traceback.format_exc()))
@@ -341,12 +397,31 @@ def _side_main(conn: Connection, role: str, shape: Shape, seed: int | None, nixl
 class _Proc:
     """Handle on one side's process; ``send``/``recv`` split a call so both sides can wait at once."""
 
-    def __init__(self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        role: str,
+        shape: Shape,
+        seed: int | None,
+        nixl_backends: tuple[str, ...],
+        knobs: dict[str, int] | None = None,
+        tree: str | None = None,
+    ) -> None:
+        from kvpush_tools.demo.servers import export_temp_keys
+
+        export_temp_keys()  # the side's engines authenticate (the spawned process inherits the variable)
         ctx = mp.get_context("spawn")
         self.role = role
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_side_main, args=(child, role, shape, seed, nixl_backends), daemon=True)
-        self.proc.start()
+        args = (child, role, shape, seed, nixl_backends, knobs or {})
+        self.proc = ctx.Process(target=_side_main, args=args, daemon=True)
+        # A spawned process starts with this one's sys.path: with ``tree`` first, it imports that kvpush.
+        saved = list(sys.path)
+        if tree is not None:
+            sys.path.insert(0, os.path.abspath(tree))
+        try:
+            self.proc.start()
+        finally:
+            sys.path[:] = saved
 
     def send(self, op: str, *args: Any) -> None:
         self.conn.send((op, args))
@@ -418,11 +493,18 @@ def _one(
         # finished: D's work from its register call to the Register leaving (on the path in that order only)
         "register_s": max(0.0, ds["t_sent"] - ps["t0"]) if order == "finished" and ds.get("t_sent") else 0.0,
         "total_s": ds["t_done"] - ps["t0"],
+        # CPU time of P's engine thread (from the hand-over, the registration, or the announce, to the
+        # release) and D's (from the register call to the result): host work, not waiting
+        "p_cpu_s": ps.get("cpu", 0.0),
+        "d_cpu_s": ds.get("cpu", 0.0),
+        # P's and D's stage times after the order's start (the H200 bench's ``timeline_median``)
+        **{f"at_{k}_s": v - ps["t0"] for k, v in {**ps.get("times", {}), **ds.get("times", {})}.items()},
     }
 
 
 def _summary(pattern: str, case: tuple[str, str], runs: list[dict], shape: Shape, verified: bool) -> dict[str, Any]:
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("_s")}
+    keys = dict.fromkeys(k for r in runs for k in r if k.endswith("_s"))
+    med = {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
     total = med["total_s"]
     blocks_layers = shape.blocks * shape.layers * 2
     return {
@@ -488,13 +570,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for pat in args.patterns
     }
     nets = transports(args)
+    knobs = {"push_parts": args.push_parts, "min_part_bytes": args.min_part_bytes}
+    # A lane: one transport in one kvpush tree (``--tree``: this checkout's engine against another's, side by side)
+    lanes = [(tree, t) for tree in (args.tree or [None]) for t in nets]
     load_start = os.getloadavg()
-    pairs = {t: (_Proc("P", shape, args.seed, t), _Proc("D", shape, None, t)) for t in nets}
+    pairs = {
+        (tree, t): (_Proc("P", shape, args.seed, t, knobs, tree), _Proc("D", shape, None, t, knobs, tree))
+        for tree, t in lanes
+    }
     kinds = [(plan, "") if plan == "per-block" else (plan, o) for plan in args.plans for o in args.orders]
-    cases = [(t, pat, kind) for t in nets for pat in patterns for kind in dict.fromkeys(kinds)]
+    cases = [(t, pat, kind) for t in lanes for pat in patterns for kind in dict.fromkeys(kinds)]
     bar = _progress(len(cases) * (args.iters + args.warmup + 1), args.quiet)
-    runs: dict[tuple[tuple[str, ...], str, tuple[str, str]], list[dict[str, Any]]] = {c: [] for c in cases}
-    addrs: dict[tuple[tuple[str, ...], str], Any] = {}
+    runs: dict[tuple[Any, str, tuple[str, str]], list[dict[str, Any]]] = {c: [] for c in cases}
+    addrs: dict[tuple[Any, str], Any] = {}
     try:
         for p, d in pairs.values():
             p.recv(300.0)
@@ -513,7 +601,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sblocks, dblocks = patterns[pat]
                 name = "-".join(x for x in (*kind, pat) if x)
                 if bar is not None:
-                    bar.set_description(f"{'+'.join(t)} {name}")
+                    bar.set_description(f"{_lane(t)} {name}")
                 r = _one(p, d, kind, f"{name}-{i}", sblocks, dblocks, addrs[t, kind[0]])
                 if i >= args.warmup:
                     runs[t, pat, kind].append(r)
@@ -528,7 +616,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             name = "-".join(x for x in (*kind, pat) if x)
             _one(p, d, kind, f"{name}-verify", sblocks, dblocks, addrs[t, kind[0]])
             if d.call("digest", dblocks) != p.call("digest", sblocks):
-                raise RuntimeError(f"{'+'.join(t)} {name}: D's bytes differ from P's after the transfer")
+                raise RuntimeError(f"{_lane(t)} {name}: D's bytes differ from P's after the transfer")
             if bar is not None:
                 bar.update(1)
         for p, d in pairs.values():
@@ -540,7 +628,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p, d in pairs.values():
             p.close()
             d.close()
-    results = [{"nixl": "+".join(t), **_summary(pat, kind, runs[t, pat, kind], shape, True)} for t, pat, kind in cases]
+    results = [{"nixl": _lane(t), **_summary(pat, kind, runs[t, pat, kind], shape, True)} for t, pat, kind in cases]
     order_ratios(results)
     return {
         "benchmark": "kvpush bench transfer",
@@ -550,6 +638,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup,
         "nixl_backends": list(dict.fromkeys(b for t in nets for b in t)),
         "transports": ["+".join(t) for t in nets],
+        "trees": {_lane(lane): os.path.abspath(lane[0]) for lane in lanes if lane[0]},
+        "push_parts": args.push_parts,
+        "min_part_bytes": args.min_part_bytes,
         "host": {
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
@@ -563,6 +654,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "time_unix": time.time(),
         "results": results,
     }
+
+
+def _lane(lane: tuple[str | None, tuple[str, ...]]) -> str:
+    """A lane's label: its transport, and the kvpush tree it runs when several are compared."""
+    tree, t = lane
+    return "+".join(t) + (f"@{Path(tree).resolve().name}" if tree else "")
 
 
 def _version(dist: str) -> str:
@@ -734,6 +831,20 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="compare NIXL backends: every case over each (repeatable, e.g. --nixl-backend UCX --nixl-backend "
         "LIBFABRIC; LIBFABRIC needs its libraries on LD_LIBRARY_PATH: tools/libfabric/setup.sh --ld-path)",
+    )
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="run the engine of this kvpush tree (repeatable: trees side by side, cases taking turns)",
+    )
+    ap.add_argument("--push-parts", type=int, default=None, help="the engines' push_parts (default: kvpush's)")
+    ap.add_argument(
+        "--min-part-bytes",
+        type=int,
+        default=None,
+        help="smallest part of a staged push (kvpush.plan.MIN_PART_BYTES; lower it to cut small payloads into parts)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
     ap.add_argument("--no-plot", action="store_true")

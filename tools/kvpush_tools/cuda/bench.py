@@ -1533,11 +1533,14 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvpush_tools.demo.servers import export_temp_keys
+
     opts, a = parse(argv)
     import kvpush
 
     _log(f"options: {opts}")
     _log(f"kvpush from {os.path.dirname(kvpush.__file__)}, protocol v{kvpush.PROTOCOL_VERSION}")
+    export_temp_keys()  # P's and D's engines authenticate (the spawned processes inherit the variable)
     ctx = mp.get_context("spawn")
     p_conn, d_conn = ctx.Pipe()
     results = ctx.Queue()

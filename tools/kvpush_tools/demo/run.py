@@ -57,17 +57,19 @@ class Plan:
     router_port: int
     p_kv_port: int
     d_kv_port: int
+    keys: str = ""
+    """kvpush's side-channel key set (P and D share it; made in a private temporary directory)."""
 
     def prefill_config(self) -> tuple[dict[str, Any], dict[str, str]]:
         if self.mode == "kvpush":
-            return srv.kvpush_transfer_config("kv_producer", self.p_kv_port), {}
+            return srv.kvpush_transfer_config("kv_producer", self.p_kv_port, auth_keys_dir=self.keys), {}
         connector = "NixlConnector" if self.mode == "vllm-pull" else "NixlPushConnector"
         cfg = srv.vllm_nixl_transfer_config(connector, "kv_producer", engine_id=P_ENGINE_ID)
         return cfg, srv.vllm_nixl_env(self.p_kv_port)
 
     def decode_config(self) -> tuple[dict[str, Any], dict[str, str]]:
         if self.mode == "kvpush":
-            return srv.kvpush_transfer_config("kv_consumer", self.d_kv_port), {}
+            return srv.kvpush_transfer_config("kv_consumer", self.d_kv_port, auth_keys_dir=self.keys), {}
         connector = "NixlConnector" if self.mode == "vllm-pull" else "NixlPushConnector"
         return srv.vllm_nixl_transfer_config(connector, "kv_consumer"), srv.vllm_nixl_env(self.d_kv_port)
 
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
     plan = Plan(args.mode, args.prefill_port, args.decode_port, args.router_port, args.kv_port, args.kv_port + 1)
+    if plan.mode == "kvpush":
+        plan.keys = srv.temp_keys()
 
     # SIGTERM (e.g. from a CI timeout) takes the same clean path as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)

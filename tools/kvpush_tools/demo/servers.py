@@ -31,13 +31,16 @@ too: SIGINT to the group, then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -414,15 +417,43 @@ def vllm_server(
 # with one name (the demo's and the benchmark's --mode).
 
 
-def kvpush_transfer_config(role: str, side_channel_port: int, **extra: Any) -> dict[str, Any]:
-    """Our connector: ``role`` is ``"kv_producer"`` (P) or ``"kv_consumer"`` (D)."""
+def kvpush_transfer_config(
+    role: str, side_channel_port: int, *, auth_keys_dir: str | os.PathLike[str], **extra: Any
+) -> dict[str, Any]:
+    """Our connector: ``role`` is ``"kv_producer"`` (P) or ``"kv_consumer"`` (D); ``auth_keys_dir`` is the
+    side channel's key set (:func:`temp_keys`), which P and D of one stack share."""
     return {
         "kv_connector": "KVPushConnector",
         "kv_connector_module_path": "kvpush.integrations.vllm.connector",
         "kv_role": role,
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"side_channel_port": side_channel_port, "nixl_backends": ["UCX"], **extra},
+        "kv_connector_extra_config": {
+            "side_channel_port": side_channel_port,
+            "nixl_backends": ["UCX"],
+            "auth_keys_dir": str(auth_keys_dir),
+            **extra,
+        },
     }
+
+
+def temp_keys() -> str:
+    """A fresh side-channel key set (``kvpush keys``) in a private temporary directory, removed at exit."""
+    from kvpush.transport.auth import make_key_set
+
+    path = tempfile.mkdtemp(prefix="kvpush-keys-")
+    atexit.register(shutil.rmtree, path, True)
+    make_key_set(path)
+    return path
+
+
+def export_temp_keys() -> str:
+    """``$KVPUSH_AUTH_KEYS_DIR``, set to :func:`temp_keys` first if it is unset: engines this process
+    starts, and the processes it spawns, authenticate with that key set."""
+    from kvpush.transport.auth import ENV_DIR
+
+    if not os.environ.get(ENV_DIR):
+        os.environ[ENV_DIR] = temp_keys()
+    return os.environ[ENV_DIR]
 
 
 def vllm_nixl_transfer_config(

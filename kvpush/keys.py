@@ -1,0 +1,48 @@
+"""``kvpush keys DIR``: make the side channel's key set (``docs/security.md``).
+
+``kvpush keys DIR`` writes P's key pair and one D key pair that P allows; the
+directory then serves both roles (a single host, a test, the demo). ``kvpush
+keys DIR --decode NAME`` adds a D key pair of its own: ``DIR/NAME/`` is what
+that D mounts, ``DIR/decoders/NAME.key`` is what P must see. Existing keys are
+never overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvpush.errors import ConfigError
+from kvpush.transport import auth
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvpush keys", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("dir", help="key set directory (created if missing)")
+    ap.add_argument(
+        "--decode", action="append", default=[], metavar="NAME", help="add a D key pair of its own (repeatable)"
+    )
+    args = ap.parse_args(argv)
+    try:
+        made = auth.make_key_set(args.dir)
+        own = [auth.add_decode_key(args.dir, name) for name in args.decode]
+    except (ConfigError, OSError) as exc:
+        print(f"kvpush keys: {exc}", file=sys.stderr)
+        return 1
+    for path in made:
+        print(f"made {path}")
+    for path in own:
+        print(f"made {path}/ (a D's mount: {auth.PREFILL_PUBLIC}, {auth.DECODE_SECRET}); P allows it")
+    if not made and not own:
+        print(f"{args.dir} already holds a key set; nothing changed")
+    print(
+        f"P: auth_keys_dir={args.dir} (reads {auth.PREFILL_SECRET}, {auth.DECODERS}/*.key)\n"
+        f"D: auth_keys_dir={args.dir} or a {args.dir}/NAME made by --decode (reads {auth.PREFILL_PUBLIC}, "
+        f"{auth.DECODE_SECRET})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
