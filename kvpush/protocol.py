@@ -88,7 +88,11 @@ class Register(_Msg, tag="register"):
 
     ``block_ids[g]`` lists D's blocks of KV-cache group ``g`` from token 0;
     tokens ``[start_token, num_tokens)`` are to be written (D already holds the
-    prefix before ``start_token``). ``lease_ms`` bounds how long P keeps it.
+    prefix before ``start_token``). ``skip_blocks[g]``: D holds no block for
+    the first ``skip_blocks[g]`` blocks of group ``g`` (a sliding window moved
+    past them; their ids are placeholders), so that group's tokens are written
+    from ``max(start_token, skip_blocks[g] * block_size)``; empty: none skipped.
+    ``lease_ms`` bounds how long P keeps it.
     """
 
     transfer_id: Id
@@ -101,6 +105,7 @@ class Register(_Msg, tag="register"):
     lease_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 120_000
     staging: StagingGrant | None = None
     attempt: NonNeg = 0
+    skip_blocks: Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=64)] = ()
 
 
 class Completion(_Msg, tag="done"):

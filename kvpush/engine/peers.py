@@ -78,6 +78,13 @@ class PeerTable:
         peer = self._peers.get(key)
         return peer.ident if peer is not None else None
 
+    def writes_to(self, peer: Peer | None) -> bool:
+        """Whether this P rank writes into any D rank of ``peer``'s instance (unknown peer: assume so)."""
+        if peer is None:
+            return True
+        s = self.sender
+        return bool(targets_for(s.rank, s.tp_size, peer.tp_size, self.layout.num_heads))
+
     def expected(self, reg: protocol.Register) -> int:
         """How many D ranks of the registering instance this P rank writes to."""
         peer = self._peers[(reg.engine_id, reg.rank)]
@@ -160,7 +167,7 @@ class PeerTable:
             why = s.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank))
         if not why:
             assert peer is not None
-            s.on_remote_abort(msg, (peer.engine_id, peer.rank))
+            s.on_remote_abort(msg, (peer.engine_id, peer.rank), self.writes_to(peer))
             return
         s.bump(Count.ABORTS_IGNORED)
         who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "an unknown D rank"
