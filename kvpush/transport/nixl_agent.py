@@ -108,6 +108,7 @@ class Agent:
                 raise KVPushError(f"NIXL backend {b} failed to start: {exc}") from None
         self.backends = tuple(backends)
         self.traits = traits(self.backends)
+        self._mem_types = {b: set(self._agent.get_backend_mem_types(b)) for b in self.backends}
         self._regs: list[Any] = []
         self._peers: set[str] = set()
         self._early: list[tuple[str, bytes]] = []
@@ -118,10 +119,29 @@ class Agent:
             return
         kinds = {r.mem for r in regs}
         for kind in kinds:
+            self._check_takes(str(kind))
             arr = np.array([(r.addr, r.size, r.device_id) for r in regs if r.mem == kind], dtype=np.int64)
             descs = self._agent.get_reg_descs(arr, str(kind))
             self._agent.register_memory(descs)
             self._regs.append(descs)
+
+    def _check_takes(self, kind: str) -> None:
+        """Refuse memory no started backend takes, before NIXL fails on it with a bare status.
+
+        A backend's memory kinds are known only once it started: NIXL's LIBFABRIC plugin takes
+        device memory only when it found an accelerator runtime, which it looks for on efa alone.
+        """
+        if any(f"{kind}_SEG" in mems for mems in self._mem_types.values()):
+            return
+        took = "; ".join(f"{b} takes {sorted(m) or 'nothing'}" for b, m in self._mem_types.items())
+        hint = ""
+        if kind == "VRAM" and "LIBFABRIC" in self._mem_types:
+            hint = (
+                " (NIXL's LIBFABRIC plugin takes device memory only where it found an accelerator"
+                " runtime, which it looks for on the efa provider alone, never on tcp or sockets;"
+                " push device memory over efa, or over UCX)"
+            )
+        raise ConfigError(f"no NIXL backend of this agent registers {kind} memory: {took}{hint}")
 
     def deregister_all(self) -> None:
         for descs in self._regs:
