@@ -18,7 +18,7 @@ import msgspec
 
 from kvpush import PROTOCOL_VERSION
 from kvpush.errors import LayoutError, ProtocolError
-from kvpush.layout import KVLayout, Region
+from kvpush.layout import KVLayout, MemKind, Region
 from kvpush.outcome import Cause, PlanKind, Stage
 
 MAX_FRAME_BYTES = 8 << 20
@@ -60,6 +60,8 @@ class Hello(_Msg, tag="hello"):
     layout: KVLayout
     model: Name
     staging: Region | None = None
+    staging_mem: MemKind | None = None
+    """Memory kind of ``staging`` when it differs from the layout's (a device's KV staged through host memory)."""
 
 
 class HelloReply(_Msg, tag="hello_reply"):

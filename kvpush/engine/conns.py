@@ -120,6 +120,7 @@ class Conns:
             layout=r.layout,
             model=r.cfg.model,
             staging=staging,
+            staging_mem=r._staging.mem if r._staging is not None else None,
         )
         client.send(hello)
         return conn

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush import protocol
 from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, check_compatible
+from kvpush.layout import KVLayout, MemKind, check_compatible
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.push_job import DKey
@@ -42,6 +42,8 @@ class Peer:
     layout: KVLayout
     staging: Any
     last_seen: float
+    staging_mem: MemKind = MemKind.DRAM
+    """Memory kind of ``staging``: what NIXL is told for the remote side of a staged WRITE."""
 
 
 class PeerTable:
@@ -149,7 +151,7 @@ class PeerTable:
         except Exception as exc:
             s.server.send(ident, protocol.HelloReply(ok=False, reason=f"cannot load D's NIXL metadata: {exc}"))
             return
-        self._peers[key] = Peer(ident, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now)
+        self._peers[key] = Peer(ident, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now, msg.staging_mem or msg.layout.mem)
         reply = protocol.HelloReply(
             ok=True,
             engine_id=s.engine_id,
