@@ -151,7 +151,17 @@ class PeerTable:
         except Exception as exc:
             s.server.send(ident, protocol.HelloReply(ok=False, reason=f"cannot load D's NIXL metadata: {exc}"))
             return
-        self._peers[key] = Peer(ident, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now, msg.staging_mem or msg.layout.mem)
+        self._peers[key] = Peer(
+            ident,
+            msg.engine_id,
+            msg.rank,
+            msg.tp_size,
+            agent_name,
+            msg.layout,
+            msg.staging,
+            now,
+            msg.staging_mem or msg.layout.mem,
+        )
         reply = protocol.HelloReply(
             ok=True,
             engine_id=s.engine_id,
