@@ -18,7 +18,7 @@ import msgspec
 
 from kvpush import PROTOCOL_VERSION
 from kvpush.errors import LayoutError, ProtocolError
-from kvpush.layout import KVLayout, Region
+from kvpush.layout import KVLayout, MemKind, Region
 from kvpush.outcome import Cause, PlanKind, PrefillState, Stage
 
 MAX_FRAME_BYTES = 8 << 20
@@ -64,6 +64,8 @@ class Hello(_Msg, tag="hello"):
     """D's count of hellos to this P rank: P echoes it, so a reply is matched to the hello it answers. A hello
     D sends after declaring P dead is a *fencing* hello: P answers it ok only once nothing of D's earlier
     session is in flight and every registration of it is dropped."""
+    staging_mem: MemKind | None = None
+    """Memory kind of ``staging`` when it differs from the layout's (a device's KV staged through host memory)."""
 
 
 class HelloReply(_Msg, tag="hello_reply"):

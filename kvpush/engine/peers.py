@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush import protocol
 from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, check_compatible
+from kvpush.layout import KVLayout, MemKind, check_compatible
 from kvpush.limits import Throttle
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
@@ -57,6 +57,8 @@ class Peer:
     layout: KVLayout
     staging: Any
     last_seen: float
+    staging_mem: MemKind = MemKind.DRAM
+    """Memory kind of ``staging``: what NIXL is told for the remote side of a staged WRITE."""
 
 
 class PeerTable:
@@ -234,7 +236,16 @@ class PeerTable:
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         self._peers[dkey] = Peer(
-            ident, key, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now
+            ident,
+            key,
+            msg.engine_id,
+            msg.rank,
+            msg.tp_size,
+            agent_name,
+            msg.layout,
+            msg.staging,
+            now,
+            msg.staging_mem or msg.layout.mem,
         )
         reply = protocol.HelloReply(
             ok=True,

@@ -230,9 +230,10 @@ class PushRunner:
         """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count."""
         local, remote = part_descriptors(plan, self.s.layout, peer.layout, r0, r1)
         notif = _completion(plan, reg, self.s.rank, r0, r1, local.shape[0])
-        handle = self.s.agent.prepare_write(
-            local, str(self.s.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
-        )
+        lmem, rmem = self.s.layout.mem, peer.layout.mem
+        if plan.kind is PlanKind.STAGED and self.s._staging is not None:  # staging may live elsewhere than the KV
+            lmem, rmem = self.s._staging.mem, peer.staging_mem
+        handle = self.s.agent.prepare_write(local, str(lmem), remote, str(rmem), peer.agent, notif)
         return handle, local.shape[0]
 
     def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:

@@ -58,6 +58,13 @@ ATTENTION = {
 from the ``[B, H, N, C]`` view vLLM hands the connector, so a token-level copy lands where they read."""
 
 
+STAGING_WHAT = (
+    "device (VRAM, registered with NIXL together with the KV)",
+    "host (pinned host memory; the KV is never registered: for transports that cannot register VRAM)",
+)
+STAGING = tuple(w.split()[0] for w in STAGING_WHAT)
+
+
 class CudaBackend(TestSupport, Backend):
     """KV in CUDA device memory, registered with NIXL as VRAM.
 
@@ -68,11 +75,15 @@ class CudaBackend(TestSupport, Backend):
     copies one tile of at most ``tile_bytes``); ``stream_priority`` is the
     copier stream's (CUDA: lower is higher; -1, high, lets a layer-wise pack
     run beside the forward's GEMMs instead of after them, see ``copy.py``).
+    ``staging`` is ``device`` (VRAM; the KV is registered too and pushed in
+    place where that is cheaper) or ``host``: pinned host memory that the
+    copy kernels reach over the bus, and the KV never registered, for
+    transports that cannot register device memory (NIXL's LIBFABRIC plugin
+    over tcp, a UCX without GPU support): every push is then staged.
     """
 
     name = "cuda"
     mem = MemKind.VRAM
-    capabilities = Capabilities(direct=True, chained_ready=True)
 
     def __init__(
         self,
@@ -82,7 +93,11 @@ class CudaBackend(TestSupport, Backend):
         num_warps: int = 4,
         pack_bandwidth: float = DEFAULT_PACK_BANDWIDTH,
         stream_priority: int = -1,
+        staging: str = "device",
     ) -> None:
+        if staging not in STAGING:
+            raise BackendError(f"cuda backend: staging {staging!r} is not one of: {'; '.join(STAGING_WHAT)}")
+        self._host_staging = staging == "host"
         self._torch = cuda_torch()
         n = self._torch.cuda.device_count()
         if device is not None and not 0 <= device < n:
@@ -103,6 +118,11 @@ class CudaBackend(TestSupport, Backend):
         if self._device is None:
             self._device = int(self._torch.cuda.current_device())
         return self._device
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """In place with device staging; with host staging NIXL never sees the KV, so every push is staged."""
+        return Capabilities(direct=not self._host_staging, chained_ready=True)
 
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
         if spec.attention not in ATTENTION:
@@ -134,7 +154,10 @@ class CudaBackend(TestSupport, Backend):
             torch.cuda.set_device(self.device)
 
     def registrations(self, layout: KVLayout) -> list[MemRegistration]:
-        """One registration per allocation holding regions; regions we did not describe are merged as by default."""
+        """One registration per allocation holding regions (regions we did not describe merged as by default);
+        none with host staging, where only the staging buffers are registered."""
+        if self._host_staging:
+            return []
         regs, rest = allocation_registrations(layout, self._spans)
         if rest:
             regs += super().registrations(msgspec.structs.replace(layout, regions=tuple(rest)))
@@ -172,12 +195,18 @@ class CudaBackend(TestSupport, Backend):
     def alloc_staging(self, nbytes: int, device_id: int | None = None) -> StagingBuffer:
         torch = self._torch
         dev = self.device if device_id is None else int(device_id)
+        where = "pinned host memory" if self._host_staging else f"cuda:{dev}"
         try:
-            buf = torch.empty(int(nbytes), dtype=torch.uint8, device=f"cuda:{dev}")
+            if self._host_staging:  # page-locked and mapped: the copy kernels on ``dev`` read and write it
+                buf = torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=True)
+            else:
+                buf = torch.empty(int(nbytes), dtype=torch.uint8, device=f"cuda:{dev}")
         except RuntimeError as exc:  # out of memory, bad device
-            raise BackendError(f"cannot allocate {nbytes} bytes of staging on cuda:{dev}: {exc}") from None
+            raise BackendError(f"cannot allocate {nbytes} bytes of staging in {where}: {exc}") from None
         addr = int(buf.data_ptr())
         self._staging[addr] = (int(nbytes), dev)
+        if self._host_staging:
+            return StagingBuffer(addr, int(nbytes), 0, MemKind.DRAM, owner=buf)
         return StagingBuffer(addr, int(nbytes), dev, MemKind.VRAM, owner=buf)
 
     def _copier(self, staging_addr: int) -> PieceCopier:

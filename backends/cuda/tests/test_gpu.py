@@ -93,6 +93,30 @@ def test_alloc_staging_on_device() -> None:
         be.alloc_staging(1 << 62, D_DEV)
 
 
+def test_host_staging() -> None:
+    """Host staging: nothing of the KV registered, the staging buffer pinned host memory registered as
+    DRAM, and the copy kernels move the blocks through it byte for byte (pack, then unpack elsewhere)."""
+    be = CudaBackend(device=0, staging="host")
+    assert not be.capabilities.direct and be.capabilities.chained_ready
+    kv = _cuda_kv("LBNHC", 16, 0, layers=2)
+    out = _cuda_kv("LBNHC", 16, 0, layers=2)
+    spec = spec_for("LBNHC", 16, 2, 64)
+    layout, out_layout = be.describe(kv, spec), be.describe(out, spec)
+    assert be.registrations(layout) == []
+    src_ids, dst_ids = np.arange(8), np.array([9, 3, 12, 0, 5, 7, 15, 1])
+    pieces = coalesce(map_pieces(layout, out_layout, src_ids, dst_ids, 8 * 16))
+    pk, up = np.ascontiguousarray(pieces[:, [0, 2]]), np.ascontiguousarray(pieces[:, [1, 2]])
+    staging = be.alloc_staging(int(pk[:, 1].sum()) * len(layout.regions), 0)
+    assert staging.mem is MemKind.DRAM and staging.owner.device.type == "cpu" and staging.owner.is_pinned()
+    fill_random(kv, 7)
+    be.wait_ready(be.start_pack([r.base for r in layout.regions], pk, staging.addr, after=be.record_ready()))
+    assert int(staging.owner.count_nonzero()) > 0
+    be.wait_ready(be.start_unpack([r.base for r in out_layout.regions], up, staging.addr))
+    assert blocks_equal(out, "LBNHC", dst_ids, kv, "LBNHC", src_ids)
+    with pytest.raises(BackendError, match="staging 'vram' is not one of"):
+        CudaBackend(staging="vram")
+
+
 @pytest.mark.parametrize("kernel", ["triton", "torch"])
 @pytest.mark.parametrize(
     ("src", "dst"), [("LBNHC", "LBNHC"), ("LBNHC", "LBHNC"), ("BLNHC", "LBHNC"), ("old_flashinfer", "old_cross_layer")]
