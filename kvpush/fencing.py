@@ -48,8 +48,18 @@ class Fencing:
     def __len__(self) -> int:
         return len(self.current)
 
-    def register(self, asked: Asked, writers: dict[int, ConnKey], now: float) -> list[Action]:
-        """D allocated blocks for a transfer (again: a re-issue is a new attempt)."""
+    def register(
+        self, asked: Asked, writers: dict[int, ConnKey], now: float, bystanders: dict[int, ConnKey] | None = None
+    ) -> list[Action]:
+        """D allocated blocks for a transfer (again: a re-issue is a new attempt).
+
+        ``bystanders``: the peer's P ranks that write into no D rank of this
+        instance (their KV is replicated on other P ranks that do: MLA's
+        latent, or more TP ranks than KV heads). They are told at once that
+        their copy is not needed (``Cancel``), so each frees its finished
+        prefill now instead of holding it for a lease; D expects nothing
+        from them.
+        """
         self._bump(Count.REGISTRATIONS)
         transfer_id = asked.transfer_id
         old = self.current.pop(transfer_id, None)
@@ -67,7 +77,9 @@ class Fencing:
         deadline = now + self.transfer_timeout_s
         inc = Incoming(asked, writers, self.nregions, now, deadline, attempt, now + self.hard_cap_s)
         self.current[transfer_id] = inc
-        return out + [SendRegister(inc, p) for p in inc.writers]
+        why = f"D takes this KV from P ranks {sorted(writers)}"
+        spare = [Cancel(transfer_id, asked.request_id, conn, why) for conn in (bystanders or {}).values()]
+        return out + [SendRegister(inc, p) for p in inc.writers] + spare
 
     def on(self, inc: Incoming, actions: list[Action]) -> list[Action]:
         """The actions of an event the receiver fed ``inc`` directly (an action's answer), settled here."""

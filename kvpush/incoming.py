@@ -53,6 +53,7 @@ class Asked:
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
     start_token: int = 0
+    skip_blocks: tuple[int, ...] = ()  # per group: leading blocks D does not hold (a sliding window's)
 
 
 @dataclass

@@ -45,9 +45,11 @@ class TokenOrder(enum.StrEnum):
     NHD = "NHD"
     HND = "HND"
     BLOCK = "BLOCK"
-    """Opaque: the attention kernel packs a block its own way (vLLM's CPU
-    backend does), so only whole blocks can be copied; both sides must share
-    block size and head slice."""
+    """Head-major with opaque heads: a block is ``local_heads`` chunks of
+    ``block_size * head_bytes``, one per head, and the attention kernel packs
+    each chunk its own way (vLLM's CPU backend keeps a head's K rows, then
+    its V rows, in its own tiling), so only whole (block, head) chunks can be
+    copied: both sides must share the block size; head slices may differ."""
 
 
 class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,6 +91,9 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mem: MemKind
     dtype: str
     regions: tuple[Region, ...]
+    direct: bool = True
+    """Whether NIXL may read and write the regions in place; False (a backend that cannot register its KV
+    memory) means every transfer to or from this rank goes through staging. Peers learn it from the layout."""
 
     @property
     def token_bytes(self) -> int:
@@ -184,10 +189,12 @@ def heads_overlap(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
     return max(src.head_start, dst.head_start), min(src.head_end, dst.head_end)
 
 
-def _check_ids(ids: np.ndarray, n_needed: int, num_blocks: int, side: str) -> None:
+def _check_ids(ids: np.ndarray, n_needed: int, num_blocks: int, side: str, first: int = 0) -> None:
+    """Block ids ``[first, n_needed)`` exist: the blocks before ``first`` hold no token pushed (D's prefix, or
+    a sliding window's dropped blocks) and may be placeholders."""
     if ids.size < n_needed:
         raise LayoutError(f"{side} has {ids.size} block ids, {n_needed} needed for the tokens pushed")
-    used = ids[:n_needed]
+    used = ids[first:n_needed]
     if used.size and (used.min() < 0 or used.max() >= num_blocks):
         raise LayoutError(f"{side} block id out of range [0, {num_blocks}): min {used.min()}, max {used.max()}")
 
@@ -238,8 +245,8 @@ def map_pieces(
         raise LayoutError(f"start_token {start_token} outside [0, {num_tokens}]")
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
-    _check_ids(sb, -(-num_tokens // src.block_size), src.num_blocks, "P")
-    _check_ids(db, -(-num_tokens // dst.block_size), dst.num_blocks, "D")
+    _check_ids(sb, -(-num_tokens // src.block_size), src.num_blocks, "P", start_token // src.block_size)
+    _check_ids(db, -(-num_tokens // dst.block_size), dst.num_blocks, "D", start_token // dst.block_size)
     if start_token == num_tokens:
         return np.zeros((0, 3), dtype=np.int64)
     if _block_granular(src, dst):
@@ -328,31 +335,27 @@ def _block_pieces(
     num_tokens: int,
     start_token: int,
 ) -> np.ndarray:
-    """Whole-block pieces for opaque layouts: every block touching ``[start_token, num_tokens)``."""
-    same = (src.order, src.block_size, src.block_bytes, src.head_start, src.local_heads) == (
-        dst.order,
-        dst.block_size,
-        dst.block_bytes,
-        dst.head_start,
-        dst.local_heads,
-    )
-    if not same:
+    """Whole (block, head) chunks for opaque layouts: every block touching ``[start_token, num_tokens)``, the
+    heads both ranks hold."""
+    if (src.order, dst.order) != (TokenOrder.BLOCK, TokenOrder.BLOCK) or src.block_size != dst.block_size:
         raise LayoutError(
-            f"opaque (BLOCK) layouts copy whole blocks only: P and D need the same order, block size, "
-            f"block bytes and heads (P: {src.order}/{src.block_size}/{src.block_bytes}/heads {src.head_start}+"
-            f"{src.local_heads}, D: {dst.order}/{dst.block_size}/{dst.block_bytes}/heads {dst.head_start}+"
-            f"{dst.local_heads})"
+            f"opaque (BLOCK) layouts copy whole blocks head by head: P and D need the BLOCK order and the same "
+            f"block size (P: {src.order}/{src.block_size} tokens, D: {dst.order}/{dst.block_size} tokens)"
         )
     if not 0 <= start_token <= num_tokens or start_token % src.block_size:
         raise LayoutError(f"start_token {start_token} must be block-aligned and within [0, {num_tokens}]")
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
     n_blocks = -(-num_tokens // src.block_size)
-    _check_ids(sb, n_blocks, src.num_blocks, "P")
-    _check_ids(db, n_blocks, dst.num_blocks, "D")
+    _check_ids(sb, n_blocks, src.num_blocks, "P", start_token // src.block_size)
+    _check_ids(db, n_blocks, dst.num_blocks, "D", start_token // dst.block_size)
+    lo, hi = heads_overlap(src, dst)
+    chunk = src.block_size * src.head_bytes  # one head of one block
     idx = np.arange(start_token // src.block_size, n_blocks)
-    ln = np.full(idx.size, src.block_bytes, dtype=np.int64)
-    return np.stack([sb[idx] * src.block_stride, db[idx] * dst.block_stride, ln], axis=1).astype(np.int64)
+    # The shared heads are consecutive on both sides: one piece per block.
+    so = sb[idx] * src.block_stride + (lo - src.head_start) * chunk
+    do = db[idx] * dst.block_stride + (lo - dst.head_start) * chunk
+    return np.stack([so, do, np.full(idx.size, (hi - lo) * chunk, dtype=np.int64)], axis=1).astype(np.int64)
 
 
 def coalesce(pieces: np.ndarray) -> np.ndarray:

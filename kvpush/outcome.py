@@ -39,6 +39,7 @@ class Cause(enum.StrEnum):
     REFUSED = "refused"  # the handshake was refused (incompatible peer, no hello)
     SUPERSEDED = "superseded"  # a re-issued request or registration replaced this one
     ABORTED = "aborted"  # either side gave up on the request
+    NOT_NEEDED = "not_needed"  # no D rank takes this P rank's copy (replicated KV: another P rank writes it)
     WRITE_ERROR = "write_error"  # NIXL failed a WRITE
     POST_ERROR = "post_error"  # planning, packing or posting failed on P
     BAD_REGISTRATION = "bad_registration"  # block ids, groups, staging or token counts that cannot be right

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpush.config import Config
-from kvpush.layout import KVLayout, coalesce, descriptors, heads_overlap, map_pieces, merge_descriptors
+from kvpush.errors import LayoutError
+from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, heads_overlap, map_pieces, merge_descriptors
 from kvpush.outcome import PlanKind
 from kvpush.payload import block_runs, pack_pieces
 from kvpush.payload import unpack_pieces as unpack_pieces
@@ -56,11 +57,22 @@ class Plan:
     staging_local: tuple[int, int] | None = None  # P slot (address, device)
     staging_remote: tuple[int, int] | None = None  # D slot (address, device)
     estimate: Estimate | None = None
+    group_merged: tuple[np.ndarray, ...] = ()
+    """Hybrid models (several KV-cache groups, each with its own blocks): the merged pieces of each group's
+    regions; ``merged`` is group 0's. Empty: one piece list serves every region."""
+    region_group: tuple[int, ...] = ()  # each region's group, when ``group_merged`` is set
 
     @property
     def region_bytes(self) -> int:
-        """Bytes one region contributes; a part of k regions moves ``k * region_bytes``."""
+        """Bytes one region contributes (on average, for a hybrid plan); see ``bytes_of``."""
         return self.nbytes // self.nregions if self.nregions else 0
+
+    def bytes_of(self, r0: int, r1: int) -> int:
+        """Bytes regions ``[r0, r1)`` move."""
+        if not self.group_merged:
+            return (r1 - r0) * self.region_bytes
+        per = [int(m[:, 2].sum()) for m in self.group_merged]
+        return sum(per[g] for g in self.region_group[r0:r1])
 
 
 def _dst_order(pieces: np.ndarray) -> np.ndarray:
@@ -68,9 +80,83 @@ def _dst_order(pieces: np.ndarray) -> np.ndarray:
 
 
 def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int) -> int:
-    """Payload size of a staged transfer, computable on either side."""
+    """Payload size of a staged transfer, computable on either side (opaque layouts move whole blocks)."""
     lo, hi = max(src.head_start, dst.head_start), min(src.head_end, dst.head_end)
-    return (num_tokens - start_token) * max(0, hi - lo) * src.head_bytes * len(src.regions)
+    tokens = num_tokens - start_token
+    if TokenOrder.BLOCK in (src.order, dst.order):
+        tokens = (-(-num_tokens // src.block_size) - start_token // src.block_size) * src.block_size
+    return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
+
+
+HOLE = -1
+"""A block id P no longer holds (its sliding window moved past it): never to be read."""
+
+
+@dataclass(frozen=True)
+class GroupTokens:
+    """One KV-cache group's share of a push: P's and D's block ids of that group, the first token to write."""
+
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    start_token: int
+
+
+def group_tokens(
+    src_ids: tuple[tuple[int, ...], ...],
+    dst: KVLayout,
+    reg_ids: tuple[tuple[int, ...], ...],
+    start: int,
+    skip: tuple[int, ...],
+) -> list[GroupTokens]:
+    """Each group's blocks and first token: D's ``skip`` leading blocks of a group (a sliding window's) are not
+    written, so that group starts at ``max(start, skip * D's block size)``."""
+    return [
+        GroupTokens(
+            tuple(src_ids[g]), tuple(reg_ids[g]), max(start, (skip[g] if g < len(skip) else 0) * dst.block_size)
+        )
+        for g in range(len(reg_ids))
+    ]
+
+
+def _group_pieces(src: KVLayout, dst: KVLayout, gt: GroupTokens, g: int, num_tokens: int) -> np.ndarray:
+    """Pieces of one group, refusing a token D needs that P no longer holds."""
+    if gt.start_token < num_tokens:
+        first = gt.start_token // src.block_size
+        held = gt.src_blocks[first : -(-num_tokens // src.block_size)]
+        if HOLE in held:
+            raise LayoutError(
+                f"KV-cache group {g}: D needs tokens from {gt.start_token}, P no longer holds block "
+                f"{first + held.index(HOLE)} of that group (its sliding window moved past it)"
+            )
+    return map_pieces(src, dst, gt.src_blocks, gt.dst_blocks, num_tokens, gt.start_token)
+
+
+def _hybrid_plan(
+    cfg: Config, src: KVLayout, dst: KVLayout, groups: list[GroupTokens], num_tokens: int, pack_bw: float
+) -> Plan:
+    """A direct plan whose regions carry their group's pieces (staging needs one piece list for all regions)."""
+    if not (src.direct and dst.direct):
+        raise LayoutError("a hybrid model's KV (several KV-cache groups) is pushed directly; a side cannot be")
+    region_group = tuple(r.group for r in src.regions)
+    merged = tuple(coalesce(_dst_order(_group_pieces(src, dst, gt, g, num_tokens))) for g, gt in enumerate(groups))
+    count = [region_group.count(g) for g in range(len(groups))]
+    nbytes = sum(int(m[:, 2].sum()) * c for m, c in zip(merged, count, strict=True))
+    nregions = len(src.regions)
+    if nbytes == 0:
+        return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+    ndesc = sum(m.shape[0] * c for m, c in zip(merged, count, strict=True))
+    est = estimate(cfg, ndesc, nbytes, ndesc, pack_bw)
+    return Plan(
+        PlanKind.DIRECT,
+        nbytes,
+        ndesc,
+        ndesc,
+        nregions,
+        merged[0],
+        estimate=est,
+        group_merged=merged,
+        region_group=region_group,
+    )
 
 
 def estimate(cfg: Config, ndesc: int, nbytes: int, pack_pieces: int, pack_bw: float) -> Estimate:
@@ -95,13 +181,19 @@ def build_plan(
     staging_local: tuple[int, int] | None = None,
     staging_remote: tuple[int, int, int] | None = None,
     pack_bw: float = 5e9,
+    groups: list[GroupTokens] | None = None,
     pack: np.ndarray | None = None,
 ) -> Plan:
     """Choose and build the plan for one (request, D rank).
 
     ``staging_local`` is (address, device) of a P slot large enough for the
     payload, ``staging_remote`` (address, length, device) of D's granted slot;
-    without both the plan is direct. ``pack``: P's pack list for exactly this
+    without both the plan is direct. A side whose backend cannot let NIXL
+    touch its KV in place (``KVLayout.direct`` false, from the backend's
+    ``Capabilities``) gets a staged plan whatever ``cfg.plan`` says, and
+    ``LayoutError`` when there is no slot to stage through. ``groups``: a
+    hybrid model's per-group blocks and first tokens (``group_tokens``),
+    whose plan is direct, each region with its group's pieces. ``pack``: P's pack list for exactly this
     request's tokens and shared heads, built ahead (``payload.pack_pieces``).
 
     With a pack list given, the cost model first compares staging with a
@@ -110,6 +202,10 @@ def build_plan(
     coalescing every piece) is never built, and ``estimate.direct_s`` is that
     bound's. This is the path of a registration arriving after the prefill.
     """
+    if len({r.group for r in src.regions}) > 1:
+        if groups is None or len(groups) != 1 + max(r.group for r in src.regions):
+            raise LayoutError("a hybrid layout (several KV-cache groups) needs every group's blocks to plan")
+        return _hybrid_plan(cfg, src, dst, groups, num_tokens, pack_bw)
     src_blocks = np.asarray(src_blocks, dtype=np.int64)  # once: each helper below would convert a list again
     dst_blocks = np.asarray(dst_blocks, dtype=np.int64)
     pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
@@ -135,7 +231,15 @@ def build_plan(
     # unless regions sit back to back; enough to choose without building them.
     ndesc = merged.shape[0] * nregions
     est = estimate(cfg, ndesc, nbytes, (merged if pack is None else pack).shape[0] * nregions, pack_bw)
-    want_staged = cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
+    direct_ok = src.direct and dst.direct
+    if not direct_ok and not can_stage:
+        side = "P" if not src.direct else "D"
+        raise LayoutError(
+            f"{side}'s backend cannot let NIXL access its KV in place, so this push must be staged, but "
+            f"{'D granted no staging slot' if staging_remote is None else 'no staging slot was free'} for its "
+            f"{nbytes} bytes (set staging_bytes on both sides, larger than the largest request)"
+        )
+    want_staged = not direct_ok or cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
     if can_stage and want_staged:
         assert staging_local is not None and staging_remote is not None
         remote = (staging_remote[0], staging_remote[2])
@@ -182,6 +286,14 @@ def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int)
         lo = np.array([[plan.staging_local[0] + off, ln, plan.staging_local[1]]], dtype=np.int64)
         ro = np.array([[plan.staging_remote[0] + off, ln, plan.staging_remote[1]]], dtype=np.int64)
         return lo, ro
+    if plan.group_merged:
+        runs, a = [], r0  # consecutive regions of one group share its pieces
+        for r in range(r0 + 1, r1 + 1):
+            if r == r1 or plan.region_group[r] != plan.region_group[a]:
+                runs.append((a, r))
+                a = r
+        parts = [descriptors(plan.group_merged[plan.region_group[a]], src, dst, a, b) for a, b in runs]
+        return merge_descriptors(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     return merge_descriptors(*descriptors(plan.merged, src, dst, r0, r1))
 
 
@@ -307,8 +419,14 @@ def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndar
     """D's side of the choice: reserve a slot only when direct would post many descriptors.
 
     D sees only its own fragmentation (``dst_pieces`` from ``unpack_pieces``),
-    a lower bound on the direct plan's descriptor count.
+    a lower bound on the direct plan's descriptor count. When either side
+    cannot be accessed in place, the push can only be staged: always reserve.
+    A hybrid model's push (several KV-cache groups) is direct: never reserve.
     """
+    if len({r.group for r in dst.regions}) > 1:
+        return False
+    if not (src.direct and dst.direct):
+        return cfg.staging_bytes > 0
     if cfg.plan == "direct" or cfg.staging_bytes == 0:
         return False
     if cfg.plan == "staged":

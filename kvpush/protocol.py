@@ -18,7 +18,7 @@ import msgspec
 
 from kvpush import PROTOCOL_VERSION
 from kvpush.errors import LayoutError, ProtocolError
-from kvpush.layout import KVLayout, Region
+from kvpush.layout import KVLayout, MemKind, Region
 from kvpush.outcome import Cause, PlanKind, PrefillState, Stage
 
 MAX_FRAME_BYTES = 8 << 20
@@ -64,6 +64,8 @@ class Hello(_Msg, tag="hello"):
     """D's count of hellos to this P rank: P echoes it, so a reply is matched to the hello it answers. A hello
     D sends after declaring P dead is a *fencing* hello: P answers it ok only once nothing of D's earlier
     session is in flight and every registration of it is dropped."""
+    staging_mem: MemKind | None = None
+    """Memory kind of ``staging`` when it differs from the layout's (a device's KV staged through host memory)."""
 
 
 class HelloReply(_Msg, tag="hello_reply"):
@@ -88,7 +90,11 @@ class Register(_Msg, tag="register"):
 
     ``block_ids[g]`` lists D's blocks of KV-cache group ``g`` from token 0;
     tokens ``[start_token, num_tokens)`` are to be written (D already holds the
-    prefix before ``start_token``). ``lease_ms`` bounds how long P keeps it.
+    prefix before ``start_token``). ``skip_blocks[g]``: D holds no block for
+    the first ``skip_blocks[g]`` blocks of group ``g`` (a sliding window moved
+    past them; their ids are placeholders), so that group's tokens are written
+    from ``max(start_token, skip_blocks[g] * block_size)``; empty: none skipped.
+    ``lease_ms`` bounds how long P keeps it.
     """
 
     transfer_id: Id
@@ -101,6 +107,7 @@ class Register(_Msg, tag="register"):
     lease_ms: Annotated[int, msgspec.Meta(ge=1, le=3_600_000)] = 120_000
     staging: StagingGrant | None = None
     attempt: NonNeg = 0
+    skip_blocks: Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=64)] = ()
 
 
 class Completion(_Msg, tag="done"):

@@ -275,7 +275,7 @@ class PushJob:
         st = self.stats
         st.post_s = (st.post_s or 0.0) + t1 - t0
         st.descriptors += ndesc
-        st.bytes += n * self.plan.region_bytes
+        st.bytes += self.plan.plan.bytes_of(a.r0, a.r1)
         st.parts += 1
         self.times.first("packed", t0)
         self.times.latest("posted", t1)

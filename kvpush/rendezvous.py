@@ -175,6 +175,7 @@ class Rendezvous:
         # a whole lease.
         self._tombstones: dict[str, tuple[float, DKey | None]] = {}
         self._tombs_of: dict[DKey, int] = {}
+        self._tomb_cause: dict[str, Cause] = {}  # why each tombstone was left (an abort, or not needed)
         # What P's scheduler said of prefills not finished yet: (state, prompt tokens ahead of it).
         self._queue: dict[str, tuple[PrefillState, int]] = {}
 
@@ -184,7 +185,10 @@ class Rendezvous:
         out: list[Decision] = []
         self._queue.pop(prefill.transfer_id, None)
         if prefill.transfer_id in self._tombstones and prefill.transfer_id not in self._entries:
-            return [Release(prefill, "transfer was aborted before the prefill finished", Cause.ABORTED)]
+            cause = self._tomb_cause.get(prefill.transfer_id, Cause.ABORTED)
+            if cause is Cause.NOT_NEEDED:
+                return [Release(prefill, "no D rank takes this rank's copy of the KV", cause)]
+            return [Release(prefill, "transfer was aborted before the prefill finished", cause)]
         e = self._entries.setdefault(prefill.transfer_id, _Entry())
         if e.prefill is not None and e.prefill.request_id != prefill.request_id:
             if e.in_flight:
@@ -350,13 +354,14 @@ class Rendezvous:
             )
         return ""
 
-    def _bury(self, transfer_id: str, until: float, by: DKey | None) -> None:
+    def _bury(self, transfer_id: str, until: float, by: DKey | None, cause: Cause = Cause.ABORTED) -> None:
         """A tombstone until ``until``; one already there keeps the D rank it counts against (a second
         abort of the same id refreshes it, and cannot move it onto a rank that is at its limit)."""
         if transfer_id in self._tombstones:
             by = self._tombstones[transfer_id][1]
         self._unbury(transfer_id)
         self._tombstones[transfer_id] = (until, by)
+        self._tomb_cause[transfer_id] = cause
         if by is not None:
             self._tombs_of[by] = self._tombs_of.get(by, 0) + 1
         while len(self._tombstones) > self.limits.max_tombstones:
@@ -365,6 +370,7 @@ class Rendezvous:
 
     def _unbury(self, transfer_id: str) -> None:
         _, by = self._tombstones.pop(transfer_id, (0.0, None))
+        self._tomb_cause.pop(transfer_id, None)
         if by is not None:
             left = self._tombs_of[by] - 1
             if left:
@@ -378,7 +384,7 @@ class Rendezvous:
         e = self._entries.get(transfer_id)
         self._queue.pop(transfer_id, None)
         if e is None or e.prefill is None:
-            self._bury(transfer_id, now + self.prefill_lease_s, by)
+            self._bury(transfer_id, now + self.prefill_lease_s, by, cause)
         if e is None:
             return []
         e.regs = {k: r for k, r in e.regs.items() if k in e.in_flight}

@@ -35,6 +35,7 @@ class BrokenBackend(MinimalBackend):
     name = "broken"
 
     def __init__(self, bug: str = "") -> None:
+        super().__init__()
         self.bugs = {b for b in bug.split(",") if b}
         assert self.bugs <= BUGS, self.bugs - BUGS
         self._described: set[int] = set()

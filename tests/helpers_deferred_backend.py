@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.backends.base import Capabilities
 from kvpush.backends.host import HostBackend
 
 DELAY_S = 0.25
@@ -38,9 +39,11 @@ class _Later:
 
 class DeferredHostBackend(HostBackend):
     name = "deferred-host"
-    chains_ready = True  # a pack may be queued behind a marker (host markers are None: nothing to wait for)
+    # a pack may be queued behind a marker (host markers are None: nothing to wait for)
+    capabilities = Capabilities(chained_ready=True)
 
     def __init__(self) -> None:
+        super().__init__()
         self.started = 0
 
     def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:

@@ -228,6 +228,46 @@ class Worker(conformance.Worker):
         self.progressing.append((stop, t))
         return meta
 
+    def op_reload_live_peer(self, mib: int) -> list[bool]:
+        """Two agents in this process, the receiver progressed by a thread as a D's engine does: write,
+        give the receiver up and load its (unchanged) metadata again, write again. Returns, per write,
+        whether the WRITE ended well and the receiver, once notified, holds exactly the sender's bytes."""
+        import time
+
+        from kvpush.backends.base import MemRegistration
+        from kvpush.transport.nixl_agent import Agent
+
+        backends, n = self.target.nixl_backends, mib << 20
+        p, d = Agent("reload-P", backends), Agent("reload-D", backends)
+        self.agents += [p, d]
+        src, dst = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+        self.retired.append((src, dst))
+        p.register([MemRegistration(src.ctypes.data, n, 0, "DRAM")])
+        d.register([MemRegistration(dst.ctypes.data, n, 0, "DRAM")])
+        notified: list[bytes] = []
+        stop = threading.Event()
+        t = threading.Thread(target=_progress_until, args=(d, stop, notified), name="progress-reload-D", daemon=True)
+        t.start()
+        self.progressing.append((stop, t))
+        rows = 16
+        local = np.array([(src.ctypes.data + i * n // rows, n // rows, 0) for i in range(rows)], np.int64)
+        remote = np.array([(dst.ctypes.data + i * n // rows, n // rows, 0) for i in range(rows)], np.int64)
+        landed = []
+        name = p.add_peer(d.metadata(), d.name)
+        for value in (1, 2):
+            src[:] = value
+            handle, state = p.write(local, "DRAM", remote, "DRAM", name, b"w%d" % value)
+            while state.name == "PROC":
+                state = p.state(handle)
+            p.release(handle)
+            deadline = time.monotonic() + 10.0
+            while b"w%d" % value not in notified and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            landed.append(state.name == "DONE" and bool((dst == value).all()))
+            p.remove_peer(name)  # given up (declared dead, or it said hello again) ...
+            name = p.add_peer(d.metadata(), d.name)  # ... and back with the same session
+        return landed
+
     def op_nixl_backends(self) -> tuple[str, ...]:
         """The NIXL backends this worker's agents were created with (its warm-up agent's)."""
         return tuple(self._warmup.backends)
@@ -256,10 +296,13 @@ class Worker(conformance.Worker):
         return report
 
 
-def _progress_until(agent: Any, stop: threading.Event) -> None:
-    """Drive ``agent``'s progress (the only thread that touches it from now on) until ``stop``."""
+def _progress_until(agent: Any, stop: threading.Event, notified: list[bytes] | None = None) -> None:
+    """Drive ``agent``'s progress (the only thread that touches it from now on) until ``stop``; the
+    notifications it brings go to ``notified`` when given."""
     while not stop.wait(1e-3):
-        agent.notifs()
+        got = agent.notifs()
+        if notified is not None:
+            notified.extend(msg for _, msg in got)
 
 
 def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) -> None:

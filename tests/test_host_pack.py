@@ -165,7 +165,8 @@ def _element(t: torch.Tensor, order: str, kv: int, block: int, tok: int, head: i
 def test_describe_addresses_match_tensor_elements(order: str, dtype) -> None:
     nb, bs, heads, dim = 5, 4, 2, 8
     layers = {f"layer.{i}": _kv(order, nb, bs, heads, dim, dtype, seed=i) for i in range(3)}
-    spec = CacheSpec(block_size=bs, num_heads=heads, head_dim=dim, dtype=str(dtype).removeprefix("torch."), order=order)
+    axes = "KBNHC" if order == "NHD" else "KBHNC"
+    spec = CacheSpec(block_size=bs, num_heads=heads, head_dim=dim, dtype=str(dtype).removeprefix("torch."), axes=axes)
     lay = HostBackend().describe(layers, spec)
     item = torch.empty(0, dtype=dtype).element_size()
     assert lay.order == TokenOrder(order) and lay.mem is MemKind.DRAM
@@ -202,9 +203,9 @@ def test_describe_block_stride_larger_than_block() -> None:
 
 
 def test_describe_numpy_and_unsplit_kv() -> None:
-    """numpy arrays work as well as tensors; ``kv_split=False`` gives one region per layer."""
+    """numpy arrays work as well as tensors; axes without K give one region per layer."""
     arr = np.zeros((6, 2, 16, 4), dtype=np.float32)  # [blocks, heads, bs, dim] (HND)
-    spec = CacheSpec(block_size=16, num_heads=2, head_dim=4, dtype="float32", order="HND", kv_split=False)
+    spec = CacheSpec(block_size=16, num_heads=2, head_dim=4, dtype="float32", axes="BHNC")
     lay = HostBackend().describe({"a": arr, "b": arr.copy()}, spec)
     assert len(lay.regions) == 2
     assert lay.regions[0].base == arr.ctypes.data
@@ -244,7 +245,7 @@ def test_describe_then_push_between_tensors() -> None:
     p = HostBackend().describe(p_t, CacheSpec(block_size=16, num_heads=heads, head_dim=dim, dtype="float16"))
     d = HostBackend().describe(
         d_t,
-        CacheSpec(block_size=8, num_heads=heads, head_dim=dim, dtype="float16", tp_rank=1, tp_size=2, order="HND"),
+        CacheSpec(block_size=8, num_heads=heads, head_dim=dim, dtype="float16", tp_rank=1, tp_size=2, axes="KBHNC"),
     )
     p_blocks, d_blocks, n, start = [3, 0, 2], [9, 1, 4, 0, 7, 2], 41, 8
     local, remote = descriptors(coalesce(map_pieces(p, d, p_blocks, d_blocks, n, start)), p, d)
@@ -265,13 +266,14 @@ def test_describe_then_push_between_tensors() -> None:
     [
         ({}, {}, ["no KV cache tensors"]),
         ({"l": [1, 2, 3]}, {}, ["unsupported", "list"]),
-        ({"l": torch.zeros(6, 4, 2, 8)}, {}, ["l", "[2, num_blocks", "5 dims"]),
-        ({"l": torch.zeros(3, 6, 4, 2, 8)}, {}, ["l", "[2, num_blocks"]),
-        ({"l": torch.zeros(2, 6, 4, 2, 8)}, {"kv_split": False}, ["4 dims"]),
-        ({"l": torch.zeros(2, 6, 4, 3, 8)}, {}, ["block shape", "(4, 3, 8)", "(4, 2, 8)"]),
-        ({"l": torch.zeros(2, 6, 4, 2, 8)}, {"order": "HND"}, ["block shape", "HND"]),
-        ({"l": torch.zeros(2, 6, 4, 2, 16)[..., :8]}, {}, ["not contiguous"]),
-        ({"l": torch.zeros(2, 6, 2, 4, 8).transpose(2, 3)}, {}, ["not contiguous"]),
+        ({"l": torch.zeros(6, 4, 2, 8)}, {}, ["layer l", "4 dims", "KBNHC"]),
+        ({"l": torch.zeros(3, 6, 4, 2, 8)}, {}, ["layer l", "K=3, expected 2"]),
+        ({"l": torch.zeros(2, 6, 4, 2, 8)}, {"axes": "BNHC"}, ["5 dims", "BNHC"]),
+        ({"l": torch.zeros(2, 6, 4, 3, 8)}, {}, ["H=3, expected 2", "(2, 6, 4, 3, 8)"]),
+        ({"l": torch.zeros(2, 6, 4, 2, 8)}, {"axes": "KBHNC"}, ["H=4, expected 2", "KBHNC"]),
+        ({"l": torch.zeros(2, 6, 4, 2, 16)[..., :8]}, {}, ["not dense"]),
+        ({"l": torch.zeros(2, 6, 4, 8, 2).transpose(3, 4)}, {}, ["content is not contiguous"]),
+        ({"l": torch.zeros(2, 6, 4, 2, 8)}, {"attention": "FLASH_ATTN"}, ["FLASH_ATTN", "CPU_ATTN", "CPU_MLA"]),
         ({"l": torch.zeros(2, 6, 4, 2, 8, device="meta")}, {}, ["l", "meta", "cpu"]),
         ({"a": torch.zeros(2, 6, 4, 2, 8), "b": torch.zeros(2, 7, 4, 2, 8)}, {}, ["b", "geometry", "differs"]),
         (

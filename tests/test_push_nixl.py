@@ -625,3 +625,11 @@ def test_d_restarts_with_the_same_identity(nodes: tuple[Node, Node]) -> None:
                 assert_same(d.call("snapshot", f"{k}d{life}"), exp, g)
         assert len(p.call("results", k + "p", 2, 5.0)) == 2
         assert p.call("stats", k + "p")["peers"] == 1
+
+
+def test_a_live_peer_given_up_and_loaded_again_is_written_at_once(nodes: tuple[Node, Node]) -> None:
+    """A D rank P gave up (declared dead, or it said hello again) but that lives on comes back with the
+    same NIXL metadata: P's next WRITE to it lands at once. Over LIBFABRIC, unloading and loading a live
+    peer again made that WRITE's post wait the plugin's 60 s handshake timeout (``reloads_live_peer``)."""
+    p, _ = nodes
+    assert p.call("reload_live_peer", 8, timeout=30.0) == [True, True]

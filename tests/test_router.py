@@ -38,6 +38,7 @@ from kvpush.integrations.router import (
     config_from_args,
     decode_body,
     decode_params,
+    dp_engines,
     prefill_body,
 )
 
@@ -74,6 +75,7 @@ class Upstream:
     health_delay: float = 0.0  # before answering /health (a busy server)
     engine_id: str = "p-engine"
     waiting: int = 0  # what its /metrics reports as vllm:num_requests_waiting
+    engine_waiting: dict[int, int] = field(default_factory=dict)  # data parallel: per engine (DP rank)
     seen: list[Seen] = field(default_factory=list)
     server: TestServer | None = None
 
@@ -92,8 +94,9 @@ class Upstream:
         return app
 
     async def _metrics(self, _r: web.Request) -> web.Response:
-        text = f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}.0\n'
-        text += 'vllm:num_requests_running{engine="0"} 0.0\n'
+        waiting = self.engine_waiting or {0: self.waiting}
+        text = "".join(f'vllm:num_requests_waiting{{engine="{k}"}} {n}.0\n' for k, n in waiting.items())
+        text += "".join(f'vllm:num_requests_running{{engine="{k}"}} 0.0\n' for k in waiting)
         return web.Response(text=text)
 
     async def _health(self, _r: web.Request) -> web.Response:
@@ -180,10 +183,14 @@ async def cluster(
     dead_p: int = 0,
     dead_d: int = 0,
     engine_ids: bool = True,
+    p_dp: int = 1,
+    d_dp: int = 1,
+    p_tp: int = 1,
     **cfg: Any,
 ) -> AsyncIterator[Cluster]:
     """Upstream stand-ins (the first ``dead_*`` of each role are URLs where
-    nothing listens) and a router in front of them."""
+    nothing listens) and a router in front of them; ``p_dp``/``d_dp``: each
+    stand-in is one server of that many data-parallel engines."""
     ups_p = [Upstream("prefill") for _ in range(n_p)]
     ups_d = [Upstream("decode") for _ in range(n_d)]
     servers = []
@@ -194,10 +201,12 @@ async def cluster(
     p_urls = [closed_port_url() for _ in range(dead_p)] + [u.url for u in ups_p]
     d_urls = [closed_port_url() for _ in range(dead_d)] + [u.url for u in ups_d]
     prefill = [
-        Instance(u, "prefill", "127.0.0.1", 5600 + i, 1, f"engine-{i}" if engine_ids else None)
+        Instance(u, "prefill", "127.0.0.1", 5600 + i, p_tp, f"engine-{i}" if engine_ids else None)
         for i, u in enumerate(p_urls)
     ]
     decode = [Instance(u, "decode") for u in d_urls]
+    prefill = [e for i in prefill for e in dp_engines(i, p_dp, mode)]
+    decode = [e for i in decode for e in dp_engines(i, d_dp, mode)]
     cfg.setdefault("health_interval", 0)
     router = Router(RouterConfig(prefill=prefill, decode=decode, mode=mode, **cfg))
     rserver = TestServer(router.app(), handler_cancellation=True)
@@ -306,9 +315,87 @@ def test_cli_pairs_prefill_options_in_order() -> None:
     assert pull.mode == "vllm-pull" and pull.prefill[0].kv_port is None
 
 
+@pytest.mark.parametrize(
+    ("mode", "ports", "ids"),
+    [
+        ("kvpush", [5600, 5602, 5604], [None] * 3),  # kvpush: one listener per TP rank, from port + k * tp
+        ("vllm-push", [5600, 5601, 5602], ["eng_dp0", "eng_dp1", "eng_dp2"]),  # vLLM NIXL: port + k, <id>_dp<k>
+    ],
+)
+def test_a_data_parallel_server_is_one_instance_per_dp_rank(mode: str, ports: list[int], ids: list) -> None:
+    p = Instance("http://p:1/", "prefill", "10.0.0.1", 5600, 2, "eng" if mode == "vllm-push" else None)
+    engines = dp_engines(p, 3, mode)
+    assert [(e.url, e.kv_host, e.kv_port, e.tp_size, e.dp_rank) for e in engines] == [
+        ("http://p:1", "10.0.0.1", port, 2, k) for k, port in enumerate(ports)
+    ]
+    assert [e.engine_id for e in engines] == ids
+    assert len({id(e) for e in engines} | {id(p)}) == 4  # own load counters, the template untouched
+    assert engines[1].name == "prefill http://p:1 (DP rank 1)" and p.dp_rank is None
+    assert dp_engines(p, 1, mode) == [p]
+    with pytest.raises(ValueError, match="data-parallel size must be >= 1, got 0"):
+        dp_engines(p, 0, mode)
+    with pytest.raises(ValueError, match="out of range"):
+        dp_engines(Instance("http://p:1", "prefill", "h", 65534, 2), 2, "kvpush")
+
+
+def test_cli_expands_data_parallel_servers() -> None:
+    cfg = config_from_args(
+        [
+            "--prefill=http://a:1",
+            "--prefill-kv=10.0.0.1:5600",
+            "--prefill-tp=2",
+            "--prefill-dp=2",
+            "--decode=http://c:1",
+            "--decode=http://d:1",
+            "--decode-dp=3",
+            "--decode-dp=1",
+        ]
+    )
+    assert [(i.url, i.kv_port, i.dp_rank) for i in cfg.prefill] == [("http://a:1", 5600, 0), ("http://a:1", 5602, 1)]
+    assert [(i.url, i.dp_rank) for i in cfg.decode] == [("http://c:1", k) for k in range(3)] + [("http://d:1", None)]
+    with pytest.raises(SystemExit):  # two D, three DP sizes
+        config_from_args(["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://c:1", *["--decode-dp=2"] * 3])
+    with pytest.raises(SystemExit):
+        config_from_args(["--prefill=http://a:1", "--prefill-kv=h:1", "--prefill-dp=0", "--decode=http://c:1"])
+
+
 # --------------------------------------------------------------------------- #
 # Over HTTP.
 # --------------------------------------------------------------------------- #
+
+
+def test_router_picks_a_dp_rank_and_tells_d_its_side_channel() -> None:
+    """P and D each serve two DP engines: every request pins one P engine with vLLM's ``X-data-parallel-rank``
+    header and gives D that engine's side channel (kvpush: port + rank * tp); concurrent requests spread over
+    the ranks of both (each rank's own in-flight count); no D request goes without a rank either."""
+
+    async def go() -> None:
+        async with cluster(p_dp=2, d_dp=2, p_tp=2) as c:
+            c.p[0].delay = c.d[0].delay = 0.3
+            got = await asyncio.gather(*(c.post("/v1/completions", COMPLETION) for _ in range(4)))
+            assert [g[0] for g in got] == [200] * 4
+            p_seen, d_seen = c.p[0].seen, c.d[0].seen
+            tid_rank = {
+                s.body["kv_transfer_params"]["transfer_id"]: int(s.headers["X-data-parallel-rank"]) for s in p_seen
+            }
+            assert sorted(tid_rank.values()) == [0, 0, 1, 1]
+            for d in d_seen:
+                params = d.body["kv_transfer_params"]
+                assert params["remote_port"] == 5600 + 2 * tid_rank[params["transfer_id"]], params
+                assert params["remote_tp_size"] == 2
+            assert sorted(int(d.headers["X-data-parallel-rank"]) for d in d_seen) == [0, 0, 1, 1]
+
+    run(go())
+
+
+def test_without_data_parallelism_vllm_picks_the_engine() -> None:
+    async def go() -> None:
+        async with cluster() as c:
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            assert "X-data-parallel-rank" not in c.p[0].seen[0].headers
+            assert "X-data-parallel-rank" not in c.d[0].seen[0].headers
+
+    run(go())
 
 
 def test_kvpush_sends_p_and_d_concurrently_with_one_transfer_id() -> None:
@@ -406,6 +493,23 @@ def test_prefill_goes_to_the_p_with_the_shortest_reported_queue() -> None:
             assert len(c.p[0].seen) == 0 and len(c.p[1].seen) == 3
             _, pending = await c.get_json("/kvpush/pending")
             assert [i["reported"] for i in pending["prefill"]] == [7, 0]
+
+    run(go())
+
+
+def test_each_dp_rank_counts_its_own_engines_queue() -> None:
+    """A data-parallel P's /metrics reports each engine's queue (``engine="<DP rank>"``): each DP rank's load
+    is its own engine's, so requests avoid the busy engine of a server whose other engine is idle."""
+
+    async def go() -> None:
+        async with cluster(p_dp=2, queue_interval=0.05) as c:
+            c.p[0].engine_waiting = {0: 7, 1: 0}
+            ranks = c.router.prefill.instances
+            while [i.reported for i in ranks] != [7, 0]:
+                await asyncio.sleep(0.02)
+            for _ in range(3):
+                assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            assert [s.headers["X-data-parallel-rank"] for s in c.p[0].seen] == ["1"] * 3
 
     run(go())
 

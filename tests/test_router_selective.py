@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from test_router import COMPLETION, cluster, run
 
-from kvpush.integrations.router.engine_metrics import prefill_totals, push_totals
+from kvpush.integrations.router import Instance, dp_engines
+from kvpush.integrations.router.engine_metrics import PrefillRate, prefill_totals, push_totals
 from kvpush.integrations.router.selective import Route, Selector, fit_line
 
 
@@ -148,3 +152,27 @@ def test_router_learns_the_transfer_from_its_own_timings() -> None:
             assert sel.tokens_of({"prompt": "x" * 36}) == 8  # 4.5 characters a token, from "one two three four"
 
     run(go())
+
+
+def test_a_data_parallel_p_is_scraped_once_for_all_its_ranks() -> None:
+    """The DP ranks of one P share its API server's ``/metrics``: one scrape per server, not per rank."""
+    scrapes: list[str] = []
+
+    async def metrics(req: web.Request) -> web.Response:
+        scrapes.append(req.path)
+        return web.Response(text="")
+
+    async def go() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        server = TestServer(app)
+        await server.start_server()
+        try:
+            p = Instance(str(server.make_url("")), "prefill", "h", 5600, 1)
+            async with aiohttp.ClientSession() as session:
+                await PrefillRate(Selector(), lambda: session).read(dp_engines(p, 2, "kvpush"))
+        finally:
+            await server.close()
+
+    run(go())
+    assert scrapes == ["/metrics"]

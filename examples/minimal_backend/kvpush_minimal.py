@@ -20,21 +20,27 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import Backend, CacheSpec, StagingBuffer
+from kvpush.backends.testing import TestSupport
 from kvpush.errors import BackendError
 from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
 
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "uint8": np.uint8}
 
 
+ORDERS = {"KBNHC": TokenOrder.NHD, "KBHNC": TokenOrder.HND}
+"""The caches it takes: ``[2, blocks, tokens, heads, dim]`` or ``[2, blocks, heads, tokens, dim]``, dense."""
+
+
 def block_shape(spec: CacheSpec) -> tuple[int, int, int]:
     """One block of one rank: ``[tokens, heads, dim]`` (NHD) or ``[heads, tokens, dim]`` (HND)."""
-    local = max(1, spec.num_heads // spec.tp_size)
-    if spec.order == "NHD":
-        return (spec.block_size, local, spec.head_dim)
-    return (local, spec.block_size, spec.head_dim)
+    if spec.axes not in ORDERS:
+        raise BackendError(f"axes {spec.axes!r}: this backend takes {', '.join(ORDERS)}")
+    if ORDERS[spec.axes] is TokenOrder.NHD:
+        return (spec.block_size, spec.local_heads, spec.head_dim)
+    return (spec.local_heads, spec.block_size, spec.head_dim)
 
 
-class MinimalBackend(Backend):
+class MinimalBackend(TestSupport, Backend):
     """KV as one numpy array per layer, ``[2, num_blocks, *block]``: K blocks, then V blocks."""
 
     name = "minimal"
@@ -60,7 +66,6 @@ class MinimalBackend(Backend):
             half = t.nbytes // 2
             regions += [Region(t.ctypes.data, half, layer=layer), Region(t.ctypes.data + half, half, layer=layer)]
         assert first is not None
-        local = want[1] if spec.order == "NHD" else want[0]
         block_bytes = int(np.prod(want)) * first.itemsize
         return KVLayout(
             block_size=spec.block_size,
@@ -68,9 +73,9 @@ class MinimalBackend(Backend):
             block_stride=block_bytes,  # blocks are back to back
             head_bytes=spec.head_dim * first.itemsize,
             num_heads=spec.num_heads,
-            head_start=(spec.tp_rank * local) % spec.num_heads,
-            local_heads=local,
-            order=TokenOrder(spec.order),
+            head_start=spec.head_start,
+            local_heads=spec.local_heads,
+            order=ORDERS[spec.axes],
             mem=self.mem,
             dtype=spec.dtype,
             regions=tuple(regions),

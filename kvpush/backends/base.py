@@ -1,30 +1,28 @@
-"""The backend interface: the only device-specific surface of kvpush.
+"""The backend contract: the only device-specific surface of kvpush.
 
-A backend answers four questions for the core, and nothing else:
+The core ``Backend`` answers five questions, and nothing else:
 1. Where is the KV? ``describe`` turns the engine's KV tensors into a
    ``KVLayout`` (addresses, block geometry, heads, memory kind, device ids).
-2. What must NIXL register? ``registrations`` (usually one entry per tensor).
+2. What must NIXL register? ``registrations`` (usually one entry per allocation).
 3. When is the KV safe to read? ``record_ready`` on the producing side,
-   ``wait_ready`` on the push thread: no WRITE is posted before the device
-   finished writing those blocks.
-4. How are many small pieces moved locally? ``pack`` gathers byte pieces into
-   a contiguous staging buffer and ``unpack`` scatters them back, so a
-   fragmented request becomes one large WRITE.
-The core owns the protocol, the transfer plan and the threads.
+   ``wait_ready``/``poll_ready`` on kvpush's threads: no WRITE is posted
+   before the device finished writing those blocks.
+4. How are many small pieces moved locally? ``alloc_staging``, ``pack`` and
+   ``unpack`` gather a request's pieces into one registered buffer and
+   scatter them back, so a fragmented request becomes one large WRITE.
+5. What can it do? ``capabilities``, which the planner honours.
 
-An optional *test-support surface* (``conformance_setup``,
-``make_test_cache``, ``write_bytes``, ``read_bytes``, ``free_test_cache``,
-``foreign_test_tensors``) lets ``kvpush.conformance``, which knows nothing of
-the device, allocate KV caches and move their bytes; engines never call it.
+Two optional surfaces sit beside it, each in its own module:
+``kvpush.backends.copy.AsyncCopy`` (packs and unpacks that return before the
+bytes are in place) and ``kvpush.backends.testing.TestSupport`` (what the
+conformance suite needs to allocate caches and move their bytes; engines
+never call it). The core owns the protocol, the transfer plan and the threads.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,11 +31,40 @@ from kvpush.layout import KVLayout, MemKind
 
 
 @dataclass(frozen=True)
-class CacheSpec:
-    """What the engine knows about its KV cache that tensors alone do not say.
+class Capabilities:
+    """What a backend declares it can do; the engine and the planner honour it.
 
-    ``layer_names`` orders the layers identically on P and D; ``kv_split``
-    says whether each layer tensor holds K and V on a leading axis of 2.
+    ``direct``: NIXL may read (P) and write (D) the KV regions in place. A
+    backend that cannot register its KV memory (Neuron host staging) sets it
+    False: every transfer touching it is then planned staged, whatever
+    ``plan`` the operator configured, and a transfer that gets no staging
+    slot fails with that reason instead of writing unregistered memory.
+    ``chained_ready``: ``AsyncCopy.start_pack(..., after=marker)`` queues the
+    pack behind a ``record_ready`` marker on the device (a CUDA stream waiting
+    on an event), so P need not see the KV ready before it launches the pack.
+    """
+
+    direct: bool = True
+    chained_ready: bool = False
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What the engine knows about its KV cache; the backend reads the rest from the tensors.
+
+    ``axes`` names each tensor's logical dimensions, outermost first: ``B``
+    blocks, ``H`` KV heads of this rank, ``N`` tokens of a block, ``C`` one
+    head's content for one token (``head_dim`` elements), ``K`` a leading
+    K/V axis of size 2 (two regions per layer). vLLM (0.32 and later) hands
+    every attention backend's cache as ``BHNC`` views whose strides say the
+    physical order; older engines and NxDI use ``KBNHC``, ``BKNHC`` or
+    ``BNHC``. ``num_heads`` counts the model's KV head slots (1 for MLA's
+    latent, which every TP rank holds whole). ``attention`` is the engine's
+    attention backend name (``CPU_ATTN``, ``FLASH_ATTN``, ``CPU_MLA``...):
+    some kernels pack a head's tokens their own way, which strides cannot
+    show. ``layer_groups`` gives the KV-cache group of each tensor, in
+    order (empty: all in group 0). ``tensors_per_layer``: 2 where K and V
+    are separate tensors of one layer (NxDI), listed K then V.
     """
 
     block_size: int
@@ -46,10 +73,20 @@ class CacheSpec:
     dtype: str
     tp_rank: int = 0
     tp_size: int = 1
-    order: str = "NHD"
-    kv_split: bool = True
-    kv_inner: bool = False
-    """vLLM CPU layout ``[num_blocks, heads, block_size, 2 * dim]``: kernel-packed, moved as whole blocks."""
+    axes: str = "KBNHC"
+    attention: str = ""
+    layer_groups: tuple[int, ...] = ()
+    tensors_per_layer: int = 1
+
+    @property
+    def local_heads(self) -> int:
+        """KV heads one rank holds (vLLM replicates a head on several ranks when there are more ranks)."""
+        return max(1, self.num_heads // self.tp_size)
+
+    @property
+    def head_start(self) -> int:
+        """First model head this rank holds, as vLLM shards KV heads (``QKVParallelLinear``)."""
+        return self.tp_rank * self.num_heads // self.tp_size
 
 
 @dataclass(frozen=True)
@@ -81,13 +118,29 @@ class Backend(abc.ABC):
 
     name: str = "abstract"
     mem: MemKind = MemKind.DRAM
+    capabilities: Capabilities = Capabilities()
 
     @abc.abstractmethod
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
         """Describe the engine's per-layer KV tensors as a layout.
 
         Raise ``BackendError`` for tensors this backend does not own (wrong
-        device, non-contiguous, unexpected shape).
+        device, not dense, a shape ``spec`` does not explain) or an attention
+        backend whose cache it cannot address, naming the layer, the shape
+        and ``supported_layouts()``.
+        """
+
+    def supported_layouts(self) -> list[str]:
+        """What ``describe`` accepts, in words, for the error a refused cache gets."""
+        return []
+
+    def bind_thread(self) -> None:
+        """Prepare the calling thread for this backend's calls.
+
+        The engine calls it once at the start of every thread it runs (push,
+        receive, marker waiter) before any other call from that thread; a
+        CUDA backend makes its device current there. Anyone else calling the
+        backend from a thread of their own calls it first too. Default: nothing.
         """
 
     def registrations(self, layout: KVLayout) -> list[MemRegistration]:
@@ -142,115 +195,9 @@ class Backend(abc.ABC):
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         """Inverse of ``pack``: scatter the staging bytes back into the regions."""
 
-    chains_ready: bool = False
-    """Whether ``start_pack(..., after=marker)`` queues the pack behind a ``record_ready`` marker on the
-    device (a CUDA stream waiting on the event), so the push thread need not see the KV ready first."""
-
-    def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
-        """``pack``, but it may return before the bytes are in place: returns a marker for ``poll_ready``.
-
-        The push thread posts the WRITE only once ``poll_ready`` says the
-        marker is reached; meanwhile it keeps progressing NIXL (completing
-        earlier parts, sending their notifications) instead of blocking in a
-        device synchronize. ``after`` (only passed when ``chains_ready``): a
-        ``record_ready`` marker the pack must run after. The default waits for
-        it, packs synchronously and returns None.
-        """
-        if after is not None:
-            self.wait_ready(after)
-        self.pack(regions, pieces, staging_addr)
-        return None
-
-    def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
-        """``unpack`` that may return early; D reports the regions only once the marker is reached.
-
-        Until then the staging bytes and the destination blocks stay D's (the
-        slot is not granted again, the blocks are not handed back). The default
-        unpacks synchronously and returns None.
-        """
-        self.unpack(regions, pieces, staging_addr)
-        return None
-
-    def prepare_pack(self, regions: list[int], pieces: np.ndarray, parts: Sequence[tuple[int, int, int]] = ()) -> None:
-        """Hint: a ``pack`` of these pieces is coming (P calls it when it plans, before the KV is ready).
-
-        A device backend uploads its piece table here, off the critical path.
-        ``parts``: the ``start_pack(regions[r0:r1], pieces, staging_addr)``
-        calls P expects to make, as ``(r0, r1, staging_addr)``, so a backend
-        can compute their launches now too. Optional.
-        """
-
-    def prepare_unpack(
-        self, regions: list[int], pieces: np.ndarray, parts: Sequence[tuple[int, int, int]] = ()
-    ) -> None:
-        """Hint: an ``unpack`` of these pieces is coming (D calls it when it registers); ``parts`` as for
-        ``prepare_pack`` (D's guess at P's cut). Optional."""
-
     def pack_bandwidth(self) -> float:
         """Bytes per second of pack or unpack, for the plan's cost model."""
         return 5e9
 
     def close(self) -> None:
         """Release staging buffers and anything else the backend holds."""
-
-    # -- test support (optional): what the conformance suite needs ------------
-    # Engines never call these. A backend that leaves them out still works in
-    # kvpush; it just cannot be checked by ``kvpush conformance``.
-
-    @classmethod
-    def conformance_setup(cls, workdir: Path) -> AbstractContextManager[dict[str, str]]:
-        """Prepare this host for the conformance suite, before any instance exists.
-
-        Entered once per suite run; yields environment variables the suite
-        sets for itself and the P/D worker processes it spawns (the Neuron
-        backend builds its stand-in runtime into ``workdir`` here and names it
-        in ``KVPUSH_NRT_LIB``). The default prepares nothing.
-        """
-        return nullcontext({})
-
-    def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:
-        """Allocate KV tensors the way an engine on ``device`` would, one per layer, in layer order.
-
-        Each tensor's *logical* shape is ``[2, num_blocks, *block]`` (``[num_blocks,
-        *block]`` when ``spec.kv_split`` is false), the block ``[block_size,
-        local_heads, head_dim]`` for NHD or ``[local_heads, block_size,
-        head_dim]`` for HND, in ``spec.dtype``; ``describe(result, spec)``
-        must accept it. Contents are undefined.
-        """
-        raise NotImplementedError(self._no_test_support("make_test_cache"))
-
-    def write_bytes(self, tensor: Any, data: np.ndarray) -> None:
-        """Overwrite ``tensor`` with ``data``: uint8, the tensor's bytes in logical C order.
-
-        Behaves like the engine's producer: the write may still be running on
-        the device when this returns, and a marker from a later
-        ``record_ready()`` covers it. That is what lets the suite check the
-        ordering guarantee.
-        """
-        raise NotImplementedError(self._no_test_support("write_bytes"))
-
-    def read_bytes(self, tensor: Any) -> np.ndarray:
-        """The tensor's bytes in logical C order (1-D uint8), after all device work issued before the call."""
-        raise NotImplementedError(self._no_test_support("read_bytes"))
-
-    def free_test_cache(self, kv_caches: dict[str, Any]) -> None:
-        """Release a cache from ``make_test_cache`` or ``foreign_test_tensors``.
-
-        Default: nothing (dropping the references frees it).
-        """
-
-    def foreign_test_tensors(self, spec: CacheSpec, num_blocks: int, device: int = 0) -> dict[str, dict[str, Any]]:
-        """Caches of the right shape that ``describe`` must refuse with ``BackendError``, by label.
-
-        E.g. host memory for a device backend, or another device type. The
-        suite adds generic cases of its own (non-tensor objects, wrong
-        geometry). Default: none.
-        """
-        return {}
-
-    def _no_test_support(self, what: str) -> str:
-        return (
-            f"backend {self.name!r} ({type(self).__module__}.{type(self).__qualname__}) does not implement "
-            f"{what}, part of the optional test-support surface the conformance suite needs "
-            "(see docs/backends.md, 'Test support')"
-        )

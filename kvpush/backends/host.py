@@ -2,7 +2,9 @@
 
 KV lives in CPU tensors or numpy arrays; the engine's thread wrote it before
 handing the request over, so it is ready at once. Pack and unpack are memcpy
-through numpy views of the raw memory.
+through numpy views of the raw memory. Layouts come from the shared strided
+describer (``kvpush.backends.tensors``); which attention backends' caches it
+can address is ``ATTENTION``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,23 @@ import ctypes
 import sys
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from kvpush.backends.base import Backend, CacheSpec, StagingBuffer
-from kvpush.backends.tensors import describe_paged, tensor_info
+from kvpush.backends.base import Backend, CacheSpec, MemRegistration, StagingBuffer
+from kvpush.backends.tensors import allocation_registrations, describe_strided, tensor_info
+from kvpush.backends.testing import TestSupport, cache_shape
 from kvpush.errors import BackendError
 from kvpush.layout import KVLayout, MemKind
+
+ATTENTION = {
+    "": "token-addressable caches named by CacheSpec.axes (engines other than vLLM, tests)",
+    "CPU_ATTN": "vLLM CPU attention, [blocks, heads, tokens, K|V] head-major; each (block, head) chunk is packed "
+    "by the kernel, so whole chunks move (same block size on both sides)",
+    "CPU_MLA": "vLLM CPU MLA, [blocks, 1, tokens, latent]: one latent row per token, the same on every TP rank",
+}
+"""vLLM attention backends whose CPU caches this backend can address, and how."""
+OPAQUE = frozenset({"CPU_ATTN"})
 
 # Element sizes of dtypes numpy lacks; test caches hold them as unsigned ints of that size.
 _RAW_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -91,14 +104,34 @@ def _move(regions: list[int], pieces: np.ndarray, buf: np.ndarray, to_staging: b
                 pos += ln
 
 
-class HostBackend(Backend):
+class HostBackend(TestSupport, Backend):
     """CPU memory registered as NIXL DRAM."""
 
     name = "host"
     mem = MemKind.DRAM
 
+    def __init__(self) -> None:
+        self._spans: dict[int, tuple[int, int]] = {}
+
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
-        return describe_paged(kv_caches, spec, MemKind.DRAM, "cpu")
+        if spec.attention not in ATTENTION:
+            raise BackendError(
+                f"host backend: attention backend {spec.attention!r} is not one whose cache it can address; "
+                f"supported: {'; '.join(self.supported_layouts())}"
+            )
+        layout, spans = describe_strided(kv_caches, spec, MemKind.DRAM, "cpu", opaque=spec.attention in OPAQUE)
+        self._spans.update(spans)
+        return layout
+
+    def supported_layouts(self) -> list[str]:
+        return [f"{name or 'generic'}: {what}" for name, what in ATTENTION.items()]
+
+    def registrations(self, layout: KVLayout) -> list[MemRegistration]:
+        """One registration per allocation holding regions (vLLM's layers share one); others merged as by default."""
+        regs, rest = allocation_registrations(layout, self._spans)
+        if rest:
+            regs += super().registrations(msgspec.structs.replace(layout, regions=tuple(rest)))
+        return regs
 
     def alloc_staging(self, nbytes: int, device_id: int = 0) -> StagingBuffer:
         buf = np.zeros(nbytes, dtype=np.uint8)
@@ -119,11 +152,8 @@ class HostBackend(Backend):
 
     # -- test support (kvpush.conformance) ---------------------------------
     def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:
-        """numpy arrays shaped as ``describe`` expects (``[2, blocks, *block]`` or ``[blocks, *block]``)."""
-        local = max(1, spec.num_heads // spec.tp_size)
-        bs, d = spec.block_size, spec.head_dim
-        block = (bs, local, d) if spec.order == "NHD" else (local, bs, d)
-        shape = ((2,) if spec.kv_split else ()) + (num_blocks, *block)
+        """Dense numpy arrays shaped as ``spec.axes`` names them."""
+        shape = cache_shape(spec, num_blocks)
         return {f"layer{i}": np.empty(shape, dtype=_np_dtype(spec.dtype)) for i in range(num_layers)}
 
     def write_bytes(self, tensor: Any, data: np.ndarray) -> None:

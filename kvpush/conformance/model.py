@@ -55,9 +55,9 @@ class Geom:
         return self.head_dim * DTYPE_BYTES[self.dtype]
 
     def spec(self) -> CacheSpec:
-        return CacheSpec(
-            self.block_size, self.num_heads, self.head_dim, self.dtype, self.tp_rank, self.tp_size, self.order
-        )
+        """The cache as an engine declares it: a leading K/V axis, then blocks, in-block axes in ``order``."""
+        axes = "KBNHC" if self.order == "NHD" else "KBHNC"
+        return CacheSpec(self.block_size, self.num_heads, self.head_dim, self.dtype, self.tp_rank, self.tp_size, axes)
 
     def layer_shape(self) -> tuple[int, ...]:
         """One layer's logical bytes: ``(2, blocks, *block)`` with head bytes last."""

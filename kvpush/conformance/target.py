@@ -17,6 +17,7 @@ from typing import Any
 
 from kvpush.backends.base import Backend
 from kvpush.backends.registry import available_backends
+from kvpush.backends.testing import TestSupport
 from kvpush.errors import ConfigError
 
 
@@ -91,11 +92,22 @@ class Target:
         return resolve_backend_class(self.backend)
 
     def make(self) -> Backend:
-        """A fresh backend instance, as an engine rank would create it."""
+        """A fresh backend instance, as an engine rank would create it, bound to the calling thread.
+
+        The suite calls the backend's test support from the thread that made
+        it, so that thread gets the backend's thread hook as kvpush's own
+        threads do.
+        """
         cls = self.backend_class()
         backend = cls(**dict(self.options))
         if not isinstance(backend, Backend):  # pragma: no cover - a __new__ that returns something else
             raise ConfigError(f"{cls!r}() gave {type(backend).__name__}, not a Backend")
+        if not isinstance(backend, TestSupport):
+            raise ConfigError(
+                f"{cls!r} does not derive from kvpush.backends.testing.TestSupport: the conformance suite needs "
+                "its test support (see docs/backends.md, 'Test support')"
+            )
+        backend.bind_thread()
         return backend
 
     def describe(self) -> str:

@@ -142,6 +142,7 @@ class Conns:
             model=r.cfg.model,
             staging=staging,
             epoch=epoch,
+            staging_mem=r._staging.mem if r._staging is not None else None,
         )
         client.send(hello)
         return conn

@@ -17,12 +17,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvpush import timeline
 from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
+from kvpush.backends.copy import copier
 from kvpush.config import Config
 from kvpush.engine.types import Result
+from kvpush.errors import ConfigError
 from kvpush.layout import KVLayout
 from kvpush.metrics import Count, Recorder
 from kvpush.staging import SlotAllocator
@@ -52,7 +55,17 @@ class EngineLoop:
         polls of in-flight transfers are made to end on time (see ``_set_timer_slack``)."""
         self.cfg = config
         self.backend = backend
-        self.layout = layout.validate()
+        self.copy = copier(backend)
+        """The backend's asynchronous packs and unpacks, or synchronous ones (``kvpush.backends.copy``)."""
+        # Peers learn from the layout whether this rank's KV may be accessed in place (Capabilities.direct).
+        direct = layout.direct and backend.capabilities.direct
+        self.layout = msgspec.structs.replace(layout, direct=direct).validate()
+        if not direct and (config.plan == "direct" or config.staging_bytes <= 0):
+            raise ConfigError(
+                f"backend {backend.name!r} cannot let NIXL access its KV in place, so every transfer is staged: "
+                f"plan {config.plan!r} and staging_bytes {config.staging_bytes} leave none possible "
+                "(use plan 'auto' or 'staged' and staging_bytes > 0)"
+            )
         self.region_bases = [r.base for r in self.layout.regions]
         """Base address of each region, in order: what pack/unpack and their hints take."""
         self.engine_id = engine_id
@@ -164,7 +177,7 @@ class EngineLoop:
         """NIXL agent with the KV cache and, unless plans are direct only, a staging region registered."""
         self.agent = Agent(f"{self.engine_id}-{suffix}{self.rank}", self.cfg.nixl_backends)
         self.agent.register(self.backend.registrations(self.layout))
-        if self.cfg.staging_bytes > 0 and self.cfg.plan != "direct":
+        if self.cfg.staging_bytes > 0 and (self.cfg.plan != "direct" or not self.layout.direct):
             s = self.backend.alloc_staging(self.cfg.staging_bytes, self.layout.regions[0].device_id)
             self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
             self._staging = s
@@ -186,6 +199,7 @@ class EngineLoop:
         if self.low_latency:
             _set_timer_slack(TIGHT_TIMER_SLACK_NS)
         try:
+            self.backend.bind_thread()  # the backend's thread hook, before any other call from this thread
             self.setup()
         except BaseException as exc:
             self._start_error = exc

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush import protocol
 from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, check_compatible
+from kvpush.layout import KVLayout, MemKind, check_compatible
 from kvpush.limits import Throttle
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
@@ -57,6 +57,8 @@ class Peer:
     layout: KVLayout
     staging: Any
     last_seen: float
+    staging_mem: MemKind = MemKind.DRAM
+    """Memory kind of ``staging``: what NIXL is told for the remote side of a staged WRITE."""
 
 
 class PeerTable:
@@ -77,6 +79,13 @@ class PeerTable:
     def ident_of(self, key: DKey) -> bytes | None:
         peer = self._peers.get(key)
         return peer.ident if peer is not None else None
+
+    def writes_to(self, peer: Peer | None) -> bool:
+        """Whether this P rank writes into any D rank of ``peer``'s instance (unknown peer: assume so)."""
+        if peer is None:
+            return True
+        s = self.sender
+        return bool(targets_for(s.rank, s.tp_size, peer.tp_size, self.layout.num_heads))
 
     def expected(self, reg: protocol.Register) -> int:
         """How many D ranks of the registering instance this P rank writes to."""
@@ -160,7 +169,7 @@ class PeerTable:
             why = s.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank))
         if not why:
             assert peer is not None
-            s.on_remote_abort(msg, (peer.engine_id, peer.rank))
+            s.on_remote_abort(msg, (peer.engine_id, peer.rank), self.writes_to(peer))
             return
         s.bump(Count.ABORTS_IGNORED)
         who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "an unknown D rank"
@@ -221,13 +230,22 @@ class PeerTable:
             # previous session, and NIXL refuses to load an agent name twice.
             self._drop(dkey, "said hello again (restarted?)", now)
         try:
-            agent_name = s.agent.add_peer(msg.agent_metadata)
+            agent_name = s.agent.add_peer(msg.agent_metadata, msg.agent_name)
         except Exception as exc:
             reason = f"cannot load D's NIXL metadata: {exc}"
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         self._peers[dkey] = Peer(
-            ident, key, msg.engine_id, msg.rank, msg.tp_size, agent_name, msg.layout, msg.staging, now
+            ident,
+            key,
+            msg.engine_id,
+            msg.rank,
+            msg.tp_size,
+            agent_name,
+            msg.layout,
+            msg.staging,
+            now,
+            msg.staging_mem or msg.layout.mem,
         )
         reply = protocol.HelloReply(
             ok=True,

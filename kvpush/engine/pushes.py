@@ -21,7 +21,7 @@ from kvpush.layout import heads_overlap
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.payload import pack_pieces
-from kvpush.plan import PartSchedule, Plan, build_plan, part_descriptors, split_regions
+from kvpush.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
 from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
 from kvpush.transfer import PackAhead, Transfer
@@ -98,9 +98,9 @@ class PushRunner:
             staging = self.s._staging.addr + job.slot + a.r0 * plan.region_bytes
             # ``after`` only for backends that chain: others may implement start_pack without it.
             if a.after is not None:
-                marker = self.s.backend.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging, after=a.after)
+                marker = self.s.copy.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging, after=a.after)
             else:
-                marker = self.s.backend.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging)
+                marker = self.s.copy.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging)
         except Exception as exc:
             job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
             return
@@ -139,7 +139,7 @@ class PushRunner:
         t2 = time.monotonic()
         if handle is not None:
             self.s.bump(Count.PARTS)
-            self.s.bump(Count.BYTES, (a.r1 - a.r0) * job.plan.region_bytes)
+            self.s.bump(Count.BYTES, job.plan.plan.bytes_of(a.r0, a.r1))
             self.s.bump(Count.DESCRIPTORS, ndesc)
             if a.made is not None:
                 self.s.bump(Count.PARTS_PREBUILT)
@@ -170,7 +170,7 @@ class PushRunner:
         sched = PartSchedule(
             self.s._layer_ends, plan.region_bytes, cfg.layerwise_min_part_bytes, cfg.layerwise_lead_layers
         )
-        chain = plan.kind is PlanKind.STAGED and self.s.backend.chains_ready
+        chain = plan.kind is PlanKind.STAGED and self.s.backend.capabilities.chained_ready
         jp = JobPlan(plan, sched, cfg.push_parts, chain)
         made = self._prepare(jp, prefill, rec, peer, reg, slot) if plan.kind is PlanKind.STAGED else {}
         t_plan = time.monotonic()
@@ -209,7 +209,7 @@ class PushRunner:
         prepared = rec.pack_ahead is not None and plan.pack is rec.pack_ahead.pack
         try:
             if parts or not prepared:
-                self.s.backend.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
+                self.s.copy.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", self.s.name)
         made: dict[tuple[int, int], tuple[Any, int]] = {}
@@ -230,9 +230,10 @@ class PushRunner:
         """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count."""
         local, remote = part_descriptors(plan, self.s.layout, peer.layout, r0, r1)
         notif = _completion(plan, reg, self.s.rank, r0, r1, local.shape[0])
-        handle = self.s.agent.prepare_write(
-            local, str(self.s.layout.mem), remote, str(peer.layout.mem), peer.agent, notif
-        )
+        lmem, rmem = self.s.layout.mem, peer.layout.mem
+        if plan.kind is PlanKind.STAGED and self.s._staging is not None:  # staging may live elsewhere than the KV
+            lmem, rmem = self.s._staging.mem, peer.staging_mem
+        handle = self.s.agent.prepare_write(local, str(lmem), remote, str(rmem), peer.agent, notif)
         return handle, local.shape[0]
 
     def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:
@@ -261,7 +262,7 @@ class PushRunner:
         rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack, blocks)
         s.bump(Count.PACKS_AHEAD)
         try:
-            s.backend.prepare_pack(s.region_bases, pack)
+            s.copy.prepare_pack(s.region_bases, pack)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", s.name)
 
@@ -288,6 +289,7 @@ class PushRunner:
             staging_local=local,
             staging_remote=remote,
             pack_bw=self.s.backend.pack_bandwidth(),
+            groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
             pack=ahead,
         )
         if plan.kind is not PlanKind.STAGED and slot is not None:
@@ -316,7 +318,7 @@ def _completion(plan: Plan, reg: protocol.Register, rank: int, r0: int, r1: int,
             reg.request_id,
             rank,
             plan.kind,
-            (r1 - r0) * plan.region_bytes,
+            plan.bytes_of(r0, r1),
             ndesc,
             reg.staging if staged else None,
             reg.attempt,

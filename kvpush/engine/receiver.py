@@ -45,7 +45,7 @@ from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.payload import check_unpack
 from kvpush.plan import part_count, split_regions, staged_bytes, staging_decided, unpack_pieces, wants_staging
-from kvpush.topology import writers_for
+from kvpush.topology import targets_for, writers_for
 from kvpush.transport.side_channel import client_keys
 
 log = logging.getLogger(__name__)
@@ -93,10 +93,13 @@ class Receiver(EngineLoop):
         block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
         num_tokens: int,
         start_token: int = 0,
+        skip_blocks: tuple[int, ...] = (),
     ) -> None:
-        """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks."""
+        """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks (``skip_blocks[g]``: leading
+        blocks of group ``g`` D does not hold, as a sliding window's)."""
         ids = tuple(tuple(map(int, g)) for g in block_ids)  # on the caller's thread, on the request's path
-        self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token))
+        skip = tuple(int(n) for n in skip_blocks)
+        self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token, skip))
 
     def abort(self, transfer_id: str, reason: str = "aborted on D") -> None:
         """Give up on a transfer; ``poll`` reports it once no P rank can still write."""
@@ -172,11 +175,20 @@ class Receiver(EngineLoop):
         block_ids: tuple[tuple[int, ...], ...],
         num_tokens: int,
         start_token: int,
+        skip_blocks: tuple[int, ...] = (),
     ) -> None:
         now = time.monotonic()
         writers = self._writers(peer)
-        asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token)
-        self._do(self.book.register(asked, writers, now))
+        bystanders = self._bystanders(peer)
+        asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token, skip_blocks)
+        self._do(self.book.register(asked, writers, now, bystanders))
+
+    def _bystanders(self, peer: PeerAddress) -> dict[int, ConnKey]:
+        """The P ranks of ``peer`` that write into no D rank of this instance (they hold replicated KV that
+        other P ranks write), and their side channels."""
+        heads = self.layout.num_heads
+        idle = [p for p in range(peer.tp_size) if not targets_for(p, peer.tp_size, self.tp_size, heads)]
+        return {p: (peer.host, peer.port + p) for p in idle}
 
     def _writers(self, peer: PeerAddress) -> dict[int, ConnKey]:
         """The P ranks of ``peer`` that write into this D rank, and their side channels."""
@@ -302,6 +314,7 @@ class Receiver(EngineLoop):
                 lease_ms=int(self.cfg.registration_lease_s * 1000),
                 staging=grant,
                 attempt=inc.attempt,
+                skip_blocks=ask.skip_blocks,
             )
         )
         unpack, region_bytes = None, 0
@@ -333,7 +346,7 @@ class Receiver(EngineLoop):
         """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
         left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
         try:
-            self.backend.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, offset))
+            self.copy.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, offset))
         except Exception:
             log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
 
@@ -354,7 +367,7 @@ class Receiver(EngineLoop):
         # The payload is region-major: this part's regions sit at their own offset in the slot.
         staging = self._staging.addr + w.grant.offset + a.r0 * w.region_bytes
         try:
-            marker = self.backend.start_unpack(self.region_bases[a.r0 : a.r1], w.unpack, staging)
+            marker = self.copy.start_unpack(self.region_bases[a.r0 : a.r1], w.unpack, staging)
         except Exception as exc:
             why = Failed(Stage.UNPACK, Cause.OTHER, f"unpack failed: {exc}")
             return self.book.on(a.incoming, a.incoming.writer_failed(a.p_rank, why, time.monotonic()))

@@ -205,7 +205,9 @@ class Sender(EngineLoop):
         marker = next((j.watch for j in jobs if j.watch is not None), None)
         if marker is not None:
             if self._waiter is None:
-                self._waiter = MarkerWaiter(self.backend.wait_ready, self.wake, self.name)
+                self._waiter = MarkerWaiter(
+                    self.backend.wait_ready, self.wake, self.name, bind=self.backend.bind_thread
+                )
             self._waiter.watch(marker)
         return False
 
@@ -242,8 +244,14 @@ class Sender(EngineLoop):
             rec.times.first("registered", time.monotonic())
         self._apply(decisions)
 
-    def on_remote_abort(self, msg: protocol.Abort, by: DKey) -> None:
-        self._abort(msg.transfer_id, f"aborted by D: {msg.reason}", by)
+    def on_remote_abort(self, msg: protocol.Abort, by: DKey, writer: bool = True) -> None:
+        """D gave up, or (``writer`` False) told a P rank it does not write to that it is not needed: D takes
+        this KV (replicated on several P ranks: MLA's latent, heads with more ranks than heads) from another."""
+        if writer:
+            self._abort(msg.transfer_id, f"aborted by D: {msg.reason}", by)
+            return
+        why = Failed(Stage.RENDEZVOUS, Cause.NOT_NEEDED, f"not needed by D: {msg.reason}")
+        self._apply(self.rdv.cancel(msg.transfer_id, time.monotonic(), why, by))
 
     def _abort(self, transfer_id: str, reason: str, by: DKey | None = None) -> None:
         self.bump(Count.ABORTS)
@@ -315,8 +323,11 @@ class Sender(EngineLoop):
         self.bump(Count.RELEASED)
         if d.cause is Cause.EXPIRED:
             self.bump(Count.EXPIRED_PREFILLS)
-        why = failed if d.cause is None else Failed(Stage.RENDEZVOUS, d.cause, d.reason)
         p = d.prefill
+        if d.cause is Cause.NOT_NEEDED:  # another P rank writes this KV: releasing it unpushed is a success
+            self.emit(Result(p.transfer_id, p.request_id, True, d.reason, d.cause, Stage.RENDEZVOUS, stats, times))
+            return
+        why = failed if d.cause is None else Failed(Stage.RENDEZVOUS, d.cause, d.reason)
         if why is None:
             self.emit(Result(p.transfer_id, p.request_id, True, stats=stats, times=times))
         else:

@@ -30,8 +30,11 @@ class MarkerWaiter:
     nothing but this thread.
     """
 
-    def __init__(self, wait: Callable[[Any], None], wake: Callable[[], None], name: str) -> None:
+    def __init__(
+        self, wait: Callable[[Any], None], wake: Callable[[], None], name: str, bind: Callable[[], None] | None = None
+    ) -> None:
         self._wait = wait
+        self._bind = bind
         self._wake = wake
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._asked: Any = None  # the marker most recently asked for (engine thread only)
@@ -55,6 +58,11 @@ class MarkerWaiter:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self._bind is not None:
+            try:
+                self._bind()  # the backend's thread hook, before its first call from this thread
+            except Exception:
+                log.exception("binding the marker waiter to the backend failed")
         while True:
             marker = self._queue.get()
             if marker is _STOP:

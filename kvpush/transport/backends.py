@@ -34,10 +34,17 @@ class BackendTraits:
     keeps that as the polled transfer's final state, so a dead peer can fail transfers to live ones
     (cleanly: each ends once and holds nothing). Its progress thread would charge each completion to
     its own transfer, but stalled live peers' transfers behind a dead peer's writes (docs/libfabric.md)."""
+    reloads_live_peer: bool = True
+    """A peer's metadata unloaded and loaded again, the peer living on meanwhile, can be written to at
+    once. Not so on LIBFABRIC: loading sends the plugin's handshake, and a peer that already holds a
+    connection from this agent never answers it, while the plugin's first WRITE to the reloaded peer
+    waits (inside the post) for that answer up to its handshake timeout. Where False, the agent keeps
+    an unloaded peer's metadata loaded and reuses it when the same metadata comes back
+    (docs/libfabric.md, difference 10)."""
 
 
 UCX = BackendTraits(descriptor_cost_us=7.0)
-LIBFABRIC = BackendTraits(descriptor_cost_us=11.0, drain_calls=32, peer_errors_isolated=False)
+LIBFABRIC = BackendTraits(descriptor_cost_us=11.0, drain_calls=32, peer_errors_isolated=False, reloads_live_peer=False)
 TRAITS: dict[str, BackendTraits] = {"UCX": UCX, "LIBFABRIC": LIBFABRIC}
 
 
@@ -49,4 +56,5 @@ def traits(backends: Iterable[str]) -> BackendTraits:
         known[0].descriptor_cost_us,
         max(t.drain_calls for t in known),
         all(t.peer_errors_isolated for t in known),
+        all(t.reloads_live_peer for t in known),
     )

@@ -19,12 +19,15 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import MemRegistration
-from kvpush.errors import ConfigError, KVPushError
+from kvpush.errors import ConfigError, KVPushError, MemoryKindError
 from kvpush.outcome import XferState
 from kvpush.transport.backends import traits
 
 log = logging.getLogger(__name__)
 
+RETIRED_PEERS_MAX = 64
+"""Most unloaded peers an agent keeps loaded where a live peer cannot be reloaded
+(``traits.reloads_live_peer`` False); beyond it the oldest is really unloaded."""
 SETTLE_MAX_ERRORS = 4096
 """Most failed completions one ``Agent._settle_errors`` reads (a dead peer leaves one per descriptor)."""
 
@@ -111,7 +114,10 @@ class Agent:
         self.traits = traits(self.backends)
         self._mem_types = {b: set(self._agent.get_backend_mem_types(b)) for b in self.backends}
         self._regs: list[Any] = []
-        self._peers: set[str] = set()
+        self._peers: dict[str, bytes] = {}
+        """Loaded peers in use: name -> the metadata they were loaded from."""
+        self._retired: dict[str, bytes] = {}
+        """Peers given up with ``remove_peer`` but kept loaded (``traits.reloads_live_peer`` False), oldest first."""
         self._early: list[tuple[str, bytes]] = []
 
     def register(self, regs: list[MemRegistration]) -> None:
@@ -142,7 +148,7 @@ class Agent:
                 " runtime, which it looks for on the efa provider alone, never on tcp or sockets;"
                 " push device memory over efa, or over UCX)"
             )
-        raise ConfigError(f"no NIXL backend of this agent registers {kind} memory: {took}{hint}")
+        raise MemoryKindError(f"no NIXL backend of this agent registers {kind} memory: {took}{hint}")
 
     def deregister_all(self) -> None:
         for descs in self._regs:
@@ -159,19 +165,45 @@ class Agent:
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes) -> str:
-        name = self._agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        self._peers.add(name)
-        return name
+    def add_peer(self, metadata: bytes, name: str = "") -> str:
+        """Load a peer's metadata; returns its agent name. ``name``: the name the peer says it has.
+
+        Metadata identical to a peer kept loaded (given up but not unloaded) takes that peer back
+        without loading anything: the same peer, the same session. A peer kept loaded under ``name``
+        with other metadata (it restarted) is unloaded first."""
+        for known, meta in (*self._peers.items(), *self._retired.items()):
+            if meta == metadata:
+                self._retired.pop(known, None)
+                self._peers[known] = metadata
+                return known
+        if name in self._retired:
+            self._retired.pop(name)
+            self._unload(name)
+        loaded = self._agent.add_remote_agent(metadata)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._peers[loaded] = metadata
+        return loaded
 
     def remove_peer(self, name: str) -> None:
-        if name in self._peers:
-            self._peers.discard(name)
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception as exc:  # pragma: no cover
-                log.debug("remove_remote_agent(%s): %s", name, exc)
+        """Give a peer up: nothing of it is posted any more. Unloaded where the backend can load a live
+        peer again (``traits.reloads_live_peer``); else kept loaded for its metadata's return."""
+        metadata = self._peers.pop(name, None)
+        if metadata is None:
+            return
+        if self.traits.reloads_live_peer:
+            self._unload(name)
+            return
+        self._retired[name] = metadata
+        while len(self._retired) > RETIRED_PEERS_MAX:
+            oldest = next(iter(self._retired))
+            del self._retired[oldest]
+            self._unload(oldest)
+
+    def _unload(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # pragma: no cover
+            log.debug("remove_remote_agent(%s): %s", name, exc)
 
     def write(
         self,
@@ -262,7 +294,9 @@ class Agent:
         self._agent.send_notif(peer, msg)
 
     def close(self) -> None:
-        for p in list(self._peers):
-            self.remove_peer(p)
+        for name in [*self._peers, *self._retired]:
+            self._unload(name)
+        self._peers.clear()
+        self._retired.clear()
         self.deregister_all()
         self._agent = None

@@ -1,7 +1,9 @@
 """``CudaBackend``: the kvpush Backend for KV caches in NVIDIA GPU memory.
 
-- describe: vLLM's per-layer CUDA tensors (every variant in ``describe``) as
-  a VRAM layout with the tensors' device index.
+- describe: vLLM's per-layer CUDA tensors, read from their strides by the
+  shared describer (``kvpush.backends.tensors``; every variant in
+  ``variants``), as a VRAM layout with the tensors' device index, for the
+  attention backends in ``ATTENTION``.
 - registrations: one NIXL VRAM registration per allocation, never one that
   spans two (UCX's cuda_ipc maps a registration through one IPC handle).
 - ordering: ``record_ready`` records a CUDA event on the producing stream;
@@ -24,12 +26,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvpush.backends.base import Backend, CacheSpec, MemRegistration, StagingBuffer
+from kvpush.backends.base import Backend, CacheSpec, Capabilities, MemRegistration, StagingBuffer
+from kvpush.backends.tensors import allocation_registrations, describe_strided
+from kvpush.backends.testing import TestSupport, cache_shape
 from kvpush.errors import BackendError
 from kvpush.layout import KVLayout, MemKind
 from kvpush_cuda._torch import cuda_torch
 from kvpush_cuda.copy import Kernel, PieceCopier
-from kvpush_cuda.describe import allocation_registrations, describe_strided
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +43,29 @@ DEFAULT_PACK_BANDWIDTH = 1.0e12
 # a long prefill, so the conformance suite's ordering test fails when record_ready does not order the write
 # (checked on 2x H200: with the copy alone a marker of None went unnoticed).
 TEST_WRITE_DELAY_CYCLES = 50_000_000
+ATTENTION = {
+    "": "token-addressable caches named by CacheSpec.axes (engines other than vLLM, tests)",
+    **dict.fromkeys(
+        ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"),
+        "[blocks, heads, tokens, K|V] in a KVCacheLayout whose blocks are dense (LBNHC, LBHNC, BLNHC, BLHNC)",
+    ),
+    **dict.fromkeys(
+        ("FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA"),
+        "[blocks, 1, tokens, latent]: one latent row per token, the same on every TP rank",
+    ),
+}
+"""vLLM attention backends (0.32 and later) whose caches read K and V (or the latent) per token and head
+from the ``[B, H, N, C]`` view vLLM hands the connector, so a token-level copy lands where they read."""
 
 
-class CudaBackend(Backend):
+STAGING_WHAT = (
+    "device (VRAM, registered with NIXL together with the KV)",
+    "host (pinned host memory; the KV is never registered: for transports that cannot register VRAM)",
+)
+STAGING = tuple(w.split()[0] for w in STAGING_WHAT)
+
+
+class CudaBackend(TestSupport, Backend):
     """KV in CUDA device memory, registered with NIXL as VRAM.
 
     ``device`` pins the device for staging and ordering when nothing was
@@ -52,6 +75,11 @@ class CudaBackend(Backend):
     copies one tile of at most ``tile_bytes``); ``stream_priority`` is the
     copier stream's (CUDA: lower is higher; -1, high, lets a layer-wise pack
     run beside the forward's GEMMs instead of after them, see ``copy.py``).
+    ``staging`` is ``device`` (VRAM; the KV is registered too and pushed in
+    place where that is cheaper) or ``host``: pinned host memory that the
+    copy kernels reach over the bus, and the KV never registered, for
+    transports that cannot register device memory (NIXL's LIBFABRIC plugin
+    over tcp, a UCX without GPU support): every push is then staged.
     """
 
     name = "cuda"
@@ -65,7 +93,11 @@ class CudaBackend(Backend):
         num_warps: int = 4,
         pack_bandwidth: float = DEFAULT_PACK_BANDWIDTH,
         stream_priority: int = -1,
+        staging: str = "device",
     ) -> None:
+        if staging not in STAGING:
+            raise BackendError(f"cuda backend: staging {staging!r} is not one of: {'; '.join(STAGING_WHAT)}")
+        self._host_staging = staging == "host"
         self._torch = cuda_torch()
         n = self._torch.cuda.device_count()
         if device is not None and not 0 <= device < n:
@@ -87,8 +119,18 @@ class CudaBackend(Backend):
             self._device = int(self._torch.cuda.current_device())
         return self._device
 
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """In place with device staging; with host staging NIXL never sees the KV, so every push is staged."""
+        return Capabilities(direct=not self._host_staging, chained_ready=True)
+
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
-        layout, spans = describe_strided(kv_caches, spec, "cuda", MemKind.VRAM)
+        if spec.attention not in ATTENTION:
+            raise BackendError(
+                f"cuda backend: attention backend {spec.attention!r} is not one whose cache it can address; "
+                f"supported: {'; '.join(self.supported_layouts())}"
+            )
+        layout, spans = describe_strided(kv_caches, spec, MemKind.VRAM, "cuda")
         devices = {r.device_id for r in layout.regions}
         if self._device is not None and devices != {self._device}:
             raise BackendError(f"KV tensors are on CUDA devices {sorted(devices)}, backend pinned to {self._device}")
@@ -96,21 +138,26 @@ class CudaBackend(Backend):
         self._spans.update(spans)
         return layout
 
+    def supported_layouts(self) -> list[str]:
+        return [f"{name or 'generic'}: {what}" for name, what in ATTENTION.items()]
+
     def bind_thread(self) -> None:
         """Make the backend's device current on the calling (kvpush) thread.
 
         A new thread starts on device 0; UCX's CUDA transports and Triton use
-        the thread's current device, so kvpush's own threads switch to the KV
-        device before registering, packing or waiting. Never called on the
-        model's thread.
+        the thread's current device, so the engine calls this at the start of
+        each of its threads (the thread hook), before registering, packing or
+        waiting there. Never called on the model's thread.
         """
         torch = self._torch
         if torch.cuda.current_device() != self.device:
             torch.cuda.set_device(self.device)
 
     def registrations(self, layout: KVLayout) -> list[MemRegistration]:
-        """One registration per allocation holding regions; regions we did not describe are merged as by default."""
-        self.bind_thread()
+        """One registration per allocation holding regions (regions we did not describe merged as by default);
+        none with host staging, where only the staging buffers are registered."""
+        if self._host_staging:
+            return []
         regs, rest = allocation_registrations(layout, self._spans)
         if rest:
             regs += super().registrations(msgspec.structs.replace(layout, regions=tuple(rest)))
@@ -127,7 +174,6 @@ class CudaBackend(Backend):
         """Wait for the producing stream's event(s) only; the device keeps running other work."""
         if marker is None:
             return
-        self.bind_thread()
         events: Iterable[Any] = marker if isinstance(marker, list | tuple) else (marker,)
         for ev in events:
             if not hasattr(ev, "synchronize"):
@@ -138,7 +184,6 @@ class CudaBackend(Backend):
         """``cudaEventQuery`` on the marker's event(s): the push thread never blocks on a layer in progress."""
         if marker is None:
             return True
-        self.bind_thread()
         events: Iterable[Any] = marker if isinstance(marker, list | tuple) else (marker,)
         for ev in events:
             if not hasattr(ev, "query"):
@@ -150,13 +195,18 @@ class CudaBackend(Backend):
     def alloc_staging(self, nbytes: int, device_id: int | None = None) -> StagingBuffer:
         torch = self._torch
         dev = self.device if device_id is None else int(device_id)
-        self.bind_thread()
+        where = "pinned host memory" if self._host_staging else f"cuda:{dev}"
         try:
-            buf = torch.empty(int(nbytes), dtype=torch.uint8, device=f"cuda:{dev}")
+            if self._host_staging:  # page-locked and mapped: the copy kernels on ``dev`` read and write it
+                buf = torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=True)
+            else:
+                buf = torch.empty(int(nbytes), dtype=torch.uint8, device=f"cuda:{dev}")
         except RuntimeError as exc:  # out of memory, bad device
-            raise BackendError(f"cannot allocate {nbytes} bytes of staging on cuda:{dev}: {exc}") from None
+            raise BackendError(f"cannot allocate {nbytes} bytes of staging in {where}: {exc}") from None
         addr = int(buf.data_ptr())
         self._staging[addr] = (int(nbytes), dev)
+        if self._host_staging:
+            return StagingBuffer(addr, int(nbytes), 0, MemKind.DRAM, owner=buf)
         return StagingBuffer(addr, int(nbytes), dev, MemKind.VRAM, owner=buf)
 
     def _copier(self, staging_addr: int) -> PieceCopier:
@@ -181,20 +231,15 @@ class CudaBackend(Backend):
             copier.set_stream_priority(self._priority)
 
     def pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
-        self.bind_thread()
         self._copier(staging_addr).gather(regions, pieces, staging_addr)
 
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
-        self.bind_thread()
         self._copier(staging_addr).scatter(regions, pieces, staging_addr)
-
-    chains_ready = True
 
     def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
         """The gather queued on the copier's stream, behind ``after``'s event(s) if given (the layer that
         wrote the KV may still run: the device orders them, no host round trip); returns the CUDA event
         that ends the gather (``poll_ready``)."""
-        self.bind_thread()
         copier = self._copier(staging_addr)
         if after is not None:
             events: Iterable[Any] = after if isinstance(after, list | tuple) else (after,)
@@ -206,7 +251,6 @@ class CudaBackend(Backend):
 
     def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
         """The scatter queued on the copier's stream; returns the CUDA event that ends it."""
-        self.bind_thread()
         return self._copier(staging_addr).scatter(regions, pieces, staging_addr, wait=False)
 
     def prepare_pack(
@@ -221,7 +265,6 @@ class CudaBackend(Backend):
         Not part of the Backend contract: pack works without it, only then it
         uploads the table itself, on the critical path.
         """
-        self.bind_thread()
         self._copier_on(self.device if device_id is None else device_id).prepare_gather(regions, pieces, parts)
 
     def prepare_unpack(
@@ -232,7 +275,6 @@ class CudaBackend(Backend):
         parts: Sequence[tuple[int, int, int]] = (),
     ) -> None:
         """Optional hint: upload the piece table of a coming ``unpack`` now (D knows it when it registers)."""
-        self.bind_thread()
         self._copier_on(self.device if device_id is None else device_id).prepare_scatter(regions, pieces, parts)
 
     def copy_stats(self) -> dict[str, float]:
@@ -258,13 +300,10 @@ class CudaBackend(Backend):
         dtype = getattr(torch, spec.dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             raise BackendError(f"dtype {spec.dtype!r} is not a torch dtype")
-        local = max(1, spec.num_heads // spec.tp_size)
-        bs, d = spec.block_size, spec.head_dim
-        block = (bs, local, d) if spec.order == "NHD" else (local, bs, d)
-        return ((2, num_blocks, *block) if spec.kv_split else (num_blocks, *block)), dtype
+        return cache_shape(spec, num_blocks), dtype
 
     def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:
-        """Per-layer CUDA tensors as vLLM's FlashAttention backend allocates them."""
+        """Dense per-layer CUDA tensors shaped as ``spec.axes`` names them."""
         shape, dtype = self._test_shape(spec, num_blocks)
         return {f"layer{i}": self._torch.empty(shape, dtype=dtype, device=f"cuda:{device}") for i in range(num_layers)}
 

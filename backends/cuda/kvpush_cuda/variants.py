@@ -1,9 +1,24 @@
-"""KV-cache tensors shaped as vLLM's attention backends allocate them.
+"""KV-cache tensors shaped and strided as vLLM's attention backends hand them to a connector.
 
 Used by the tests and the benchmark to build every variant ``describe``
 supports, and to read any of them back in one canonical logical order
-``[kv, block, token, head, dim]``, so a transfer between two variants is
+``[kv, block, token, head, content]``, so a transfer between two variants is
 checked byte for byte with ``torch.equal``.
+
+Two generations:
+- vLLM 0.32 and later (``vllm/v1/kv_cache_interface.py``,
+  ``create_kv_cache_views``): one flat buffer per KV-cache tensor, viewed as
+  ``[L, B, H, N, C]`` with strides in one of six ``KVCacheLayout`` orders;
+  each layer gets the ``[B, H, N, C]`` slice, ``C`` holding the head's K then
+  V (``head_size + head_size_v``), or MLA's latent with one head slot.
+  FlashAttention, FlashInfer and Triton attention read K and V by splitting
+  ``C``. Variants ``LBNHC`` (the default order, NHD), ``LBHNC`` (HND),
+  ``BLNHC`` and ``BLHNC`` (a block of every layer side by side), ``mla``;
+  ``LHBNC`` and ``BHLNC`` keep a block's heads apart (not dense): refused.
+- older vLLM: ``old_flash_nhd`` ``[2, nb, bs, h, d]``, ``old_flash_hnd`` (HND
+  strides), ``old_flashinfer`` ``[nb, 2, bs, h, d]`` (NHD), ``old_flashinfer_hnd``
+  (FlashInfer's HND: ``[nb, 2, h, bs, d]`` memory seen as ``[nb, 2, bs, h, d]``), ``old_cross_layer`` (one
+  ``[nb, layers, 2, bs, h, d]`` buffer), ``old_mla`` ``[nb, bs, 1, d]``.
 """
 
 from __future__ import annotations
@@ -11,7 +26,41 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-VARIANTS = ("flash_nhd", "flash_hnd", "flashinfer", "cross_layer", "shared_buffer", "mla")
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4)}
+LAYOUTS |= {"BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+"""vLLM's ``KVCacheLayout`` stride orders: physical order of the logical axes ``[L, B, H, N, C]``."""
+VARIANTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "mla", "old_flash_nhd", "old_flash_hnd", "old_flashinfer")
+VARIANTS += ("old_flashinfer_hnd",)
+VARIANTS += ("old_cross_layer", "old_mla")
+REFUSED = ("LHBNC", "BHLNC")
+"""Orders whose blocks are not dense for one layer (a block's heads sit a layer or more apart)."""
+
+
+def axes(variant: str) -> str:
+    """``CacheSpec.axes`` for the variant's per-layer tensors."""
+    if variant in LAYOUTS or variant == "mla":
+        return "BHNC"
+    return {"old_flashinfer": "BKNHC", "old_flashinfer_hnd": "BKNHC", "old_mla": "BNHC"}.get(variant, "KBNHC")
+
+
+def is_mla(variant: str) -> bool:
+    return variant in ("mla", "old_mla")
+
+
+def content(variant: str, head_dim: int) -> int:
+    """Elements of one head's per-token content: K and V together in vLLM 0.32's non-MLA layouts."""
+    return 2 * head_dim if variant in LAYOUTS else head_dim
+
+
+def _strided(torch: ModuleType, order: tuple[int, ...], shape: tuple[int, ...], **kw: Any) -> Any:
+    """A ``[L, B, H, N, C]`` view whose memory order is ``order`` (as ``compute_layout_strides``)."""
+    strides = [0] * 5
+    acc = 1
+    for dim in reversed(order):
+        strides[dim] = acc
+        acc *= shape[dim]
+    raw = torch.empty(acc, **kw)
+    return torch.as_strided(raw, shape, strides)
 
 
 def make_kv(
@@ -25,45 +74,42 @@ def make_kv(
     dtype: Any,
     device: Any,
 ) -> dict[str, Any]:
-    """Per-layer tensors, in model order, as vLLM hands them to a connector.
-
-    - flash_nhd: ``[2, nb, bs, h, d]`` per layer (FlashAttention).
-    - flash_hnd: same shape, head-major strides (``VLLM_KV_CACHE_LAYOUT=HND``).
-    - flashinfer: ``[nb, 2, bs, h, d]``: K and V of a block side by side.
-    - cross_layer: one ``[nb, layers, 2, bs, h, d]`` buffer; each layer a strided view.
-    - shared_buffer: one flat buffer sliced per layer (vLLM's raw KV tensor).
-    - mla: ``[nb, bs, 1, d]`` per layer, no K/V split (``kv_split=False``).
-    """
+    """Per-layer tensors, in model order, as vLLM hands them to a connector (see the module docstring)."""
     L, nb, bs, h, d = num_layers, num_blocks, block_size, heads, head_dim
     names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
     kw = {"dtype": dtype, "device": device}
-    if variant == "flash_nhd":
+    if variant in LAYOUTS or variant in REFUSED or variant == "mla":
+        order = LAYOUTS["LBNHC"] if variant == "mla" else LAYOUTS[variant]
+        c = d if variant == "mla" else 2 * d
+        view = _strided(torch, order, (L, nb, 1 if variant == "mla" else h, bs, c), **kw)
+        return {n: view[i] for i, n in enumerate(names)}
+    if variant == "old_flash_nhd":
         return {n: torch.empty((2, nb, bs, h, d), **kw) for n in names}
-    if variant == "flash_hnd":
+    if variant == "old_flash_hnd":
         return {n: torch.empty((2, nb, h, bs, d), **kw).permute(0, 1, 3, 2, 4) for n in names}
-    if variant == "flashinfer":
+    if variant == "old_flashinfer":
         return {n: torch.empty((nb, 2, bs, h, d), **kw) for n in names}
-    if variant == "cross_layer":
+    if variant == "old_flashinfer_hnd":
+        return {n: torch.empty((nb, 2, h, bs, d), **kw).permute(0, 1, 3, 2, 4) for n in names}
+    if variant == "old_cross_layer":
         buf = torch.empty((nb, L, 2, bs, h, d), **kw)
         return {n: buf[:, i].permute(1, 0, 2, 3, 4) for i, n in enumerate(names)}
-    if variant == "shared_buffer":
-        per = 2 * nb * bs * h * d
-        raw = torch.empty(L * per, **kw)
-        return {n: raw[i * per : (i + 1) * per].view(2, nb, bs, h, d) for i, n in enumerate(names)}
-    if variant == "mla":
+    if variant == "old_mla":
         return {n: torch.empty((nb, bs, 1, d), **kw) for n in names}
-    raise ValueError(f"unknown KV variant {variant!r}; known: {', '.join(VARIANTS)}")
+    raise ValueError(f"unknown KV variant {variant!r}; known: {', '.join(VARIANTS + REFUSED)}")
 
 
 def canonical(t: Any, variant: str) -> Any:
-    """A view of one layer's tensor as ``[kv, block, token, head, dim]``."""
-    if variant == "flashinfer":
+    """A view of one layer's tensor as ``[kv, block, token, head, content]``."""
+    if variant in LAYOUTS or variant == "mla":
+        return t.transpose(1, 2).unsqueeze(0)  # [B, H, N, C] -> [1, B, N, H, C]
+    if variant in ("old_flashinfer", "old_flashinfer_hnd"):
         return t.transpose(0, 1)
-    if variant == "mla":
+    if variant == "old_mla":
         return t.unsqueeze(0)
     return t
 
 
-def kv_split(variant: str) -> bool:
-    """Whether the variant holds K and V separately (all but MLA)."""
-    return variant != "mla"
+def regions_per_layer(variant: str) -> int:
+    """K and V apart in the older shapes (all but MLA); one K|V region per layer from vLLM 0.32."""
+    return 2 if variant.startswith("old_") and variant != "old_mla" else 1

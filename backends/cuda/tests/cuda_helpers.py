@@ -9,14 +9,13 @@ torch = pytest.importorskip("torch")
 
 from kvpush.backends.base import CacheSpec  # noqa: E402
 from kvpush.layout import KVLayout, TokenOrder  # noqa: E402
-from kvpush_cuda.variants import canonical  # noqa: E402
+from kvpush_cuda.variants import axes, canonical, content, is_mla  # noqa: E402
 
 
-def spec_for(variant: str, bs: int, heads: int, d: int, order: str = "NHD") -> CacheSpec:
-    """The CacheSpec a vLLM worker would give for ``variant``."""
-    if variant == "mla":
-        return CacheSpec(block_size=bs, num_heads=1, head_dim=d, dtype="bfloat16", kv_split=False)
-    return CacheSpec(block_size=bs, num_heads=heads, head_dim=d, dtype="bfloat16", order=order)
+def spec_for(variant: str, bs: int, heads: int, d: int, attention: str = "") -> CacheSpec:
+    """The CacheSpec a vLLM worker would give for ``variant`` (``d``: head size; K|V content is twice it)."""
+    h = 1 if is_mla(variant) else heads
+    return CacheSpec(bs, h, content(variant, d), "bfloat16", axes=axes(variant), attention=attention)
 
 
 def fill_random(kv: dict, seed: int) -> None:
@@ -39,7 +38,7 @@ def expected_addr(layout: KVLayout, region: int, block: int, tok: int, head: int
 def check_addresses(layout: KVLayout, kv: dict, variant: str, samples: int = 200, seed: int = 0) -> None:
     """Every sampled element's real address equals the one the layout computes."""
     rng = np.random.default_rng(seed)
-    tensors = [canonical(t, variant) for t in kv.values()]
+    tensors = [canonical(t, variant) for t in kv.values()]  # [kv, block, token, head, content]
     nkv = tensors[0].shape[0]
     assert len(layout.regions) == len(tensors) * nkv
     for _ in range(samples):

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
 
+from kvpush.backends.tensors import allocation_registrations, describe_strided
 from kvpush.errors import BackendError
 from kvpush.layout import MemKind, TokenOrder, coalesce, map_pieces
 from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
-from kvpush_cuda.describe import allocation_registrations, describe_strided
-from kvpush_cuda.variants import VARIANTS, kv_split, make_kv
+from kvpush_cuda.variants import REFUSED, VARIANTS, is_mla, make_kv, regions_per_layer
 
 torch = pytest.importorskip("torch")
 
@@ -74,52 +74,56 @@ def test_clear_error_without_cuda() -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_describe_every_variant_matches_real_addresses(variant: str) -> None:
-    heads = 1 if variant == "mla" else 4
+    heads = 1 if is_mla(variant) else 4
     kv = make_kv(torch, variant, 3, 7, 16, heads, 8, torch.bfloat16, "cpu")
-    layout, spans = describe_strided(kv, spec_for(variant, 16, heads, 8), "cpu", MemKind.VRAM)
+    layout, spans = describe_strided(kv, spec_for(variant, 16, heads, 8), MemKind.VRAM, "cpu")
     assert layout.mem is MemKind.VRAM
     assert layout.num_blocks == 7
-    want = TokenOrder.HND if variant == "flash_hnd" else TokenOrder.NHD
-    assert layout.order is want
+    assert len(layout.regions) == 3 * regions_per_layer(variant)
+    if heads > 1:  # with one head both orders place the same bytes
+        head_major = variant in ("old_flash_hnd", "old_flashinfer_hnd", "LBHNC", "BLHNC")
+        assert layout.order is (TokenOrder.HND if head_major else TokenOrder.NHD)
     check_addresses(layout, kv, variant)
     regs, rest = allocation_registrations(layout, spans)
     assert not rest
-    shared = variant in ("cross_layer", "shared_buffer")
+    shared = not variant.startswith("old_") or variant == "old_cross_layer"
     assert len(regs) == (1 if shared else 3)
     for r in layout.regions:
         assert any(g.addr <= r.base and r.base + r.size <= g.addr + g.size for g in regs)
 
 
-def test_describe_hnd_shaped_tensor_with_spec_order() -> None:
-    kv = {"l0": torch.empty((2, 5, 4, 16, 8), dtype=torch.bfloat16)}  # [2, nb, h, bs, d]
-    layout, _ = describe_strided(kv, spec_for("flash_nhd", 16, 4, 8, order="HND"), "cpu")
-    assert layout.order is TokenOrder.HND
-    c = {"l0": kv["l0"].permute(0, 1, 3, 2, 4)}  # canonical [kv, blk, tok, head]
-    check_addresses(layout, c, "flash_nhd")
+@pytest.mark.parametrize("variant", REFUSED)
+def test_layouts_whose_blocks_are_not_dense_are_refused(variant: str) -> None:
+    """vLLM's LHBNC and BHLNC keep a block's heads a layer or more apart: no dense block to move."""
+    kv = make_kv(torch, variant, 3, 7, 16, 4, 8, torch.bfloat16, "cpu")
+    with pytest.raises(BackendError, match="not dense"):
+        describe_strided(kv, spec_for(variant, 16, 4, 8), MemKind.VRAM, "cpu")
 
 
 def test_describe_tp_rank_heads() -> None:
-    kv = make_kv(torch, "flash_nhd", 2, 4, 16, 2, 8, torch.float16, "cpu")
-    spec = spec_for("flash_nhd", 16, 8, 8)
+    kv = make_kv(torch, "LBNHC", 2, 4, 16, 2, 8, torch.float16, "cpu")
+    spec = spec_for("LBNHC", 16, 8, 8)
     spec = type(spec)(**{**spec.__dict__, "tp_rank": 3, "tp_size": 4})
-    layout, _ = describe_strided(kv, spec, "cpu")
+    layout, _ = describe_strided(kv, spec, MemKind.VRAM, "cpu")
     assert (layout.head_start, layout.local_heads, layout.num_heads) == (6, 2, 8)
     # More ranks than heads: vLLM replicates each head on tp/heads consecutive ranks.
-    kv1 = make_kv(torch, "flash_nhd", 2, 4, 16, 1, 8, torch.float16, "cpu")
+    kv1 = make_kv(torch, "LBNHC", 2, 4, 16, 1, 8, torch.float16, "cpu")
     rep = type(spec)(**{**spec.__dict__, "num_heads": 2, "tp_rank": 5, "tp_size": 8})
-    layout, _ = describe_strided(kv1, rep, "cpu")
+    layout, _ = describe_strided(kv1, rep, MemKind.VRAM, "cpu")
     assert (layout.head_start, layout.local_heads) == (1, 1)
     with pytest.raises(BackendError, match="cannot be sharded"):
-        describe_strided(kv1, type(spec)(**{**spec.__dict__, "num_heads": 3, "tp_rank": 0, "tp_size": 2}), "cpu")
+        describe_strided(
+            kv1, type(spec)(**{**spec.__dict__, "num_heads": 3, "tp_rank": 0, "tp_size": 2}), MemKind.VRAM, "cpu"
+        )
 
 
 @pytest.mark.parametrize(
     ("make", "msg"),
     [
         (lambda: {"a": torch.empty((2, 4, 16, 2, 8))}, "is on cpu"),
-        (lambda: {"a": torch.empty((4, 16, 2, 8))}, "expected 5 dims"),
-        (lambda: {"a": torch.empty((3, 4, 16, 2, 8))}, "no K/V axis"),
-        (lambda: {"a": torch.empty((2, 4, 16, 3, 8))}, "neither NHD"),
+        (lambda: {"a": torch.empty((4, 16, 2, 8))}, "has 4 dims"),
+        (lambda: {"a": torch.empty((3, 4, 16, 2, 8))}, "K=3, expected 2"),
+        (lambda: {"a": torch.empty((2, 4, 16, 3, 8))}, "H=3, expected 2"),
         (lambda: {"a": torch.empty((2, 4, 16, 4, 8))[:, :, :, :2]}, "not dense"),
         (lambda: {"a": torch.empty((2, 4, 16, 2, 8)), "b": torch.empty((2, 5, 16, 2, 8))}, "differs"),
     ],
@@ -127,7 +131,7 @@ def test_describe_tp_rank_heads() -> None:
 def test_describe_rejects_what_it_cannot_move(make, msg: str) -> None:
     device = "cuda" if msg == "is on cpu" else "cpu"
     with pytest.raises(BackendError, match=msg):
-        describe_strided(make(), spec_for("flash_nhd", 16, 2, 8), device)
+        describe_strided(make(), spec_for("old_flash_nhd", 16, 2, 8), MemKind.VRAM, device)
 
 
 def test_split_and_unit_width() -> None:
@@ -149,14 +153,14 @@ def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int, in_par
     was not told of (D), checking that every part was launched that way.
     """
     rng = np.random.default_rng(seed)
-    heads = 1 if "mla" in (src_variant, dst_variant) else 2
-    p_kv = make_kv(torch, src_variant, 3, 12, 16, heads, 8, torch.bfloat16, "cpu")
-    d_kv = make_kv(torch, dst_variant, 3, 20, 16, heads, 8, torch.bfloat16, "cpu")
+    heads = 1 if is_mla(src_variant) else 2
+    layers = 6 // regions_per_layer(src_variant)  # six regions either way: the parts below cut them
+    p_kv = make_kv(torch, src_variant, layers, 12, 16, heads, 8, torch.bfloat16, "cpu")
+    d_kv = make_kv(torch, dst_variant, layers, 20, 16, heads, 8, torch.bfloat16, "cpu")
     fill_random(p_kv, seed)
     fill_random(d_kv, seed + 1)
-    sp = spec_for(src_variant, 16, heads, 8, order="NHD")
-    lp, _ = describe_strided(p_kv, sp, "cpu")
-    ld, _ = describe_strided(d_kv, spec_for(dst_variant, 16, heads, 8), "cpu")
+    lp, _ = describe_strided(p_kv, spec_for(src_variant, 16, heads, 8), MemKind.VRAM, "cpu")
+    ld, _ = describe_strided(d_kv, spec_for(dst_variant, 16, heads, 8), MemKind.VRAM, "cpu")
     src_ids = rng.permutation(12)[:5]
     dst_ids = rng.permutation(20)[:5]
     pieces = coalesce(map_pieces(lp, ld, src_ids, dst_ids, 5 * 16))
@@ -188,10 +192,19 @@ def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int, in_par
 
 @pytest.mark.parametrize(
     ("src", "dst"),
-    [("flash_nhd", "flash_hnd"), ("flashinfer", "cross_layer"), ("shared_buffer", "flash_nhd"), ("mla", "mla")],
+    [
+        ("old_flash_nhd", "old_flash_hnd"),
+        ("old_flashinfer", "old_cross_layer"),
+        ("old_flashinfer_hnd", "old_flash_nhd"),
+        ("old_mla", "old_mla"),
+        ("LBNHC", "LBHNC"),
+        ("BLNHC", "LBNHC"),
+        ("BLHNC", "LBHNC"),
+        ("mla", "mla"),
+    ],
 )
 def test_torch_gather_scatter_moves_exact_bytes(src: str, dst: str) -> None:
-    assert kv_split(src) == kv_split(dst)
+    assert regions_per_layer(src) == regions_per_layer(dst)
     assert _transfer("torch", src, dst, seed=3)
 
 
@@ -203,8 +216,8 @@ def test_triton_kernel_under_interpreter() -> None:
         import sys
         sys.path.insert(0, "backends/cuda/tests")
         from test_cpu import _transfer
-        print(_transfer("triton", "flash_nhd", "flash_hnd", 5), _transfer("triton", "flashinfer", "cross_layer", 6))
-        print(_transfer("triton", "flash_nhd", "flash_hnd", 7, in_parts=True))
+        print(_transfer("triton", "old_flash_nhd", "old_flash_hnd", 5), _transfer("triton", "BLNHC", "LBHNC", 6))
+        print(_transfer("triton", "LBNHC", "LBHNC", 7, in_parts=True))
         """,
         TRITON_INTERPRET="1",
     )

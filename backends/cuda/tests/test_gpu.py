@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
 
+from kvpush.backends.base import CacheSpec
 from kvpush.errors import BackendError
 from kvpush.layout import MemKind, coalesce, map_pieces
 from kvpush_cuda import CudaBackend
-from kvpush_cuda.variants import canonical, make_kv
+from kvpush_cuda.variants import VARIANTS, canonical, is_mla, make_kv
 
 torch = pytest.importorskip("torch")
 
@@ -32,16 +33,16 @@ D_DEV = 1 if torch.cuda.is_available() and torch.cuda.device_count() > 1 else 0
 
 
 def _cuda_kv(variant: str, nb: int, dev: int, layers: int = 3, heads: int = 2, d: int = 64) -> dict:
-    if variant == "mla":
+    if is_mla(variant):
         heads = 1
     return make_kv(torch, variant, layers, nb, 16, heads, d, torch.bfloat16, f"cuda:{dev}")
 
 
-@pytest.mark.parametrize("variant", ["flash_nhd", "flash_hnd", "flashinfer", "cross_layer", "shared_buffer", "mla"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_describe_and_register_cuda_tensors(variant: str) -> None:
     be = CudaBackend()
     kv = _cuda_kv(variant, 9, D_DEV)
-    heads = 1 if variant == "mla" else 2
+    heads = 1 if is_mla(variant) else 2
     layout = be.describe(kv, spec_for(variant, 16, heads, 64))
     assert layout.mem is MemKind.VRAM
     assert {r.device_id for r in layout.regions} == {D_DEV}
@@ -58,15 +59,16 @@ def test_pinned_device_mismatch_is_an_error() -> None:
     if other is None:
         pytest.skip("needs two GPUs")
     with pytest.raises(BackendError, match="pinned"):
-        be.describe(_cuda_kv("flash_nhd", 4, other), spec_for("flash_nhd", 16, 2, 64))
+        be.describe(_cuda_kv("LBNHC", 4, other), spec_for("LBNHC", 16, 2, 64))
 
 
-@pytest.mark.parametrize("order", ["NHD", "HND"])
-def test_test_support_surface(order: str) -> None:
+@pytest.mark.parametrize(("axes", "order"), [("KBNHC", "NHD"), ("KBHNC", "HND")])
+def test_test_support_surface(axes: str, order: str) -> None:
     """What kvpush.conformance uses: caches describe() accepts, producer-like writes ordered by
     record_ready, exact reads, and host tensors describe() refuses."""
     be = CudaBackend(device=D_DEV)
-    spec = spec_for("flash_nhd", 16, 4, 64, order=order)
+    be.bind_thread()
+    spec = CacheSpec(16, 4, 64, "bfloat16", axes=axes)
     kv = be.make_test_cache(spec, 2, 8, D_DEV)
     layout = be.describe(kv, spec)
     assert layout.order == order and len(layout.regions) == 4
@@ -91,9 +93,33 @@ def test_alloc_staging_on_device() -> None:
         be.alloc_staging(1 << 62, D_DEV)
 
 
+def test_host_staging() -> None:
+    """Host staging: nothing of the KV registered, the staging buffer pinned host memory registered as
+    DRAM, and the copy kernels move the blocks through it byte for byte (pack, then unpack elsewhere)."""
+    be = CudaBackend(device=0, staging="host")
+    assert not be.capabilities.direct and be.capabilities.chained_ready
+    kv = _cuda_kv("LBNHC", 16, 0, layers=2)
+    out = _cuda_kv("LBNHC", 16, 0, layers=2)
+    spec = spec_for("LBNHC", 16, 2, 64)
+    layout, out_layout = be.describe(kv, spec), be.describe(out, spec)
+    assert be.registrations(layout) == []
+    src_ids, dst_ids = np.arange(8), np.array([9, 3, 12, 0, 5, 7, 15, 1])
+    pieces = coalesce(map_pieces(layout, out_layout, src_ids, dst_ids, 8 * 16))
+    pk, up = np.ascontiguousarray(pieces[:, [0, 2]]), np.ascontiguousarray(pieces[:, [1, 2]])
+    staging = be.alloc_staging(int(pk[:, 1].sum()) * len(layout.regions), 0)
+    assert staging.mem is MemKind.DRAM and staging.owner.device.type == "cpu" and staging.owner.is_pinned()
+    fill_random(kv, 7)
+    be.wait_ready(be.start_pack([r.base for r in layout.regions], pk, staging.addr, after=be.record_ready()))
+    assert int(staging.owner.count_nonzero()) > 0
+    be.wait_ready(be.start_unpack([r.base for r in out_layout.regions], up, staging.addr))
+    assert blocks_equal(out, "LBNHC", dst_ids, kv, "LBNHC", src_ids)
+    with pytest.raises(BackendError, match="staging 'vram' is not one of"):
+        CudaBackend(staging="vram")
+
+
 @pytest.mark.parametrize("kernel", ["triton", "torch"])
 @pytest.mark.parametrize(
-    ("src", "dst"), [("flash_nhd", "flash_nhd"), ("flash_nhd", "flash_hnd"), ("flashinfer", "cross_layer")]
+    ("src", "dst"), [("LBNHC", "LBNHC"), ("LBNHC", "LBHNC"), ("BLNHC", "LBHNC"), ("old_flashinfer", "old_cross_layer")]
 )
 def test_pack_unpack_between_gpus(kernel: str, src: str, dst: str) -> None:
     """P's blocks -> P staging (pack, GPU0) -> D staging (peer copy) -> D's shuffled blocks (unpack, GPU1)."""
@@ -111,8 +137,10 @@ def test_pack_unpack_between_gpus(kernel: str, src: str, dst: str) -> None:
     nbytes = int(pieces[:, 2].sum()) * len(lp.regions)
     ps, ds = p_be.alloc_staging(nbytes, 0), d_be.alloc_staging(nbytes, D_DEV)
     ps.owner.fill_(0x11)
+    p_be.bind_thread()  # the thread hook: this thread calls both backends, each on its own device
     p_be.pack([r.base for r in lp.regions], pieces[:, [0, 2]], ps.addr)
     ds.owner.copy_(ps.owner)
+    d_be.bind_thread()
     d_be.unpack([r.base for r in ld.regions], pieces[:, [1, 2]], ds.addr)
     assert p_be.kernel == kernel and d_be.kernel == kernel
     assert blocks_equal(d_kv, dst, dst_ids[:29], p_kv, src, src_ids[:29])
@@ -134,11 +162,11 @@ def test_async_chained_and_prepared_pack_unpack_match_the_synchronous_ones() -> 
     plain pack/unpack, and prepared launches were really used."""
     rng = np.random.default_rng(11)
     be = CudaBackend(device=0)
-    kv = _cuda_kv("flash_nhd", 64, 0, layers=4)
-    out = _cuda_kv("flash_nhd", 64, 0, layers=4)
-    layout = be.describe(kv, spec_for("flash_nhd", 16, 2, 64))
+    kv = _cuda_kv("LBNHC", 64, 0, layers=8)  # one K|V region a layer: 8 regions, cut in three parts
+    out = _cuda_kv("LBNHC", 64, 0, layers=8)
+    layout = be.describe(kv, spec_for("LBNHC", 16, 2, 64))
     bases = [r.base for r in layout.regions]
-    out_bases = [r.base for r in be.describe(out, spec_for("flash_nhd", 16, 2, 64)).regions]
+    out_bases = [r.base for r in be.describe(out, spec_for("LBNHC", 16, 2, 64)).regions]
     src_ids, dst_ids = rng.permutation(64)[:40], rng.permutation(64)[:40]
     pieces = coalesce(map_pieces(layout, layout, src_ids, dst_ids, 40 * 16))
     pk, up = np.ascontiguousarray(pieces[:, [0, 2]]), np.ascontiguousarray(pieces[:, [1, 2]])
@@ -177,7 +205,7 @@ def test_async_chained_and_prepared_pack_unpack_match_the_synchronous_ones() -> 
         before = be.copy_stats().get("prepared_calls", 0)
         events = [be.start_unpack(out_bases[a:b], up, addr) for a, b, addr in parts]
         be.wait_ready(events)
-        assert blocks_equal(out, "flash_nhd", dst_ids, kv, "flash_nhd", src_ids), mode
+        assert blocks_equal(out, "LBNHC", dst_ids, kv, "LBNHC", src_ids), mode
         assert be.copy_stats().get("prepared_calls", 0) - before == (len(parts) if prepared else 0), mode
 
 
@@ -185,8 +213,8 @@ def test_copier_stream_is_high_priority_and_its_priority_can_change() -> None:
     """The copier's stream runs at high priority (a layer-wise pack beside the forward's GEMM); a
     benchmark can switch it to normal priority between copies, and copies stay correct on the new stream."""
     be = CudaBackend(device=0)
-    kv = _cuda_kv("flash_nhd", 16, 0, layers=2)
-    layout = be.describe(kv, spec_for("flash_nhd", 16, 2, 64))
+    kv = _cuda_kv("LBNHC", 16, 0, layers=2)
+    layout = be.describe(kv, spec_for("LBNHC", 16, 2, 64))
     bases = [r.base for r in layout.regions]
     pieces = coalesce(map_pieces(layout, layout, np.arange(8), np.arange(8), 8 * 16))
     pk = np.ascontiguousarray(pieces[:, [0, 2]])

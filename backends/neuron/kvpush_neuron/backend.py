@@ -47,9 +47,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.backends.base import Backend, CacheSpec, MemRegistration, StagingBuffer
+from kvpush.backends.base import Backend, CacheSpec, Capabilities, MemRegistration, StagingBuffer
 from kvpush.backends.host import gather as host_gather
-from kvpush.backends.tensors import describe_paged
+from kvpush.backends.tensors import describe_strided
 from kvpush.errors import BackendError, ConfigError
 from kvpush.layout import KVLayout, MemKind
 from kvpush_neuron.runs import DEFAULT_GAP, read_runs
@@ -131,7 +131,7 @@ class NeuronBackend(NeuronTestSupport, Backend):
         if not kv_caches:
             raise BackendError("no KV cache tensors given")
         views = {name: self._resolve(name, t) for name, t in kv_caches.items()}
-        layout = describe_paged(views, spec, self.mem, DEVICE_TYPE)
+        layout, _ = describe_strided(views, spec, self.mem, DEVICE_TYPE)
         for v in views.values():
             self._remember(v)
         return layout
@@ -221,9 +221,16 @@ class NeuronBackend(NeuronTestSupport, Backend):
         return super().registrations(layout)
 
     @property
-    def direct_capable(self) -> bool:
-        """Whether NIXL may read/write the KV regions themselves (False: every transfer must be staged)."""
-        return self.mode is Mode.DIRECT
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """Direct in ``direct`` mode; in host staging NIXL cannot touch the KV, so every transfer is staged."""
+        return Capabilities(direct=self.mode is Mode.DIRECT)
+
+    def supported_layouts(self) -> list[str]:
+        return [
+            "vLLM-Neuron paged [2, blocks, tokens, heads, dim] (axes KBNHC)",
+            "NxDI block KV layout, K and V tensors [blocks, tokens, heads, dim] (axes BNHC)",
+            "NxDI per-sequence cache, K and V tensors [slots, heads, max_seq_len, dim] (axes BHNC, a slot a block)",
+        ]
 
     # -- ordering --------------------------------------------------------------
     def record_ready(self, seq: int | None = None, fence: Callable[[], None] | None = None) -> ReadyMarker:

@@ -40,21 +40,21 @@ def paged_spec(
     block_size: int, num_heads: int, head_dim: int, dtype: str, tp_rank: int = 0, tp_size: int = 1
 ) -> CacheSpec:
     """vLLM-Neuron's paged cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer."""
-    return CacheSpec(block_size, num_heads, head_dim, dtype, tp_rank, tp_size, order="NHD", kv_split=True)
+    return CacheSpec(block_size, num_heads, head_dim, dtype, tp_rank, tp_size, axes="KBNHC")
 
 
 def nxdi_block_spec(
     block_size: int, num_heads: int, head_dim: int, dtype: str, tp_rank: int = 0, tp_size: int = 1
 ) -> CacheSpec:
     """NxDI block KV layout: K and V tensors ``[num_blocks, block_size, kv_heads, head_dim]``."""
-    return CacheSpec(block_size, num_heads, head_dim, dtype, tp_rank, tp_size, order="NHD", kv_split=False)
+    return CacheSpec(block_size, num_heads, head_dim, dtype, tp_rank, tp_size, axes="BNHC", tensors_per_layer=2)
 
 
 def nxdi_bhsd_spec(
     max_seq_len: int, num_heads: int, head_dim: int, dtype: str, tp_rank: int = 0, tp_size: int = 1
 ) -> CacheSpec:
     """NxDI per-sequence cache: K and V tensors ``[slots, kv_heads, max_seq_len, head_dim]``, one block per slot."""
-    return CacheSpec(max_seq_len, num_heads, head_dim, dtype, tp_rank, tp_size, order="HND", kv_split=False)
+    return CacheSpec(max_seq_len, num_heads, head_dim, dtype, tp_rank, tp_size, axes="BHNC", tensors_per_layer=2)
 
 
 def nxdi_kv_caches(past_key_values: Sequence[Any], prefix: str = "layers") -> dict[str, Any]:

@@ -23,19 +23,13 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import CacheSpec
+from kvpush.backends.testing import TestSupport, cache_shape
 from kvpush.errors import BackendError
 from kvpush_neuron.runtime import ENV_LIB, Placement, Runtime
 from kvpush_neuron.tensor import ITEMSIZE, NeuronTensor
 
 ENV_MEM = "KVPUSH_NEURON_MEM"  # the backend's own constant, repeated: backend.py imports this module
 STANDIN_HELPER = Path(__file__).resolve().parent.parent / "tests" / "_standin.py"
-
-
-def _block_shape(spec: CacheSpec, num_blocks: int) -> tuple[int, ...]:
-    local = max(1, spec.num_heads // spec.tp_size)
-    bs, d = spec.block_size, spec.head_dim
-    block = (bs, local, d) if spec.order == "NHD" else (local, bs, d)
-    return ((2,) if spec.kv_split else ()) + (num_blocks, *block)
 
 
 def build_standin(workdir: Path) -> Path:
@@ -52,7 +46,7 @@ def build_standin(workdir: Path) -> Path:
     return Path(module.compile_standin(workdir))
 
 
-class NeuronTestSupport:
+class NeuronTestSupport(TestSupport):
     """Mixed into ``NeuronBackend``: caches through the runtime, bytes through nrt_tensor_read/write."""
 
     runtime: Runtime
@@ -70,7 +64,7 @@ class NeuronTestSupport:
 
     def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:
         """Device tensors on core ``device``, shaped like vLLM-Neuron's paged cache (or NxDI's block layout)."""
-        shape = _block_shape(spec, num_blocks)
+        shape = cache_shape(spec, num_blocks)
         out: dict[str, Any] = {}
         try:
             for i in range(num_layers):
@@ -99,7 +93,7 @@ class NeuronTestSupport:
 
     def foreign_test_tensors(self, spec: CacheSpec, num_blocks: int, device: int = 0) -> dict[str, dict[str, Any]]:
         """Host numpy arrays, and runtime tensors in host placement: right shape, not Neuron device memory."""
-        shape = _block_shape(spec, num_blocks)
+        shape = cache_shape(spec, num_blocks)
         if spec.dtype not in ITEMSIZE:
             raise BackendError(f"unsupported dtype {spec.dtype!r}")
         np_dtype = np.dtype(f"u{ITEMSIZE[spec.dtype]}")

@@ -1,9 +1,9 @@
 """The hooks the kvpush vLLM connector needs to run under the vLLM-Neuron platform.
 
-The connector (written elsewhere) stays device-agnostic: it asks
-``select_backend(current_platform)`` which kvpush backend to load with
-``kvpush.backends.load_backend(name, **options)``, ``backend_options`` for how,
-and ``cache_spec`` for the layout of NxDI's caches. Nothing here imports vLLM,
+The connector stays device-agnostic: under this platform it asks
+``is_neuron_platform(current_platform)``, loads the backend with
+``kvpush.backends.load_backend("neuron", **backend_options(...))``, and takes
+the layout of NxDI's caches from ``vllm_cache_spec(vllm_config, ...)``. Nothing here imports vLLM,
 torch or the Neuron SDK, so it is tested here and behaves the same on a trn host.
 
 Facts relied on (vllm-project/vllm-neuron ``platform.py``): ``NeuronPlatform``
@@ -96,3 +96,25 @@ def cache_spec(
     if is_block_kv_layout:
         return nxdi_block_spec(block_size, num_kv_heads, head_dim, dtype, tp_rank, tp_size)
     return nxdi_bhsd_spec(max_seq_len, num_kv_heads, head_dim, dtype, tp_rank, tp_size)
+
+
+def vllm_cache_spec(vllm_config: Any, tp_rank: int = 0, tp_size: int = 1) -> CacheSpec:
+    """The ``CacheSpec`` of NxDI's caches under vLLM-Neuron, from vLLM's config (read duck-typed).
+
+    vLLM-Neuron keeps NxDI's per-sequence cache unless prefix caching or
+    chunked prefill asks for the block layout; for the per-sequence cache it
+    sets ``block_size`` to the model length (``NeuronPlatform.
+    check_and_update_config``), so a block size below the model length means
+    the block layout.
+    """
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    return cache_spec(
+        is_block_kv_layout=int(cc.block_size) != int(mc.max_model_len),
+        block_size=int(cc.block_size),
+        max_seq_len=int(mc.max_model_len),
+        num_kv_heads=int(mc.get_total_num_kv_heads()),
+        head_dim=int(mc.get_head_size()),
+        dtype=str(mc.dtype).removeprefix("torch."),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )

@@ -48,9 +48,9 @@ def test_registrations_per_mode(nrt_lib: str) -> None:
             lay = b.describe(SIDE.kv_caches(tensors), SIDE.spec())
             regs = b.registrations(lay)
             if mode == "host_staging":
-                assert regs == [] and not b.direct_capable
+                assert regs == [] and not b.capabilities.direct
             else:
-                assert b.direct_capable
+                assert b.capabilities.direct
                 assert sorted((r.addr, r.size) for r in regs) == sorted((t.va, t.nbytes) for t in tensors)
                 assert {r.mem for r in regs} == {MemKind(mem)} and {r.device_id for r in regs} == {0}
             assert b.efa_bdfs[0]  # the EFA NIC the runtime reports for core 0
@@ -227,8 +227,8 @@ def test_cache_spec_from_neuron_config() -> None:
     bhsd = hooks.cache_spec(
         is_block_kv_layout=False, block_size=32, max_seq_len=2048, num_kv_heads=8, head_dim=128, dtype="bfloat16"
     )
-    assert (bhsd.block_size, bhsd.order, bhsd.kv_split) == (2048, "HND", False)
+    assert (bhsd.block_size, bhsd.axes) == (2048, "BHNC")
     blk = hooks.cache_spec(
         is_block_kv_layout=True, block_size=32, max_seq_len=2048, num_kv_heads=8, head_dim=128, dtype="bfloat16"
     )
-    assert (blk.block_size, blk.order, blk.kv_split) == (32, "NHD", False)
+    assert (blk.block_size, blk.axes) == (32, "BNHC")

@@ -122,7 +122,7 @@ def test_freed_tensor(backend: NeuronBackend) -> None:
 def test_wrong_shape_names_the_layer(backend: NeuronBackend) -> None:
     t = NeuronTensor(backend.runtime, (2, 3, 4, 4, 8), "float16", 0)
     try:
-        with pytest.raises(BackendError, match="layer l0: block shape"):
+        with pytest.raises(BackendError, match=r"layer l0: shape \(2, 3, 4, 4, 8\) .*H=4, expected 2"):
             backend.describe({"l0": t}, SPEC)
     finally:
         t.free()

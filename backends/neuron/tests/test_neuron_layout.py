@@ -17,7 +17,7 @@ from _kvmodel import KINDS, Side, expected_after, random_arrays, same_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpush.backends.tensors import describe_paged
+from kvpush.backends.tensors import describe_strided
 from kvpush.errors import LayoutError
 from kvpush.layout import MemKind, TokenOrder, coalesce, descriptors, map_pieces, sort_coalesce
 from kvpush_neuron import NeuronTensor
@@ -27,7 +27,7 @@ DTYPES = ("float16", "float32", "uint8")
 
 
 def describe_host(side: Side, arrays: list[np.ndarray]):
-    return describe_paged(side.kv_caches(arrays), side.spec(), MemKind.DRAM, "cpu")
+    return describe_strided(side.kv_caches(arrays), side.spec(), MemKind.DRAM, "cpu")[0]
 
 
 def apply(pieces: np.ndarray, src_layout, dst_layout) -> None:

@@ -7,7 +7,7 @@ from _kvmodel import Side, random_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.backends.tensors import describe_paged
+from kvpush.backends.tensors import describe_strided
 from kvpush.layout import MemKind, map_pieces
 from kvpush.plan import unpack_pieces
 from kvpush_neuron import NeuronBackend, NeuronTensor
@@ -42,7 +42,7 @@ def test_host_pack_of_head_major_slot_reads_each_region_once(nrt_lib: str) -> No
             t.write_bytes(a.view(np.uint8).reshape(-1))
         lp = b.describe(p.kv_caches(tensors), p.spec())
         dst_arrays = random_arrays(d, 6)
-        ld = describe_paged(d.kv_caches(dst_arrays), d.spec(), MemKind.DRAM, "cpu")
+        ld = describe_strided(d.kv_caches(dst_arrays), d.spec(), MemKind.DRAM, "cpu")[0]
         pieces = map_pieces(lp, ld, [1], [0, 3, 6], 40)  # ascending: D order is token order
         assert pieces.shape[0] == 40 * 4  # a piece per token and head
         order = pieces[np.argsort(pieces[:, 1], kind="stable")][:, [0, 2]]

@@ -64,11 +64,6 @@ def snapshot(backend: Backend, kv: Cache, geom: Geom) -> np.ndarray:
     )
 
 
-def direct_capable(backend: Backend) -> bool:
-    """Whether NIXL may touch the KV regions themselves (optional attribute; Neuron's host staging says no)."""
-    return bool(getattr(backend, "direct_capable", True))
-
-
 def test_backend_loads(kvpush_target: Target) -> None:
     """Contract: the backend is found by its entry-point name or module:Class, subclasses Backend,
     constructs with the given options, names itself and a NIXL memory kind, and closes."""
@@ -130,7 +125,7 @@ def test_layout_is_self_consistent(kvpush_backend: Backend, caches: Callable[...
     assert overlaps.size == 0, f"payloads overlap at {iv[overlaps[0]]} and {iv[overlaps[0] + 1]}"
     regs = kvpush_backend.registrations(layout)
     if not regs:
-        assert not direct_capable(kvpush_backend), "no registrations, yet the backend claims direct transfers"
+        assert not kvpush_backend.capabilities.direct, "no registrations, yet the backend claims direct transfers"
     for i, r in enumerate(layout.regions):
         if not regs:
             break

@@ -37,10 +37,10 @@ def nodes(kvpush_pair: Pair) -> tuple[Node, Node]:
 
 @pytest.fixture(scope="module")
 def direct_ok(kvpush_target: Target) -> bool:
-    """Whether direct WRITEs into the KV regions are possible (optional ``direct_capable``; default yes)."""
+    """Whether direct WRITEs into the KV regions are possible (the backend's ``capabilities.direct``)."""
     backend = kvpush_target.make()
     try:
-        return bool(getattr(backend, "direct_capable", True))
+        return backend.capabilities.direct
     finally:
         backend.close()
 
@@ -52,7 +52,7 @@ def cfg(plan: str, **extra: Any) -> dict[str, Any]:
 
 def need_plan(plan: str, direct_ok: bool) -> None:
     if plan == "direct" and not direct_ok:
-        pytest.skip("backend is not direct_capable (its KV regions are not registered): only staged plans apply")
+        pytest.skip("backend's capabilities.direct is False (its KV is not registered): only staged plans apply")
 
 
 @contextmanager
@@ -195,6 +195,23 @@ def test_coalesced_and_uncoalesced_descriptors(nodes: tuple[Node, Node], direct_
             assert st.descriptors < st.pieces, (r, st)
         if shape == "uncoalesced":
             assert st.descriptors == st.pieces, (r, st)
+
+
+def test_auto_plan_honours_capabilities(nodes: tuple[Node, Node], direct_ok: bool) -> None:
+    """Contract (push, byte-exact): with the default ``plan: auto`` and no fragmentation to make staging
+    pay, pushes succeed byte-exact, and go staged exactly when the backend declares it cannot let NIXL
+    access its KV in place: the operator never has to set ``plan: staged`` for it."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=48), Geom(num_blocks=48)
+    seeds = (700, 800)
+    reqs = make_requests(np.random.default_rng(7), 5, pg, dg, "auto", contiguous=True)
+    auto = {"plan": "auto", "staging_bytes": STAGING}
+    with engines(p, d, pg, dg, auto, auto, seeds, name="auto") as (k, peer):
+        push(p, d, k, peer, reqs)
+        check_bytes(p, d, k, pg, dg, seeds, reqs)
+        st = p.call("stats", k + "p")
+    nonempty = sum(r.n > r.start for r in reqs)
+    assert st.get("plan_staged_total" if not direct_ok else "plan_direct_total", 0) == nonempty, st
 
 
 @pytest.mark.parametrize("direction", ["backend-to-host", "host-to-backend"])

@@ -2,7 +2,8 @@
 
 One module per job: ``pool`` (instances, least-loaded choice), ``requests``
 (what P and D are sent per mode; clients' ``kv_transfer_params``),
-``config``, ``health`` (the health rule), ``upstream`` (HTTP calls to P and
+``config``, ``dp`` (a data-parallel server as one instance per DP rank),
+``health`` (the health rule), ``upstream`` (HTTP calls to P and
 D, typed failures), ``app`` (the aiohttp application and the failure
 policy), ``metrics``, ``cli``.
 """
@@ -10,6 +11,7 @@ policy), ``metrics``, ``cli``.
 from kvpush.integrations.router.app import Router
 from kvpush.integrations.router.cli import build_parser, config_from_args, main, serve
 from kvpush.integrations.router.config import RouterConfig
+from kvpush.integrations.router.dp import DP_RANK_HEADER, dp_engines, dp_headers, dp_port
 from kvpush.integrations.router.pool import Instance, Pool
 from kvpush.integrations.router.requests import (
     MODES,
@@ -21,6 +23,7 @@ from kvpush.integrations.router.requests import (
 )
 
 __all__ = [
+    "DP_RANK_HEADER",
     "MODES",
     "Instance",
     "Pool",
@@ -31,6 +34,9 @@ __all__ = [
     "config_from_args",
     "decode_body",
     "decode_params",
+    "dp_engines",
+    "dp_headers",
+    "dp_port",
     "main",
     "new_transfer_id",
     "prefill_body",

@@ -17,6 +17,7 @@ from kvpush.integrations.router.config import (
     DEFAULT_HEALTH_TIMEOUT_STRIKES,
     RouterConfig,
 )
+from kvpush.integrations.router.dp import dp_engines
 from kvpush.integrations.router.pool import Instance
 from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
 
@@ -70,6 +71,16 @@ def _instance_args(g: argparse._ArgumentGroup) -> None:
         help="TP size per P (one value for all, or one per --prefill; default 1)",
     )
     g.add_argument(
+        "--prefill-dp",
+        action="append",
+        default=[],
+        type=int,
+        metavar="N",
+        help="data-parallel engines per P (one value for all, or one per --prefill; default 1): the router "
+        "picks the engine with vLLM's X-data-parallel-rank header and tells D that engine's side channel "
+        "(kvpush: --prefill-kv port + rank * TP size; vllm-push: + rank)",
+    )
+    g.add_argument(
         "--prefill-engine-id",
         action="append",
         default=[],
@@ -77,6 +88,15 @@ def _instance_args(g: argparse._ArgumentGroup) -> None:
         help="vllm-push: NIXL engine id per P (else learned from the first request)",
     )
     g.add_argument("--decode", action="append", default=[], metavar="URL", help="D instance (repeatable)")
+    g.add_argument(
+        "--decode-dp",
+        action="append",
+        default=[],
+        type=int,
+        metavar="N",
+        help="data-parallel engines per D (one value for all, or one per --decode; default 1): requests are "
+        "spread over them with the X-data-parallel-rank header",
+    )
 
 
 def _timeout_args(g: argparse._ArgumentGroup) -> None:
@@ -135,13 +155,19 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def _per_prefill(ap: argparse.ArgumentParser, name: str, values: Sequence[Any], n: int, default: Any) -> list[Any]:
+_ONE_FOR_ALL = ("--prefill-tp", "--prefill-dp", "--decode-dp")
+"""Options that may be given once for every instance of their role."""
+
+
+def _per_instance(
+    ap: argparse.ArgumentParser, name: str, values: Sequence[Any], n: int, default: Any, role: str = "--prefill"
+) -> list[Any]:
     if not values:
         return [default] * n
-    if len(values) == 1 and name == "--prefill-tp":
+    if len(values) == 1 and name in _ONE_FOR_ALL:
         return list(values) * n
     if len(values) != n:
-        ap.error(f"{name} given {len(values)} times for {n} --prefill instances (they pair in order)")
+        ap.error(f"{name} given {len(values)} times for {n} {role} instances (they pair in order)")
     return list(values)
 
 
@@ -155,15 +181,20 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
     if not a.prefill or not a.decode:
         ap.error("give at least one --prefill and one --decode")
     n = len(a.prefill)
-    kvs = _per_prefill(ap, "--prefill-kv", a.prefill_kv, n, None)
-    tps = _per_prefill(ap, "--prefill-tp", a.prefill_tp, n, 1)
-    eids = _per_prefill(ap, "--prefill-engine-id", a.prefill_engine_id, n, None)
-    prefill = [
-        Instance(url, "prefill", kv[0] if kv else None, kv[1] if kv else None, tp, eid)
-        for url, kv, tp, eid in zip(a.prefill, kvs, tps, eids, strict=True)
-    ]
-    decode = [Instance(url, "decode") for url in a.decode]
+    kvs = _per_instance(ap, "--prefill-kv", a.prefill_kv, n, None)
+    tps = _per_instance(ap, "--prefill-tp", a.prefill_tp, n, 1)
+    eids = _per_instance(ap, "--prefill-engine-id", a.prefill_engine_id, n, None)
+    p_dps = _per_instance(ap, "--prefill-dp", a.prefill_dp, n, 1)
+    d_dps = _per_instance(ap, "--decode-dp", a.decode_dp, len(a.decode), 1, role="--decode")
     try:
+        servers = [
+            (Instance(url, "prefill", kv[0] if kv else None, kv[1] if kv else None, tp, eid), dp)
+            for url, kv, tp, eid, dp in zip(a.prefill, kvs, tps, eids, p_dps, strict=True)
+        ]
+        servers += [(Instance(url, "decode"), dp) for url, dp in zip(a.decode, d_dps, strict=True)]
+        engines = [e for inst, dp in servers for e in dp_engines(inst, dp, a.mode)]
+        prefill = [e for e in engines if e.role == "prefill"]
+        decode = [e for e in engines if e.role == "decode"]
         return RouterConfig(
             prefill=prefill,
             decode=decode,
@@ -199,8 +230,8 @@ async def serve(config: RouterConfig) -> None:
         config.mode,
         config.host,
         config.port,
-        [i.url for i in config.prefill],
-        [i.url for i in config.decode],
+        [i.name for i in config.prefill],
+        [i.name for i in config.decode],
     )
     try:
         await asyncio.Event().wait()

@@ -62,12 +62,14 @@ WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 
 
-def queue_depth(text: str) -> int:
-    """Requests an engine reports waiting or running (vLLM's gauges, summed over its engines)."""
+def queue_depth(text: str, engine: int | None = None) -> int:
+    """Requests a server reports waiting or running (vLLM's gauges, summed over its engines); ``engine``: only
+    that data-parallel engine's (vLLM labels each engine's gauges ``engine="<DP rank>"``)."""
     total = 0.0
+    label = None if engine is None else f'engine="{engine}"'
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in (WAITING, RUNNING):
+        if name in (WAITING, RUNNING) and (label is None or label in line.split("}", 1)[0]):
             total += _value(line)
     return int(total)
 
@@ -75,13 +77,24 @@ def queue_depth(text: str) -> int:
 async def queue_loop(insts: list[Instance], session: Callable[[], aiohttp.ClientSession], interval: float) -> None:
     """Every ``interval`` s, each P's own queue depth into ``Instance.reported`` (the router's load measure)."""
     while True:
-        for inst in insts:
-            try:
-                async with session().get(inst.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    inst.reported = queue_depth(await r.text())
-            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, IndexError) as e:
-                log.debug("queue depth: %s/metrics: %s", inst.url, e)
+        await read_queues(insts, session)
         await asyncio.sleep(interval)
+
+
+async def read_queues(insts: list[Instance], session: Callable[[], aiohttp.ClientSession]) -> None:
+    """One read of every P server's ``/metrics`` (once per server: its DP ranks share it), each instance
+    getting its own engine's depth."""
+    by_url: dict[str, list[Instance]] = {}
+    for inst in insts:
+        by_url.setdefault(inst.url, []).append(inst)
+    for url, ranks in by_url.items():
+        try:
+            async with session().get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                text = await r.text()
+            for inst in ranks:
+                inst.reported = queue_depth(text, inst.dp_rank)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, IndexError) as e:
+            log.debug("queue depth: %s/metrics: %s", url, e)
 
 
 class PrefillRate:
@@ -94,9 +107,10 @@ class PrefillRate:
         self._last: dict[str, tuple[float, float, float, float]] = {}
 
     async def read(self, insts: list[Instance]) -> None:
-        """One scrape of every P; the deltas since the previous one go to the selector."""
+        """One scrape of every P server (a data-parallel one once for all its DP ranks, whose metrics its one
+        API server reports); the deltas since the previous one go to the selector."""
         seconds = tokens = push_s = push_bytes = per_token = 0.0
-        for inst in insts:
+        for inst in {i.url: i for i in insts}.values():
             try:
                 timeout = aiohttp.ClientTimeout(total=5)
                 async with self._session().get(inst.url + "/metrics", timeout=timeout) as r:

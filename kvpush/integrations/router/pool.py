@@ -20,6 +20,9 @@ class Instance:
     ``kv_host``/``kv_port`` are P's KV side channel (kvpush: the connector's
     ``side_channel_port``; vllm-push: ``VLLM_NIXL_SIDE_CHANNEL_PORT``); D
     needs them to register with P. Unused for D instances.
+
+    ``dp_rank``: one engine of a data-parallel server, addressed with vLLM's
+    ``X-data-parallel-rank`` header (``dp``); ``None`` lets vLLM pick.
     """
 
     url: str
@@ -28,6 +31,7 @@ class Instance:
     kv_port: int | None = None
     tp_size: int = 1
     engine_id: str | None = None
+    dp_rank: int | None = None
     in_flight: int = 0
     healthy: bool = True
     last_error: str = ""
@@ -46,7 +50,7 @@ class Instance:
 
     @property
     def name(self) -> str:
-        return f"{self.role} {self.url}"
+        return f"{self.role} {self.url}" + ("" if self.dp_rank is None else f" (DP rank {self.dp_rank})")
 
 
 class Pool:

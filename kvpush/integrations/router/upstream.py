@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.integrations.router.config import RouterConfig
+from kvpush.integrations.router.dp import dp_headers
 from kvpush.integrations.router.health import mark_down
 from kvpush.integrations.router.pool import Instance
 from kvpush.prometheus import TextExposition
@@ -91,6 +92,7 @@ class Upstreams:
         t0 = loop_time()
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
+            headers = {**headers, **dp_headers(p)}
             async with self.session.post(p.url + endpoint, json=body, headers=headers, timeout=timeout) as r:
                 data = await r.read()
                 if r.status != 200:
@@ -113,6 +115,7 @@ class Upstreams:
     ) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout, sock_read=self.cfg.decode_timeout)
         try:
+            headers = {**headers, **dp_headers(d)}
             r = await self.session.post(d.url + endpoint, json=body, headers=headers, timeout=timeout)
         except TimeoutError:
             raise UpstreamError(d, "decode", f"no answer within {self.cfg.decode_timeout:g} s") from None

@@ -1,4 +1,4 @@
-"""kvpush as a vLLM KV connector (vLLM >= 0.32).
+"""kvpush as a vLLM KV connector (vLLM >= 0.32, < 0.34: ``layout.SUPPORTED_VLLM``, checked at start).
 
 Load it with::
 
@@ -9,7 +9,13 @@ Load it with::
 
 This class only translates vLLM's hooks: the scheduler half is
 ``SchedulerSide`` (bookkeeping), the worker half is ``WorkerSide`` (hands
-work to the engine threads). No protocol logic lives here.
+work to the engine threads), what the backend is told about the KV cache
+comes from ``layout``. No protocol logic lives here.
+
+Data parallelism: P's engine of DP index ``k`` listens on
+``side_channel_port + k * tp_size + tp_rank`` (vLLM's NIXL connector offsets
+its side-channel port by the DP index the same way); pipeline parallelism is
+refused at start. Sleep mode is not supported (``supports_sleep_mode``).
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
 from kvpush.errors import BackendError, ConfigError
+from kvpush.integrations.vllm import layout as vllm_layout
 from kvpush.integrations.vllm.discovery import Announcer, start_announcer
 from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
 from kvpush.integrations.vllm.params import PrefillAdvert
@@ -77,11 +85,14 @@ class KVPushMetadata(KVConnectorMetadata):
     orders: StepOrders = field(default_factory=StepOrders)
 
 
-def platform_backend(cfg: Config) -> tuple[str, dict[str, Any]]:
-    """The kvpush backend (and its options) for vLLM's platform, for ``backend: "auto"``.
+def platform_backend(cfg: Config) -> tuple[str, dict[str, Any], Any]:
+    """The kvpush backend (and its options) for vLLM's platform, and the Neuron hooks when on Neuron.
 
-    vLLM-Neuron reports ``device_type == "cpu"``, so Neuron is recognised by
-    the Neuron backend's own test of the platform object when it is installed.
+    ``backend: "auto"`` follows the platform. vLLM-Neuron reports
+    ``device_type == "cpu"``, so Neuron is recognised by the Neuron backend's
+    own test of the platform object when it is installed; under Neuron the
+    backend's options and the cache layout come from its hooks
+    (``kvpush_neuron.vllm_neuron``, the third value).
     """
     from vllm.platforms import current_platform
 
@@ -94,34 +105,20 @@ def platform_backend(cfg: Config) -> tuple[str, dict[str, Any]]:
     if name == "auto":
         name = "neuron" if neuron else "cuda" if current_platform.is_cuda_alike() else "host"
     if name == "neuron" and vllm_neuron is not None:
-        return name, dict(vllm_neuron.backend_options(cfg.nixl_backends))
-    return name, {}
+        return name, dict(vllm_neuron.backend_options(cfg.nixl_backends)), vllm_neuron
+    return name, {}, None
 
 
-def cache_spec(vllm_config: VllmConfig, first: torch.Tensor, rank: int, tp_size: int) -> CacheSpec:
-    """Read the KV tensor shape vLLM's attention backend chose.
-
-    Known shapes: ``[2, num_blocks, block_size, heads, dim]`` (FlashAttention,
-    NHD), ``[2, num_blocks, heads, block_size, dim]`` (HND), and the CPU
-    backend's ``[num_blocks, heads, block_size, 2 * dim]`` (K
-    side in each token row, so one region per layer whose "head" is K|V).
-    """
-    mc = vllm_config.model_config
-    block_size = vllm_config.cache_config.block_size
-    heads = mc.get_total_num_kv_heads()
-    dim = mc.get_head_size()
-    dtype = str(first.dtype).removeprefix("torch.")
-    shape = tuple(first.shape)
-    local = max(1, heads // tp_size)
-    if len(shape) == 5 and shape[0] == 2:
-        order = "NHD" if shape[2] == block_size and shape[3] == local else "HND"
-        return CacheSpec(block_size, heads, dim, dtype, rank, tp_size, order, kv_split=True)
-    if len(shape) == 4 and shape[1] == local and shape[2] == block_size and shape[3] == 2 * dim:
-        return CacheSpec(block_size, heads, dim, dtype, rank, tp_size, "HND", kv_split=False, kv_inner=True)
-    raise BackendError(
-        f"kvpush does not know this KV cache shape {shape} (block_size {block_size}, {local} local KV heads, "
-        f"head size {dim}); supported: [2,N,B,H,D], [2,N,H,B,D], CPU [N,H,B,2D]"
-    )
+def attention_backends(vllm_config: VllmConfig, names: list[str]) -> dict[str, str]:
+    """Each KV-cache layer's attention backend name (``CPU_ATTN``, ``FLASH_ATTN``...), from vLLM's layers."""
+    context = vllm_config.compilation_config.static_forward_context
+    out: dict[str, str] = {}
+    for n in names:
+        layer = context.get(n)
+        get = getattr(layer, "get_attn_backend", None)
+        if get is not None:
+            out[n] = str(get().get_name())
+    return out
 
 
 def prefill_advert(cfg: Config, engine_id: str, vllm_config: VllmConfig) -> PrefillAdvert | None:
@@ -156,12 +153,30 @@ def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
     return chunks
 
 
-class KVPushConnector(KVConnectorBase_V1):
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-mode KV transfer: D registers its blocks, P writes into them."""
 
     _cache_hit_source = CacheHitSource.P2P
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """No (vLLM 0.33 asks): D's blocks stay registered with P across D's sleep, and P's registrations of
+        its own KV would point at freed memory after a remap; vLLM then refuses sleep mode at start."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Never called while ``supports_sleep_mode`` is false; refuses rather than keep stale registrations."""
+        raise ConfigError("KVPushConnector does not support sleep mode (supports_sleep_mode() is False)")
+
+    def restore_kv_caches(self) -> None:
+        """See ``unregister_kv_caches``."""
+        raise ConfigError("KVPushConnector does not support sleep mode (supports_sleep_mode() is False)")
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        import vllm
+
+        vllm_layout.check_vllm_version(vllm.__version__)
+        vllm_layout.check_parallelism(vllm_config.parallel_config)
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_logging()
         ktc = vllm_config.kv_transfer_config
@@ -172,10 +187,16 @@ class KVPushConnector(KVConnectorBase_V1):
             raise ConfigError(f"kv_connector_extra_config for KVPushConnector: {exc}") from None
         if not cfg.model:
             cfg = cfg.replace(model=str(vllm_config.model_config.model))
+        # DP engine k's ranks listen from side_channel_port + k * tp_size (both roles: P's answers say so).
+        parallel = vllm_config.parallel_config
+        offset = vllm_layout.dp_port_offset(parallel, parallel.tensor_parallel_size)
+        if offset and cfg.side_channel_port:
+            cfg = cfg.replace(side_channel_port=cfg.side_channel_port + offset)
         self.cfg = cfg
         self.engine_id = str(ktc.engine_id)
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._neuron: Any = None  # kvpush_neuron.vllm_neuron under the Neuron platform
         self.announcer: Announcer | None = None
         if role == KVConnectorRole.SCHEDULER:
             tp = vllm_config.parallel_config.tensor_parallel_size
@@ -193,7 +214,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 get_tensor_model_parallel_world_size,
             )
 
-            name, options = platform_backend(cfg)
+            name, options, self._neuron = platform_backend(cfg)
             self.worker = WorkerSide(
                 cfg,
                 load_backend(name, **options),
@@ -252,6 +273,22 @@ class KVPushConnector(KVConnectorBase_V1):
         delay = self.sched.finished(request.request_id, params, normal, groups, request.num_prompt_tokens)
         return delay, self.sched.answer(request.request_id, params, delay and normal)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: the request finished for every KV-cache group; each group's blocks are pushed."""
+        return self.request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Learn the block pool's placeholder id: a sliding-window group lists it for blocks it dropped."""
+        if self.sched is not None:
+            self.sched.null_block = int(gpu_block_pool.null_block.block_id)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group: kvpush writes the request's own blocks of each group, not a hashed prefix."""
+        config = self._kv_cache_config
+        return tuple(config.transfer_group_ids) if config is not None else (0,)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.sched is not None
         self.sched.on_output(connector_output.finished_sending, connector_output.finished_recving)
@@ -261,18 +298,34 @@ class KVPushConnector(KVConnectorBase_V1):
 
     # ---------------- worker hooks ----------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe vLLM's caches through the backend (the one source of layouts) and start the engines.
+
+        A cache the backend cannot describe is refused here, at start, with
+        its shape, strides, attention backend and what the backend supports.
+        """
         assert self.worker is not None
-        first = next(iter(kv_caches.values()))
-        spec = cache_spec(self._vllm_config, first, self.worker.rank, self.worker.tp_size)
-        log.info(
-            "kvpush: %d KV tensors, first %s %s stride %s -> %s",
-            len(kv_caches),
-            tuple(first.shape),
-            first.dtype,
-            tuple(first.stride()),
-            spec,
+        kv, spec = self.cache_spec(kv_caches)
+        first = next(iter(kv.values()))
+        log.info("kvpush: %d KV tensors, first %s stride %s -> %s", len(kv), tuple(first.shape), first.stride(), spec)
+        try:
+            self.worker.register_kv_caches(kv, spec)
+        except BackendError as exc:
+            raise vllm_layout.describe_error(exc, kv, spec, self.worker.backend.supported_layouts()) from None
+
+    def cache_spec(self, kv_caches: dict[str, Any]) -> tuple[dict[str, Any], CacheSpec]:
+        """The caches in model order and what vLLM declares about them (Neuron: the Neuron backend's hook)."""
+        assert self.worker is not None
+        rank, tp = self.worker.rank, self.worker.tp_size
+        kv = vllm_layout.in_model_order(kv_caches)
+        if self._neuron is not None:
+            return kv, self._neuron.vllm_cache_spec(self._vllm_config, rank, tp)
+        if self._kv_cache_config is None:
+            raise ConfigError("vLLM gave the KVPushConnector worker no KV-cache config (vLLM < 0.32?)")
+        names = list(kv)
+        spec = vllm_layout.vllm_cache_spec(
+            self._vllm_config, self._kv_cache_config, names, attention_backends(self._vllm_config, names), rank, tp
         )
-        self.worker.register_kv_caches(dict(kv_caches), spec)
+        return kv, spec
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None

@@ -34,6 +34,7 @@ from typing import Any
 
 from kvpush.integrations.vllm.params import DecodeSide, PrefillAdvert, PrefillSide, parse, prefill_answer
 from kvpush.outcome import PrefillState
+from kvpush.plan import HOLE
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Registration:
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
     start_token: int
+    skip_blocks: tuple[int, ...] = ()  # per KV-cache group: leading blocks D does not hold (a sliding window's)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,27 @@ class SchedulerSide:
         self._sending: dict[str, str] = {}  # P request -> transfer id, blocks held for the push
         self._fencing: dict[str, str] = {}  # D request aborted while KV may land
         self.counters: dict[str, int] = {}
+        self.null_block: int | None = None
+        """vLLM's placeholder block id (its block pool's null block): in a hybrid model, a sliding-window group
+        lists it for the blocks its window no longer needs. Set by the connector when vLLM binds the pool."""
+
+    def skipped(self, block_ids: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+        """Leading placeholder blocks of each group (``()`` when there are none): blocks D does not hold."""
+        if self.null_block is None:
+            return ()
+        counts = []
+        for g in block_ids:
+            n = 0
+            while n < len(g) and g[n] == self.null_block:
+                n += 1
+            counts.append(n)
+        return tuple(counts) if any(counts) else ()
+
+    def holes(self, block_ids: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """P's block ids with its placeholders as ``plan.HOLE``: blocks P no longer holds are never read."""
+        if self.null_block is None:
+            return block_ids
+        return tuple(tuple(HOLE if b == self.null_block else b for b in g) for g in block_ids)
 
     def _bump(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -184,15 +207,17 @@ class SchedulerSide:
         role = parse(params, request_id)
         if not isinstance(role, DecodeSide) or num_external <= 0 or request_id in self._waiting_kv:
             return
+        ids = tuple(tuple(g) for g in block_ids)
         reg = Registration(
             request_id,
             role.transfer_id,
             role.peer.host,
             role.peer.port,
             role.peer.tp_size,
-            tuple(tuple(g) for g in block_ids),
+            ids,
             num_computed + num_external,
             num_computed,
+            self.skipped(ids) if len(ids) > 1 else (),
         )
         self._orders.registrations.append(reg)
         log.debug("kvpush scheduler: register %s", reg)
@@ -260,7 +285,7 @@ class SchedulerSide:
             if c.num_computed + c.num_scheduled < cand.num_prompt_tokens:
                 continue
             del self._candidates[c.request_id]
-            blocks = tuple(tuple(g) for g in cand.block_ids)
+            blocks = self.holes(tuple(tuple(g) for g in cand.block_ids))
             self._orders.layer_prefills.append(
                 FinishedPrefill(c.request_id, cand.transfer_id, blocks, cand.num_prompt_tokens)
             )
@@ -317,9 +342,8 @@ class SchedulerSide:
             return False
         if not any(len(g) for g in block_ids):
             return False
-        self._orders.prefills.append(
-            FinishedPrefill(request_id, role.transfer_id, tuple(tuple(g) for g in block_ids), num_prompt_tokens)
-        )
+        blocks = self.holes(tuple(tuple(g) for g in block_ids))
+        self._orders.prefills.append(FinishedPrefill(request_id, role.transfer_id, blocks, num_prompt_tokens))
         self._sending[request_id] = role.transfer_id
         log.debug(
             "kvpush scheduler: prefill finished %s %s blocks=%s tokens=%d",

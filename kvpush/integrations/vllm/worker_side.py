@@ -113,6 +113,7 @@ class WorkerSide:
                 r.block_ids,
                 r.num_tokens,
                 r.start_token,
+                r.skip_blocks,
             )
         for a in orders.aborts:
             if a.side == "decode" and self.receiver is not None:

@@ -130,8 +130,8 @@ class Options:
     block_size: int = 16
     p_extra_blocks: int = 64
     d_blocks_factor: int = 4
-    p_variant: str = "flash_nhd"
-    d_variant: str = "flash_nhd"
+    p_variant: str = "old_flash_nhd"
+    d_variant: str = "old_flash_nhd"
     backend: str = "cuda"
     kernel: str = "auto"
     p_device: int = 0
@@ -236,7 +236,7 @@ class Side:
 
         from kvpush.backends.base import CacheSpec, MemRegistration
         from kvpush.transport.nixl_agent import Agent
-        from kvpush_cuda.variants import make_kv
+        from kvpush_cuda.variants import axes, content, make_kv
 
         self.torch, self.role, self.opts = torch, role, opts
         self.cuda = opts.backend == "cuda"
@@ -259,7 +259,8 @@ class Side:
         self.kv = make_kv(
             torch, variant, opts.layers, nb, opts.block_size, opts.heads, opts.head_dim, torch.bfloat16, self.device
         )
-        self.spec = CacheSpec(opts.block_size, opts.heads, opts.head_dim, "bfloat16")
+        heads = 1 if variant.endswith("mla") else opts.heads
+        self.spec = CacheSpec(opts.block_size, heads, content(variant, opts.head_dim), "bfloat16", axes=axes(variant))
         self.layout = self.backend.describe(self.kv, self.spec)
         self.staging = self.backend.alloc_staging(opts.total_bytes, idx)
         self.agent = Agent(role)

