@@ -185,7 +185,7 @@ def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, N
     d.call("register", "r", "t1", "d1", peer, blocks, n, 0)
     time.sleep(0.5)
     p.call("stop_at_post", "s")
-    p.call("prefill", "s", "t1", "p1", blocks, n)
+    p.send("prefill", "s", "t1", "p1", blocks, n)  # its answer may be held by the stop: collected after SIGCONT
     _wait_stopped(p.proc.pid)  # P stopped itself as it posts the WRITE
     reused = False
     try:
@@ -200,6 +200,7 @@ def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, N
         time.sleep(1.0)
     finally:
         os.kill(p.proc.pid, signal.SIGCONT)
+    p.answer(30.0)
     # D goes on serving (here: the next request, for the same P), so its NIXL agent keeps progressing
     d.call("register", "r", "t2", "d2", peer, other, len(other) * g.block_size, 0)
     if not reused:
