@@ -286,11 +286,14 @@ def test_build_gives_each_mode_its_own_stack(tmp_path: Path) -> None:
     for s in (req, lay):
         assert s.router is not None and s.decode is not None and s.decode.cpu_affinity == frozenset({1})
         assert "4608" in s.prefill.cmd  # type: ignore[union-attr]
-    assert req.info["prefill_kv_transfer_config"]["kv_connector_extra_config"] == {
-        "side_channel_port": req.info["prefill_kv_transfer_config"]["kv_connector_extra_config"]["side_channel_port"],
+    extra = req.info["prefill_kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {
+        "side_channel_port": extra["side_channel_port"],
         "nixl_backends": ["UCX"],
         "idle_poll_max_s": 0.05,
+        "auth_keys_dir": extra["auth_keys_dir"],  # the stack's own key set: auth is on by default
     }
+    assert Path(extra["auth_keys_dir"]).is_dir()
     for side in ("prefill_kv_transfer_config", "decode_kv_transfer_config"):
         assert lay.info[side]["kv_connector_extra_config"]["layerwise"] is True
         assert "layerwise" not in req.info[side]["kv_connector_extra_config"]
