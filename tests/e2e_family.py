@@ -176,8 +176,9 @@ class Server:
     cpus: str = "0"
 
     def start(
-        self, model: str, logs: Path, block_size: int, kv_port: int, extra_cfg: dict[str, Any]
+        self, model: str, logs: Path, block_size: int, kv_port: int, extra_cfg: dict[str, Any], keys: str
     ) -> srv.ServerProcess:
+        """The server (not yet started); P and D authenticate with the key set ``keys``."""
         port = srv.free_port()
         ranks = self.tp * self.dp
         kw: dict[str, Any] = {"block_size": block_size, "log_dir": logs, "env": {"KVPUSH_LOG_LEVEL": "DEBUG"}}
@@ -190,9 +191,11 @@ class Server:
             kw.update(cpus=self.cpus, fast_start=True)
         if self.role == "prefill":
             ports = tuple(kv_port + i for i in range(ranks))
-            kw.update(kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, **extra_cfg))
+            kw.update(
+                kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, auth_keys_dir=keys, **extra_cfg)
+            )
             kw["check_ports"] = ports
         elif self.role == "decode":
-            cfg = srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=5.0, **extra_cfg)
+            cfg = srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, peer_dead_s=5.0, **extra_cfg)
             kw["kv_transfer_config"] = cfg
         return srv.vllm_server(f"{self.role}-tp{self.tp}-dp{self.dp}", model, port, **kw)

@@ -99,8 +99,9 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     session = None if fam.model else request.getfixturevalue("e2e_pair")
     model = family_model(fam.model) if fam.model else session.model
     kv_port = srv.free_port() if fam.p is not None else session.kv_port
+    keys = session.keys if session else srv.temp_keys()  # a family pairing with a session server uses its keys
     started = [
-        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg)
+        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys)
         for s in (fam.p, fam.d, Server("single") if fam.single else None)
         if s is not None
     ]
