@@ -24,3 +24,7 @@ class IncompatiblePeerError(KVPushError):
 
 class BackendError(KVPushError):
     """A backend cannot describe, register or order the given memory."""
+
+
+class MemoryKindError(ConfigError):
+    """No NIXL backend of an agent registers a memory kind the KV or staging lives in."""

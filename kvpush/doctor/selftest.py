@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.doctor.report import Check
+from kvpush.errors import MemoryKindError
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,16 @@ def self_test(
     try:
         with engine_pair(nixl_backend, p, d, spec) as (sender, receiver):
             results = _push_rounds(sender, receiver, p, d, geom, rng, rounds, timeout)
+    except MemoryKindError as exc:  # the transport takes none of this backend's memory: a setting, not a fault
+        return Check(
+            key,
+            title,
+            "fail",
+            f"{nixl_backend} cannot register this backend's memory",
+            why=str(exc),
+            fix="give the backend host staging where it has one (cuda: staging=host) or use a NIXL backend that "
+            "takes its memory",
+        )
     except Exception as exc:
         return Check(
             key,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import MemRegistration
-from kvpush.errors import ConfigError, KVPushError
+from kvpush.errors import ConfigError, KVPushError, MemoryKindError
 from kvpush.outcome import XferState
 from kvpush.transport.backends import traits
 
@@ -148,7 +148,7 @@ class Agent:
                 " runtime, which it looks for on the efa provider alone, never on tcp or sockets;"
                 " push device memory over efa, or over UCX)"
             )
-        raise ConfigError(f"no NIXL backend of this agent registers {kind} memory: {took}{hint}")
+        raise MemoryKindError(f"no NIXL backend of this agent registers {kind} memory: {took}{hint}")
 
     def deregister_all(self) -> None:
         for descs in self._regs:
