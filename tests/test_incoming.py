@@ -1,4 +1,4 @@
-"""D's fencing (``kvpush.incoming``): when D may report a transfer, over every interleaving.
+"""D's fencing (``kvpush.fencing``, ``kvpush.incoming``): when D may report a transfer, over every interleaving.
 
 The state machine plays the receiver thread, the network and an honest P
 around a real ``Fencing``: D registers (and re-registers, a new attempt),
@@ -29,13 +29,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpush import protocol
-from kvpush.incoming import (
-    Asked,
+from kvpush.fencing import Fencing
+from kvpush.fencing_actions import (
     AwaitUnpacks,
     Cancel,
-    Fencing,
     FreeSlot,
-    Incoming,
     Report,
     SendAbort,
     SendRegister,
@@ -43,6 +41,7 @@ from kvpush.incoming import (
     StartUnpack,
     WaitUnpacks,
 )
+from kvpush.incoming import Asked, Incoming
 from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, Stage
 
 NREGIONS = 4
@@ -88,6 +87,7 @@ class FencingMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.conns: dict[int, str] = {}  # P rank -> "pending" | "ready" | "refused" | "dead"
         self.epoch: dict[int, int] = {}  # P rank -> the epoch of D's latest hello to it
+        self.answered_ok: dict[int, list[int]] = {}  # P rank -> the epochs of the hellos P answered ok
         self.failed_early: set[int] = set()  # id(incoming) reported failed while a writer was quarantined
         self.vouched: dict[int, float] = {}  # id(incoming) -> when it was registered, once P vouched for it
         self.sessions: list[Session] = []
@@ -247,6 +247,7 @@ class FencingMachine(RuleBasedStateMachine):
         self.conns[p] = "ready" if ok else "refused"
         conn = ("p", p)
         if self.conns[p] == "ready":
+            self.answered_ok.setdefault(p, []).append(self.epoch[p])
             for s in self.sessions:
                 if s.p == p:
                     s.answered = True  # P dropped the older session's registrations: never written now
@@ -255,13 +256,18 @@ class FencingMachine(RuleBasedStateMachine):
         else:
             self._do(self.book.conn_refused(conn, "P refused the handshake", self.now))
 
-    @precondition(lambda self: any(v in ("dead", "pending") for v in self.conns.values()))
+    def _late_replies(self) -> list[int]:
+        return sorted(k for k, v in self.conns.items() if v in ("dead", "pending") and k in self.answered_ok)
+
+    @precondition(lambda self: self._late_replies())
     @rule(data=st.data())
     def stale_hello_reply(self, data) -> None:
-        """A reply to the hello of the session in which P was declared dead arrives late (the shell drops those;
-        the book must not take it as fencing either: P may still write)."""
-        p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v in ("dead", "pending"))))
-        older = self.epoch[p] - (self.conns[p] == "pending")
+        """The ok reply to an earlier hello (the session in which P was declared dead, or one before it) arrives
+        again, late (the shell drops those; the book must not take it as fencing either: P may still write the
+        registrations of that session). Only a reply P did send: P answers a hello once, and ok only while none
+        of its earlier WRITEs fly."""
+        p = data.draw(st.sampled_from(self._late_replies()))
+        older = data.draw(st.sampled_from(self.answered_ok[p]))
         self._do(self.book.fenced(("p", p), older, self.now))
 
     @precondition(lambda self: any(v in ("ready", "pending") for v in self.conns.values()))

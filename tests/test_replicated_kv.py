@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 
 from kvpush import protocol
-from kvpush.incoming import Asked, Cancel, Fencing, Report, SendRegister
+from kvpush.fencing import Fencing
+from kvpush.fencing_actions import Cancel, Report, SendRegister
+from kvpush.incoming import Asked
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.rendezvous import Prefill, Release, Rendezvous
 from kvpush.topology import targets_for, writers_for

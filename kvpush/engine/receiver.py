@@ -6,7 +6,7 @@ this D rank (once per rank), sends the registration, and counts what each
 writing P rank's parts cover. ``poll`` reports each transfer once, when no P
 rank will write into its blocks any more (fencing).
 
-The rules are ``kvpush.incoming.Fencing``'s; this thread feeds it messages,
+The rules are ``kvpush.fencing.Fencing``'s; this thread feeds it messages,
 notifications and unpack markers, and carries out its actions.
 """
 
@@ -25,15 +25,13 @@ from kvpush.engine.conns import Conn, Conns, ConnState
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress
 from kvpush.errors import ProtocolError
-from kvpush.incoming import (
+from kvpush.fencing import Fencing
+from kvpush.fencing_actions import (
     Action,
-    Asked,
     AwaitUnpacks,
     Cancel,
     ConnKey,
-    Fencing,
     FreeSlot,
-    Incoming,
     Report,
     SendAbort,
     SendRegister,
@@ -41,6 +39,7 @@ from kvpush.incoming import (
     StartUnpack,
     WaitUnpacks,
 )
+from kvpush.incoming import Asked, Incoming
 from kvpush.layout import KVLayout
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage

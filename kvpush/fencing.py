@@ -1,0 +1,284 @@
+"""D's fencing: every transfer D registered and not yet reported, and when it may report each (sans-I/O).
+
+``Fencing`` keeps every attempt D made (``kvpush.incoming.Incoming``),
+current and superseded, routes each event to the attempts it concerns (a
+completion, P's failure, an Ack, a connection ready, refused or declared
+dead, a fencing hello answered, time passing) and settles their actions
+(``kvpush.fencing_actions``): a transfer is forgotten once a fenced Report
+gives its blocks back. A re-issued registration gets a new *attempt*; the
+older attempt stays (superseded) until P answers it or a completion of a
+newer attempt proves P no longer writes it (P pushes a new attempt only
+after the previous WRITE ended). Time is passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpush import protocol
+from kvpush.fencing_actions import Action, Cancel, ConnKey, Report, SendAbort, SendRegister, Stale, StartUnpack
+from kvpush.incoming import Asked, Incoming, Writer
+from kvpush.metrics import Count
+from kvpush.outcome import Cause, Failed, PrefillState, Stage
+
+
+class Fencing:
+    """Every transfer D registered and not yet reported, current attempts and superseded ones."""
+
+    def __init__(
+        self,
+        nregions: int,
+        transfer_timeout_s: float,
+        peer_dead_s: float,
+        hard_cap_s: float = float("inf"),
+        quarantine_s: float = float("inf"),
+    ) -> None:
+        self.nregions = nregions
+        self.transfer_timeout_s = transfer_timeout_s
+        self.peer_dead_s = peer_dead_s
+        self.hard_cap_s = hard_cap_s
+        self.quarantine_s = quarantine_s
+        self.epochs: dict[ConnKey, int] = {}  # the latest hello epoch each P rank's link answered or died in
+        self.current: dict[str, Incoming] = {}
+        self.superseded: list[Incoming] = []
+        self.hot: set[str] = set()  # transfers a P rank said it is writing (``Posting``): polled busily
+        self.unpacking: list[tuple[Incoming, int]] = []  # writers with an unpack in progress
+        self.counters: dict[Count, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.current)
+
+    def register(
+        self, asked: Asked, writers: dict[int, ConnKey], now: float, bystanders: dict[int, ConnKey] | None = None
+    ) -> list[Action]:
+        """D allocated blocks for a transfer (again: a re-issue is a new attempt).
+
+        ``bystanders``: the peer's P ranks that write into no D rank of this
+        instance (their KV is replicated on other P ranks that do: MLA's
+        latent, or more TP ranks than KV heads). They are told at once that
+        their copy is not needed (``Cancel``), so each frees its finished
+        prefill now instead of holding it for a lease; D expects nothing
+        from them.
+        """
+        self._bump(Count.REGISTRATIONS)
+        transfer_id = asked.transfer_id
+        old = self.current.pop(transfer_id, None)
+        self.hot.discard(transfer_id)
+        out: list[Action] = []
+        attempt = 0
+        if old is not None:
+            # P replaces the old registration when it reads the new one and answers the old attempt
+            # with a "superseded" failure, unless the old one is being written, in which case it
+            # completes it and only then pushes the new one. So an old writer is fenced once P answers
+            # the old attempt or completes the new one; until then it stays here.
+            attempt = old.attempt + 1
+            self.superseded.append(old)
+            out += self._settle(old.supersede(now, self.peer_dead_s))
+        deadline = now + self.transfer_timeout_s
+        inc = Incoming(asked, writers, self.nregions, now, deadline, attempt, now + self.hard_cap_s)
+        self.current[transfer_id] = inc
+        why = f"D takes this KV from P ranks {sorted(writers)}"
+        spare = [Cancel(transfer_id, asked.request_id, conn, why) for conn in (bystanders or {}).values()]
+        return out + [SendRegister(inc, p) for p in inc.writers] + spare
+
+    def on(self, inc: Incoming, actions: list[Action]) -> list[Action]:
+        """The actions of an event the receiver fed ``inc`` directly (an action's answer), settled here."""
+        return self._settle(actions)
+
+    def conn_ready(self, conn: ConnKey, now: float, epoch: int = 0) -> list[Action]:
+        self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
+        return self._settle([a for inc in list(self.current.values()) for a in inc.conn_ready(conn, now)])
+
+    def fenced(self, conn: ConnKey, epoch: int, now: float) -> list[Action]:
+        """P rank ``conn`` answered the hello of ``epoch`` (P answers only once nothing of D's earlier
+        session is in flight and its registrations are dropped): writers quarantined before it are released."""
+        self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
+        out: list[Action] = []
+        for inc in [*self.current.values(), *self.superseded]:
+            for w in inc.writers.values():
+                if w.conn == conn and w.quarantined and w.q_epoch < epoch:
+                    self._bump(Count.QUARANTINES_FENCED)
+                    out += inc.release(w.p_rank, now)
+        return self._settle(out)
+
+    def acknowledged(self, msg: protocol.Ack) -> bool:
+        """P says where a registration's prefill stands (False: not a current writer, or D already gave up
+        on it: an Ack that crossed D's abort does not extend a wait that ended)."""
+        inc = self.current.get(msg.transfer_id)
+        if inc is None or inc.attempt != msg.attempt or msg.rank not in inc.writers or inc.aborting is not None:
+            return False
+        self._bump(Count.ACKS)
+        inc.acknowledged(msg.rank, msg.state, msg.tokens_ahead)
+        return True
+
+    def conn_refused(self, conn: ConnKey, reason: str, now: float) -> list[Action]:
+        return self._settle([a for inc in list(self.current.values()) for a in inc.conn_refused(conn, reason, now)])
+
+    def conn_dead(self, conn: ConnKey, reason: str, now: float, epoch: int = 0) -> list[Action]:
+        """P rank ``conn`` was declared dead in the session of hello ``epoch``: its writers fail now and
+        are quarantined (a frozen P resumes and writes); an abort goes out, best effort: if P is only slow,
+        it reaches P before it posts the WRITE."""
+        self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
+        out: list[Action] = []
+        dead = Failed(Stage.TRANSFER, Cause.DEAD_PEER, reason)
+        until = now + self.quarantine_s
+        for inc in [*self.current.values(), *self.superseded]:
+            for w in inc.writers.values():
+                if w.conn == conn and not w.final and not w.quarantined:
+                    abort = [SendAbort(inc, w.p_rank, reason)] if w.sent else []
+                    out += [*abort, *inc.quarantine(w.p_rank, dead, until, epoch, now)]
+        return self._settle(out)
+
+    def writes_on(self, conn: ConnKey) -> bool:
+        """Some writer on ``conn`` is waited for (quarantined ones are not: they failed already)."""
+        return any(
+            w.conn == conn and not w.final and not w.quarantined
+            for inc in [*self.current.values(), *self.superseded]
+            for w in inc.writers.values()
+        )
+
+    def quarantined_on(self, conn: ConnKey) -> bool:
+        """Some writer on ``conn`` is quarantined: a fencing hello would release it."""
+        return any(
+            w.conn == conn and w.quarantined
+            for inc in [*self.current.values(), *self.superseded]
+            for w in inc.writers.values()
+        )
+
+    def quarantined_blocks(self) -> int:
+        """Blocks withheld from vLLM by quarantines (the memory cost of fencing)."""
+        return sum(inc.quarantined_blocks() for inc in [*self.current.values(), *self.superseded])
+
+    def posting(self, transfer_id: str, p_rank: int, attempt: int) -> bool:
+        """P rank says it starts writing: poll this transfer busily (False: not a current writer)."""
+        inc = self.current.get(transfer_id)
+        if inc is None or inc.attempt != attempt or p_rank not in inc.writers:
+            return False
+        self.hot.add(transfer_id)
+        self._bump(Count.POSTINGS)
+        inc.acknowledged(p_rank, PrefillState.PUSHING, 0)
+        return True
+
+    def completion(self, msg: protocol.Completion, now: float) -> list[Action]:
+        inc, w, out = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=True, now=now)
+        if inc is None or w is None:
+            return out
+        if w.quarantined:
+            # A part of a writer given up on: it failed already; only an answer or fencing releases it.
+            self._bump(Count.STALE_NOTIFICATIONS)
+            return [*out, Stale(msg.transfer_id, msg.rank)]
+        parts = inc.stats.parts
+        actions = inc.completion(w, msg, now)
+        self._bump(Count.PARTS, inc.stats.parts - parts)
+        return self._settle(out + actions)
+
+    def failure(self, msg: protocol.Failure, now: float) -> list[Action]:
+        inc, w, out = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=False, now=now)
+        if inc is None or w is None:
+            return out
+        if w.quarantined:
+            # P answers a registration only once nothing of it is in flight: that writer is fenced.
+            self._bump(Count.QUARANTINES_FENCED)
+            return self._settle(out + inc.release(w.p_rank, now))
+        why = Failed(msg.stage, msg.cause, f"P rank {msg.rank} failed at {msg.stage}: {msg.reason}")
+        return self._settle(out + inc.writer_failed(w.p_rank, why, now))
+
+    def unpack_started(self, a: StartUnpack, marker: Any, seconds: float, now: float) -> list[Action]:
+        self._bump(Count.PARTS)
+        w = a.incoming.writers[a.p_rank]
+        if not w.unpacking:
+            self.unpacking.append((a.incoming, a.p_rank))
+        return self._settle(a.incoming.unpack_started(a, marker, seconds, now))
+
+    def abort(self, transfer_id: str, why: Failed, now: float) -> list[Action]:
+        """D gives up on the current attempt (the caller, or its deadline)."""
+        inc = self.current.get(transfer_id)
+        if inc is None or inc.aborting is not None or inc.failure is not None:
+            return []
+        self._bump(Count.EXPIRED if why.cause is Cause.EXPIRED else Count.ABORTS)
+        return self._settle(inc.abort(why, now, self.peer_dead_s))
+
+    def cancel(
+        self, transfer_id: str, request_id: str, writers: dict[int, ConnKey], why: Failed, now: float
+    ) -> list[Action]:
+        """D gives up on a transfer it may never have registered: abort it if it did; else tell its writers,
+        so that a P holding the finished prefill frees it now instead of at its lease."""
+        if transfer_id in self.current:
+            return self.abort(transfer_id, why, now)
+        self._bump(Count.CANCELS)
+        return [Cancel(transfer_id, request_id, conn, why.reason) for conn in writers.values()]
+
+    def expire(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        for inc in [*self.current.values(), *self.superseded]:
+            if inc.reported:
+                continue
+            if inc.aborting is None and inc.failure is None and now >= inc.deadline:
+                if inc.vouched:
+                    late = f"P kept the prefill queued or running past transfer_hard_cap_s ({self.hard_cap_s:g}s)"
+                else:
+                    late = f"no KV from P within {self.transfer_timeout_s:g}s"
+                out += self.abort(inc.transfer_id, Failed(Stage.TRANSFER, Cause.EXPIRED, late), now)
+            else:
+                q = sum(w.quarantined for w in inc.writers.values())
+                acts = inc.expire(now, self.quarantine_s, self.epochs)
+                self._bump(Count.QUARANTINES_EXPIRED, max(0, q - sum(w.quarantined for w in inc.writers.values())))
+                out += self._settle(acts)
+        return out
+
+    def still_unpacking(self) -> list[tuple[Incoming, int]]:
+        """Writers whose unpacks are still running (the list is pruned as they end)."""
+        self.unpacking = [(i, p) for i, p in self.unpacking if i.writers[p].unpacking and not i.writers[p].final]
+        return list(self.unpacking)
+
+    # -- internals -----------------------------------------------------------
+    def _lookup(
+        self, transfer_id: str, p_rank: int, attempt: int, fences_older: bool, now: float
+    ) -> tuple[Incoming | None, Writer | None, list[Action]]:
+        """The writer a message answers; also fences superseded attempts it proves dead.
+
+        Only a *completion* of a newer attempt proves that P no longer writes
+        an older one (P pushes a re-registration only after the previous
+        attempt's WRITE ended). A failure of a newer attempt proves nothing: P
+        may have rejected it while the older one is parked or being written.
+        """
+        out: list[Action] = []
+        for old in list(self.superseded):
+            w = old.writers.get(p_rank) if old.transfer_id == transfer_id else None
+            if w is not None and not w.final and old.attempt <= attempt:
+                if old.attempt == attempt:
+                    return old, w, out
+                if fences_older:
+                    assert old.aborting is not None
+                    fence = old.release(p_rank, now) if w.quarantined else old.writer_failed(p_rank, old.aborting, now)
+                    out += self._settle(fence)
+        inc = self.current.get(transfer_id)
+        w = inc.writers.get(p_rank) if inc is not None else None
+        if inc is None or w is None or attempt != inc.attempt or w.final:
+            self._bump(Count.STALE_NOTIFICATIONS)
+            return None, None, [*out, Stale(transfer_id, p_rank)]
+        return inc, w, out
+
+    def _settle(self, actions: list[Action]) -> list[Action]:
+        """Forget transfers whose blocks are given back (a failure reported early stays until then)."""
+        for a in actions:
+            if not isinstance(a, Report):
+                continue
+            inc, tid = a.incoming, a.result.transfer_id
+            if not a.result.fenced:
+                self._bump(Count.FAILED)
+                self._bump(Count.QUARANTINES)
+                self.hot.discard(tid)
+                continue
+            if inc in self.superseded:
+                self.superseded.remove(inc)
+            elif self.current.get(tid) is inc:
+                del self.current[tid]
+                self.hot.discard(tid)
+            if inc.failure is None:
+                self._bump(Count.COMPLETED if a.result.ok else Count.FAILED)
+        return actions
+
+    def _bump(self, what: Count, by: float = 1.0) -> None:
+        if by:
+            self.counters[what] = self.counters.get(what, 0.0) + by

@@ -1,0 +1,104 @@
+"""The actions D's fencing asks the receiver thread to carry out (sans-I/O: data only).
+
+``Fencing`` and each ``Incoming`` answer events with these; the receiver
+thread does what they say (send, unpack, wait, free, report) and feeds the
+answer back. Kept apart so the per-attempt machine and the book of all
+attempts share one vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpush import protocol
+from kvpush.outcome import Result
+
+if TYPE_CHECKING:
+    from kvpush.incoming import Incoming
+
+ConnKey = tuple[str, int]
+"""A P rank's side channel: (host, port)."""
+
+
+@dataclass(frozen=True)
+class SendRegister:
+    """Register with this writer once its connection is ready (answer ``register_sent``/``register_failed``;
+    a refused connection answers ``conn_refused``)."""
+
+    incoming: Incoming
+    p_rank: int
+
+
+@dataclass(frozen=True)
+class SendAbort:
+    """Tell this writer D gave up (answer ``unreachable`` if its connection is not ready)."""
+
+    incoming: Incoming
+    p_rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Tell a P rank D gave up on a transfer it never registered (P may hold the finished prefill)."""
+
+    transfer_id: str
+    request_id: str
+    conn: ConnKey
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartUnpack:
+    """Scatter this part from the writer's staging slot (answer ``unpack_started`` or ``unpack_failed``)."""
+
+    incoming: Incoming
+    p_rank: int
+    part: protocol.Completion
+    r0: int
+    r1: int
+
+
+@dataclass(frozen=True)
+class AwaitUnpacks:
+    """Report this writer's finished unpacks, oldest first (``unpacked``/``unpack_failed``); ``block``: its
+    parts are all here, so its unpacks are the critical path: wait for them rather than poll."""
+
+    incoming: Incoming
+    p_rank: int
+    block: bool
+
+
+@dataclass(frozen=True)
+class WaitUnpacks:
+    """A writer ended while unpacks still write into its blocks: wait for them before the blocks go back."""
+
+    markers: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class FreeSlot:
+    """Give back a staging slot of D's region."""
+
+    offset: int
+
+
+@dataclass(frozen=True)
+class Stale:
+    """A message for no current writer (late, duplicated, or of a finished attempt): count and log it."""
+
+    transfer_id: str
+    p_rank: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """The transfer ended on D: no writer can still write into its blocks (``result.fenced``), or it failed
+    while a quarantined writer still might (``fenced`` False: a second Report gives the blocks back)."""
+
+    incoming: Incoming
+    result: Result
+
+
+Action = SendRegister | SendAbort | Cancel | StartUnpack | AwaitUnpacks | WaitUnpacks | FreeSlot | Stale | Report
