@@ -74,6 +74,7 @@ class E2EServers:
         self.router: srv.ServerProcess | None = None
         self.single: srv.ServerProcess | None = None
         self.kv_port = 0
+        self.keys = ""  # the side channel's key set P and D share (families pairing with them use it too)
         self.restarts = 0
 
     # -- what the tests read ---------------------------------------------------
@@ -107,7 +108,7 @@ class E2EServers:
         """Start P, D (and the plain server) in parallel, then the router; raises ``ServerError``."""
         p_port, d_port, router_port, self.kv_port = (srv.free_port() for _ in range(4))
         debug = {"KVPUSH_LOG_LEVEL": "DEBUG"}
-        keys = srv.temp_keys()
+        keys = self.keys = srv.temp_keys()
         self.pair = [
             srv.vllm_server(
                 "prefill",

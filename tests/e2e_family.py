@@ -108,15 +108,24 @@ def swap_prompts(n: int, seed: int) -> tuple[str, str]:
     return " ".join(a), " ".join(q)
 
 
-def check_outputs_and_counters(t: Target, lengths: Sequence[int], seed: int, via_router: bool = True) -> None:
-    """Greedy outputs equal the reference's; every prompt token reached D by transfer, none computed."""
+def check_outputs_and_counters(
+    t: Target, lengths: Sequence[int], seed: int, via_router: bool = True, concurrent: bool = True
+) -> None:
+    """Greedy outputs equal the reference's; every prompt token reached D by transfer, none computed.
+
+    The reference computes each prompt alone. Through the router the prompts go
+    all at once (``concurrent``), so P and D batch them; a family whose model
+    computes a prompt differently in a batch than alone sends them one at a
+    time, so P, D and the reference see the same batch shapes and any
+    difference left is the transfer's.
+    """
     prompts = [prompt_words(n, seed=seed * 1000 + i) for i, n in enumerate(lengths)]  # no shared prefixes
     expected = [t.complete(t.single, p) for p in prompts]
     assert all(e.strip() for e in expected), f"the model generates no words: {expected}"
     pushed0 = metric(t.d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     computed0 = metric(t.d, "vllm:prompt_tokens_by_source_total", source="local_compute")
     if via_router:
-        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        with cf.ThreadPoolExecutor(len(prompts) if concurrent else 1) as ex:
             got = list(ex.map(lambda p: t.complete(t.router, p), prompts))
     else:
         got = [t.pushed(f"fam-{seed}-{next(_tids)}", p) for p in prompts]
@@ -167,8 +176,9 @@ class Server:
     cpus: str = "0"
 
     def start(
-        self, model: str, logs: Path, block_size: int, kv_port: int, extra_cfg: dict[str, Any]
+        self, model: str, logs: Path, block_size: int, kv_port: int, extra_cfg: dict[str, Any], keys: str
     ) -> srv.ServerProcess:
+        """The server (not yet started); P and D authenticate with the key set ``keys``."""
         port = srv.free_port()
         ranks = self.tp * self.dp
         kw: dict[str, Any] = {"block_size": block_size, "log_dir": logs, "env": {"KVPUSH_LOG_LEVEL": "DEBUG"}}
@@ -181,9 +191,11 @@ class Server:
             kw.update(cpus=self.cpus, fast_start=True)
         if self.role == "prefill":
             ports = tuple(kv_port + i for i in range(ranks))
-            kw.update(kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, **extra_cfg))
+            kw.update(
+                kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, auth_keys_dir=keys, **extra_cfg)
+            )
             kw["check_ports"] = ports
         elif self.role == "decode":
-            cfg = srv.kvpush_transfer_config("kv_consumer", 0, peer_dead_s=5.0, **extra_cfg)
+            cfg = srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, peer_dead_s=5.0, **extra_cfg)
             kw["kv_transfer_config"] = cfg
         return srv.vllm_server(f"{self.role}-tp{self.tp}-dp{self.dp}", model, port, **kw)
