@@ -206,6 +206,29 @@ def build_plan(
         if groups is None or len(groups) != 1 + max(r.group for r in src.regions):
             raise LayoutError("a hybrid layout (several KV-cache groups) needs every group's blocks to plan")
         return _hybrid_plan(cfg, src, dst, groups, num_tokens, pack_bw)
+    return _one_group_plan(
+        cfg, src, dst, src_blocks, dst_blocks, num_tokens, start_token, staging_local, staging_remote, pack_bw, pack
+    )
+
+
+def _one_group_plan(
+    cfg: Config,
+    src: KVLayout,
+    dst: KVLayout,
+    src_blocks: list[int] | np.ndarray,
+    dst_blocks: list[int] | np.ndarray,
+    num_tokens: int,
+    start_token: int,
+    staging_local: tuple[int, int] | None,
+    staging_remote: tuple[int, int, int] | None,
+    pack_bw: float,
+    pack: np.ndarray | None,
+) -> Plan:
+    """``build_plan`` for a layout of one KV-cache group: empty, direct or staged by the cost model.
+
+    Staging is forced when either side cannot be written in place, and tried
+    first against a lower bound of the direct plan when P's pack list is built.
+    """
     src_blocks = np.asarray(src_blocks, dtype=np.int64)  # once: each helper below would convert a list again
     dst_blocks = np.asarray(dst_blocks, dtype=np.int64)
     pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
@@ -233,18 +256,23 @@ def build_plan(
     est = estimate(cfg, ndesc, nbytes, (merged if pack is None else pack).shape[0] * nregions, pack_bw)
     direct_ok = src.direct and dst.direct
     if not direct_ok and not can_stage:
-        side = "P" if not src.direct else "D"
-        raise LayoutError(
-            f"{side}'s backend cannot let NIXL access its KV in place, so this push must be staged, but "
-            f"{'D granted no staging slot' if staging_remote is None else 'no staging slot was free'} for its "
-            f"{nbytes} bytes (set staging_bytes on both sides, larger than the largest request)"
-        )
+        raise _unstageable(src, staging_remote, nbytes)
     want_staged = not direct_ok or cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
     if can_stage and want_staged:
         assert staging_local is not None and staging_remote is not None
         remote = (staging_remote[0], staging_remote[2])
         return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est)
     return Plan(PlanKind.DIRECT, nbytes, npieces, ndesc, nregions, merged, estimate=est)
+
+
+def _unstageable(src: KVLayout, staging_remote: tuple[int, int, int] | None, nbytes: int) -> LayoutError:
+    """The error for a push that must be staged (a side cannot be written in place) but has no slot to stage through."""
+    side = "P" if not src.direct else "D"
+    return LayoutError(
+        f"{side}'s backend cannot let NIXL access its KV in place, so this push must be staged, but "
+        f"{'D granted no staging slot' if staging_remote is None else 'no staging slot was free'} for its "
+        f"{nbytes} bytes (set staging_bytes on both sides, larger than the largest request)"
+    )
 
 
 def _staged_early(

@@ -24,97 +24,21 @@ reports, and P keeps the registration while the prefill is on its way.
 
 Each entry owns the transfer's whole record on P (``push_job.Transfer``:
 readiness, its push jobs, stats, stage times), so everything P knows of a
-transfer is created with its entry and goes with it.
+transfer is created with its entry and goes with it. The decision types
+live in ``kvpush.decisions`` and are importable from here too.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvpush.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, TransferState
 from kvpush.limits import Holdings, PeerLimits
-from kvpush.outcome import Cause, Failed, PrefillState, Stage
+from kvpush.outcome import Cause, Failed, PrefillState
 from kvpush.protocol import Register
 from kvpush.push_job import DKey
 from kvpush.transfer import Transfer
-
-
-class TransferState(enum.StrEnum):
-    """Per-transfer state on P, visible in logs and metrics."""
-
-    WAITING_FOR_PREFILL = "waiting_for_prefill"
-    WAITING_FOR_REGISTRATION = "waiting_for_registration"
-    TRANSFERRING = "transferring"
-    DONE = "done"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """P's finished prefill: its blocks (per group) and how many tokens they hold."""
-
-    transfer_id: str
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class Push:
-    """Write ``prefill``'s KV into the blocks of ``reg`` now."""
-
-    prefill: Prefill
-    reg: Register
-
-
-@dataclass(frozen=True)
-class Release:
-    """P may free the prefill's blocks: every expected push finished, or none will come.
-
-    ``cause`` is None for "pushed" (then the pushes' own outcome, in
-    ``record.failed``, decides success) and says why otherwise; ``record`` is
-    the transfer's record as it stood (stats and times for the Result).
-    Equality is on what happened: the prefill and the reason.
-    """
-
-    prefill: Prefill
-    reason: str
-    cause: Cause | None = field(default=None, compare=False)
-    record: Transfer | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class Refuse:
-    """Tell D's rank that this registration will not be written."""
-
-    reg: Register
-    reason: str
-    cause: Cause = field(default=Cause.OTHER, compare=False)
-
-    @property
-    def failed(self) -> Failed:
-        return Failed(Stage.RENDEZVOUS, self.cause, self.reason)
-
-
-@dataclass(frozen=True)
-class Hold:
-    """A new attempt of a registration waits for the WRITE into the previous attempt's blocks to end."""
-
-    reg: Register
-
-
-@dataclass(frozen=True)
-class Acknowledge:
-    """Tell D's rank where this registration's prefill stands (``protocol.Ack``)."""
-
-    reg: Register
-    state: PrefillState
-    tokens_ahead: int = 0
-
-
-Decision = Push | Release | Refuse | Hold | Acknowledge
 
 
 @dataclass

@@ -195,15 +195,7 @@ class PeerTable:
 
     def _on_hello(self, ident: bytes, key: str, msg: protocol.Hello, now: float) -> None:
         s = self.sender
-        reason = ""
-        if s.cfg.model and msg.model and msg.model != s.cfg.model:
-            reason = f"model differs: P serves {s.cfg.model!r}, D serves {msg.model!r}"
-        else:
-            try:
-                check_compatible(self.layout, msg.layout)
-                msg.layout.validate()
-            except LayoutError as exc:
-                reason = str(exc)
+        reason = self._hello_problem(msg)
         if reason:
             log.warning("%s: refused D %s rank %d: %s", s.name, msg.engine_id, msg.rank, reason)
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
@@ -247,7 +239,25 @@ class PeerTable:
             now,
             msg.staging_mem or msg.layout.mem,
         )
-        reply = protocol.HelloReply(
+        s.server.send(ident, self._welcome(msg.epoch))
+
+    def _hello_problem(self, msg: protocol.Hello) -> str:
+        """Why D's hello cannot be accepted on what it declares ("" when it can): a different model, or a KV
+        layout P cannot write into or that is malformed, would corrupt every push, so it is refused up front."""
+        model = self.sender.cfg.model
+        if model and msg.model and msg.model != model:
+            return f"model differs: P serves {model!r}, D serves {msg.model!r}"
+        try:
+            check_compatible(self.layout, msg.layout)
+            msg.layout.validate()
+        except LayoutError as exc:
+            return str(exc)
+        return ""
+
+    def _welcome(self, epoch: int) -> protocol.HelloReply:
+        """The ok answer to a hello: who this P rank is, its NIXL agent and its KV layout."""
+        s = self.sender
+        return protocol.HelloReply(
             ok=True,
             engine_id=s.engine_id,
             rank=s.rank,
@@ -255,9 +265,8 @@ class PeerTable:
             agent_name=s.agent.name,
             agent_metadata=s.agent.metadata(),
             layout=self.layout,
-            epoch=msg.epoch,
+            epoch=epoch,
         )
-        s.server.send(ident, reply)
 
     def _name_problem(self, ident: bytes, key: str, dkey: DKey, known: Peer | None) -> str:
         """Why a hello under the D rank name ``dkey`` is refused ("" if it is not): the name belongs to another

@@ -43,9 +43,9 @@ from kvpush.incoming import Asked, Incoming
 from kvpush.layout import KVLayout
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
-from kvpush.payload import check_unpack
-from kvpush.plan import part_count, split_regions, staged_bytes, staging_decided, unpack_pieces, wants_staging
-from kvpush.topology import targets_for, writers_for
+from kvpush.plan import staged_bytes, unpack_pieces
+from kvpush.registration import guess_parts, register_message, unpack_choice
+from kvpush.topology import bystander_channels, writer_channels
 from kvpush.transport.side_channel import client_keys
 
 log = logging.getLogger(__name__)
@@ -184,16 +184,10 @@ class Receiver(EngineLoop):
         self._do(self.book.register(asked, writers, now, bystanders))
 
     def _bystanders(self, peer: PeerAddress) -> dict[int, ConnKey]:
-        """The P ranks of ``peer`` that write into no D rank of this instance (they hold replicated KV that
-        other P ranks write), and their side channels."""
-        heads = self.layout.num_heads
-        idle = [p for p in range(peer.tp_size) if not targets_for(p, peer.tp_size, self.tp_size, heads)]
-        return {p: (peer.host, peer.port + p) for p in idle}
+        return bystander_channels(peer.host, peer.port, peer.tp_size, self.tp_size, self.layout.num_heads)
 
     def _writers(self, peer: PeerAddress) -> dict[int, ConnKey]:
-        """The P ranks of ``peer`` that write into this D rank, and their side channels."""
-        ranks = writers_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads)
-        return {p: (peer.host, peer.port + p) for p in ranks}
+        return writer_channels(peer.host, peer.port, peer.tp_size, self.rank, self.tp_size, self.layout.num_heads)
 
     def _on_control(self, key: ConnKey, conn: Conn, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.HelloReply):
@@ -289,34 +283,14 @@ class Receiver(EngineLoop):
             return []  # the hello reply brings ``conn_ready``
         assert conn.layout is not None
         ask = inc.asked
-        pieces = None
         try:
-            blocks = np.asarray(ask.block_ids[0], dtype=np.int64)  # once, for the checks and the list
-            check_unpack(conn.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
-            want = staging_decided(self.cfg, self.layout, blocks, ask.num_tokens, ask.start_token)
-            if want is None:
-                pieces = unpack_pieces(conn.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
-                want = wants_staging(self.cfg, conn.layout, self.layout, pieces)
+            blocks, want, pieces = unpack_choice(self.cfg, conn.layout, self.layout, ask)
         except Exception as exc:
             why = Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, f"bad registration: {exc}")
             return self.book.on(inc, inc.writer_failed(p, why, now))
         grant = self._grant(conn, inc, want)
         t_send = time.monotonic()  # before the send: P may read the message before this thread runs again
-        ok = conn.client.send(
-            protocol.Register(
-                transfer_id=inc.transfer_id,
-                request_id=inc.request_id,
-                engine_id=self.engine_id,
-                rank=self.rank,
-                block_ids=ask.block_ids,
-                num_tokens=ask.num_tokens,
-                start_token=ask.start_token,
-                lease_ms=int(self.cfg.registration_lease_s * 1000),
-                staging=grant,
-                attempt=inc.attempt,
-                skip_blocks=ask.skip_blocks,
-            )
-        )
+        ok = conn.client.send(register_message(self.cfg, inc, self.engine_id, self.rank, grant))
         unpack, region_bytes = None, 0
         if grant is not None and ok:
             # After the send, while P pairs, plans and packs: this thread handles P's first part only later.
@@ -345,20 +319,12 @@ class Receiver(EngineLoop):
     def _prepare_unpack(self, pieces: np.ndarray, offset: int) -> None:
         """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
         left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
+        assert self._staging is not None
+        parts = guess_parts(self.cfg, len(self.layout.regions), pieces, self._staging.addr + offset)
         try:
-            self.copy.prepare_unpack(self.region_bases, pieces, parts=self._guess_parts(pieces, offset))
+            self.copy.prepare_unpack(self.region_bases, pieces, parts=parts)
         except Exception:
             log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
-
-    def _guess_parts(self, pieces: np.ndarray, offset: int) -> list[tuple[int, int, int]]:
-        """The parts P will most likely cut a whole-request push into (its rule, D's own config), as
-        ``(r0, r1, staging_addr)`` for ``prepare_unpack``; a part cut otherwise is unpacked all the same."""
-        assert self._staging is not None
-        n = len(self.layout.regions)
-        region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
-        k = part_count(self.cfg.push_parts, n * region_bytes)
-        base = self._staging.addr + offset
-        return [(r0, r1, base + r0 * region_bytes) for r0, r1 in split_regions(0, n, k)]
 
     def _start_unpack(self, a: StartUnpack) -> list[Action]:
         w = a.incoming.writers[a.p_rank]

@@ -38,7 +38,7 @@ from aiohttp import web
 from kvpush.integrations.router.config import RouterConfig
 from kvpush.integrations.router.engine_metrics import PrefillRate, queue_loop
 from kvpush.integrations.router.health import HealthChecker, mark_down
-from kvpush.integrations.router.metrics import ROUTER_METRICS
+from kvpush.integrations.router.metrics import ROUTER_METRICS, fixed_exposition
 from kvpush.integrations.router.pool import Instance, Pool
 from kvpush.integrations.router.requests import (
     client_params_error,
@@ -174,22 +174,10 @@ class Router:
         return web.json_response({"status": "ok", **self._instances_json()})
 
     def _instances_json(self) -> dict[str, Any]:
-        def one(i: Instance) -> dict[str, Any]:
-            return {
-                "url": i.url,
-                "healthy": i.healthy,
-                "in_flight": i.in_flight,
-                "reported": i.reported,
-                "served": i.served,
-                "failures": i.failures,
-                "health_timeouts": i.health_timeouts,
-                "last_error": i.last_error,
-            }
-
         return {
             "mode": self.cfg.mode,
-            "prefill": [one(i) for i in self.prefill.instances],
-            "decode": [one(i) for i in self.decode.instances],
+            "prefill": [i.as_json() for i in self.prefill.instances],
+            "decode": [i.as_json() for i in self.decode.instances],
         }
 
     async def _pending(self, _req: web.Request) -> web.Response:
@@ -216,35 +204,8 @@ class Router:
         return self._unavailable() or _error(503, "no instance answered /v1/models", "service_unavailable")
 
     async def _metrics(self, _req: web.Request) -> web.Response:
-        lines = [
-            "# HELP kvpush_router_pending_requests Client requests being proxied now.",
-            "# TYPE kvpush_router_pending_requests gauge",
-            f"kvpush_router_pending_requests {self.pending}",
-            "# HELP kvpush_router_pending_transfers P (prefill) requests in flight, i.e. transfers not yet prefilled.",
-            "# TYPE kvpush_router_pending_transfers gauge",
-            f"kvpush_router_pending_transfers {self.pending_prefill}",
-            "# HELP kvpush_router_requests_total Requests by outcome.",
-            "# TYPE kvpush_router_requests_total counter",
-        ]
-        for outcome in ("ok", "client_errors", "prefill_failures", "decode_failures", "unavailable", "overloaded"):
-            lines.append(f'kvpush_router_requests_total{{outcome="{outcome}"}} {self.counters[outcome]}')
-        lines += [
-            "# HELP kvpush_router_received_total Requests received on completion endpoints.",
-            "# TYPE kvpush_router_received_total counter",
-            f"kvpush_router_received_total {self.counters['requests']}",
-            "# HELP kvpush_router_retries_total Requests retried on another decode instance.",
-            "# TYPE kvpush_router_retries_total counter",
-            f"kvpush_router_retries_total {self.counters['retries']}",
-            "# HELP kvpush_router_instance_in_flight Requests in flight per instance.",
-            "# TYPE kvpush_router_instance_in_flight gauge",
-        ]
         insts = self.prefill.instances + self.decode.instances
-        for i in insts:
-            lines.append(f'kvpush_router_instance_in_flight{{role="{i.role}",url="{i.url}"}} {i.in_flight}')
-        lines += ["# HELP kvpush_router_instance_healthy 1 if healthy.", "# TYPE kvpush_router_instance_healthy gauge"]
-        for i in insts:
-            lines.append(f'kvpush_router_instance_healthy{{role="{i.role}",url="{i.url}"}} {int(i.healthy)}')
-        text = "\n".join(lines) + "\n" + self.prom.render()
+        text = fixed_exposition(self.pending, self.pending_prefill, self.counters, insts) + self.prom.render()
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     # -- proxying ---------------------------------------------------------- #
@@ -323,17 +284,9 @@ class Router:
         if (p is None and not local) or d is None:
             self.counters["unavailable"] += 1
             return self._unavailable() or _error(503, "no healthy decode instance left to try", "service_unavailable")
-        bound = self.cfg.max_prefill_queue
-        if p is not None and bound and p.load >= bound:
-            self.counters["overloaded"] += 1
-            why = (
-                f"overloaded: the least-loaded prefill instance ({p.url}) has {p.load} requests queued or running "
-                f"(limit {bound}); retry later"
-            )
-            log.warning("%s", why)
-            resp = _error(503, why, "overloaded", retryable=True)
-            resp.headers["Retry-After"] = "1"
-            return resp
+        busy = self._overloaded(p)
+        if busy is not None:
+            return busy
         if choice is not None:
             self.prom.inc("kvpush_router_routes_total", route=choice.route.value)
         tried.append(d)
@@ -367,18 +320,50 @@ class Router:
             e.inst.failures += 1
             return e
         finally:
-            d.in_flight -= 1
+            self._end_attempt(p, p_task, d, d_resp, ok, t_start)
+
+    def _overloaded(self, p: Instance | None) -> web.Response | None:
+        """503 with ``Retry-After`` when the least-loaded P already holds ``max_prefill_queue`` requests.
+
+        Refusing at once lets the client retry later instead of waiting behind a
+        backlog, and P and D hold nothing for it.
+        """
+        bound = self.cfg.max_prefill_queue
+        if p is None or not bound or p.load < bound:
+            return None
+        self.counters["overloaded"] += 1
+        why = (
+            f"overloaded: the least-loaded prefill instance ({p.url}) has {p.load} requests queued or running "
+            f"(limit {bound}); retry later"
+        )
+        log.warning("%s", why)
+        resp = _error(503, why, "overloaded", retryable=True)
+        resp.headers["Retry-After"] = "1"
+        return resp
+
+    def _end_attempt(
+        self,
+        p: Instance | None,
+        p_task: asyncio.Task[dict[str, Any]] | None,
+        d: Instance,
+        d_resp: aiohttp.ClientResponse | None,
+        ok: bool,
+        t_start: float,
+    ) -> None:
+        """Settle one pairing's books: D's load and counters, D's response (closed when unfinished, so vLLM
+        aborts it), and P's request (cancelled unless the pairing succeeded)."""
+        d.in_flight -= 1
+        if ok:
+            d.served += 1
+            self.counters["ok"] += 1
+            self.prom.observe("kvpush_router_request_seconds", loop_time() - t_start, stage="total")
+        if d_resp is not None:
             if ok:
-                d.served += 1
-                self.counters["ok"] += 1
-                self.prom.observe("kvpush_router_request_seconds", loop_time() - t_start, stage="total")
-            if d_resp is not None:
-                if ok:
-                    d_resp.release()
-                else:
-                    d_resp.close()  # an unfinished D request: vLLM aborts it
-            if p_task is not None and p is not None:
-                self._settle_prefill(p, p_task, cancel=not ok)
+                d_resp.release()
+            else:
+                d_resp.close()  # an unfinished D request: vLLM aborts it
+        if p_task is not None and p is not None:
+            self._settle_prefill(p, p_task, cancel=not ok)
 
     async def _start_pair(
         self, p: Instance, endpoint: str, body: dict[str, Any], tid: str, headers: dict[str, str]

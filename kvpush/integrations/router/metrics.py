@@ -1,7 +1,8 @@
-"""The router's Prometheus metrics: specs here, values kept by the router."""
+"""The router's Prometheus metrics: specs and the fixed exposition here, values kept by the router."""
 
 from __future__ import annotations
 
+from kvpush.integrations.router.pool import Instance
 from kvpush.prometheus import LATENCY_BUCKETS, MetricSpec
 
 ROUTER_METRICS = (
@@ -33,3 +34,40 @@ ROUTER_METRICS = (
         ("route",),
     ),
 )
+
+
+def fixed_exposition(pending: int, pending_prefill: int, counters: dict[str, int], insts: list[Instance]) -> str:
+    """The router's hand-written gauges and counters in Prometheus text form.
+
+    Their values live in the router's own fields (pending counts, outcome
+    counters, each instance's load and health), not in a ``TextExposition``,
+    so they are rendered from those fields here; the declared specs follow them.
+    """
+    lines = [
+        "# HELP kvpush_router_pending_requests Client requests being proxied now.",
+        "# TYPE kvpush_router_pending_requests gauge",
+        f"kvpush_router_pending_requests {pending}",
+        "# HELP kvpush_router_pending_transfers P (prefill) requests in flight, i.e. transfers not yet prefilled.",
+        "# TYPE kvpush_router_pending_transfers gauge",
+        f"kvpush_router_pending_transfers {pending_prefill}",
+        "# HELP kvpush_router_requests_total Requests by outcome.",
+        "# TYPE kvpush_router_requests_total counter",
+    ]
+    for outcome in ("ok", "client_errors", "prefill_failures", "decode_failures", "unavailable", "overloaded"):
+        lines.append(f'kvpush_router_requests_total{{outcome="{outcome}"}} {counters[outcome]}')
+    lines += [
+        "# HELP kvpush_router_received_total Requests received on completion endpoints.",
+        "# TYPE kvpush_router_received_total counter",
+        f"kvpush_router_received_total {counters['requests']}",
+        "# HELP kvpush_router_retries_total Requests retried on another decode instance.",
+        "# TYPE kvpush_router_retries_total counter",
+        f"kvpush_router_retries_total {counters['retries']}",
+        "# HELP kvpush_router_instance_in_flight Requests in flight per instance.",
+        "# TYPE kvpush_router_instance_in_flight gauge",
+    ]
+    for i in insts:
+        lines.append(f'kvpush_router_instance_in_flight{{role="{i.role}",url="{i.url}"}} {i.in_flight}')
+    lines += ["# HELP kvpush_router_instance_healthy 1 if healthy.", "# TYPE kvpush_router_instance_healthy gauge"]
+    for i in insts:
+        lines.append(f'kvpush_router_instance_healthy{{role="{i.role}",url="{i.url}"}} {int(i.healthy)}')
+    return "\n".join(lines) + "\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(eq=False)
@@ -51,6 +52,19 @@ class Instance:
     @property
     def name(self) -> str:
         return f"{self.role} {self.url}" + ("" if self.dp_rank is None else f" (DP rank {self.dp_rank})")
+
+    def as_json(self) -> dict[str, Any]:
+        """Load and health as ``/health`` and ``/pending`` show them."""
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "reported": self.reported,
+            "served": self.served,
+            "failures": self.failures,
+            "health_timeouts": self.health_timeouts,
+            "last_error": self.last_error,
+        }
 
 
 class Pool:

@@ -336,19 +336,31 @@ class SchedulerSide:
             return True
         if not isinstance(role, PrefillSide):
             return False
+        return self._prefill_finished(request_id, role.transfer_id, finished_normally, block_ids, num_prompt_tokens)
+
+    def _prefill_finished(
+        self,
+        request_id: str,
+        tid: str,
+        finished_normally: bool,
+        block_ids: tuple[list[int], ...] | list[list[int]],
+        num_prompt_tokens: int,
+    ) -> bool:
+        """A P request announced at its end: a normal finish with blocks orders the push and keeps the blocks
+        until the workers report it sent; an abnormal one orders the abort and frees them at once."""
         if not finished_normally:
-            self._orders.aborts.append(AbortOrder(request_id, role.transfer_id, "prefill"))
+            self._orders.aborts.append(AbortOrder(request_id, tid, "prefill"))
             self._bump("prefill_aborts")
             return False
         if not any(len(g) for g in block_ids):
             return False
         blocks = self.holes(tuple(tuple(g) for g in block_ids))
-        self._orders.prefills.append(FinishedPrefill(request_id, role.transfer_id, blocks, num_prompt_tokens))
-        self._sending[request_id] = role.transfer_id
+        self._orders.prefills.append(FinishedPrefill(request_id, tid, blocks, num_prompt_tokens))
+        self._sending[request_id] = tid
         log.debug(
             "kvpush scheduler: prefill finished %s %s blocks=%s tokens=%d",
             request_id,
-            role.transfer_id,
+            tid,
             block_ids,
             num_prompt_tokens,
         )
