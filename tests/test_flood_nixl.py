@@ -45,6 +45,16 @@ REGISTRATIONS = 10_000
 MAX_FRAMES_S = 2.0
 
 
+def _assert_bounded(side: str, base: float, peak: float, after: list[float], pushed: int, st: dict) -> None:
+    """The side's RSS grew less than the stated bound during the floods and kept less after each of them."""
+    print(
+        f"{side} RSS: {base:.0f} MB before, {peak:.0f} MB peak, {after} MB after each flood; {pushed} real pushes; {st}"
+    )
+    assert peak - base < GROWTH_DURING_MB, (base, peak, st)
+    assert after[0] - base < GROWTH_AFTER_MB, (base, after, st)
+    assert after[1] - base < GROWTH_AFTER_MB, (base, after, st)  # a second flood leaves no more behind
+
+
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[tuple[Node, Node]]:
     """This module's own P and D processes: P's memory must not carry other tests' history."""
@@ -185,12 +195,7 @@ def test_flood_keeps_p_bounded_and_real_transfers_exact(nodes: tuple[Node, Node]
             after.append(rss_mb(p.proc.pid))
         peak = sampler.stop()
         st = p.call("stats", "p")
-        print(
-            f"P RSS: {base:.0f} MB before, {peak:.0f} MB peak, {after} MB after each flood; {pushed} real pushes; {st}"
-        )
-        assert peak - base < GROWTH_DURING_MB, (base, peak, st)
-        assert after[0] - base < GROWTH_AFTER_MB, (base, after, st)
-        assert after[1] - base < GROWTH_AFTER_MB, (base, after, st)  # a second flood leaves no more behind
+        _assert_bounded("P", base, peak, after, pushed, st)
         assert pushed >= 3
         # what P holds for the flooder: within its limits (two block ids each, twice its 64-block cache;
         # the tombstones its aborts of unknown transfers may leave, and those of the registrations P
@@ -313,12 +318,7 @@ def test_a_flooding_p_keeps_d_bounded_and_real_transfers_exact(nodes: tuple[Node
             after.append(rss_mb(d.proc.pid))
         peak = sampler.stop()
         st = d.call("stats", "dd")
-        print(
-            f"D RSS: {base:.0f} MB before, {peak:.0f} MB peak, {after} MB after each flood; {pushed} real pushes; {st}"
-        )
-        assert peak - base < GROWTH_DURING_MB, (base, peak, st)
-        assert after[0] - base < GROWTH_AFTER_MB, (base, after, st)
-        assert after[1] - base < GROWTH_AFTER_MB, (base, after, st)  # a second flood leaves no more behind
+        _assert_bounded("D", base, peak, after, pushed, st)
         assert st["pending"] == 2, st  # the fake P's own registrations, nothing else
     finally:
         router.close(linger=0)

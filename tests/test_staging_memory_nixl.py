@@ -8,10 +8,10 @@ comes in its hello), not the layout's, or NIXL finds no registration and every p
 from __future__ import annotations
 
 import numpy as np
-from procs import Geom, Node, assert_same, make_cache
-from test_push_nixl import _cfg, _key, assert_idle, by_rid, engines
-
-from kvpush.conformance.model import Req, apply_push
+from procs import Geom, Node
+from test_async_copy_nixl import _reqs
+from test_layerwise_nixl import _pushed_intact
+from test_push_nixl import _cfg, _key, engines
 
 ELSEWHERE = "helpers_staged_elsewhere:StagedElsewhereBackend"
 
@@ -20,11 +20,7 @@ def test_staging_in_host_memory_for_device_kv(nodes: tuple[Node, Node]) -> None:
     p, d = nodes
     pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32, order="HND")
     k = _key("elsewhere")
-    rng = np.random.default_rng(11)
-    reqs = [
-        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(64)[:8].tolist(), [3 * i, 3 * i + 1, 50 + i], 90)
-        for i in range(4)
-    ]
+    reqs = _reqs(k, np.random.default_rng(11), 4)
     for n in (p, d):
         n.call("use_backend", ELSEWHERE)
     try:
@@ -38,17 +34,8 @@ def test_staging_in_host_memory_for_device_kv(nodes: tuple[Node, Node]) -> None:
                 d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
                 if not i % 2:
                     p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-            d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
-            p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
-            assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
+            _, p_res = _pushed_intact(p, d, k, pg, dg, reqs)
             assert {str(x.stats.plan) for x in p_res.values()} == {"staged"}, p_res
-            src = p.call("snapshot", k + "p")
-            exp = make_cache(dg, None)
-            for r in reqs:
-                apply_push(exp, dg, src, pg, r)
-            assert_same(d.call("snapshot", k + "d"), exp, dg)
-            assert_idle(p, k + "p")
-            assert_idle(d, k + "d")
     finally:
         for n in (p, d):
             n.call("use_backend", None)

@@ -146,7 +146,7 @@ class Agent:
             hint = (
                 " (NIXL's LIBFABRIC plugin takes device memory only where it found an accelerator"
                 " runtime, which it looks for on the efa provider alone, never on tcp or sockets;"
-                " push device memory over efa, or over UCX)"
+                " push device memory over efa or UCX, or give the backend host staging: cuda staging=host)"
             )
         raise MemoryKindError(f"no NIXL backend of this agent registers {kind} memory: {took}{hint}")
 
