@@ -107,6 +107,8 @@ def block_runs(layout: KVLayout, blocks: np.ndarray | list[int], num_tokens: int
     runs never are), so a cost decision that holds for it holds for the
     real list, which need not be built to decide.
     """
+    if start_token >= num_tokens:
+        return 0  # nothing moves (a block holding only ``start_token`` is not one of them)
     bs = layout.block_size
     ids = np.asarray(blocks, dtype=np.int64).reshape(-1)[start_token // bs : -(-num_tokens // bs)]
     if ids.size <= 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,23 +98,22 @@ class GroupTokens:
     """One KV-cache group's share of a push: P's and D's block ids of that group, the first token to write."""
 
     src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
+    dst_blocks: Sequence[int] | np.ndarray
+    """D's ids as the registration carries them (an array once decoded)."""
     start_token: int
 
 
 def group_tokens(
     src_ids: tuple[tuple[int, ...], ...],
     dst: KVLayout,
-    reg_ids: tuple[tuple[int, ...], ...],
+    reg_ids: Sequence[Sequence[int] | np.ndarray],
     start: int,
     skip: tuple[int, ...],
 ) -> list[GroupTokens]:
     """Each group's blocks and first token: D's ``skip`` leading blocks of a group (a sliding window's) are not
     written, so that group starts at ``max(start, skip * D's block size)``."""
     return [
-        GroupTokens(
-            tuple(src_ids[g]), tuple(reg_ids[g]), max(start, (skip[g] if g < len(skip) else 0) * dst.block_size)
-        )
+        GroupTokens(tuple(src_ids[g]), reg_ids[g], max(start, (skip[g] if g < len(skip) else 0) * dst.block_size))
         for g in range(len(reg_ids))
     ]
 

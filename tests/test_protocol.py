@@ -8,6 +8,7 @@ dead engine thread, so the error type and message are part of the contract.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,7 +56,7 @@ REGISTER = Register(
     request_id="req-1",
     engine_id="decode-a",
     rank=1,
-    block_ids=((3, 1, 4, 1 << 39), (5,)),
+    block_ids=((3, 1, 4, (1 << 32) - 1), (5,)),
     num_tokens=37,
     start_token=16,
     lease_ms=5000,
@@ -117,8 +118,13 @@ MORE_MESSAGES = [
 
 
 def _raw(msg) -> dict:
-    """A message as a plain dict (with its ``type`` tag), to build hostile frames from."""
-    return msgspec.to_builtins(msg, builtin_types=(bytes,))
+    """A message as a plain dict as it is on the wire (with its ``type`` tag), to build hostile frames from."""
+    return msgspec.msgpack.decode(encode(msg))[1]
+
+
+def _ids(*ids: int) -> bytes:
+    """Block ids as the wire carries them."""
+    return np.array(ids, "<u4").tobytes()
 
 
 def _frame(body, version=PROTOCOL_VERSION) -> bytes:
@@ -139,9 +145,47 @@ def test_round_trip(msg) -> None:
     data = encode(msg)
     got = decode(data)
     assert type(got) is type(msg)
-    assert got == msg
-    assert decode(memoryview(data), expected=type(msg)) == msg
-    assert decode(bytearray(data), expected=(Abort, type(msg))) == msg
+    assert _plain(got) == _plain(msg)
+    assert _plain(decode(memoryview(data), expected=type(msg))) == _plain(msg)
+    assert _plain(decode(bytearray(data), expected=(Abort, type(msg)))) == _plain(msg)
+
+
+def _plain(msg):
+    """``msg`` comparable with ``==``: a Register's block ids (arrays once decoded) as tuples of ints."""
+    if isinstance(msg, Register):
+        return msgspec.structs.replace(msg, block_ids=tuple(tuple(int(b) for b in g) for g in msg.block_ids))
+    return msg
+
+
+def test_block_ids_travel_as_uint32_bytes_and_decode_as_int64_arrays() -> None:
+    """Four bytes per id on the wire, whatever the id; decoded, one int64 array per group (no Python ints)."""
+    got = decode(encode(REGISTER))
+    assert all(isinstance(g, np.ndarray) and g.dtype == np.int64 for g in got.block_ids)
+    assert [g.tolist() for g in got.block_ids] == [[3, 1, 4, (1 << 32) - 1], [5]]
+    assert msgspec.msgpack.decode(encode(REGISTER))[1]["block_ids"] == [
+        np.array([3, 1, 4, (1 << 32) - 1], "<u4").tobytes(),
+        np.array([5], "<u4").tobytes(),
+    ]
+    arrays = msgspec.structs.replace(REGISTER, block_ids=tuple(np.asarray(g) for g in REGISTER.block_ids))
+    assert encode(arrays) == encode(REGISTER)
+
+
+@pytest.mark.parametrize(
+    ("ids", "words"),
+    [
+        ((1, -1), ["block_ids[0]", "block id -1 outside [0, 4294967295]"]),
+        ((1 << 32,), ["block_ids[0]", f"block id {1 << 32} outside"]),
+        (("a",), ["block_ids[0]", "must be integers"]),
+        (np.zeros((2, 2), np.int64), ["block_ids[0]", "flat sequence"]),
+        (np.array([-5]), ["block_ids[0]", "block id -5 outside"]),
+    ],
+)
+def test_encode_refuses_block_ids_the_wire_cannot_carry(ids, words: list[str]) -> None:
+    """A bad id fails on the sender, naming it, instead of wrapping around into another block's id."""
+    with pytest.raises(ValueError) as info:
+        encode(msgspec.structs.replace(REGISTER, block_ids=(ids,)))
+    for w in words:
+        assert w in str(info.value), info.value
 
 
 def test_round_trip_keeps_enum_types() -> None:
@@ -267,12 +311,12 @@ def _reg(**changes) -> bytes:
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
-        ({"block_ids": [[1, -1]]}, ["block_ids", ">= 0"]),
-        ({"block_ids": [[1 << 40]]}, ["block_ids", "<= 1099511627775"]),
-        ({"block_ids": [[0] * (MAX_BLOCKS + 1)]}, ["block_ids", f"length <= {MAX_BLOCKS}"]),
-        ({"block_ids": [[0]] * (MAX_GROUPS + 1)}, ["block_ids", f"length <= {MAX_GROUPS}"]),
+        ({"block_ids": [[1, 2]]}, ["block_ids[0]", "expected block ids as bytes (little-endian uint32), got list"]),
+        ({"block_ids": [b"\x01\x00\x00"]}, ["block_ids[0]", "3 bytes of block ids, not a multiple of 4"]),
+        ({"block_ids": [b"\x00" * 4 * (MAX_BLOCKS + 1)]}, ["block_ids[0]", f"at most {MAX_BLOCKS}"]),
+        ({"block_ids": [_ids(0)] * (MAX_GROUPS + 1)}, ["block_ids", f"length <= {MAX_GROUPS}"]),
         ({"block_ids": []}, ["block_ids", "length >= 1"]),
-        ({"block_ids": [[1.5]]}, ["block_ids", "int"]),
+        ({"block_ids": [1.5]}, ["block_ids[0]", "got float"]),
         ({"transfer_id": "x" * 257}, ["transfer_id", "length <= 256"]),
         ({"request_id": ""}, ["request_id", "length >= 1"]),
         ({"engine_id": "e" * 1000}, ["engine_id", "length <= 256"]),
@@ -294,7 +338,7 @@ def test_register_validation(changes: dict, words: list[str]) -> None:
 
 def test_register_limits_inclusive() -> None:
     """Exactly MAX_GROUPS groups, 256-character ids and start == num_tokens are all fine."""
-    got = decode(_reg(block_ids=[[0]] * MAX_GROUPS, transfer_id="t" * 256, start_token=37))
+    got = decode(_reg(block_ids=[_ids(0)] * MAX_GROUPS, transfer_id="t" * 256, start_token=37))
     assert len(got.block_ids) == MAX_GROUPS and got.start_token == got.num_tokens
 
 
@@ -419,7 +463,7 @@ def test_completion_with_an_empty_region_range_is_rejected() -> None:
 
 
 def test_block_id_counts_reads_a_registration_without_decoding_its_ids() -> None:
-    """What P checks before it decodes a registration: the count of each group, from the array headers."""
+    """What P checks before it decodes a registration: the count of each group, from the bin headers."""
     for sizes in [(0,), (3,), (15, 16), (65_535, 65_536, 70_000)]:
         reg = protocol.Register("t", "r", "d", 0, tuple(tuple(range(n)) for n in sizes), 0)
         data = protocol.encode(reg)
@@ -427,10 +471,13 @@ def test_block_id_counts_reads_a_registration_without_decoding_its_ids() -> None
         assert protocol.block_id_counts(memoryview(data)) == sizes
     assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))) is None
     # more groups than any layout has: counted no further than one past the limit, from the header
-    many = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "register", "block_ids": [[]] * 100_000}])
+    many = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "register", "block_ids": [b""] * 100_000}])
     assert protocol.block_id_counts(many) == (0,) * (protocol.MAX_GROUPS + 1)
     # fields before the tag and unknown fields are skipped, not built
-    late = msgspec.msgpack.encode([PROTOCOL_VERSION, {"x": [1] * 1000, "type": "register", "block_ids": [[1, 2]]}])
-    assert protocol.block_id_counts(late) == (2,)
+    late = {"x": [1] * 1000, "type": "register", "block_ids": [_ids(1, 2)]}
+    assert protocol.block_id_counts(msgspec.msgpack.encode([PROTOCOL_VERSION, late])) == (2,)
+    # ids not as bytes (a v7 frame): no count (-1), so the frame is decoded and refused with the reason
+    ints = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "register", "block_ids": [[1, 2]]}])
+    assert protocol.block_id_counts(ints) == (-1,)
     assert protocol.block_id_counts(b"\xc1 not msgpack") is None
     assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))[:-3]) is None

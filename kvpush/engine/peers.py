@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvpush import protocol
 from kvpush.errors import LayoutError
 from kvpush.layout import KVLayout, MemKind, check_compatible
@@ -314,8 +316,8 @@ def registration_problem(layout: KVLayout, d_layout: KVLayout, d_staging: Any, r
         # rank's blocks are what it may make P hold.
         if len(ids) > d_layout.num_blocks:
             return f"group {g} lists {len(ids)} block ids, D has {d_layout.num_blocks} blocks"
-        top = max(ids, default=0)
-        if ids and top >= d_layout.num_blocks:
+        top = int(np.max(ids)) if len(ids) else 0
+        if top >= d_layout.num_blocks:
             return f"group {g} block id {top} out of range (D has {d_layout.num_blocks} blocks)"
     if reg.staging is not None:
         cap = d_staging.size if d_staging is not None else 0

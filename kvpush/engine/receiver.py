@@ -97,7 +97,9 @@ class Receiver(EngineLoop):
     ) -> None:
         """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks (``skip_blocks[g]``: leading
         blocks of group ``g`` D does not hold, as a sliding window's)."""
-        ids = tuple(tuple(map(int, g)) for g in block_ids)  # on the caller's thread, on the request's path
+        # On the caller's thread, on the request's path: one copy into arrays, which the checks, D's unpack
+        # list and the message (the ids' bytes) all use; a bad id raises here, naming it.
+        ids = tuple(protocol.block_id_array(g, f"block_ids[{i}]") for i, g in enumerate(block_ids))
         skip = tuple(int(n) for n in skip_blocks)
         self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token, skip))
 
@@ -172,7 +174,7 @@ class Receiver(EngineLoop):
         transfer_id: str,
         request_id: str,
         peer: PeerAddress,
-        block_ids: tuple[tuple[int, ...], ...],
+        block_ids: tuple[np.ndarray, ...],
         num_tokens: int,
         start_token: int,
         skip_blocks: tuple[int, ...] = (),

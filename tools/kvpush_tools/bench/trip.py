@@ -1,0 +1,256 @@
+"""``kvpush bench trip``: one message's trip from D's send to P's engine thread having it, part by part.
+
+D's Register reaches P through two ZMQ I/O threads (D's, P's) and P's engine
+thread waking up from ``zmq.poll``. This benchmark times that trip between
+two processes on one host (``time.monotonic()`` is one clock for both), the
+receiver shaped like P's engine thread: it sleeps in a ``zmq.Poller`` that
+also watches a wake-up pipe, and only answers after the sender's next gap,
+so every message finds it asleep, as a registration finds an idle P. Cases:
+
+- ``zmq``: raw DEALER -> ROUTER, no encryption;
+- ``zmq-curve``: the same sockets with CURVE keys (no ZAP handler);
+- ``side-channel``: kvpush's own ``Client`` and ``Server`` with a key set
+  (CURVE, the ZAP gate), the frame checked and decoded as P's engine does
+  (``block_id_counts``, then ``protocol.decode``).
+
+each with a Heartbeat and with a Register of ``--blocks`` shuffled
+block ids (its encoded frame), and each with the receiver's main thread idle
+(blocked) or ``polling`` (a Python loop that sleeps ``--main-poll-us`` between
+calls, as a caller polling the engine for results does: the engine thread
+must then win the GIL back when it wakes). Per case the medians of: D's
+send call, P's poll returning, the frame read, the frame decoded (stage
+times after the sender's stamp taken just before its send).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CASES = ("zmq", "zmq-curve", "side-channel")
+STAGES = ("sent", "woke", "read", "decoded")
+
+
+def register_frame(blocks: int, seed: int = 0) -> bytes:
+    """The encoded Register of ``blocks`` shuffled block ids (out of twice as many), as D sends it."""
+    import numpy as np
+
+    from kvpush import protocol
+
+    ids = tuple(int(b) for b in np.random.default_rng(seed).permutation(2 * blocks)[:blocks])
+    grant = protocol.StagingGrant(0, 1 << 20)
+    return protocol.encode(
+        protocol.Register("t" * 36, "r" * 36, "decode-engine", 0, (ids,), 16 * blocks, 0, staging=grant)
+    )
+
+
+def _raw_sockets(ctx: Any, curve: bool, port: int | None) -> Any:
+    """P's ROUTER (``port`` None) or D's DEALER to ``port``, CURVE or not (fixed test keys from ``zmq``)."""
+    import zmq
+
+    if port is None:
+        sock = ctx.socket(zmq.ROUTER)
+        if curve:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, _KEYS["server"][1])
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind_to_random_port("tcp://127.0.0.1")
+        return sock
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, _KEYS["server"][0])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, _KEYS["client"][0])
+        sock.setsockopt(zmq.CURVE_SECRETKEY, _KEYS["client"][1])
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+_KEYS: dict[str, tuple[bytes, bytes]] = {}
+
+
+def _main_poller(stop: threading.Event, every_s: float) -> None:
+    """A caller's thread polling for results: a short Python call, then a sleep (the GIL is free while it sleeps)."""
+    box: list[int] = []
+    while not stop.is_set():
+        box.append(len(box))
+        del box[:]
+        time.sleep(every_s)
+
+
+def _receiver(conn: Any, case: str, keys_dir: str, main_poll_s: float) -> None:
+    """P's side: sleep in a poller (socket + wake-up pipe), stamp each stage, answer the stamps."""
+    import zmq
+
+    from kvpush import protocol
+
+    _KEYS.update(conn.recv())
+    ctx = zmq.Context()
+    server = None
+    if case == "side-channel":
+        from kvpush.transport import auth
+        from kvpush.transport.side_channel import Server
+
+        server = Server(ctx, "127.0.0.1", 0, auth.server_keys("curve", keys_dir))
+        sock, port = server.sock, server.port
+    else:
+        sock = _raw_sockets(ctx, case == "zmq-curve", None)
+        port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+    rfd, _wfd = os.pipe()
+    poller = zmq.Poller()
+    poller.register(rfd, zmq.POLLIN)
+    poller.register(sock, zmq.POLLIN)
+    stop = threading.Event()
+    if main_poll_s > 0:
+        threading.Thread(target=_main_poller, args=(stop, main_poll_s), daemon=True).start()
+    conn.send(port)
+    while True:
+        events = dict(poller.poll(1000))
+        woke = time.monotonic()
+        if sock not in events:
+            if conn.poll():
+                break
+            continue
+        if server is not None:
+            got: list[Any] = []
+
+            def handle(ident: bytes, key: str, msg: Any, got: list[Any] = got) -> None:
+                got.append((ident, time.monotonic()))
+
+            read: list[float] = []
+
+            def precheck(ident: bytes, key: str, frame: memoryview, read: list[float] = read) -> bool:
+                read.append(time.monotonic())
+                protocol.block_id_counts(frame)
+                return True
+
+            server.deliver(handle, precheck)
+            ident, decoded = got[0]
+            t_read = read[0]
+        else:
+            ident, data = sock.recv_multipart()
+            t_read = time.monotonic()
+            protocol.block_id_counts(data)
+            protocol.decode(data)
+            decoded = time.monotonic()
+        sock.send_multipart([ident, json.dumps([woke, t_read, decoded]).encode()])
+    stop.set()
+    sock.close(0)
+    if server is not None:
+        server.close()
+
+
+def _sender(port: int, case: str, keys_dir: str, frame: bytes, pings: int, gap_s: float) -> list[dict[str, float]]:
+    """D's side: after a gap, stamp, send, and collect the receiver's stamps; stage times after the stamp."""
+    import zmq
+
+    ctx = zmq.Context()
+    if case == "side-channel":
+        from kvpush.transport import auth
+        from kvpush.transport.side_channel import Client
+
+        client = Client(ctx, "127.0.0.1", port, auth.client_keys("curve", keys_dir))
+        sock = client.sock
+    else:
+        client, sock = None, _raw_sockets(ctx, case == "zmq-curve", port)
+    rows: list[dict[str, float]] = []
+    try:
+        for i in range(pings + 1):
+            time.sleep(gap_s)
+            t0 = time.monotonic()
+            sock.send(frame)
+            sent = time.monotonic()
+            if not sock.poll(10_000):
+                raise TimeoutError(f"{case}: no answer")
+            woke, read, decoded = json.loads(sock.recv())
+            if i:  # the first one makes the connection (and its handshake)
+                rows.append({"sent": sent - t0, "woke": woke - t0, "read": read - t0, "decoded": decoded - t0})
+    finally:
+        if client is not None:
+            client.close()
+        sock.close(0)
+    return rows
+
+
+def measure(blocks: int, pings: int, gap_s: float, main_poll_s: float) -> dict[str, Any]:
+    """Every (case, size, receiver main thread) in its own receiver process; medians per stage."""
+    import zmq
+
+    from kvpush.transport import auth
+
+    keys_dir = tempfile.mkdtemp(prefix="kvpush-bench-trip-")
+    auth.make_key_set(keys_dir)
+    keys = {"server": zmq.curve_keypair(), "client": zmq.curve_keypair()}
+    _KEYS.update(keys)
+    from kvpush import protocol
+
+    frames = {
+        "Heartbeat": protocol.encode(protocol.Heartbeat("decode-engine", 0, 1, 0.0)),
+        f"Register, {blocks} blocks": register_frame(blocks),
+    }
+    spawn = mp.get_context("spawn")
+    rows = []
+    for case in CASES:
+        for size, frame in frames.items():
+            for main in ("idle", "polling"):
+                here, there = spawn.Pipe()
+                poll_s = main_poll_s if main == "polling" else 0.0
+                proc = spawn.Process(target=_receiver, args=(there, case, keys_dir, poll_s), daemon=True)
+                proc.start()
+                here.send(keys)
+                port = here.recv()
+                try:
+                    samples = _sender(port, case, keys_dir, frame, pings, gap_s)
+                finally:
+                    here.send("stop")
+                    proc.join(10)
+                med = {s: 1e3 * statistics.median(r[s] for r in samples) for s in STAGES}
+                rows.append(
+                    {
+                        "case": case,
+                        "message": size,
+                        "frame_bytes": len(frame),
+                        "receiver_main": main,
+                        "pings": len(samples),
+                        **{f"{s}_ms_median": v for s, v in med.items()},
+                    }
+                )
+                print(f"{case:13s} {size:24s} main {main:8s} " + "  ".join(f"{s} {v:.3f}" for s, v in med.items()))
+    return {
+        "benchmark": "trip",
+        "blocks": blocks,
+        "gap_s": gap_s,
+        "main_poll_s": main_poll_s,
+        "host_cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "results": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvpush bench trip", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=1024, help="block ids in the Register (default 1024)")
+    ap.add_argument("--pings", type=int, default=200, help="messages per case (default 200)")
+    ap.add_argument("--gap-ms", type=float, default=2.0, help="sender's pause before each message (default 2)")
+    ap.add_argument("--main-poll-us", type=float, default=500.0, help="polling main thread's sleep (default 500)")
+    ap.add_argument("--out", type=Path, default=Path("results/trip"))
+    args = ap.parse_args(argv)
+    result = measure(args.blocks, args.pings, args.gap_ms / 1e3, args.main_poll_us / 1e6)
+    result["command"] = "kvpush bench trip " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "trip.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out / 'trip.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
