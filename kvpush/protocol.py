@@ -41,20 +41,23 @@ BlockIds = Annotated[tuple[np.ndarray, ...], msgspec.Meta(min_length=1, max_leng
 
 
 def block_id_array(ids: Any, where: str = "block_ids") -> np.ndarray:
-    """``ids`` as an int64 array, a copy (the caller's list may change); ``ValueError`` naming the
+    """``ids`` as a flat int64 array, a copy (the caller's list may change); ``ValueError`` naming the
     offending id when one is not an integer in ``[0, MAX_BLOCK_ID]``."""
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ValueError(f"{where}: expected a flat sequence of integer block ids, got {ids.dtype} {ids.shape}")
-        arr = ids.astype(np.int64, copy=True)
-    else:
-        arr = _from_seq(ids, where)
+    if isinstance(ids, np.ndarray) and ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(f"{where}: block ids must be integers, got {ids.dtype}")
+    try:
+        arr = np.array(ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{where}: block ids must be integers ({exc})") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{where}: expected a flat sequence of block ids, got shape {arr.shape}")
     _check_ids(arr, where)
     return arr
 
 
 def _check_ids(arr: np.ndarray, where: str) -> None:
-    if arr.size and (arr.min() < 0 or arr.max() > MAX_BLOCK_ID):
+    # One pass: as unsigned, a negative id is above MAX_BLOCK_ID too.
+    if arr.size and arr.view(np.uint64).max() > MAX_BLOCK_ID:
         bad = int(arr[(arr < 0) | (arr > MAX_BLOCK_ID)][0])
         raise ValueError(f"{where}: block id {bad} outside [0, {MAX_BLOCK_ID}]")
     if arr.size > MAX_BLOCKS:

@@ -102,7 +102,7 @@ def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, 
         s.setsockopt(zmq.SNDTIMEO, -1)  # block when full: the flood is as fast as P lets it be
         s.setsockopt(zmq.SNDHWM, 1000)
         s.send(protocol.encode(hello))
-        ids = tuple(i % 128 for i in range(protocol.MAX_BLOCKS))  # one byte each: the most a frame holds
+        ids = tuple(i % 128 for i in range(protocol.MAX_BLOCKS))  # the most ids a group holds
         name = hello.engine_id
         s.send(protocol.encode(protocol.Register("max-ids", "max-ids", name, 0, (ids,), 0, lease_ms=3_600_000)))
         for i in range(REGISTRATIONS):
@@ -111,10 +111,10 @@ def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, 
         long_id = "x" * 240
         for i in range(ABORTS):
             s.send(protocol.encode(protocol.Abort(f"{long_id}{i:08d}", "r" * 200, "forged" * 100)))
-        # frames of the largest size P decodes, each a registration of ~2.8M block ids (3 bytes each)
+        # frames of the largest size P decodes, each a registration of ~2M block ids (4 bytes each)
         group = tuple(300 + i % 60_000 for i in range(protocol.MAX_BLOCKS))
-        n = (protocol.MAX_FRAME_BYTES - 4096) // 3 - 2 * protocol.MAX_BLOCKS
-        big = protocol.encode(protocol.Register("max-frame", "m", name, 0, (group, group, group[:n]), 0))
+        n = (protocol.MAX_FRAME_BYTES - 4096) // 4 - protocol.MAX_BLOCKS
+        big = protocol.encode(protocol.Register("max-frame", "m", name, 0, (group, group[:n]), 0))
         assert protocol.MAX_FRAME_BYTES - (64 << 10) < len(big) <= protocol.MAX_FRAME_BYTES, len(big)
         # frames of the largest size that fail to decode only after their bulk: a registration of ~8M
         # empty groups, and an abort led by a field of ~2M ints that comes before its type tag

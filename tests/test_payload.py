@@ -150,6 +150,14 @@ def test_block_runs_count_runs_of_the_set_not_of_the_order() -> None:
     assert block_runs(lay, [5, 0, 2, 1], 64, 16) == 1 and block_runs(lay, [0, 3, 1], 48, 0) == 2
 
 
+def test_block_runs_of_nothing_to_move_is_zero() -> None:
+    """D already holds every token (``start_token == num_tokens``), also mid-block: no run, so the cheap
+    staging rule never asks for a slot the full unpack list (empty) would not."""
+    lay = _side(TokenOrder.NHD)
+    assert block_runs(lay, [0, 3], 17, 17) == 0 and block_runs(lay, [0], 16, 16) == 0
+    assert staging_decided(Config(plan="auto", staging_bytes=1, staged_min_descriptors=1), lay, [0, 3], 17, 17) is None
+
+
 @PROPERTY
 @given(scenarios(), st.integers(1, 5000), st.sampled_from(["auto", "staged", "direct"]))
 def test_d_decides_staging_before_its_list_as_with_it(scn: Scenario, min_descs: int, plan: str) -> None:

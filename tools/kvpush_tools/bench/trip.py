@@ -20,6 +20,16 @@ calls, as a caller polling the engine for results does: the engine thread
 must then win the GIL back when it wakes). Per case the medians of: D's
 send call, P's poll returning, the frame read, the frame decoded (stage
 times after the sender's stamp taken just before its send).
+
+``--tree PATH`` (repeatable) measures instead the Python work the
+registration costs on its way, in each kvpush tree's own process, the trees
+taking turns round by round: D's caller converting the block ids, D's checks
+and staging wish (``unpack_choice``), the encode, and on P the frame's
+precheck (``block_id_counts``), the decode, the registration's checks
+(``registration_problem``) and the groups ``build_plan`` is given
+(``group_tokens``). Each round first sleeps ``--gap-ms``, so every step runs
+as it does on an engine thread that just woke up (cold caches), not in a
+warm loop.
 """
 
 from __future__ import annotations
@@ -236,19 +246,138 @@ def measure(blocks: int, pings: int, gap_s: float, main_poll_s: float) -> dict[s
     }
 
 
+_PATH_WORKER = r"""
+import json, sys, time
+import msgspec
+import numpy as np
+import kvpush
+from kvpush import protocol
+from kvpush.backends.base import CacheSpec
+from kvpush.backends.host import HostBackend
+from kvpush.config import Config
+from kvpush.engine.peers import registration_problem
+from kvpush.incoming import Asked
+from kvpush.layout import KVLayout
+from kvpush.plan import group_tokens
+from kvpush.registration import unpack_choice
+blocks, layers, gap = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+spec = CacheSpec(16, 1, 2, "bfloat16")
+arrs = [np.zeros((layers, 2, 2 * blocks, 16, 1, 2), dtype=np.uint8) for _ in range(2)]
+be = HostBackend()
+lp, ld = (be.describe({f"layer{i}": a[i] for i in range(layers)}, spec) for a in arrs)
+lp = msgspec.msgpack.decode(msgspec.msgpack.encode(lp), type=KVLayout)  # P's layout as D has it: decoded
+rng = np.random.default_rng(0)
+src = tuple(int(b) for b in rng.permutation(2 * blocks)[:blocks])
+given = [int(b) for b in rng.permutation(2 * blocks)[:blocks]]  # what vLLM hands D: a list of ints
+arrays = hasattr(protocol, "block_id_array")
+cfg = Config(plan="auto", staging_bytes=64 << 20)
+grant = protocol.StagingGrant(0, 1 << 20)
+staging = type("Staging", (), {"size": 1 << 30})()  # D's staging region as P knows it: only its size is read
+print(json.dumps({"kvpush": kvpush.__file__, "protocol": kvpush.PROTOCOL_VERSION}))
+sys.stdout.flush()
+for line in sys.stdin:
+    time.sleep(gap)
+    t = [time.perf_counter()]
+    if arrays:  # the tree's Receiver.register: one copy into arrays
+        ids = tuple(protocol.block_id_array(g, "block_ids") for g in [given])
+    else:
+        ids = tuple(tuple(map(int, g)) for g in [given])
+    t.append(time.perf_counter())
+    ask = Asked("t" * 36, "r" * 36, ids, 16 * blocks, 0, ())
+    unpack_choice(cfg, lp, ld, ask)
+    t.append(time.perf_counter())
+    frame = protocol.encode(protocol.Register("t" * 36, "r" * 36, "d", 0, ids, 16 * blocks, 0, staging=grant))
+    t.append(time.perf_counter())
+    protocol.block_id_counts(frame)
+    t.append(time.perf_counter())
+    reg = protocol.decode(frame)
+    t.append(time.perf_counter())
+    assert not registration_problem(lp, ld, staging, reg)
+    t.append(time.perf_counter())
+    group_tokens((src,), ld, reg.block_ids, 0, ())
+    t.append(time.perf_counter())
+    names = ("d_convert", "d_unpack_choice", "d_encode", "p_counts", "p_decode", "p_checks", "p_group_tokens")
+    print(json.dumps({**{f"{n}_s": b - a for n, a, b in zip(names, t, t[1:])}, "frame_bytes": len(frame)}))
+    sys.stdout.flush()
+"""
+PATH_STEPS = ("d_convert", "d_unpack_choice", "d_encode", "p_counts", "p_decode", "p_checks", "p_group_tokens")
+
+
+def path_work(trees: list[Path], blocks: int, layers: int, rounds: int, gap_s: float) -> dict[str, Any]:
+    """The registration's Python work per tree (one worker process each), the trees taking turns."""
+    import subprocess
+
+    workers = []
+    for tree in trees:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PATH_WORKER, str(blocks), str(layers), str(gap_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            cwd=tree,  # ``python -c`` puts the working directory first on sys.path
+        )
+        assert proc.stdout is not None
+        workers.append((tree, proc, json.loads(proc.stdout.readline())))
+    got: dict[str, list[dict[str, float]]] = {str(t): [] for t in trees}
+    try:
+        for i in range(rounds + 2):
+            for tree, proc, _ in workers if i % 2 else workers[::-1]:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                sample = json.loads(proc.stdout.readline())
+                if i >= 2:
+                    got[str(tree)].append(sample)
+    finally:
+        for _, proc, _ in workers:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    rows = []
+    for tree, _, info in workers:
+        samples = got[str(tree)]
+        med = {f"{k}_ms_median": 1e3 * statistics.median(x[f"{k}_s"] for x in samples) for k in PATH_STEPS}
+        total = 1e3 * statistics.median(sum(x[f"{k}_s"] for k in PATH_STEPS) for x in samples)
+        rows.append(
+            {"tree": str(tree), **info, "frame_bytes": samples[0]["frame_bytes"], **med, "total_ms_median": total}
+        )
+        print(
+            f"{tree!s:24s} v{info['protocol']} frame {samples[0]['frame_bytes']} B  "
+            + "  ".join(f"{k} {v:.3f}" for k, v in med.items())
+            + f"  total {total:.3f} ms"
+        )
+    return {
+        "benchmark": "trip path work",
+        "blocks": blocks,
+        "layers": layers,
+        "rounds": rounds,
+        "gap_s": gap_s,
+        "host_cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "results": rows,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpush bench trip", description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=1024, help="block ids in the Register (default 1024)")
     ap.add_argument("--pings", type=int, default=200, help="messages per case (default 200)")
     ap.add_argument("--gap-ms", type=float, default=2.0, help="sender's pause before each message (default 2)")
     ap.add_argument("--main-poll-us", type=float, default=500.0, help="polling main thread's sleep (default 500)")
+    ap.add_argument("--tree", type=Path, action="append", help="measure the registration's Python work per tree")
+    ap.add_argument("--layers", type=int, default=64, help="layers of the --tree layouts (x K/V regions)")
     ap.add_argument("--out", type=Path, default=Path("results/trip"))
     args = ap.parse_args(argv)
-    result = measure(args.blocks, args.pings, args.gap_ms / 1e3, args.main_poll_us / 1e6)
+    if args.tree:
+        result = path_work([t.resolve() for t in args.tree], args.blocks, args.layers, args.pings, args.gap_ms / 1e3)
+    else:
+        result = measure(args.blocks, args.pings, args.gap_ms / 1e3, args.main_poll_us / 1e6)
     result["command"] = "kvpush bench trip " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "trip.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out / 'trip.json'}")
+    name = "path_work.json" if args.tree else "trip.json"
+    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out / name}")
     return 0
 
 
