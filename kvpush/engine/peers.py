@@ -69,6 +69,8 @@ class PeerTable:
     def __init__(self, sender: Sender, layout: KVLayout) -> None:
         self.sender = sender
         self.layout = layout
+        self.groups = 1 + max(r.group for r in layout.regions)
+        """KV-cache groups of this P's layout (once: every registration is checked against it)."""
         self._peers: dict[DKey, Peer] = {}
         self._throttle = Throttle(LOG_EVERY_S)
 
@@ -135,7 +137,7 @@ class PeerTable:
             return True
         peer = next((p for p in self._peers.values() if p.ident == ident), None)
         most = peer.layout.num_blocks if peer is not None else UNKNOWN_PEER_BLOCKS
-        groups = 1 + max(r.group for r in self.layout.regions)
+        groups = self.groups
         if len(counts) <= groups and max(counts, default=0) <= most:
             return True
         s = self.sender
@@ -158,8 +160,7 @@ class PeerTable:
     def block_cap(self, peer: Peer) -> int:
         """The most block ids a D rank's open registrations may hold: every block of its cache, twice (a
         re-registration's new blocks while the earlier attempt's are still being written)."""
-        groups = 1 + max(r.group for r in self.layout.regions)
-        return 2 * groups * peer.layout.num_blocks
+        return 2 * self.groups * peer.layout.num_blocks
 
     def _on_abort(self, peer: Peer | None, msg: protocol.Abort, now: float) -> None:
         """An abort counts only from the key that registered the transfer (``Rendezvous.may_abort``); others
@@ -299,13 +300,16 @@ class PeerTable:
         if peer is None or (peer.engine_id, peer.rank) != (reg.engine_id, reg.rank):
             why = "registration before a successful hello from this D rank"
             return Failed(Stage.REGISTER, Cause.REFUSED, why)
-        problem = registration_problem(self.layout, peer.layout, peer.staging, reg)
+        problem = registration_problem(self.layout, peer.layout, peer.staging, reg, self.groups)
         return Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, problem) if problem else None
 
 
-def registration_problem(layout: KVLayout, d_layout: KVLayout, d_staging: Any, reg: protocol.Register) -> str:
-    """What is wrong with D's registration given what D said it has ("" if nothing)."""
-    groups = 1 + max(r.group for r in layout.regions)
+def registration_problem(
+    layout: KVLayout, d_layout: KVLayout, d_staging: Any, reg: protocol.Register, groups: int = 0
+) -> str:
+    """What is wrong with D's registration given what D said it has ("" if nothing); ``groups``: the
+    layout's KV-cache groups, when the caller knows them."""
+    groups = groups or 1 + max(r.group for r in layout.regions)
     if len(reg.block_ids) != groups:
         return f"registration has {len(reg.block_ids)} block groups, layout has {groups}"
     need = -(-reg.num_tokens // d_layout.block_size)
