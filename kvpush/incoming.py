@@ -51,7 +51,7 @@ class Asked:
     transfer_id: str
     request_id: str
     block_ids: tuple[Any, ...]
-    """Per group, D's block ids: int64 arrays from ``Receiver.register`` (sequences of ints work too)."""
+    """Per group, D's block ids: uint32 arrays from ``Receiver.register`` (sequences of ints work too)."""
     num_tokens: int
     start_token: int = 0
     skip_blocks: tuple[int, ...] = ()  # per group: leading blocks D does not hold (a sliding window's)

@@ -97,8 +97,9 @@ class Receiver(EngineLoop):
     ) -> None:
         """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks (``skip_blocks[g]``: leading
         blocks of group ``g`` D does not hold, as a sliding window's)."""
-        # On the caller's thread, on the request's path: one copy into arrays, which the checks, D's unpack
-        # list and the message (the ids' bytes) all use; a bad id raises here, naming it.
+        # On the caller's thread, on the request's path: one copy into uint32 arrays, the wire's form (the
+        # message is their bytes; the checks and D's unpack list take them as they are); a bad id raises
+        # here, naming it.
         ids = tuple(protocol.block_id_array(g, f"block_ids[{i}]") for i, g in enumerate(block_ids))
         skip = tuple(int(n) for n in skip_blocks)
         self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token, skip))
@@ -174,7 +175,7 @@ class Receiver(EngineLoop):
         transfer_id: str,
         request_id: str,
         peer: PeerAddress,
-        block_ids: tuple[np.ndarray, ...],
+        block_ids: tuple[np.ndarray, ...],  # uint32, from ``protocol.block_id_array``
         num_tokens: int,
         start_token: int,
         skip_blocks: tuple[int, ...] = (),
