@@ -107,6 +107,15 @@ class Done:
 Action = Notify | StartPack | CheckPack | Post | ReleaseMade | Fail | Done
 
 
+@dataclass(frozen=True)
+class Prepacked:
+    """The job's slot was packed at hand-over (``kvpush.prepack``): ``marker`` ends that pack, queued behind
+    the KV's ``after`` (None: reached). Every part of the job comes from it; the job starts no pack."""
+
+    marker: Any
+    after: Any
+
+
 # -- the job -------------------------------------------------------------------------------------
 
 
@@ -163,6 +172,7 @@ class PushJob:
         plan_s: float,
         slot: int | None = None,
         made: dict[tuple[int, int], tuple[Any, int]] | None = None,
+        prepacked: Prepacked | None = None,
     ) -> None:
         self.reg = reg
         self.key: DKey = (reg.engine_id, reg.rank)
@@ -172,8 +182,9 @@ class PushJob:
         self.slot = slot
         self.made = dict(made or {})
         self.stats = PushStats(plan=plan.kind, plan_s=plan_s, pieces=plan.plan.pieces)
-        if plan.kind is PlanKind.DIRECT:
-            self.stats.pack_s = 0.0  # a direct push has a pack stage of zero
+        self.prepacked = prepacked if plan.kind is PlanKind.STAGED else None
+        if plan.kind is PlanKind.DIRECT or self.prepacked is not None:
+            self.stats.pack_s = 0.0  # a direct push, or one packed at hand-over, has no pack stage of its own
         self.sent = 0  # regions [0, sent) are posted or being packed
         self.nposted = 0  # regions posted (a cancel may drop packed parts)
         self.packing: deque[_Packing] = deque()
@@ -227,6 +238,9 @@ class PushJob:
                 self.sent = plan.nregions
                 self._todo.extend([("notify",), ("post", 0, plan.nregions)])
             return
+        if self.prepacked is not None:
+            self._prepacked_parts(now)
+            return
         end = plan.schedule.part_end(self.sent, ready)
         if end <= self.sent:
             return
@@ -242,6 +256,19 @@ class PushJob:
                 self._todo.extend([("pack", r0, r1, after), ("notify",), ("check", 1)])
             else:
                 self._todo.extend([("notify",), ("post", r0, r1)])
+
+    def _prepacked_parts(self, now: float) -> None:
+        """Packed at hand-over: every region is in the slot (or will be, once its pack's marker is reached),
+        so each part waits only for that marker, then posts; nothing is packed here."""
+        if self.sent or self.prepacked is None:
+            return
+        self.times.first("ready", now)
+        self.stats.wait_ready_s = 0.0
+        p = self.prepacked
+        for r0, r1 in split_regions(0, self.plan.nregions, self.plan.parts(self.plan.nregions)):
+            self.sent = r1
+            self.packing.append(_Packing(r0, r1, p.marker, p.after))
+        self._todo.extend([("notify",), ("check", 0)])
 
     def check_packs(self) -> None:
         """Ask about the packs that may be done (every step, after ``ready``: a pack ends on the device, unseen)."""
