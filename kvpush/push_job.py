@@ -199,6 +199,13 @@ class PushJob:
         self._todo: deque[tuple[Any, ...]] = deque()
         self._asked: Action | None = None  # the action whose result is awaited
         self._keep = 0  # packs the check in progress leaves running (one while parts are still being started)
+        if self.prepacked is not None:
+            # Every part is in the slot packed at hand-over, or will be once its marker is reached: each part
+            # waits for that marker (a cancel too: the pack writes the slot until then), nothing is packed here.
+            p = self.prepacked
+            for r0, r1 in split_regions(0, plan.nregions, plan.parts(plan.nregions)):
+                self.packing.append(_Packing(r0, r1, p.marker, p.after))
+            self.sent = plan.nregions
 
     # -- queries -------------------------------------------------------------
     @property
@@ -258,16 +265,12 @@ class PushJob:
                 self._todo.extend([("notify",), ("post", r0, r1)])
 
     def _prepacked_parts(self, now: float) -> None:
-        """Packed at hand-over: every region is in the slot (or will be, once its pack's marker is reached),
-        so each part waits only for that marker, then posts; nothing is packed here."""
-        if self.sent or self.prepacked is None:
+        """Packed at hand-over (the parts are queued as packing since the job began): tell D, then post each
+        part once the pack's marker is reached. The KV was written before that pack: no readiness to wait for."""
+        if self.stats.wait_ready_s is not None:
             return
         self.times.first("ready", now)
         self.stats.wait_ready_s = 0.0
-        p = self.prepacked
-        for r0, r1 in split_regions(0, self.plan.nregions, self.plan.parts(self.plan.nregions)):
-            self.sent = r1
-            self.packing.append(_Packing(r0, r1, p.marker, p.after))
         self._todo.extend([("notify",), ("check", 0)])
 
     def check_packs(self) -> None:
