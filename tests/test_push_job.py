@@ -427,7 +427,7 @@ def test_packed_at_hand_over_waits_for_its_pack_even_when_cancelled() -> None:
     """A push cancelled before its packed slot's pack ended does not end (and free the slot) until that pack
     is over: the device writes the slot until then."""
     pm = Marker()
-    rec, job = _prepacked(2, pm)
+    _, job = _prepacked(2, pm)
     job.cancel(Cause.ABORTED, "client went away")
     job.ready(4, None, None, 1.0)
     job.check_packs()

@@ -250,7 +250,7 @@ class PushRunner:
     def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:
         return _completion(job.plan.plan, job.reg, self.s.rank, r0, r1, ndesc)
 
-    def prepare_prefill(self, prefill: Prefill, rec: Transfer, ready: Any = None, finished: bool = False) -> None:
+    def prepare_prefill(self, prefill: Prefill, rec: Transfer, ready: Any = None, parked: bool = False) -> None:
         """Build a prefill's pack list as it is handed over, and give it to the backend (``prepare_pack``).
 
         The staged payload needs only P's own block ids, so a registration
@@ -258,6 +258,8 @@ class PushRunner:
         its pack list made: P's planning leaves the path from D's
         registration to the first WRITE. Built for the whole prompt and P's
         own heads; a registration asking for fewer gets its list at pairing.
+        A finished prefill ``parked`` (no registration waiting) is also packed
+        now where that pays whatever D's blocks are (``_pack_at_hand_over``).
         """
         s = self.s
         rec.pack_ahead = None
@@ -276,7 +278,7 @@ class PushRunner:
             s.copy.prepare_pack(s.region_bases, pack)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", s.name)
-        if finished:
+        if parked:
             self._pack_at_hand_over(prefill, rec, rec.pack_ahead, ready)
 
     def _pack_at_hand_over(self, prefill: Prefill, rec: Transfer, pa: PackAhead, ready: Any) -> None:

@@ -37,7 +37,7 @@ from kvpush.push_job import (
     DKey,
     PushJob,
 )
-from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Refuse, Release, Rendezvous
+from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
@@ -155,6 +155,7 @@ class Sender(EngineLoop):
                 "marker_waits": waits,
                 "quiet_reports": self.quiet_reports,
                 "tombstones": self.rdv.tombstones(),
+                "staging_slots_in_use": self._slots.slots_in_use,
             }
             pending = {**self.rdv.pending(), **self._parked_slots()}
             return {**self.counters, **pending, "queued": self.rdv.queued(), **extra}
@@ -256,7 +257,9 @@ class Sender(EngineLoop):
                 rec.times.prefill_done = t
             else:
                 rec.times.prefill_start = t
-            self.runner.prepare_prefill(prefill, rec, ready, finished=bool(regions))
+            # Packed at hand-over only when parked: a registration waiting packs in its push, as planned.
+            parked = bool(regions) and not any(isinstance(d, Push) for d in decisions)
+            self.runner.prepare_prefill(prefill, rec, ready, parked=parked)
 
     def _on_layers(self, transfer_ids: list[str], regions: int, marker: Any, t: float) -> None:
         self.bump(Count.LAYER_REPORTS)
