@@ -11,7 +11,7 @@ is freed while a pack may still write it; parked slots keep to the share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -209,10 +209,9 @@ def test_a_re_issued_prefill_replaces_its_slot() -> None:
 def test_packing_at_hand_over_agrees_with_the_plan_at_pairing(scn: Scenario, desc_s, link, pack_bw) -> None:
     """When P's side alone says staging wins, the plan made at pairing, for whatever D, is staged and takes
     that very pack list (so the pack done at hand-over is the one posted); a forced plan agrees too."""
+    scn = replace(scn, start_token=0)  # the list at hand-over is built for the whole prompt
     sl, dl = scn.src.layout, scn.dst.layout
-    if heads_overlap(sl, dl) != (sl.head_start, sl.head_end) or scn.start_token:
-        return  # the list at hand-over is built for the whole prompt and all of P's heads only
-    pack = pack_pieces(sl, (sl.head_start, sl.head_end), scn.src_blocks, scn.num_tokens, 0)
+    pack = pack_pieces(sl, heads_overlap(sl, dl), scn.src_blocks, scn.num_tokens, 0)
     kw = {"staging_local": (1 << 20, 0), "staging_remote": (1 << 30, 1 << 40, 1), "pack_bw": pack_bw}
     for mode in ("auto", "staged", "direct"):
         cfg = Config(plan=mode, descriptor_cost_us=desc_s * 1e6, link_gbps=link / 1e9)
