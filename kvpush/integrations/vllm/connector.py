@@ -45,7 +45,7 @@ from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 from kvpush.layout import KVLayout
-from kvpush.state import prefill_backoff
+from kvpush.state import loaded_tokens, prefill_backoff
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -275,8 +275,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             request.kv_transfer_params,
             blocks.get_block_ids(),
             # request.num_computed_tokens is not updated yet at this hook: the
-            # local prefix hit is whatever the remote part does not cover.
-            request.num_prompt_tokens - num_external_tokens,
+            # local prefix hit is whatever the remote part does not cover of
+            # the tokens D loads (all but the backoff's, ``kvpush.state``).
+            loaded_tokens(request.num_prompt_tokens, self.sched.backoff) - num_external_tokens,
             num_external_tokens,
         )
 

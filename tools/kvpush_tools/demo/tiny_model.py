@@ -299,8 +299,9 @@ def _qwen3_next(common: dict[str, Any], shape: dict[str, Any]) -> Any:
 
     layers = shape["num_layers"]
     kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    # vLLM's Qwen3-Next does not tie lm_head to the embeddings: a tied checkpoint would load no lm_head.
     cfg = Qwen3NextConfig(
-        **common,
+        **{**common, "tie_word_embeddings": False},
         num_key_value_heads=shape["num_kv_heads"],
         head_dim=shape["head_dim"],
         layer_types=kinds,
@@ -315,7 +316,10 @@ def _qwen3_next(common: dict[str, Any], shape: dict[str, Any]) -> Any:
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
     )
-    return Qwen3NextForCausalLM(cfg)
+    model = Qwen3NextForCausalLM(cfg)
+    # A wide lm_head keeps the top logits apart: bf16 rounding then rarely decides a greedy token.
+    model.lm_head.weight.data.normal_(0.0, 4 * shape["initializer_range"])
+    return model
 
 
 def _tokenizer(vocab: dict[str, int], fast_cls: Any) -> Any:
