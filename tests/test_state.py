@@ -75,7 +75,7 @@ class BackoffMachine(RuleBasedStateMachine):
         if not self.reqs:
             return
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        params, n, now = self.reqs[rid]
+        params, _, now = self.reqs[rid]
         assert self.p.prefill_drop(rid, params or None, now) == 0
 
     @invariant()
