@@ -198,6 +198,7 @@ def check_swap(t: Target, n: int, seed: int, near_tie: float = 0.0) -> None:
     else:
         raise AssertionError(f"no swap prompts from seed {seed} continue differently: the model ignores context")
     got = t.pushed(f"swap-{s}-{next(_tids)}", a, d_prompt=q)
+    print(f"swap test compares {len(want_a.split())} words")
     if near_tie > 0:
         got = " ".join(got.split()[: len(want_a.split())])
     assert got == want_a, f"D continued {got!r}: A's continuation is {want_a!r}, Q's {want_q!r}"
