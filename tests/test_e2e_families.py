@@ -64,6 +64,7 @@ class Family:
     dtype: str = "float32"  # the tiny model's and the servers' dtype
     args: tuple[str, ...] = ()  # extra vLLM arguments of the family's own servers
     backoff: int = 0  # trailing prompt tokens D computes itself (1 for recurrent-state models, kvpush.state)
+    swap_words: tuple[int, ...] = (150,)  # prompt lengths of the swap test
 
 
 FAMILIES = {
@@ -117,6 +118,9 @@ FAMILIES = {
         args=("--no-enable-prefix-caching",),
         backoff=1,
         near_tie=0.1,
+        # Its one attention layer weighs little against three GDN layers' state over 150 words: a short swap
+        # shows D also read P's attention KV (D's received KV zeroed fails it, not the 150-word one).
+        swap_words=(150, 24),
     ),
     "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300)),
     "tp1-to-tp2": Family(None, 32, None, Server("decode", tp=2, cpus="1"), False, (5, 33, 100, 300)),
@@ -205,8 +209,10 @@ def test_outputs_equal_the_plain_server_and_tokens_came_by_transfer(family: tupl
 
 def test_d_continues_the_prompt_p_pushed(family: tuple[str, Target]) -> None:
     name, t = family
+    fam = FAMILIES[name]
     for k, e in enumerate(engines(name, t)):
-        check_swap(e, 150, seed=seed(name, k) + 5, near_tie=FAMILIES[name].near_tie)
+        for i, n in enumerate(fam.swap_words):
+            check_swap(e, n, seed=seed(name, k) + 5 + 20 * i, near_tie=fam.near_tie)
 
 
 def test_every_block_is_back(family: tuple[str, Target]) -> None:
@@ -241,7 +247,7 @@ def test_state_model_backs_off_one_token_behind_a_sequential_router(family: tupl
     if name != "gdn":
         pytest.skip("recurrent-state family only")
     n = 150
-    for s in range(seed(name, 0) + 7, seed(name, 0) + 27):
+    for s in range(seed(name, 0) + 50, seed(name, 0) + 70):
         a, q = swap_prompts(n, s)
         want_a, want_q = t.complete(t.single, a), t.complete(t.single, q)
         if want_a != want_q:
@@ -261,3 +267,17 @@ def test_state_model_backs_off_one_token_behind_a_sequential_router(family: tupl
     assert got == want_a, f"D continued {got!r}: A's continuation is {want_a!r}, Q's {want_q!r}"
     after = [metric(t.d, by[0], source=src) for src in by[1:]]
     assert [x - y for x, y in zip(after, before, strict=True)] == [n - 1, 1]
+
+
+def test_state_model_computes_a_one_token_prompt_on_d(family: tuple[str, Target]) -> None:
+    """GDN: a one-token prompt cannot stop short (``kvpush.state.loaded_tokens`` is 0): D computes it and
+    cancels P's prefill, so the answer is the plain server's and both pools are empty at once after."""
+    name, t = family
+    if name != "gdn":
+        pytest.skip("recurrent-state family only")
+    word = prompt_words(1, seed=seed(name, 0) * 1000 + 990)
+    by = ("vllm:prompt_tokens_by_source_total", "external_kv_transfer", "local_compute")
+    before = [metric(t.d, by[0], source=src) for src in by[1:]]
+    assert t.complete(t.router, word) == t.complete(t.single, word)
+    assert [metric(t.d, by[0], source=src) - b for src, b in zip(by[1:], before, strict=True)] == [0, 1]
+    wait_released(t, timeout=20)
