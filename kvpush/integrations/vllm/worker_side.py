@@ -105,7 +105,8 @@ class WorkerSide:
             self.start_layers(orders)
         for r in orders.registrations:
             assert self.receiver is not None, "registration orders on a worker without the consumer role"
-            self._regs[r.request_id] = r  # MUTATION
+            if DEBUG_CHECKSUM:
+                self._regs[r.request_id] = r
             self.receiver.register(
                 r.transfer_id,
                 r.request_id,
@@ -200,19 +201,6 @@ class WorkerSide:
                     continue
                 recving.add(res.request_id)
                 r = self._regs.pop(res.request_id, None)
-                if r is not None and self.layout is not None and os.environ.get("MUT_ZERO"):  # MUTATION
-                    import ctypes
-
-                    for st in self.layout.states if os.environ["MUT_ZERO"] == "state" else ():
-                        for reg in self.layout.regions:
-                            if reg.group == st.group:
-                                ctypes.memset(reg.base + r.block_ids[st.group][-1] * st.block_stride, 0, st.nbytes)
-                    if os.environ["MUT_ZERO"] == "kv":
-                        g = self.layout.token_group
-                        for reg in self.layout.regions:
-                            if reg.group == g:
-                                for b in r.block_ids[g]:
-                                    ctypes.memset(reg.base + b * self.layout.block_stride, 0, self.layout.block_bytes)
                 if DEBUG_CHECKSUM and r is not None and self.layout is not None:
                     sha = kv_checksum(self.layout, r.block_ids[0], r.num_tokens, r.start_token)
                     log.info("kvpush D %s kv sha %s ok=%s", r.transfer_id, sha, res.ok)
