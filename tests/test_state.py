@@ -62,12 +62,15 @@ class BackoffMachine(RuleBasedStateMachine):
         self.p, self.d = SchedulerSide(backoff=backoff), SchedulerSide(backoff=backoff)
         self.reqs: dict[str, tuple[dict, int, int]] = {}  # id -> (P params, original n, P's current n)
 
-    @rule(n=st.integers(0, 80), disagg=st.booleans())
-    def arrive(self, n: int, disagg: bool) -> None:
+    @rule(n=st.integers(0, 80), disagg=st.booleans(), whole=st.booleans())
+    def arrive(self, n: int, disagg: bool, whole: bool) -> None:
+        """``whole``: prompt logprobs (no prefix cache read); D then loads nothing and P keeps every token."""
         rid = f"r{len(self.reqs)}"
         params = {"do_remote_decode": True, "transfer_id": rid} if disagg else None
-        drop = self.p.prefill_drop(rid, params, n)
-        assert drop == 0 or (disagg and self.backoff and n > self.backoff)
+        drop = self.p.prefill_drop(rid, params, n, whole)
+        assert drop == 0 or (disagg and self.backoff and n > self.backoff and not whole)
+        if whole:
+            params = None  # D skips the load: nothing to agree on
         self.reqs[rid] = (params or {}, n, n - drop)
 
     @rule(data=st.data())

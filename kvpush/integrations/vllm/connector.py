@@ -249,7 +249,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Request) -> None:
         """A request joins the waiting queue: a P request of a state model drops its last prompt token first."""
         assert self.sched is not None
-        drop = self.sched.prefill_drop(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
+        drop = self.sched.prefill_drop(
+            request.request_id,
+            request.kv_transfer_params,
+            request.num_prompt_tokens,
+            whole=bool(getattr(request, "skip_reading_prefix_cache", False)),
+        )
         if drop:
             drop_prompt_tail(request, drop)
         self.sched.prefill_arrived(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)

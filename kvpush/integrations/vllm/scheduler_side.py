@@ -235,14 +235,18 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
 
     # P side: where each prefill stands ---------------------------------------------
-    def prefill_drop(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int) -> int:
+    def prefill_drop(
+        self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, whole: bool = False
+    ) -> int:
         """Trailing prompt tokens P must not compute for this request (``kvpush.state.dropped_tokens``).
 
         A P request (``do_remote_decode``) of a model with state layers drops
         its last prompt token once; the params remember it (``TRUNCATED``), so
-        a preempted request that comes back is not shortened again.
+        a preempted request that comes back is not shortened again. ``whole``:
+        the request reads no prefix cache (prompt logprobs), so D loads none of
+        it and P keeps its whole prompt (its answer then stays right).
         """
-        if not self.backoff or not isinstance(parse(params, request_id), PrefillSide):
+        if whole or not self.backoff or not isinstance(parse(params, request_id), PrefillSide):
             return 0
         assert params is not None
         drop = dropped_tokens(num_prompt_tokens, self.backoff, bool(params.get(TRUNCATED)))
