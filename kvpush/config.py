@@ -60,6 +60,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Size of each rank's staging region for packed transfers (0 disables)."""
     staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
     """D reserves staging only for transfers with at least this many descriptors."""
+    pack_at_hand_over: bool = True
+    """P packs a finished prefill into a staging slot as it is handed over, before D registers, when staging
+    wins whatever D's blocks are and a slot is free (``kvpush.prepack``); False: P packs at pairing."""
     descriptor_cost_us: Pos | None = None
     """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
     measured default of the first NIXL backend (``kvpush.transport.backends``; see

@@ -59,6 +59,9 @@ class Count(enum.StrEnum):
     PARTS_PREBUILT = "parts_prebuilt_total"
     PACKS_AHEAD = "packs_ahead_total"  # P: pack lists built when a prefill was handed over
     PACKS_AHEAD_USED = "packs_ahead_used_total"  # P: staged plans that took such a list instead of building one
+    PACKS_AT_HAND_OVER = "packs_at_hand_over_total"  # P: parked prefills packed into a slot before D registered
+    PACKS_AT_HAND_OVER_USED = "packs_at_hand_over_used_total"  # P: pushes that posted such a slot without packing
+    PACKS_AT_HAND_OVER_EVICTED = "packs_at_hand_over_evicted_total"  # P: such slots taken back for a registered push
     BYTES = "bytes_total"
     DESCRIPTORS = "descriptors_total"
     PLAN_DIRECT = "plan_direct_total"
@@ -354,6 +357,7 @@ class Recorder:
         if self.side == "prefill":
             g["pending_registrations"] = float(gauges.get("waiting_registrations", 0.0))
             g["parked_prefills"] = float(gauges.get("parked_prefills", 0.0))
+            g["parked_staging_slots"] = float(gauges.get("parked_staging_slots", 0.0))
             g["in_flight"] = float(gauges.get("in_flight", 0.0))
         else:
             g["pending_registrations"] = float(gauges.get("pending_registrations", 0.0))

@@ -306,6 +306,27 @@ def _staged_early(
     return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, empty, pack, staging_local, remote, est)
 
 
+def staged_on_p_alone(
+    cfg: Config, src: KVLayout, src_blocks: np.ndarray | list[int], num_tokens: int, pack: np.ndarray, pack_bw: float
+) -> bool:
+    """Will staging win for any D, judged from P's side alone (P's pack at hand-over, before any registration)?
+
+    A direct plan needs at least P's runs of consecutive block ids per region
+    (``payload.block_runs``), whatever D's blocks are, so when staging beats
+    that bound it beats the real count too: ``_staged_early`` then chooses the
+    staged plan at pairing with this very pack list (given D's slot fits).
+    """
+    if cfg.plan == "direct" or pack.shape[0] == 0:
+        return False
+    if cfg.plan == "staged":
+        return True
+    nregions = len(src.regions)
+    nbytes = int(pack[:, 1].sum()) * nregions
+    runs = block_runs(src, src_blocks, num_tokens, 0)
+    est = estimate(cfg, runs * nregions, nbytes, pack.shape[0] * nregions, pack_bw)
+    return est.staged_s < est.direct_s
+
+
 def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptors (local, remote) moving regions ``[r0, r1)`` of ``plan``.
 

@@ -213,6 +213,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "P: finished prefills holding blocks while waiting for D.",
         _gauge("parked_prefills"),
     ),
+    _kv(
+        "kvpush_parked_staging_slots",
+        "gauge",
+        "P: staging slots held by parked prefills, packed at hand-over before D registered.",
+        _gauge("parked_staging_slots"),
+    ),
     _kv("kvpush_transfers_in_flight", "gauge", "P: WRITEs posted and not yet complete.", _gauge("in_flight")),
     _kv(
         "kvpush_kv_bytes_per_token",

@@ -107,6 +107,15 @@ class Done:
 Action = Notify | StartPack | CheckPack | Post | ReleaseMade | Fail | Done
 
 
+@dataclass(frozen=True)
+class Prepacked:
+    """The job's slot was packed at hand-over (``kvpush.prepack``): ``marker`` ends that pack, queued behind
+    the KV's ``after`` (None: reached). Every part of the job comes from it; the job starts no pack."""
+
+    marker: Any
+    after: Any
+
+
 # -- the job -------------------------------------------------------------------------------------
 
 
@@ -163,6 +172,7 @@ class PushJob:
         plan_s: float,
         slot: int | None = None,
         made: dict[tuple[int, int], tuple[Any, int]] | None = None,
+        prepacked: Prepacked | None = None,
     ) -> None:
         self.reg = reg
         self.key: DKey = (reg.engine_id, reg.rank)
@@ -172,8 +182,9 @@ class PushJob:
         self.slot = slot
         self.made = dict(made or {})
         self.stats = PushStats(plan=plan.kind, plan_s=plan_s, pieces=plan.plan.pieces)
-        if plan.kind is PlanKind.DIRECT:
-            self.stats.pack_s = 0.0  # a direct push has a pack stage of zero
+        self.prepacked = prepacked if plan.kind is PlanKind.STAGED else None
+        if plan.kind is PlanKind.DIRECT or self.prepacked is not None:
+            self.stats.pack_s = 0.0  # a direct push, or one packed at hand-over, has no pack stage of its own
         self.sent = 0  # regions [0, sent) are posted or being packed
         self.nposted = 0  # regions posted (a cancel may drop packed parts)
         self.packing: deque[_Packing] = deque()
@@ -188,6 +199,13 @@ class PushJob:
         self._todo: deque[tuple[Any, ...]] = deque()
         self._asked: Action | None = None  # the action whose result is awaited
         self._keep = 0  # packs the check in progress leaves running (one while parts are still being started)
+        if self.prepacked is not None:
+            # Every part is in the slot packed at hand-over, or will be once its marker is reached: each part
+            # waits for that marker (a cancel too: the pack writes the slot until then), nothing is packed here.
+            p = self.prepacked
+            for r0, r1 in split_regions(0, plan.nregions, plan.parts(plan.nregions)):
+                self.packing.append(_Packing(r0, r1, p.marker, p.after))
+            self.sent = plan.nregions
 
     # -- queries -------------------------------------------------------------
     @property
@@ -227,6 +245,9 @@ class PushJob:
                 self.sent = plan.nregions
                 self._todo.extend([("notify",), ("post", 0, plan.nregions)])
             return
+        if self.prepacked is not None:
+            self._prepacked_parts(now)
+            return
         end = plan.schedule.part_end(self.sent, ready)
         if end <= self.sent:
             return
@@ -242,6 +263,15 @@ class PushJob:
                 self._todo.extend([("pack", r0, r1, after), ("notify",), ("check", 1)])
             else:
                 self._todo.extend([("notify",), ("post", r0, r1)])
+
+    def _prepacked_parts(self, now: float) -> None:
+        """Packed at hand-over (the parts are queued as packing since the job began): tell D, then post each
+        part once the pack's marker is reached. The KV was written before that pack: no readiness to wait for."""
+        if self.stats.wait_ready_s is not None:
+            return
+        self.times.first("ready", now)
+        self.stats.wait_ready_s = 0.0
+        self._todo.extend([("notify",), ("check", 0)])
 
     def check_packs(self) -> None:
         """Ask about the packs that may be done (every step, after ``ready``: a pack ends on the device, unseen)."""

@@ -172,3 +172,42 @@ def test_p_sleeps_while_a_layer_packs_and_the_waiter_wakes_it(nodes: tuple[Node,
         assert_same(d.call("snapshot", k + "d"), exp, dg)
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
+
+
+def test_pack_at_hand_over_on_the_device_is_waited_for(nodes: tuple[Node, Node]) -> None:
+    """Parked prefills are packed at hand-over by a copy that lands ``DELAY_S`` later. D registers at once:
+    each push posts only once that pack landed (stale staging bytes otherwise). A prefill aborted while its
+    pack runs gives its slot back only when the pack has landed (the copy still writes it until then)."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32, order="HND")
+    k = _key("handover")
+    reqs = _reqs(k, np.random.default_rng(9), 3)
+    with (
+        deferred(p, d),
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=2), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
+    ):
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+        p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+        assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
+        exp = make_cache(dg, None)
+        for r in reqs:
+            apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        st = p.call("stats", k + "p")
+        assert st.get("packs_at_hand_over_used_total") == len(reqs) and st.get("parts_total") == 2 * len(reqs), st
+
+        gone = Req(f"{k}-x", f"{k}-px", f"{k}-dx", [40, 41, 42, 43, 44, 45], [0, 1, 2], 90)
+        p.call("prefill", k + "p", gone.tid, gone.p_rid, gone.p_blocks, gone.n)
+        p.call("abort", k + "p", gone.tid, "client went away")
+        [res] = p.call("results", k + "p", 1, 5.0)
+        assert not res.ok, res
+        st = p.call("stats", k + "p")
+        assert (st["parked_staging_slots"], st["staging_slots_in_use"]) == (0, 1), st  # set aside, not freed
+        time.sleep(DELAY_S + 0.2)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")

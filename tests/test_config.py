@@ -38,6 +38,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "plan": "staged",
         "staging_bytes": 0,
         "staged_min_descriptors": 1,
+        "pack_at_hand_over": False,
         "descriptor_cost_us": 0.5,
         "link_gbps": 100,
         "registration_lease_s": 1.5,

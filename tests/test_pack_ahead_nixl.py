@@ -152,3 +152,132 @@ def test_reissued_prefill_pushes_from_its_own_blocks(nodes: tuple[Node, Node]) -
         assert_same(d.call("snapshot", k + "d"), exp, dg)
         assert p.call("stats", k + "p").get("packs_ahead_used_total") == 1
         assert_idle(p, k + "p")
+
+
+# -- the pack itself at hand-over (``kvpush.prepack``) ----------------------------------------------
+
+
+def _parked_slots(p: Node, key: str) -> tuple[int, int]:
+    st = p.call("stats", key)
+    return st["parked_staging_slots"], st["staging_slots_in_use"]
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_finished_prefills_are_packed_at_hand_over_and_pushed_from_that_pack(
+    nodes: tuple[Node, Node], parts: int
+) -> None:
+    """P packs each parked prefill into a staging slot before any D registered; the push posts that slot,
+    in 1 or 4 parts, without packing again. P's blocks are overwritten after the hand-over and before D
+    registers: D must still get the bytes as they were at hand-over, which only the early pack holds."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=128), Geom(num_blocks=128, block_size=32, order="HND")
+    k = _key("handover")
+    rng = np.random.default_rng(parts)
+    reqs = [
+        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(128)[:8].tolist(), [4 * i + j for j in range(4)], n)
+        for i, n in enumerate((128, 100, 37))
+    ]
+    old = [n.call("min_part_bytes", 1) for n in (p, d)]  # a small payload cut in `parts` parts on both sides
+    try:
+        with (
+            engines(p, "sender", [(k + "p", pg, _staged(push_parts=parts), "P" + k)]) as [addr],
+            engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1, push_parts=parts), "D" + k)]),
+        ):
+            for r in reqs:
+                p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            assert p.call("wait_stat", k + "p", "packs_at_hand_over_total", len(reqs), 10.0)
+            assert _parked_slots(p, k + "p") == (len(reqs), len(reqs))
+            src = p.call("snapshot", k + "p")
+            p.call("fill", k + "p", sorted({b for r in reqs for b in r.p_blocks}), 0x3C)  # after the pack
+            for r in reqs:
+                d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+            d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+            p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+            assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
+            exp = make_cache(dg, None)
+            for r in reqs:
+                apply_push(exp, dg, src, pg, r)
+            assert_same(d.call("snapshot", k + "d"), exp, dg)
+            st = p.call("stats", k + "p")
+            assert st.get("packs_at_hand_over_used_total") == len(reqs), st
+            assert st.get("parts_total") == parts * len(reqs), st
+            assert all(x.times.packed < x.times.registered for x in p_res.values()), p_res
+            assert_idle(p, k + "p")
+            assert_idle(d, k + "d")
+    finally:
+        for n, o in zip((p, d), old, strict=True):
+            n.call("min_part_bytes", o)
+
+
+def test_a_packed_slot_comes_back_on_every_end(nodes: tuple[Node, Node]) -> None:
+    """Parked and packed prefills end without using their slot: the lease runs out, P aborts, D cancels
+    before registering, D asks for a direct push (its slot is not taken): every slot comes back."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=64, order="HND")
+    k = _key("ends")
+    peer_cfg = {"prefill_lease_s": 1.5}
+    reqs = [
+        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", [8 * i + j for j in range(4)], [4 * i + j for j in range(4)], 50)
+        for i in range(4)
+    ]
+    lease, abort, cancel, direct = reqs
+    with (
+        engines(p, "sender", [(k + "p", pg, _staged(**peer_cfg), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan="direct"), "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        assert p.call("wait_stat", k + "p", "packs_at_hand_over_total", len(reqs), 10.0)
+        assert _parked_slots(p, k + "p") == (4, 4)
+        p.call("abort", k + "p", abort.tid, "client went away")
+        d.call("cancel", k + "d", cancel.tid, cancel.d_rid, peer, "request aborted on D before it got blocks")
+        d.call("register", k + "d", direct.tid, direct.d_rid, peer, direct.d_blocks, direct.n, 0)
+        res = by_rid(p.call("results", k + "p", 4, 10.0))
+        assert res[direct.p_rid].ok and not any(res[r.p_rid].ok for r in (lease, abort, cancel)), res
+        assert res[lease.p_rid].cause == "expired", res[lease.p_rid]
+        [dr] = d.call("results", k + "d", 1, 10.0)
+        assert dr.ok, dr
+        exp = make_cache(dg, None)
+        apply_push(exp, dg, p.call("snapshot", k + "p"), pg, direct)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        st = p.call("stats", k + "p")
+        assert st.get("plan_direct_total") == 1 and st.get("packs_at_hand_over_used_total", 0) == 0, st
+        assert_idle(p, k + "p")
+
+
+def test_a_registered_push_takes_a_parked_slot_back(nodes: tuple[Node, Node]) -> None:
+    """P's staging holds one payload: the first parked prefill packs into it; the second's D registers
+    first and takes that slot back (its pack is on a request's path, the parked one maybe never), then the
+    first's D registers and its push packs at pairing. Both arrive byte-exact; nothing leaks."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=64, order="HND")
+    k = _key("evict")
+    a = Req(f"{k}-a", f"{k}-pa", f"{k}-da", [1, 2, 3, 4], [10, 11, 12, 13], 64)
+    b = Req(f"{k}-b", f"{k}-pb", f"{k}-db", [5, 6, 7, 8], [20, 21, 22, 23], 64)
+    with engines(p, "sender", [(k + "x", pg, _staged(), "X" + k)]):
+        p.call("prefill", k + "x", a.tid, a.p_rid, a.p_blocks, a.n)
+        assert p.call("wait_stat", k + "x", "packs_at_hand_over_total", 1, 10.0)
+        size = p.call("stats", k + "x")["parked_staging_bytes"]
+    with (
+        engines(p, "sender", [(k + "p", pg, _staged(staging_bytes=-(-size // 4096) * 4096), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1), "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        for r in (a, b):
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        assert p.call("wait_stat", k + "p", "packs_at_hand_over_total", 1, 10.0)
+        assert _parked_slots(p, k + "p") == (1, 1)  # the second found no free slot: it packs at pairing
+        d.call("register", k + "d", b.tid, b.d_rid, peer, b.d_blocks, b.n, 0)
+        assert d.call("results", k + "d", 1, 10.0)[0].ok
+        d.call("register", k + "d", a.tid, a.d_rid, peer, a.d_blocks, a.n, 0)
+        assert d.call("results", k + "d", 1, 10.0)[0].ok
+        assert all(x.ok for x in p.call("results", k + "p", 2, 10.0))
+        exp = make_cache(dg, None)
+        for r in (a, b):
+            apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        st = p.call("stats", k + "p")
+        assert st.get("packs_at_hand_over_evicted_total") == 1 and st.get("plan_staged_total") == 2, st
+        assert st.get("packs_at_hand_over_used_total", 0) == 0, st
+        assert_idle(p, k + "p")

@@ -32,6 +32,7 @@ from kvpush.push_job import (
     JobPlan,
     Notify,
     Post,
+    Prepacked,
     PushJob,
     ReleaseMade,
     StartPack,
@@ -59,7 +60,18 @@ def _reg() -> Register:
     return Register(transfer_id="t", request_id="d", engine_id="D", rank=0, block_ids=((1,),), num_tokens=16)
 
 
-def _job(kind: PlanKind, layers: int, per_layer: int, parts: int, chain: bool, min_layers: int, lead: int, ahead: bool):
+def _job(
+    kind: PlanKind,
+    layers: int,
+    per_layer: int,
+    parts: int,
+    chain: bool,
+    min_layers: int,
+    lead: int,
+    ahead: bool,
+    prepacked: Prepacked | None = None,
+    rec: Transfer | None = None,
+):
     n = layers * per_layer
     rb = 0 if kind is PlanKind.EMPTY else MIN_PART_BYTES  # a staged push of n regions can be cut in n parts
     plan = Plan(kind, n * rb, n, 1, n, np.zeros((0, 3), dtype=np.int64))
@@ -70,8 +82,8 @@ def _job(kind: PlanKind, layers: int, per_layer: int, parts: int, chain: bool, m
         from kvpush.plan import split_regions
 
         made = {(a, b): (Handle(a, b), 1) for a, b in split_regions(0, n, jp.parts(n))}
-    rec = Transfer()
-    job = PushJob(_reg(), jp, rec.times, 0.0, 0.001, slot=0, made=made)
+    rec = Transfer() if rec is None else rec
+    job = PushJob(_reg(), jp, rec.times, 0.0, 0.001, slot=0, made=made, prepacked=prepacked)
     rec.jobs[job.key] = job
     return rec, job, made
 
@@ -86,17 +98,29 @@ class PushJobMachine(RuleBasedStateMachine):
         min_layers=st.integers(0, 3),
         lead=st.sampled_from([1, 2, 100]),
         ahead=st.booleans(),
+        prepacked=st.booleans(),
     )
-    def setup(self, kind, layers, per_layer, parts, chain, min_layers, lead, ahead) -> None:
+    def setup(self, kind, layers, per_layer, parts, chain, min_layers, lead, ahead, prepacked) -> None:
         self.n = layers * per_layer
         self.per_layer = per_layer
-        self.rec, self.job, made = _job(kind, layers, per_layer, parts, chain, min_layers, lead, ahead)
-        self.kind = kind
-        self.made = set(made.values())
-        self.released_made: list[Handle] = []
         self.reported = 0  # regions reported by the forward
         self.markers: list[tuple[int, Marker]] = []  # (regions, marker) per report
         self.packs: list[tuple[StartPack, Marker]] = []  # packs started, in order
+        # Packed at hand-over (``kvpush.prepack``): a finished prefill, its whole KV reported under one marker
+        # that the pack is queued behind (chain) or that was reached before the pack started (not chain).
+        self.prepacked = prepacked and kind is PlanKind.STAGED
+        rec, pre = None, None
+        if self.prepacked:
+            rec, kv, pm = Transfer(), Marker(reached=not chain), Marker()
+            self.reported = self.n
+            self.markers.append((self.n, kv))
+            rec.report(self.n, kv, self.n)
+            self.packs.append((StartPack(0, self.n, kv if chain else None), pm))
+            pre = Prepacked(pm, kv if chain else None)
+        self.rec, self.job, made = _job(kind, layers, per_layer, parts, chain, min_layers, lead, ahead, pre, rec)
+        self.kind = kind
+        self.made = set(made.values())
+        self.released_made: list[Handle] = []
         self.packed: set[tuple[int, int]] = set()  # parts whose pack is done
         self.flying: list[Handle] = []
         self.posted: list[tuple[int, int]] = []
@@ -150,11 +174,14 @@ class PushJobMachine(RuleBasedStateMachine):
                 self.fail = a.failed
             elif isinstance(a, Done):
                 assert not self.flying and not job.packing, "Done while a part is in flight or packing"
+                if self.prepacked:  # the job frees the slot: the pack at hand-over must have ended
+                    assert self.packs[0][1].reached, "Done while the pack at hand-over may still write the slot"
                 self.done = a
                 self.rec.end_job(job, a.failed, self.now)
 
     def _start_pack(self, a: StartPack) -> None:
         assert self.kind is PlanKind.STAGED and not self.cancelled, f"{a} after a cancel"
+        assert not self.prepacked, f"{a} in a job packed at hand-over"
         if self.job.plan.chain:
             # Queued behind the KV of its regions on the device.
             assert a.after is None or any(m is a.after and r >= a.r1 for r, m in self.markers), a
@@ -173,7 +200,8 @@ class PushJobMachine(RuleBasedStateMachine):
         if a.block and (a.after is None or a.after.reached):
             a.marker.reached = True  # waited for
         if a.marker.reached:
-            head = next(p for p, m in self.packs if m is a.marker)
+            assert any(m is a.marker for _, m in self.packs), "a check of no pack started"
+            head = self.job.packing[0]  # the part whose pack (its own, or the slot's at hand-over) is done
             self.packed.add((head.r0, head.r1))
             self.job.packed()
         else:
@@ -372,3 +400,40 @@ def test_every_wake_up_report_starts_a_part() -> None:
         assert not [a for a in _drain(job) if isinstance(a, Post)], (lead, min_layers)
         job.ready(at, None, None, 1.0)
         assert [a for a in _drain(job) if isinstance(a, Post)], (lead, min_layers)
+
+
+def _prepacked(parts: int, marker: Marker) -> tuple[Transfer, PushJob]:
+    rec = Transfer()
+    rec.report(4, None, 4)
+    rec, job, _ = _job(PlanKind.STAGED, 4, 1, parts, False, 0, 100, False, Prepacked(marker, None), rec)
+    return rec, job
+
+
+def test_packed_at_hand_over_posts_every_part_without_packing() -> None:
+    """The slot was packed at hand-over: the job tells D, waits for that pack once, and posts its parts,
+    1 or 4, tiling the regions, with no pack of its own."""
+    for parts, want in ((1, [(0, 4)]), (4, [(0, 1), (1, 2), (2, 3), (3, 4)])):
+        _, job = _prepacked(parts, Marker(reached=True))
+        job.ready(4, None, None, 1.0)
+        job.check_packs()
+        acts = _drain(job)
+        assert not any(isinstance(a, StartPack) for a in acts), acts
+        assert isinstance(acts[0], Notify) and isinstance(acts[1], CheckPack) and acts[1].block, acts
+        assert [(a.r0, a.r1) for a in acts if isinstance(a, Post)] == want, acts
+        assert job.stats.pack_s == 0.0
+
+
+def test_packed_at_hand_over_waits_for_its_pack_even_when_cancelled() -> None:
+    """A push cancelled before its packed slot's pack ended does not end (and free the slot) until that pack
+    is over: the device writes the slot until then."""
+    pm = Marker()
+    _, job = _prepacked(2, pm)
+    job.cancel(Cause.ABORTED, "client went away")
+    job.ready(4, None, None, 1.0)
+    job.check_packs()
+    acts = _drain(job)
+    assert not any(isinstance(a, Done | Post) for a in acts), acts
+    pm.reached = True
+    job.check_packs()
+    acts = _drain(job)
+    assert not any(isinstance(a, Post) for a in acts) and isinstance(acts[-1], Done), acts

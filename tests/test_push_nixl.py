@@ -95,6 +95,7 @@ def assert_idle(node: Node, key: str) -> None:
         assert st["staging_slots_in_use"] == 0, st
     else:
         assert (st["parked_prefills"], st["waiting_registrations"], st["in_flight"]) == (0, 0, 0), st
+        assert (st["staging_slots_in_use"], st["parked_staging_slots"]) == (0, 0), st
 
 
 # -- the checker can fail ------------------------------------------------------------------

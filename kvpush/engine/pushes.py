@@ -21,8 +21,17 @@ from kvpush.layout import heads_overlap
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.payload import pack_pieces
-from kvpush.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
-from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, PushJob, ReleaseMade, StartPack
+from kvpush.plan import (
+    PartSchedule,
+    Plan,
+    build_plan,
+    group_tokens,
+    part_descriptors,
+    split_regions,
+    staged_on_p_alone,
+)
+from kvpush.prepack import Prepack
+from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, Prepacked, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
 from kvpush.transfer import PackAhead, Transfer
 
@@ -160,7 +169,7 @@ class PushRunner:
             if reg.num_tokens > prefill.num_tokens:
                 why = f"D asks for {reg.num_tokens} tokens, P computed {prefill.num_tokens}"
                 raise _BadRegistration(why)
-            plan, slot = self._plan(prefill, reg, peer, rec)
+            plan, slot, prepacked = self._plan(prefill, reg, peer, rec)
         except Exception as exc:
             cause = Cause.BAD_REGISTRATION if isinstance(exc, _BadRegistration) else Cause.POST_ERROR
             self.s.fail(peer.ident, reg, Failed(Stage.PLAN, cause, str(exc)))
@@ -172,9 +181,11 @@ class PushRunner:
         )
         chain = plan.kind is PlanKind.STAGED and self.s.backend.capabilities.chained_ready
         jp = JobPlan(plan, sched, cfg.push_parts, chain)
-        made = self._prepare(jp, prefill, rec, peer, reg, slot) if plan.kind is PlanKind.STAGED else {}
+        made = {}
+        if plan.kind is PlanKind.STAGED and prepacked is None:
+            made = self._prepare(jp, prefill, rec, peer, reg, slot)
         t_plan = time.monotonic()
-        rec.jobs[key] = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made)
+        rec.jobs[key] = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked)
         rec.times.first("push_start", t0)
         rec.times.first("planned", t_plan)
         log.debug(
@@ -239,7 +250,7 @@ class PushRunner:
     def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:
         return _completion(job.plan.plan, job.reg, self.s.rank, r0, r1, ndesc)
 
-    def prepare_prefill(self, prefill: Prefill, rec: Transfer) -> None:
+    def prepare_prefill(self, prefill: Prefill, rec: Transfer, ready: Any = None, parked: bool = False) -> None:
         """Build a prefill's pack list as it is handed over, and give it to the backend (``prepare_pack``).
 
         The staged payload needs only P's own block ids, so a registration
@@ -247,6 +258,8 @@ class PushRunner:
         its pack list made: P's planning leaves the path from D's
         registration to the first WRITE. Built for the whole prompt and P's
         own heads; a registration asking for fewer gets its list at pairing.
+        A finished prefill ``parked`` (no registration waiting) is also packed
+        now where that pays whatever D's blocks are (``_pack_at_hand_over``).
         """
         s = self.s
         rec.pack_ahead = None
@@ -265,16 +278,63 @@ class PushRunner:
             s.copy.prepare_pack(s.region_bases, pack)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", s.name)
+        if parked:
+            self._pack_at_hand_over(prefill, rec, rec.pack_ahead, ready)
 
-    def _plan(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> tuple[Plan, int | None]:
+    def _pack_at_hand_over(self, prefill: Prefill, rec: Transfer, pa: PackAhead, ready: Any) -> None:
+        """Pack a finished prefill into a staging slot now, when staging wins whatever D's blocks are.
+
+        Only when a slot within the parked share (``kvpush.prepack``) is free
+        at once, and the pack can be ordered after the KV: a chaining backend
+        queues it behind the ready marker on the device; another packs only
+        KV already written (else the push packs at pairing, as without this).
+        """
+        s = self.s
+        if not s.cfg.pack_at_hand_over or s._staging is None or len({r.group for r in s.layout.regions}) > 1:
+            return
+        if not staged_on_p_alone(s.cfg, s.layout, pa.blocks, pa.num_tokens, pa.pack, s.backend.pack_bandwidth()):
+            return
+        chain = s.backend.capabilities.chained_ready
+        if ready is not None and not chain and not s.backend.poll_ready(ready):
+            return
+        size = int(pa.pack[:, 1].sum()) * len(s.region_bases)
+        if not s.prepacks.admits(size) or (slot := s._slots.alloc(size)) is None:
+            return
+        t0 = time.monotonic()
+        try:
+            after = ready if chain else None
+            marker = s.copy.start_pack(s.region_bases, pa.pack, s._staging.addr + slot, after=after)
+        except Exception:
+            log.exception("%s: pack at hand-over of %s failed (the push packs)", s.name, prefill.transfer_id)
+            s._slots.free(slot)
+            return
+        s.free_slots(s.prepacks.hold(prefill.transfer_id, Prepack(slot, size, pa.pack, after, marker)))
+        s.bump(Count.PACKS_AT_HAND_OVER)
+        rec.times.first("ready", t0)
+        if marker is None:
+            rec.times.first("packed", time.monotonic())
+
+    def _plan(
+        self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer
+    ) -> tuple[Plan, int | None, Prepacked | None]:
+        """The plan, its P slot and, when it takes the slot packed at hand-over, that pack (``Prepacked``).
+
+        A packed slot the plan does not take (a direct plan, another list) is
+        dropped: freed, or set aside until its pack ends."""
+        tid = prefill.transfer_id
         slot = None
         local = remote = None
-        if reg.staging is not None and peer.staging is not None and self.s._staging is not None:
-            slot = self.s._slots.alloc(reg.staging.size)
+        ahead = self._pack_ahead(prefill, reg, peer, rec)
+        held = self.s.prepacks.get(tid)
+        staging = reg.staging is not None and peer.staging is not None and self.s._staging is not None
+        if held is not None and not (staging and ahead is held.pack and held.size <= reg.staging.size):
+            self.s.free_slots(self.s.prepacks.drop(tid))  # packed for a push this is not
+            held = None
+        if staging:
+            slot = held.slot if held is not None else self._alloc(reg.staging.size)
             if slot is not None:
                 local = (self.s._staging.addr + slot, self.s._staging.device_id)
                 remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
-        ahead = self._pack_ahead(prefill, reg, peer, rec)
         src_blocks = prefill.block_ids[self.s.layout.token_group]
         if ahead is not None and rec.pack_ahead is not None and rec.pack_ahead.blocks is not None:
             src_blocks = rec.pack_ahead.blocks
@@ -292,12 +352,31 @@ class PushRunner:
             groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
             pack=ahead,
         )
+        took = self.s.prepacks.claim(tid, plan.pack) if plan.kind is PlanKind.STAGED else None
+        if held is not None and took is None:
+            slot = None  # the plan did not take the packed slot: it stays the prefill's until dropped here
+            self.s.free_slots(self.s.prepacks.drop(tid))
         if plan.kind is not PlanKind.STAGED and slot is not None:
             self.s._slots.free(slot)
             slot = None
         if plan.kind is PlanKind.STAGED and ahead is not None:
             self.s.bump(Count.PACKS_AHEAD_USED)
-        return plan, slot
+        if took is None:
+            return plan, slot, None
+        self.s.bump(Count.PACKS_AT_HAND_OVER_USED)
+        return plan, slot, Prepacked(took.marker if not took.reached else None, took.after)
+
+    def _alloc(self, size: int) -> int | None:
+        """A slot for a push whose D registered: parked prefills' packed slots are taken back, the oldest
+        first, before it goes without (``kvpush.prepack``)."""
+        s = self.s
+        while (slot := s._slots.alloc(size)) is None and size <= s._slots.capacity:
+            victim = s.prepacks.evictable()
+            if victim is None:
+                return None
+            s.free_slots(s.prepacks.drop(victim))
+            s.bump(Count.PACKS_AT_HAND_OVER_EVICTED)
+        return slot
 
     def _pack_ahead(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> Any:
         if rec.pack_ahead is None:

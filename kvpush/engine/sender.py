@@ -32,11 +32,12 @@ from kvpush.layout import KVLayout
 from kvpush.limits import Throttle, peer_limits
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Stage
+from kvpush.prepack import FreeSlot, Prepacks
 from kvpush.push_job import (
     DKey,
     PushJob,
 )
-from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Refuse, Release, Rendezvous
+from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
@@ -67,6 +68,7 @@ class Sender(EngineLoop):
         self._fail_log = Throttle(LOG_EVERY_S)
         self.peers = PeerTable(self, layout)
         self.runner = PushRunner(self)
+        self.prepacks = Prepacks(0)  # slots packed at hand-over; sized with the staging region (``setup``)
         self._layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
         self._waiter: MarkerWaiter | None = None  # created at the first device marker to wait for
         self.quiet_reports = 0  # layer reports that did not wake the push thread (written by the caller)
@@ -153,8 +155,10 @@ class Sender(EngineLoop):
                 "marker_waits": waits,
                 "quiet_reports": self.quiet_reports,
                 "tombstones": self.rdv.tombstones(),
+                "staging_slots_in_use": self._slots.slots_in_use,
             }
-            return {**self.counters, **self.rdv.pending(), "queued": self.rdv.queued(), **extra}
+            pending = {**self.rdv.pending(), **self._parked_slots()}
+            return {**self.counters, **pending, "queued": self.rdv.queued(), **extra}
 
         return self.call_sync(read)
 
@@ -162,6 +166,7 @@ class Sender(EngineLoop):
     def setup(self) -> None:
         keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("p")
+        self.prepacks = Prepacks(self._slots.capacity)
         port = self.cfg.side_channel_port + self.rank
         self.server = Server(self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg))
         self.poller.register(self.server.sock, 1)
@@ -171,6 +176,12 @@ class Sender(EngineLoop):
     def teardown(self) -> None:
         if self._waiter is not None:
             self._waiter.close()
+        for marker in self.prepacks.markers():  # a pack into staging ends before the staging goes
+            try:
+                self.backend.wait_ready(marker)
+            except Exception:
+                log.exception("%s: waiting for a pack at hand-over failed", self.name)
+        self.free_slots(self.prepacks.drop_all())
         for _, rec in self.rdv.pushing():
             for job in rec.jobs.values():
                 for handle in job.flying:
@@ -181,6 +192,8 @@ class Sender(EngineLoop):
     def step(self, now: float) -> bool:
         self.server.deliver(lambda ident, key, msg: self.peers.on_message(ident, key, msg, now), self.peers.admits)
         self._progress()
+        if self.prepacks.markers():
+            self._packs_ended()
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
             self._apply(self.rdv.expire(now))
@@ -189,7 +202,25 @@ class Sender(EngineLoop):
         return self._busy()
 
     def refresh_gauges(self) -> None:
-        self.gauges = {**self.rdv.pending(), "peers": float(len(self.peers))}
+        self.gauges = {**self.rdv.pending(), **self._parked_slots(), "peers": float(len(self.peers))}
+
+    def _parked_slots(self) -> dict[str, int]:
+        return {"parked_staging_slots": len(self.prepacks), "parked_staging_bytes": self.prepacks.held_bytes}
+
+    def free_slots(self, frees: list[FreeSlot]) -> None:
+        """Give staging slots back (packed at hand-over, no longer held)."""
+        for f in frees:
+            self._slots.free(f.slot)
+
+    def _packs_ended(self) -> None:
+        """Note packs at hand-over that have ended (their stage time) and free the set-aside slots among them."""
+        before = {tid for tid, p in self.prepacks.held() if not p.reached}
+        self.free_slots(self.prepacks.reached(self.backend.poll_ready))
+        t = time.monotonic()
+        for tid in before:
+            p, rec = self.prepacks.get(tid), self.rdv.record(tid)
+            if p is not None and p.reached and rec is not None:
+                rec.times.first("packed", t)
 
     def _busy(self) -> bool:
         """Busy (short polls) only while WRITEs fly: those need NIXL's progress, which is ours to drive.
@@ -203,6 +234,8 @@ class Sender(EngineLoop):
         if any(j.flying for j in jobs):
             return True
         marker = next((j.watch for j in jobs if j.watch is not None), None)
+        if marker is None:
+            marker = next(iter(self.prepacks.markers()), None)
         if marker is not None:
             if self._waiter is None:
                 self._waiter = MarkerWaiter(
@@ -224,7 +257,9 @@ class Sender(EngineLoop):
                 rec.times.prefill_done = t
             else:
                 rec.times.prefill_start = t
-            self.runner.prepare_prefill(prefill, rec)
+            # Packed at hand-over only when parked: a registration waiting packs in its push, as planned.
+            parked = bool(regions) and not any(isinstance(d, Push) for d in decisions)
+            self.runner.prepare_prefill(prefill, rec, ready, parked=parked)
 
     def _on_layers(self, transfer_ids: list[str], regions: int, marker: Any, t: float) -> None:
         self.bump(Count.LAYER_REPORTS)
@@ -318,6 +353,8 @@ class Sender(EngineLoop):
                     self.server.send(ident, ack)
 
     def _released(self, d: Release) -> None:
+        if d.record is not None:  # the prefill's own end (not a refused re-issue): its parked slot goes too
+            self.free_slots(self.prepacks.drop(d.prefill.transfer_id))
         stats, times, failed = d.record.take_outcome() if d.record is not None else (PushStats(), PushTimes(), None)
         times.released = time.monotonic()
         self.bump(Count.RELEASED)

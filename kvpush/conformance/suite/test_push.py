@@ -262,6 +262,28 @@ def test_data_written_just_before_handoff_arrives(nodes: tuple[Node, Node], dire
 
 
 @pytest.mark.parametrize("plan", ["direct", "staged"])
+def test_data_written_just_before_a_parked_handoff_arrives(
+    nodes: tuple[Node, Node], direct_ok: bool, plan: str
+) -> None:
+    """Contract (ordering), a sequential router's order: KV written right before the prefill is handed over
+    and parked (marker from record_ready() right after the write), D registering only afterwards, is what D
+    receives. A staged push may be packed at hand-over, before any registration: that pack waits for the
+    write too (queued behind the marker on a backend that chains, else only after it is reached)."""
+    need_plan(plan, direct_ok)
+    p, d = nodes
+    pg = dg = Geom(num_blocks=32, layers=4)
+    seeds, fresh = (700, 800), 702
+    req = Req("ordp", "ordp-p", "ordp-d", list(range(31, 1, -1)), list(range(30)), 30 * 16)
+    with engines(p, d, pg, dg, cfg(plan), cfg(plan), seeds, name="ordp") as (k, peer):
+        p.call("prefill", k + "p", req.tid, req.p_rid, req.p_blocks, req.n, fresh)
+        d.call("register", k + "d", req.tid, req.d_rid, peer, req.d_blocks, req.n, req.start)
+        [dr] = d.call("results", k + "d", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
+        [pr] = p.call("results", k + "p", 1, RESULT_TIMEOUT_S, timeout=RESULT_TIMEOUT_S + 10)
+        assert dr.ok and pr.ok, (dr, pr)
+        check_bytes(p, d, k, pg, dg, seeds, [req], p_data=fresh)
+
+
+@pytest.mark.parametrize("plan", ["direct", "staged"])
 def test_layer_by_layer_push_waits_for_each_layer(nodes: tuple[Node, Node], direct_ok: bool, plan: str) -> None:
     """Contract (ordering, layer-wise): P announces a prefill, then each layer is written (queued like a model
     kernel) and reported ready under the marker recorded right after it; the push thread polls markers

@@ -337,6 +337,11 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         kv, spec = self.cache_spec(kv_caches)
         attention = self.attention_caches(kv)
+        if not attention:
+            raise ConfigError(
+                f"KVPushConnector needs attention layers beside the recurrent-state layers {list(kv)[:4]}: a model "
+                "of state layers alone is not supported; serve it without kvpush"
+            )
         first = next(iter(attention.values()))
         log.info("kvpush: %d KV tensors, first %s stride %s -> %s", len(kv), tuple(first.shape), first.stride(), spec)
         try:

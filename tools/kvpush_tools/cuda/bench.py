@@ -857,7 +857,9 @@ class PDriver:
         marks.update(_stats_delta("p_copy_", before, s.copy_stats()))
         p_res = self._released(sender, tid)
         if p_res is not None:
-            marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_res.times.as_dict().items() if v >= t0})
+            # P's stages before the timed start too (negative): in the finished order the pack at hand-over
+            # (``p_ready``, ``p_packed``) comes before D's register call.
+            marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_res.times.as_dict().items()})
             marks.update({f"p_{k}_ms": v * 1e3 for k, v in p_res.stats.as_dict().items() if k.endswith("_s")})
         ok = ok and p_res is not None
         det = det or ("" if p_res is not None else "P never released the blocks")
@@ -1194,8 +1196,8 @@ def _engine_row(pattern: str, mode: str, parts: int, runs: list[tuple[Any, ...]]
         "verified": all(r[1] for r in runs),
         "detail": next((r[2] for r in runs if r[2]), ""),
         "stats": stats,
-        # ms after the timed start (finished: D's register call; ahead: P's KV ready): P's and D's stage
-        # times and P's stage durations
+        # ms after the timed start (finished: D's register call; ahead: P's KV ready; negative: before it):
+        # P's and D's stage times and P's stage durations
         "timeline_median": {k: statistics.median(m[k] for m in marks if k in m) for k in keys},
     }
 
