@@ -8,6 +8,11 @@ Families (``FAMILIES``), one server start each:
   ranks, one writes it, the other releases its prefill at once (the pools
   check would wait a whole lease otherwise);
 * ``hybrid``: a tiny Gemma 3-shaped model, sliding-window and full attention;
+* ``gdn``: a tiny Qwen3-Next-shaped model in bf16, Gated DeltaNet (linear
+  attention, a recurrent state per request) and full attention: P stops one
+  prompt token short, D loads ``n - 1`` tokens' KV and the state after them
+  and computes the last token (``kvpush.state``); checked also behind a
+  sequential router (P's returned params alone) and with a one-token prompt;
 * ``tp2-to-tp1`` and ``tp1-to-tp2``: the session's tiny Qwen3 with P (or D) at
   TP 2 against the session's D (or P) at TP 1; vLLM's CPU cache is moved in
   whole (block, head) chunks, so P's and D's head slices differ;
