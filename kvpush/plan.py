@@ -327,6 +327,28 @@ def staged_on_p_alone(
     return est.staged_s < est.direct_s
 
 
+def packs_at_hand_over(
+    cfg: Config,
+    src: KVLayout,
+    src_blocks: np.ndarray | list[int],
+    num_tokens: int,
+    pack: np.ndarray,
+    pack_bw: float,
+    last: PlanKind | None,
+) -> bool:
+    """Pack a parked prefill before any registration? Yes when staging wins for any D (``staged_on_p_alone``),
+    and, with ``plan=auto``, when the last plan P chose with a staging slot on both sides was staged.
+
+    P's own runs bound the direct plan only from below: P's blocks in long runs
+    say nothing of D's, and a D's allocator scatters one request much as the
+    last. A pack made on that guess and not taken costs one pack of the
+    request's bytes off the request's path: the plan at pairing drops the slot.
+    """
+    if staged_on_p_alone(cfg, src, src_blocks, num_tokens, pack, pack_bw):
+        return True
+    return cfg.plan == "auto" and pack.shape[0] > 0 and last is PlanKind.STAGED
+
+
 def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptors (local, remote) moving regions ``[r0, r1)`` of ``plan``.
 

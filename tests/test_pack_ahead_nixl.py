@@ -281,3 +281,33 @@ def test_a_registered_push_takes_a_parked_slot_back(nodes: tuple[Node, Node]) ->
         assert st.get("packs_at_hand_over_evicted_total") == 1 and st.get("plan_staged_total") == 2, st
         assert st.get("packs_at_hand_over_used_total", 0) == 0, st
         assert_idle(p, k + "p")
+
+
+def test_under_auto_a_parked_prefill_is_packed_when_the_last_plan_was_staged(nodes: tuple[Node, Node]) -> None:
+    """P's blocks in one run bound the direct plan too low for P alone to choose staging, but D's blocks are
+    scattered, so the plan at pairing is staged: the first finished prefill is packed at pairing, the next
+    ones at hand-over (the last plan was staged), and D gets every byte."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=128), Geom(num_blocks=128, block_size=32, order="HND")
+    k = _key("lastplan")
+    rng = np.random.default_rng(5)
+    reqs = [
+        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", list(range(8 * i, 8 * i + 8)), rng.permutation(32)[:4].tolist(), 128)
+        for i in range(3)
+    ]
+    pcfg = _cfg(plan="auto", descriptor_cost_us=1.0)  # staged at pairing, not by P's runs alone (scanned)
+    with (
+        engines(p, "sender", [(k + "p", pg, pcfg, "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1), "D" + k)]),
+    ):
+        for i, r in enumerate(reqs):
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            if i:
+                assert p.call("wait_stat", k + "p", "packs_at_hand_over_total", i, 10.0)
+            st = p.call("stats", k + "p")
+            assert st.get("packs_at_hand_over_total", 0) == i, st
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+            assert p.call("wait_stat", k + "p", "plan_staged_total", i + 1, 10.0)
+        st = p.call("stats", k + "p")
+        assert st.get("packs_at_hand_over_used_total") == len(reqs) - 1 and st.get("plan_direct_total", 0) == 0, st
+        _check(p, d, k + "p", k + "d", dg, pg, reqs)

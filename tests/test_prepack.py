@@ -22,8 +22,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpush.config import Config
 from kvpush.layout import heads_overlap
+from kvpush.outcome import PlanKind
 from kvpush.payload import pack_pieces
-from kvpush.plan import build_plan, staged_on_p_alone
+from kvpush.plan import build_plan, packs_at_hand_over, staged_on_p_alone
 from kvpush.prepack import FreeSlot, Prepack, Prepacks
 from kvpush.staging import ALIGN, SlotAllocator
 
@@ -221,3 +222,23 @@ def test_packing_at_hand_over_agrees_with_the_plan_at_pairing(scn: Scenario, des
         assert mode != "direct"
         plan = build_plan(cfg, *scn.call_args(), **kw, pack=pack)
         assert plan.kind == "staged" and plan.pack is pack, plan.kind
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios(), st.sampled_from([None, PlanKind.STAGED, PlanKind.DIRECT]))
+def test_packing_at_hand_over_follows_the_last_staging_plan_under_auto(scn: Scenario, last) -> None:
+    """With ``plan=auto`` a parked prefill is also packed when the last plan made with staging on both
+    sides was staged (P's runs bound the direct plan only from below); never under ``plan=direct``, always
+    under ``plan=staged``, and a direct or no last plan adds nothing to P's own bound."""
+    scn = replace(scn, start_token=0)
+    sl, dl = scn.src.layout, scn.dst.layout
+    pack = pack_pieces(sl, heads_overlap(sl, dl), scn.src_blocks, scn.num_tokens, 0)
+    args = (sl, scn.src_blocks, scn.num_tokens, pack, 5e9)
+    for mode in ("auto", "staged", "direct"):
+        cfg = Config(plan=mode)
+        alone = staged_on_p_alone(cfg, *args)
+        got = packs_at_hand_over(cfg, *args, last)
+        if mode == "auto" and last is PlanKind.STAGED and pack.shape[0] > 0:
+            assert got
+        else:
+            assert got == alone, (mode, last, got, alone)

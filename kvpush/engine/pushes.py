@@ -26,9 +26,9 @@ from kvpush.plan import (
     Plan,
     build_plan,
     group_tokens,
+    packs_at_hand_over,
     part_descriptors,
     split_regions,
-    staged_on_p_alone,
 )
 from kvpush.prepack import Prepack
 from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, Prepacked, PushJob, ReleaseMade, StartPack
@@ -282,7 +282,7 @@ class PushRunner:
             self._pack_at_hand_over(prefill, rec, rec.pack_ahead, ready)
 
     def _pack_at_hand_over(self, prefill: Prefill, rec: Transfer, pa: PackAhead, ready: Any) -> None:
-        """Pack a finished prefill into a staging slot now, when staging wins whatever D's blocks are.
+        """Pack a finished prefill into a staging slot now, when staging should win (``plan.packs_at_hand_over``).
 
         Only when a slot within the parked share (``kvpush.prepack``) is free
         at once, and the pack can be ordered after the KV: a chaining backend
@@ -292,7 +292,8 @@ class PushRunner:
         s = self.s
         if not s.cfg.pack_at_hand_over or s._staging is None or len({r.group for r in s.layout.regions}) > 1:
             return
-        if not staged_on_p_alone(s.cfg, s.layout, pa.blocks, pa.num_tokens, pa.pack, s.backend.pack_bandwidth()):
+        bw = s.backend.pack_bandwidth()
+        if not packs_at_hand_over(s.cfg, s.layout, pa.blocks, pa.num_tokens, pa.pack, bw, s.last_staging_plan):
             return
         chain = s.backend.capabilities.chained_ready
         if ready is not None and not chain and not s.backend.poll_ready(ready):
@@ -352,6 +353,8 @@ class PushRunner:
             groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
             pack=ahead,
         )
+        if local is not None:
+            self.s.last_staging_plan = plan.kind  # what the next parked prefill's pack at hand-over goes by
         took = self.s.prepacks.claim(tid, plan.pack) if plan.kind is PlanKind.STAGED else None
         if held is not None and took is None:
             slot = None  # the plan did not take the packed slot: it stays the prefill's until dropped here
