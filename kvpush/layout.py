@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from kvpush.errors import LayoutError
+from kvpush.state import StateGroup, check_states_compatible
 
 
 class MemKind(enum.StrEnum):
@@ -94,6 +95,19 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     direct: bool = True
     """Whether NIXL may read and write the regions in place; False (a backend that cannot register its KV
     memory) means every transfer to or from this rank goes through staging. Peers learn it from the layout."""
+    states: tuple[StateGroup, ...] = ()
+    """KV-cache groups of recurrent-state layers (Mamba, GDN): their regions hold one state per block
+    (``kvpush.state``), not ``block_size`` tokens; the geometry above is the attention groups'."""
+
+    @property
+    def token_group(self) -> int:
+        """The first KV-cache group holding per-token KV (0 unless state groups come first)."""
+        held = {s.group for s in self.states}
+        return next((r.group for r in self.regions if r.group not in held), 0)
+
+    def state_of(self, group: int) -> StateGroup | None:
+        """The state group ``group``, or None when it holds attention KV."""
+        return next((s for s in self.states if s.group == group), None)
 
     @property
     def token_bytes(self) -> int:
@@ -142,22 +156,26 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not ok:
                 raise LayoutError(msg)
         need = (self.num_blocks - 1) * self.block_stride + self.block_bytes
+        state_need = {s.group: (self.num_blocks - 1) * s.validate().block_stride + s.nbytes for s in self.states}
         for i, r in enumerate(self.regions):
             prev = self.regions[i - 1].layer if i else -1
             if r.layer not in ((prev, prev + 1) if i else (0,)):
                 raise LayoutError(
                     f"region {i} holds layer {r.layer} after layer {prev}: regions must list layers in order from 0"
                 )
-            if r.size < need:
-                raise LayoutError(f"region {i} has {r.size} bytes, {need} needed for {self.num_blocks} blocks")
+            want = state_need.get(r.group, need)
+            if r.size < want:
+                raise LayoutError(f"region {i} has {r.size} bytes, {want} needed for {self.num_blocks} blocks")
             if r.base <= 0:
                 raise LayoutError(f"region {i} has invalid base address {r.base}")
         return self
 
     def fingerprint(self) -> str:
         """What must agree between peers: model geometry, not addresses or sizes."""
-        key = f"{self.head_bytes}|{self.num_heads}|{self.dtype}|{len(self.regions)}|" + ",".join(
-            f"{r.group}:{r.layer}" for r in self.regions
+        key = (
+            f"{self.head_bytes}|{self.num_heads}|{self.dtype}|{len(self.regions)}|"
+            + ",".join(f"{r.group}:{r.layer}" for r in self.regions)
+            + "".join(f"|state {s.group}:{s.nbytes}" for s in self.states)
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -177,6 +195,7 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     groups_d = [r.group for r in dst.regions]
     if groups_p != groups_d:
         raise LayoutError("incompatible KV layouts: region groups differ between P and D")
+    check_states_compatible(src.states, dst.states, (src.head_start, src.head_end), (dst.head_start, dst.head_end))
     if max(src.head_start, dst.head_start) >= min(src.head_end, dst.head_end):
         raise LayoutError(
             f"P heads [{src.head_start}, {src.head_end}) and D heads "

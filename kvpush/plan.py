@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpush import state
 from kvpush.config import Config
 from kvpush.errors import LayoutError
 from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, heads_overlap, map_pieces, merge_descriptors
@@ -89,7 +90,7 @@ def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int
     return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
 
 
-HOLE = -1
+HOLE = state.HOLE
 """A block id P no longer holds (its sliding window moved past it): never to be read."""
 
 
@@ -119,7 +120,13 @@ def group_tokens(
 
 
 def _group_pieces(src: KVLayout, dst: KVLayout, gt: GroupTokens, g: int, num_tokens: int) -> np.ndarray:
-    """Pieces of one group, refusing a token D needs that P no longer holds."""
+    """Pieces of one group, refusing a token D needs that P no longer holds; a state group's one piece."""
+    held_state = src.state_of(g)
+    if held_state is not None:
+        wanted = dst.state_of(g)
+        if wanted is None:
+            raise LayoutError(f"KV-cache group {g} holds recurrent state on P and attention KV on D")
+        return state.state_pieces(held_state, wanted, gt.src_blocks, gt.dst_blocks, src.num_blocks, dst.num_blocks)
     if gt.start_token < num_tokens:
         first = gt.start_token // src.block_size
         held = gt.src_blocks[first : -(-num_tokens // src.block_size)]
@@ -202,7 +209,7 @@ def build_plan(
     coalescing every piece) is never built, and ``estimate.direct_s`` is that
     bound's. This is the path of a registration arriving after the prefill.
     """
-    if len({r.group for r in src.regions}) > 1:
+    if len({r.group for r in src.regions}) > 1 or src.states:
         if groups is None or len(groups) != 1 + max(r.group for r in src.regions):
             raise LayoutError("a hybrid layout (several KV-cache groups) needs every group's blocks to plan")
         return _hybrid_plan(cfg, src, dst, groups, num_tokens, pack_bw)
@@ -492,9 +499,9 @@ def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndar
     D sees only its own fragmentation (``dst_pieces`` from ``unpack_pieces``),
     a lower bound on the direct plan's descriptor count. When either side
     cannot be accessed in place, the push can only be staged: always reserve.
-    A hybrid model's push (several KV-cache groups) is direct: never reserve.
+    A hybrid model's push (several KV-cache groups, or recurrent state) is direct: never reserve.
     """
-    if len({r.group for r in dst.regions}) > 1:
+    if len({r.group for r in dst.regions}) > 1 or dst.states:
         return False
     if not (src.direct and dst.direct):
         return cfg.staging_bytes > 0

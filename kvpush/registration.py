@@ -26,7 +26,7 @@ def unpack_choice(
     ``pieces`` (D's unpack list) is built only when the cheap rule cannot
     decide the staging wish without it, and is ``None`` otherwise.
     """
-    blocks = np.asarray(ask.block_ids[0], dtype=np.int64)  # once, for the checks and the list
+    blocks = np.asarray(ask.block_ids[d_layout.token_group], dtype=np.int64)  # once, for the checks and the list
     check_unpack(p_layout, d_layout, blocks, ask.num_tokens, ask.start_token)
     want = staging_decided(cfg, d_layout, blocks, ask.num_tokens, ask.start_token)
     pieces = None

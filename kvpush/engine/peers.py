@@ -314,8 +314,9 @@ def registration_problem(
         return f"registration has {len(reg.block_ids)} block groups, layout has {groups}"
     need = -(-reg.num_tokens // d_layout.block_size)
     for g, ids in enumerate(reg.block_ids):
-        if len(ids) < need:
-            return f"group {g} has {len(ids)} blocks, {need} needed for {reg.num_tokens} tokens"
+        want = 1 if d_layout.state_of(g) is not None else need  # a state group: one running-state block
+        if len(ids) < want:
+            return f"group {g} has {len(ids)} blocks, {want} needed for {reg.num_tokens} tokens"
         # Every id, not only those the tokens need: a registration is held by P (a lease), and one D
         # rank's blocks are what it may make P hold.
         if len(ids) > d_layout.num_blocks:

@@ -267,7 +267,7 @@ class PushRunner:
             return
         heads = (s.layout.head_start, s.layout.head_end)
         try:
-            blocks = np.asarray(prefill.block_ids[0], dtype=np.int64)
+            blocks = np.asarray(prefill.block_ids[s.layout.token_group], dtype=np.int64)
             pack = pack_pieces(s.layout, heads, blocks, prefill.num_tokens, 0)
         except Exception as exc:  # the registration's planning will say what is wrong
             log.debug("%s: no pack list ahead for %s: %s", s.name, prefill.transfer_id, exc)
@@ -336,7 +336,7 @@ class PushRunner:
             if slot is not None:
                 local = (self.s._staging.addr + slot, self.s._staging.device_id)
                 remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
-        src_blocks = prefill.block_ids[0]
+        src_blocks = prefill.block_ids[self.s.layout.token_group]
         if ahead is not None and rec.pack_ahead is not None and rec.pack_ahead.blocks is not None:
             src_blocks = rec.pack_ahead.blocks
         plan = build_plan(
@@ -344,7 +344,7 @@ class PushRunner:
             self.s.layout,
             peer.layout,
             src_blocks,
-            reg.block_ids[0],
+            reg.block_ids[peer.layout.token_group],
             reg.num_tokens,
             reg.start_token,
             staging_local=local,

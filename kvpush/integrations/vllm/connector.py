@@ -44,6 +44,8 @@ from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMet
 from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
+from kvpush.layout import KVLayout
+from kvpush.state import loaded_tokens, prefill_backoff
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,6 +155,21 @@ def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
     return chunks
 
 
+def drop_prompt_tail(request: Request, drop: int) -> None:
+    """Remove the last ``drop`` prompt tokens of a request vLLM has not scheduled yet (``kvpush.state``'s backoff).
+
+    The request then ends after one token (its answer is computed from the
+    shorter prompt; routers discard it). Prompt embeddings are shortened alike.
+    """
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-drop:]
+    elif request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:-drop]
+    del request._all_token_ids[-drop:]
+    request.num_prompt_tokens -= drop
+    request.max_tokens = 1
+
+
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-mode KV transfer: D registers its blocks, P writes into them."""
 
@@ -199,10 +216,13 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._neuron: Any = None  # kvpush_neuron.vllm_neuron under the Neuron platform
         self.announcer: Announcer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if kv_cache_config is not None:
+                vllm_layout.state_groups(kv_cache_config)  # refuses what kvpush cannot push, at start
             tp = vllm_config.parallel_config.tensor_parallel_size
             self.announcer = start_announcer(cfg, ktc.is_kv_producer, tp)
             advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
             self.sched = SchedulerSide(
+                backoff=prefill_backoff(vllm_layout.has_state_layers(kv_cache_config)),
                 layerwise=cfg.layerwise,
                 layerwise_min_tokens=cfg.layerwise_min_tokens,
                 advert=advert,
@@ -227,7 +247,16 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------- scheduler hooks ----------------
     def on_new_request(self, request: Request) -> None:
+        """A request joins the waiting queue: a P request of a state model drops its last prompt token first."""
         assert self.sched is not None
+        drop = self.sched.prefill_drop(
+            request.request_id,
+            request.kv_transfer_params,
+            request.num_prompt_tokens,
+            whole=bool(getattr(request, "skip_reading_prefix_cache", False)),
+        )
+        if drop:
+            drop_prompt_tail(request, drop)
         self.sched.prefill_arrived(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -251,8 +280,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             request.kv_transfer_params,
             blocks.get_block_ids(),
             # request.num_computed_tokens is not updated yet at this hook: the
-            # local prefix hit is whatever the remote part does not cover.
-            request.num_prompt_tokens - num_external_tokens,
+            # local prefix hit is whatever the remote part does not cover of
+            # the tokens D loads (all but the backoff's, ``kvpush.state``).
+            loaded_tokens(request.num_prompt_tokens, self.sched.backoff) - num_external_tokens,
             num_external_tokens,
         )
 
@@ -302,18 +332,43 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
         A cache the backend cannot describe is refused here, at start, with
         its shape, strides, attention backend and what the backend supports.
+        Recurrent-state layers (Mamba, GDN) join the layout as state regions.
         """
         assert self.worker is not None
         kv, spec = self.cache_spec(kv_caches)
-        first = next(iter(kv.values()))
+        attention = self.attention_caches(kv)
+        if not attention:
+            raise ConfigError(
+                f"KVPushConnector needs attention layers beside the recurrent-state layers {list(kv)[:4]}: a model "
+                "of state layers alone is not supported; serve it without kvpush"
+            )
+        first = next(iter(attention.values()))
         log.info("kvpush: %d KV tensors, first %s stride %s -> %s", len(kv), tuple(first.shape), first.stride(), spec)
         try:
-            self.worker.register_kv_caches(kv, spec)
+            self.worker.register_kv_caches(kv, spec, self.describe(kv, attention, spec))
         except BackendError as exc:
-            raise vllm_layout.describe_error(exc, kv, spec, self.worker.backend.supported_layouts()) from None
+            raise vllm_layout.describe_error(exc, attention, spec, self.worker.backend.supported_layouts()) from None
+
+    def attention_caches(self, kv: dict[str, Any]) -> dict[str, Any]:
+        """The caches of ``kv`` that hold attention KV (all of them but recurrent-state layers')."""
+        if self._neuron is not None or self._kv_cache_config is None:
+            return kv
+        state = set(vllm_layout.state_groups(self._kv_cache_config))
+        groups = self._kv_cache_config.kv_cache_groups
+        skip = {n for g in state for n in groups[g].layer_names}
+        return {n: t for n, t in kv.items() if n not in skip}
+
+    def describe(self, kv: dict[str, Any], attention: dict[str, Any], spec: CacheSpec) -> KVLayout:
+        """The backend's layout of the attention caches, with the state layers' regions added."""
+        assert self.worker is not None
+        layout = self.worker.backend.describe(attention, spec)
+        if len(attention) == len(kv):
+            return layout
+        return vllm_layout.with_states(layout, list(kv), list(attention), kv, self._kv_cache_config)
 
     def cache_spec(self, kv_caches: dict[str, Any]) -> tuple[dict[str, Any], CacheSpec]:
-        """The caches in model order and what vLLM declares about them (Neuron: the Neuron backend's hook)."""
+        """The caches in model order and what vLLM declares about their attention layers (Neuron: the Neuron
+        backend's hook)."""
         assert self.worker is not None
         rank, tp = self.worker.rank, self.worker.tp_size
         kv = vllm_layout.in_model_order(kv_caches)
@@ -321,7 +376,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             return kv, self._neuron.vllm_cache_spec(self._vllm_config, rank, tp)
         if self._kv_cache_config is None:
             raise ConfigError("vLLM gave the KVPushConnector worker no KV-cache config (vLLM < 0.32?)")
-        names = list(kv)
+        names = list(self.attention_caches(kv))
         spec = vllm_layout.vllm_cache_spec(
             self._vllm_config, self._kv_cache_config, names, attention_backends(self._vllm_config, names), rank, tp
         )

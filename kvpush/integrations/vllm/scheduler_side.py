@@ -35,8 +35,11 @@ from typing import Any
 from kvpush.integrations.vllm.params import DecodeSide, PrefillAdvert, PrefillSide, parse, prefill_answer
 from kvpush.outcome import PrefillState
 from kvpush.plan import HOLE
+from kvpush.state import dropped_tokens, loaded_tokens
 
 log = logging.getLogger(__name__)
+TRUNCATED = "_kvpush_backed_off"
+"""Set in a P request's ``kv_transfer_params`` once its last prompt token was dropped (``prefill_drop``)."""
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,11 @@ class SchedulerSide:
         layerwise_min_tokens: int = 0,
         advert: PrefillAdvert | None = None,
         max_waiting_registrations: int = 0,
+        backoff: int = 0,
     ) -> None:
         self.layerwise = layerwise
+        self.backoff = backoff
+        """Trailing prompt tokens P leaves to D (``kvpush.state``): 1 for models with recurrent-state layers."""
         self.max_waiting = max_waiting_registrations  # D: registrations waiting on one P (0: no bound)
         self._peer_of: dict[str, tuple[str, int]] = {}  # D request registered -> its P's side channel
         self._queued: dict[str, tuple[str, int]] = {}  # P request not yet scheduled -> (transfer id, tokens)
@@ -182,7 +188,7 @@ class SchedulerSide:
         role = parse(params, request_id)
         if not isinstance(role, DecodeSide) or request_id in self._waiting_kv:
             return 0, False
-        count = num_prompt_tokens - num_computed
+        count = loaded_tokens(num_prompt_tokens, self.backoff) - num_computed
         if count > 0 and self.max_waiting and self.waiting_on((role.peer.host, role.peer.port)) >= self.max_waiting:
             # Late registration: the request waits in vLLM's queue holding no blocks (None: ask again next
             # step) until one of the registrations waiting on that P ends, instead of pinning blocks behind
@@ -229,6 +235,26 @@ class SchedulerSide:
             params["do_remote_prefill"] = False
 
     # P side: where each prefill stands ---------------------------------------------
+    def prefill_drop(
+        self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, whole: bool = False
+    ) -> int:
+        """Trailing prompt tokens P must not compute for this request (``kvpush.state.dropped_tokens``).
+
+        A P request (``do_remote_decode``) of a model with state layers drops
+        its last prompt token once; the params remember it (``TRUNCATED``), so
+        a preempted request that comes back is not shortened again. ``whole``:
+        the request reads no prefix cache (prompt logprobs), so D loads none of
+        it and P keeps its whole prompt (its answer then stays right).
+        """
+        if whole or not self.backoff or not isinstance(parse(params, request_id), PrefillSide):
+            return 0
+        assert params is not None
+        drop = dropped_tokens(num_prompt_tokens, self.backoff, bool(params.get(TRUNCATED)))
+        if drop:
+            params[TRUNCATED] = True
+            self._bump("prefill_backoffs")
+        return drop
+
     def prefill_arrived(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int) -> None:
         """vLLM's ``on_new_request``: a P request joins the waiting queue (in arrival order)."""
         role = parse(params, request_id)

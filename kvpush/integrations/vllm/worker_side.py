@@ -66,8 +66,9 @@ class WorkerSide:
         self._layers_reported = 0
         self._layers_started_for: StepOrders | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, Any], spec: CacheSpec) -> None:
-        self.layout = self.backend.describe(kv_caches, spec)
+    def register_kv_caches(self, kv_caches: dict[str, Any], spec: CacheSpec, layout: KVLayout | None = None) -> None:
+        """Start the engines on ``layout`` (default: the backend's description of ``kv_caches``)."""
+        self.layout = self.backend.describe(kv_caches, spec) if layout is None else layout
         # Backends number layers in kv_caches order (``Region.layer``).
         if len(kv_caches) == self.layout.num_layers:
             self._layer_index = {name: i for i, name in enumerate(kv_caches)}

