@@ -29,6 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.config import Config
+from kvpush.layout import KVLayout
+from kvpush.outcome import PlanKind
+from kvpush.payload import block_runs
+from kvpush.plan import estimate
+
 PARKED_SHARE = 0.5
 """Most of P's staging bytes that slots held by parked prefills may take."""
 
@@ -143,3 +149,46 @@ class Prepacks:
         self._held.clear()
         self._draining.clear()
         return out
+
+
+def staged_on_p_alone(
+    cfg: Config, src: KVLayout, src_blocks: np.ndarray | list[int], num_tokens: int, pack: np.ndarray, pack_bw: float
+) -> bool:
+    """Will staging win for any D, judged from P's side alone (P's pack at hand-over, before any registration)?
+
+    A direct plan needs at least P's runs of consecutive block ids per region
+    (``payload.block_runs``), whatever D's blocks are, so when staging beats
+    that bound it beats the real count too: ``_staged_early`` then chooses the
+    staged plan at pairing with this very pack list (given D's slot fits).
+    """
+    if cfg.plan == "direct" or pack.shape[0] == 0:
+        return False
+    if cfg.plan == "staged":
+        return True
+    nregions = len(src.regions)
+    nbytes = int(pack[:, 1].sum()) * nregions
+    runs = block_runs(src, src_blocks, num_tokens, 0)
+    est = estimate(cfg, runs * nregions, nbytes, pack.shape[0] * nregions, pack_bw)
+    return est.staged_s < est.direct_s
+
+
+def packs_at_hand_over(
+    cfg: Config,
+    src: KVLayout,
+    src_blocks: np.ndarray | list[int],
+    num_tokens: int,
+    pack: np.ndarray,
+    pack_bw: float,
+    last: PlanKind | None,
+) -> bool:
+    """Pack a parked prefill before any registration? Yes when staging wins for any D (``staged_on_p_alone``),
+    and, with ``plan=auto``, when the last plan P chose with a staging slot on both sides was staged.
+
+    P's own runs bound the direct plan only from below: P's blocks in long runs
+    say nothing of D's, and a D's allocator scatters one request much as the
+    last. A pack made on that guess and not taken costs one pack of the
+    request's bytes off the request's path: the plan at pairing drops the slot.
+    """
+    if staged_on_p_alone(cfg, src, src_blocks, num_tokens, pack, pack_bw):
+        return True
+    return cfg.plan == "auto" and pack.shape[0] > 0 and last is PlanKind.STAGED

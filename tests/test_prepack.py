@@ -24,8 +24,8 @@ from kvpush.config import Config
 from kvpush.layout import heads_overlap
 from kvpush.outcome import PlanKind
 from kvpush.payload import pack_pieces
-from kvpush.plan import build_plan, packs_at_hand_over, staged_on_p_alone
-from kvpush.prepack import FreeSlot, Prepack, Prepacks
+from kvpush.plan import build_plan
+from kvpush.prepack import FreeSlot, Prepack, Prepacks, packs_at_hand_over, staged_on_p_alone
 from kvpush.staging import ALIGN, SlotAllocator
 
 

@@ -26,11 +26,10 @@ from kvpush.plan import (
     Plan,
     build_plan,
     group_tokens,
-    packs_at_hand_over,
     part_descriptors,
     split_regions,
 )
-from kvpush.prepack import Prepack
+from kvpush.prepack import Prepack, packs_at_hand_over
 from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, Prepacked, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
 from kvpush.transfer import PackAhead, Transfer
@@ -282,7 +281,7 @@ class PushRunner:
             self._pack_at_hand_over(prefill, rec, rec.pack_ahead, ready)
 
     def _pack_at_hand_over(self, prefill: Prefill, rec: Transfer, pa: PackAhead, ready: Any) -> None:
-        """Pack a finished prefill into a staging slot now, when staging should win (``plan.packs_at_hand_over``).
+        """Pack a finished prefill into a staging slot now, when staging should win (``prepack.packs_at_hand_over``).
 
         Only when a slot within the parked share (``kvpush.prepack``) is free
         at once, and the pack can be ordered after the KV: a chaining backend

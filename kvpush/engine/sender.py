@@ -70,7 +70,7 @@ class Sender(EngineLoop):
         self.runner = PushRunner(self)
         self.prepacks = Prepacks(0)  # slots packed at hand-over; sized with the staging region (``setup``)
         self.last_staging_plan: PlanKind | None = None
-        """The kind of the last plan made with a staging slot on both sides (``plan.packs_at_hand_over``)."""
+        """The kind of the last plan made with a staging slot on both sides (``prepack.packs_at_hand_over``)."""
         self._layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
         self._waiter: MarkerWaiter | None = None  # created at the first device marker to wait for
         self.quiet_reports = 0  # layer reports that did not wake the push thread (written by the caller)
