@@ -97,6 +97,7 @@ class ServerProcess:
     ports: tuple[int, ...] = ()  # checked free before starting
     cpu_affinity: frozenset[int] | None = None  # pin the whole process tree
     guard_grace: float = 15.0  # after SIGINT, the guard SIGKILLs the group after this long
+    health_path: str = "/health"  # answers 200 once the server serves
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after: float | None = None  # seconds from start to healthy
@@ -136,9 +137,9 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def healthy(self, timeout: float = 1.0) -> bool:
-        """One ``GET /health``; True on HTTP 200."""
+        """One ``GET`` of :attr:`health_path`; True on HTTP 200."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=timeout) as r:
                 return bool(r.status == 200)
         except (urllib.error.URLError, OSError, ValueError):
             return False
