@@ -114,7 +114,11 @@ def ray_app(e2e_single: str, e2e_pair: E2EServers, tmp_path_factory: pytest.Temp
     try:
         proc.start()
         srv.wait_all_healthy([proc], timeout=900)
-        replicas = json.loads((logs / "replicas.json").read_text())
+        # The ingress may answer before serve.run has returned; the launcher writes this file after it.
+        replicas_file = logs / "replicas.json"
+        wait_for("the launcher wrote the replica ids", lambda: replicas_file.exists() or not proc.alive, 900)
+        assert replicas_file.exists(), f"ray-pd exited:\n{proc.log_tail()}"
+        replicas = json.loads(replicas_file.read_text())
         yield RayPD(proc.url, metrics, replicas, e2e_pair.model, e2e_single)
     except srv.ServerError as exc:
         pytest.fail(str(exc))
