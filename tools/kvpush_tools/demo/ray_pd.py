@@ -118,8 +118,10 @@ def serve_forever(args: argparse.Namespace) -> None:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_pd_openai_app(pd_args(args.model, args.kv_port, args.engine_id, args.keys)))
-        if args.replicas:
-            Path(args.replicas).write_text(json.dumps(replica_ids()))
+        if args.replicas:  # written whole, then renamed: a reader never sees half of it
+            tmp = Path(args.replicas + ".tmp")
+            tmp.write_text(json.dumps(replica_ids()))
+            tmp.rename(args.replicas)
         print(f"ray-pd: serving {MODEL_ID} on http://{args.host}:{args.port}", flush=True)
         stop.wait()
     finally:
