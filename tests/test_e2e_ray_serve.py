@@ -18,6 +18,7 @@ is not installed apart from the system's packages (``.ci/install``).
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 import urllib.request
@@ -57,24 +58,28 @@ class RayPD:
         body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         return str(_post(base + "/v1/completions", body)["choices"][0]["text"])
 
-    def metric(self, name: str, deployment: str, required: bool = True, **labels: str) -> float:
-        """Sum of ``name``'s samples from ``deployment``'s replica (``Prefill``/``Decode``).
+    def samples(self, name: str, deployment: str, **labels: str) -> float | None:
+        """Sum of ``name``'s samples from ``deployment``'s replica (``Prefill``/``Decode``), None without one.
 
-        Ray exports a labelled counter from its first increment on, so a
-        ``required=False`` metric without a sample counts as 0."""
+        Ray exports a labelled counter from its first increment on, and a
+        gauge while its process keeps setting it."""
         (replica,) = self.replicas[deployment]
         with urllib.request.urlopen(self.metrics_url, timeout=30) as r:
             text = r.read().decode()
-        found, total = False, 0.0
+        total = None
         for line in text.splitlines():
             if not line.startswith(name + "{"):
                 continue
             head, value = line.rsplit(" ", 1)
             if f'ReplicaId="{replica}"' in head and all(f'{k}="{v}"' in head for k, v in labels.items()):
-                found, total = True, total + float(value)
-        where = f"{deployment} (replica {replica}) at {self.metrics_url}"
-        assert found or not required, f"no {name}{labels} sample from {where}"
+                total = (total or 0.0) + float(value)
         return total
+
+    def metric(self, name: str, deployment: str, required: bool = True, **labels: str) -> float:
+        """:meth:`samples`, 0 when there is none and ``required`` is false."""
+        total = self.samples(name, deployment, **labels)
+        assert total is not None or not required, f"no {name}{labels} sample from {deployment} at {self.metrics_url}"
+        return total or 0.0
 
     def d_prompt_tokens(self, counted: bool = True) -> tuple[float, float]:
         """D's prompt tokens so far: (came by transfer, computed on D); ``counted``: some came by transfer."""
@@ -90,8 +95,18 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.5)
 
 
+def side_channel_port() -> int:
+    """A free port for P's side channel below the ephemeral range: P binds it a minute or more after the
+    launcher starts, and Ray's many processes bind ephemeral ports meanwhile (also above Ray's worker ports)."""
+    for _ in range(200):
+        port = random.randrange(24000, 32000)
+        if srv.port_is_free(port):
+            return port
+    raise RuntimeError("no free port in 24000-32000 for P's side channel")
+
+
 def ray_pd_process(model: str, keys: str, log_dir: Path) -> tuple[srv.ServerProcess, str]:
-    port, kv_port, metrics_port = srv.free_port(), srv.free_port(), srv.free_port()
+    port, kv_port, metrics_port = srv.free_port(), side_channel_port(), srv.free_port()
     cmd = [sys.executable, "-m", "kvpush_tools.demo.ray_pd", "--model", model, "--port", str(port)]
     cmd += ["--kv-port", str(kv_port), "--metrics-port", str(metrics_port), "--keys", keys]
     cmd += ["--replicas", str(log_dir / "replicas.json")]
@@ -146,6 +161,6 @@ def test_ray_serve_pd_outputs_equal_single_instance(ray_app: RayPD) -> None:
     assert (pushed, computed) == (sent, 0), "D computed prompt tokens itself"
 
     def clean() -> bool:
-        return s.metric(USAGE, "Prefill") == 0.0 and s.metric(USAGE, "Decode") == 0.0
+        return s.samples(USAGE, "Prefill") == 0.0 and s.samples(USAGE, "Decode") == 0.0
 
     wait_for("neither P nor D holds a KV block", clean, timeout=60)
