@@ -13,6 +13,8 @@ bytes, and P's counters say which list the plan took.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from procs import Geom, Node, make_cache
@@ -25,19 +27,23 @@ def _staged(**kw: object) -> dict[str, object]:
     return _cfg(plan="staged", **kw)
 
 
-def _check(p: Node, d: Node, pkey: str, dkey: str, dg: Geom, pg: Geom, reqs: list[Req]) -> None:
-    """Every transfer ok on both sides, D's cache as the reference says, both sides idle."""
+def _check(
+    p: Node, d: Node, pkey: str, dkey: str, dg: Geom, pg: Geom, reqs: list[Req], src: np.ndarray | None = None
+) -> dict[str, Any]:
+    """Every transfer ok on both sides, D's cache as the reference says from ``src`` (P's cache now when
+    not given), both sides idle; returns P's results by request id."""
     d_res = by_rid(d.call("results", dkey, len(reqs), 20.0))
     p_res = by_rid(p.call("results", pkey, len(reqs), 10.0))
     assert sorted(d_res) == sorted(r.d_rid for r in reqs), d_res
     assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
-    src = p.call("snapshot", pkey)
+    src = p.call("snapshot", pkey) if src is None else src
     exp = make_cache(dg, None)
     for r in reqs:
         apply_push(exp, dg, src, pg, r)
     assert_same(d.call("snapshot", dkey), exp, dg)
     assert_idle(p, pkey)
     assert_idle(d, dkey)
+    return p_res
 
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])
@@ -191,19 +197,11 @@ def test_finished_prefills_are_packed_at_hand_over_and_pushed_from_that_pack(
             p.call("fill", k + "p", sorted({b for r in reqs for b in r.p_blocks}), 0x3C)  # after the pack
             for r in reqs:
                 d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
-            d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
-            p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
-            assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
-            exp = make_cache(dg, None)
-            for r in reqs:
-                apply_push(exp, dg, src, pg, r)
-            assert_same(d.call("snapshot", k + "d"), exp, dg)
+            p_res = _check(p, d, k + "p", k + "d", dg, pg, reqs, src)
             st = p.call("stats", k + "p")
             assert st.get("packs_at_hand_over_used_total") == len(reqs), st
             assert st.get("parts_total") == parts * len(reqs), st
             assert all(x.times.packed < x.times.registered for x in p_res.values()), p_res
-            assert_idle(p, k + "p")
-            assert_idle(d, k + "d")
     finally:
         for n, o in zip((p, d), old, strict=True):
             n.call("min_part_bytes", o)
