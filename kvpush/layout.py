@@ -100,6 +100,11 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (``kvpush.state``), not ``block_size`` tokens; the geometry above is the attention groups'."""
 
     @property
+    def hybrid(self) -> bool:
+        """Several KV-cache groups, or recurrent state: such a push is planned group by group, direct, never staged."""
+        return len({r.group for r in self.regions}) > 1 or bool(self.states)
+
+    @property
     def token_group(self) -> int:
         """The first KV-cache group holding per-token KV (0 unless state groups come first)."""
         held = {s.group for s in self.states}

@@ -209,7 +209,7 @@ def build_plan(
     coalescing every piece) is never built, and ``estimate.direct_s`` is that
     bound's. This is the path of a registration arriving after the prefill.
     """
-    if len({r.group for r in src.regions}) > 1 or src.states:
+    if src.hybrid:
         if groups is None or len(groups) != 1 + max(r.group for r in src.regions):
             raise LayoutError("a hybrid layout (several KV-cache groups) needs every group's blocks to plan")
         return _hybrid_plan(cfg, src, dst, groups, num_tokens, pack_bw)
@@ -458,7 +458,7 @@ def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndar
     cannot be accessed in place, the push can only be staged: always reserve.
     A hybrid model's push (several KV-cache groups, or recurrent state) is direct: never reserve.
     """
-    if len({r.group for r in dst.regions}) > 1 or dst.states:
+    if dst.hybrid:
         return False
     if not (src.direct and dst.direct):
         return cfg.staging_bytes > 0

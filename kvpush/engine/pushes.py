@@ -21,14 +21,7 @@ from kvpush.layout import heads_overlap
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.payload import pack_pieces
-from kvpush.plan import (
-    PartSchedule,
-    Plan,
-    build_plan,
-    group_tokens,
-    part_descriptors,
-    split_regions,
-)
+from kvpush.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
 from kvpush.prepack import Prepack, packs_at_hand_over
 from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, Prepacked, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
@@ -289,7 +282,7 @@ class PushRunner:
         KV already written (else the push packs at pairing, as without this).
         """
         s = self.s
-        if not s.cfg.pack_at_hand_over or s._staging is None or len({r.group for r in s.layout.regions}) > 1:
+        if not s.cfg.pack_at_hand_over or s._staging is None or s.layout.hybrid:
             return
         bw = s.backend.pack_bandwidth()
         if not packs_at_hand_over(s.cfg, s.layout, pa.blocks, pa.num_tokens, pa.pack, bw, s.last_staging_plan):
