@@ -225,6 +225,7 @@ class Server:
     tp: int = 1
     dp: int = 1
     cpus: str = "0"
+    python: str | None = None  # the interpreter whose vLLM serves (another CI lane's); this one's by default
 
     def start(
         self,
@@ -243,6 +244,7 @@ class Server:
         ranks = self.tp * self.dp
         kw: dict[str, Any] = {"block_size": block_size, "log_dir": logs, "env": {"KVPUSH_LOG_LEVEL": "DEBUG"}}
         kw["extra_args"] = list(args)
+        kw["python"] = self.python
         if dtype is not None:
             kw["dtype"] = dtype
         if ranks > 1:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from e2e_cluster import E2EServers
+from e2e_family import Target, check_swap
 
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
@@ -242,6 +243,13 @@ def test_router_turns_a_dead_prefill_into_a_clear_error(cluster: Cluster, tmp_pa
         assert str(dead) in info.value.read().decode()
     finally:
         router.stop()
+
+
+def test_d_continues_the_prompt_p_pushed(cluster: Cluster) -> None:
+    """The swap test: D is sent prompt Q under the transfer id of P's prompt A and continues A, so it decoded
+    over the KV P pushed (``e2e_family.check_swap``)."""
+    c = cluster
+    check_swap(Target(c.model, c.p, c.d, c.router, c.single, c.router_kv, max_tokens=MAX_TOKENS), 150, seed=90)
 
 
 def test_everything_released_afterwards(cluster: Cluster) -> None:

@@ -340,10 +340,15 @@ def vllm_command(
     kv_transfer_config: Mapping[str, Any] | None = None,
     served_model_name: str | None = None,
     extra_args: Sequence[str] = (),
+    python: str | None = None,
 ) -> list[str]:
-    """The command line of one vLLM OpenAI server with this machine's flags."""
+    """The command line of one vLLM OpenAI server with this machine's flags.
+
+    ``python``: the interpreter whose vLLM serves (another CI lane's virtualenv, for P and D on different
+    vLLM versions); this process's by default.
+    """
     cmd = [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
