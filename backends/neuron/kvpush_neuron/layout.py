@@ -22,8 +22,8 @@ are ``max_seq_len`` tokens apart, while ``KVLayout`` (like every paged kernel)
 keeps a block's ``[heads, block_size, head_dim]`` contiguous with one block
 stride. A slot *is* such a block when ``block_size == max_seq_len`` (HND order,
 block stride ``kv_heads * max_seq_len * head_dim * itemsize``), which is also
-what vLLM-Neuron configures when the block layout is off (it sets
-``block_size = max_model_len``). So a BHSD request is "block id = its slot";
+what the older NxDI-based vLLM-Neuron plugin configured when the block layout
+was off (``block_size = max_model_len``). So a BHSD request is "block id = its slot";
 the mapping onto another side's smaller blocks is the core's ordinary
 different-block-size mapping, which moves only tokens ``[start, num_tokens)``.
 ``virtual_blocks``/``slot_of`` translate for callers that count a slot in
