@@ -227,7 +227,7 @@ class NeuronBackend(NeuronTestSupport, Backend):
 
     def supported_layouts(self) -> list[str]:
         return [
-            "vLLM-Neuron paged [2, blocks, tokens, heads, dim] (axes KBNHC)",
+            "vLLM-Neuron paged, one tensor a layer [2, blocks, heads, tokens, dim] (axes KBHNC)",
             "NxDI block KV layout, K and V tensors [blocks, tokens, heads, dim] (axes BNHC)",
             "NxDI per-sequence cache, K and V tensors [slots, heads, max_seq_len, dim] (axes BHNC, a slot a block)",
         ]

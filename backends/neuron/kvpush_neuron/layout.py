@@ -4,8 +4,11 @@ Three layouts occur, and all three are exact ``KVLayout``s, so the core's
 ``map_pieces`` maps any of them to any other (block sizes, head slices and
 in-block order may all differ between P and D):
 
-1. vLLM-Neuron paged cache, one tensor per layer, ``[2, num_blocks,
-   block_size, kv_heads, head_dim]`` (K/V leading, NHD blocks): ``paged_spec``.
+1. vLLM-Neuron's paged cache, one tensor per layer, ``[2, num_blocks,
+   kv_heads, block_size, head_dim]`` (K/V leading, HND blocks): ``paged_spec``.
+   vLLM-Neuron's model runner allocates each layer's bytes as one tensor,
+   views it with that shape and hands exactly that tensor to the KV
+   connector; the model reads ``[0]`` as K and ``[1]`` as V.
 2. NxDI block KV layout (``is_block_kv_layout``, used with prefix caching or
    chunked prefill): separate K and V tensors per layer, ``[num_blocks,
    block_size, kv_heads, head_dim]``: ``nxdi_block_spec``.
@@ -19,8 +22,8 @@ are ``max_seq_len`` tokens apart, while ``KVLayout`` (like every paged kernel)
 keeps a block's ``[heads, block_size, head_dim]`` contiguous with one block
 stride. A slot *is* such a block when ``block_size == max_seq_len`` (HND order,
 block stride ``kv_heads * max_seq_len * head_dim * itemsize``), which is also
-what vLLM-Neuron configures when the block layout is off (it sets
-``block_size = max_model_len``). So a BHSD request is "block id = its slot";
+what the older NxDI-based vLLM-Neuron plugin configured when the block layout
+was off (``block_size = max_model_len``). So a BHSD request is "block id = its slot";
 the mapping onto another side's smaller blocks is the core's ordinary
 different-block-size mapping, which moves only tokens ``[start, num_tokens)``.
 ``virtual_blocks``/``slot_of`` translate for callers that count a slot in
@@ -37,10 +40,23 @@ from kvpush.errors import LayoutError
 
 
 def paged_spec(
-    block_size: int, num_heads: int, head_dim: int, dtype: str, tp_rank: int = 0, tp_size: int = 1
+    block_size: int,
+    num_heads: int,
+    head_dim: int,
+    dtype: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    layer_groups: tuple[int, ...] = (),
 ) -> CacheSpec:
-    """vLLM-Neuron's paged cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer."""
-    return CacheSpec(block_size, num_heads, head_dim, dtype, tp_rank, tp_size, axes="KBNHC")
+    """vLLM-Neuron's paged cache: ``[2, num_blocks, kv_heads, block_size, head_dim]`` per layer.
+
+    K/V is the outermost axis, so each layer is two regions (K, then V) of
+    ``num_blocks`` dense head-major blocks; ``num_heads`` counts the model's
+    KV heads (each rank holds ``max(1, num_heads // tp_size)``).
+    ``layer_groups`` gives each layer's KV-cache group when vLLM runs several
+    (sliding-window layers beside full-attention ones).
+    """
+    return CacheSpec(block_size, num_heads, head_dim, dtype, tp_rank, tp_size, axes="KBHNC", layer_groups=layer_groups)
 
 
 def nxdi_block_spec(

@@ -1,7 +1,8 @@
 """An independent model of the Neuron KV layouts, for checking byte mappings.
 
 Each layout is addressed here the way a model reads it, by numpy indexing
-(``cache[kv, block, token, head]`` or ``cache[slot, head, token]``), never by
+(``cache[kv, block, head, token]``, ``cache[block, token, head]`` or
+``cache[slot, head, token]``), never by
 byte offsets, so it checks ``map_pieces`` and the layout specs rather than
 restating them.
 """
@@ -48,8 +49,8 @@ class Side:
     def shapes(self) -> list[tuple[int, ...]]:
         """Tensor shapes in the order ``kv_caches`` lists them."""
         hl, d, bs, nb = self.local_heads, self.head_dim, self.block_size, self.num_blocks
-        if self.kind == "paged":
-            return [(2, nb, bs, hl, d)] * self.layers
+        if self.kind == "paged":  # vLLM-Neuron's initialize_kv_cache: (2, num_blocks, kv_heads, block_size, head_size)
+            return [(2, nb, hl, bs, d)] * self.layers
         if self.kind == "nxdi_block":
             return [(nb, bs, hl, d)] * (2 * self.layers)
         return [(nb, hl, bs, d)] * (2 * self.layers)
@@ -71,7 +72,7 @@ class Side:
         """View ``[local_heads, head_dim]`` of token ``t`` of the request in ``blocks``."""
         bs = self.block_size
         if self.kind == "paged":
-            return arrays[layer][kv, blocks[t // bs], t % bs]
+            return arrays[layer][kv, blocks[t // bs], :, t % bs]
         if self.kind == "nxdi_block":
             return arrays[2 * layer + kv][blocks[t // bs], t % bs]
         return arrays[2 * layer + kv][blocks[0], :, t, :]

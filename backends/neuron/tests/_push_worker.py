@@ -98,7 +98,9 @@ def _p(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
 
     backend, tensors, arrays = _setup(sc.p, sc, env, P_SEED)
     layout = backend.describe(sc.p.kv_caches(tensors), sc.p.spec())
-    sender = Sender(_config(sc, env), backend, layout, engine_id=f"P-{sc.name}", rank=0, tp_size=1)
+    sender = Sender(
+        _config(sc, env), backend, layout, engine_id=f"P-{sc.name}", rank=sc.p.tp_rank, tp_size=sc.p.tp_size
+    )
     announced = False
     try:
         conn.send(("addr", sc.name, sender.address))
@@ -143,13 +145,16 @@ def _d(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
     for t, a in zip(tensors, arrays, strict=True):
         t.write_bytes(a.view(np.uint8).reshape(-1))
     layout = backend.describe(sc.d.kv_caches(tensors), sc.d.spec())
-    receiver = Receiver(_config(sc, env), backend, layout, engine_id=f"D-{sc.name}", rank=0, tp_size=1)
+    receiver = Receiver(
+        _config(sc, env), backend, layout, engine_id=f"D-{sc.name}", rank=sc.d.tp_rank, tp_size=sc.d.tp_size
+    )
     try:
         addr = conn.recv()
         if addr is None:
             raise RuntimeError("P failed before listening; see P's error")
         host, port = addr
-        receiver.register("t1", "r1", PeerAddress(host, port, tp_size=1), [sc.d_blocks], sc.num_tokens, sc.start_token)
+        peer = PeerAddress(host, port, tp_size=sc.p.tp_size)
+        receiver.register("t1", "r1", peer, [sc.d_blocks], sc.num_tokens, sc.start_token)
         res = _wait(receiver, "D")
         stats = receiver.stats()
         after = [t.read_bytes() for t in tensors]  # through the runtime, as decode would see them

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.backends import load_backend
-from kvpush.errors import BackendError
+from kvpush.errors import BackendError, ConfigError
 from kvpush.layout import MemKind
 from kvpush_neuron import Mode, NeuronBackend, NeuronTensor, ReadyMarker
 from kvpush_neuron import vllm_neuron as hooks
@@ -179,7 +179,27 @@ def test_efa_query_refuses_runtime_host_memory(backend: NeuronBackend) -> None:
 
 
 class NeuronPlatformLike:
-    """The attributes vllm-neuron's NeuronPlatform declares (platform.py)."""
+    """The attributes vLLM-Neuron's NeuronPlatform declares (vllm_neuron/vllm/platform.py)."""
+
+    device_name = "neuron"
+    device_type = "neuron"
+    ray_device_key = "neuron_cores"
+    device_control_env_var = "NEURON_VISIBLE_DEVICES"
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"neuron:{device_id}"
+
+
+class NeuronCpuModePlatformLike(NeuronPlatformLike):
+    """vLLM-Neuron under VLLM_NEURON_CPU_MODE: device type ``cpu``, still the Neuron platform."""
+
+    device_name = "cpu"
+    device_type = "cpu"
+
+
+class NxdiPlatformLike:
+    """The older NxDI-based plugin's platform attributes."""
 
     device_name = "cpu"
     device_type = "cpu"
@@ -208,19 +228,38 @@ class CudaPlatformLike(CpuPlatformLike):
 
 def test_select_backend_follows_the_platform() -> None:
     assert hooks.select_backend(NeuronPlatformLike()) == "neuron"
+    assert hooks.select_backend(NeuronCpuModePlatformLike()) == "neuron"
+    assert hooks.select_backend(NxdiPlatformLike()) == "neuron"
     assert hooks.select_backend("neuron") == "neuron"
     assert hooks.select_backend(CpuPlatformLike()) == "host"
     assert hooks.select_backend(CudaPlatformLike()) == "cuda"
 
 
+@pytest.mark.parametrize("attr", ["device_type", "device_control_env_var", "ray_device_key", "get_device_name"])
+def test_each_neuron_platform_attribute_alone_identifies_it(attr: str) -> None:
+    """vLLM-Neuron is recognised from any one of its attributes (variants differ in the others)."""
+    plat = CpuPlatformLike()
+    value = getattr(NeuronPlatformLike, attr)
+    setattr(plat, attr, value)
+    assert hooks.is_neuron_platform(plat)
+
+
 def test_backend_options_follow_the_nixl_transport() -> None:
     assert hooks.backend_options(["LIBFABRIC"], env={}) == {"mode": "direct", "mem": "VRAM"}
-    assert hooks.backend_options(["UCX"], env={}) == {"mode": "host_staging", "mem": "DRAM"}
+    assert hooks.backend_options(["UCX", "LIBFABRIC"], env={}) == {"mode": "direct", "mem": "VRAM"}
     env = {"KVPUSH_NEURON_MODE": "direct", "KVPUSH_NEURON_MEM": "DRAM"}
     assert hooks.backend_options(["UCX"], env=env) == {"mode": "direct", "mem": "DRAM"}
+    assert hooks.backend_options(["UCX"], env={"KVPUSH_NEURON_MEM": "DRAM"}) == {"mode": "direct", "mem": "DRAM"}
     assert hooks.nixl_memory_type("direct") == "VRAM"
     assert hooks.nixl_memory_type(Mode.HOST_STAGING) == "DRAM"
-    assert hooks.nixl_supported_devices() == {"cpu": ("neuron", "cpu")}
+    assert hooks.nixl_supported_devices() == {"neuron": ("cuda",)}
+
+
+def test_backend_options_refuse_a_transport_that_cannot_register_neuron_memory() -> None:
+    """vLLM-Neuron's caches are device tensors: without LIBFABRIC nothing could register them, so refuse at start."""
+    with pytest.raises(ConfigError, match="LIBFABRIC") as info:
+        hooks.backend_options(["UCX"], env={})
+    assert "['UCX']" in str(info.value)
 
 
 def test_cache_spec_from_neuron_config() -> None:

@@ -15,7 +15,7 @@ from kvpush_neuron import NeuronBackend, NeuronTensor, paged_spec
 from kvpush_neuron.runtime import NrtError, Placement, Status, load_runtime
 
 SPEC = paged_spec(block_size=4, num_heads=2, head_dim=8, dtype="float16")
-SHAPE = (2, 3, 4, 2, 8)
+SHAPE = (2, 3, 2, 4, 8)  # vLLM-Neuron paged: K/V, 3 blocks, 2 heads, 4 tokens, 8 dims
 
 
 @dataclass

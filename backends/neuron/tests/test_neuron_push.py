@@ -21,7 +21,20 @@ NIXL = os.environ.get("KVPUSH_NEURON_TEST_NIXL", "UCX")
 CORES = os.environ.get("KVPUSH_NEURON_TEST_CORES", "0,1,2").split(",")
 
 SCENARIOS = [
-    # Direct registration: NxDI's per-sequence cache (slot 1 of 3) into vLLM-Neuron paged blocks.
+    # vLLM-Neuron to vLLM-Neuron, direct registration: one [2, blocks, heads, tokens, dim] tensor a layer on both
+    # sides, P at the platform's default 32-token blocks, D at 16 with a 20-token prefix already cached.
+    Scenario(
+        "direct-vllm_neuron-paged32-to-paged16",
+        mode="direct",
+        plan="direct",
+        p=Side("paged", 3, 4, 0, 1, 16, "float16", 32, 6),
+        p_blocks=[4, 1, 3],
+        d=Side("paged", 3, 4, 0, 1, 16, "float16", 16, 12),
+        d_blocks=[7, 2, 10, 0, 5],
+        num_tokens=75,
+        start_token=20,
+    ),
+    # Direct registration: a standalone NxDI per-sequence cache (slot 1 of 3) into vLLM-Neuron paged blocks.
     Scenario(
         "direct-nxdi_bhsd-to-paged",
         mode="direct",

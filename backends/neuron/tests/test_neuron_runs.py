@@ -34,7 +34,7 @@ def test_runs_cover_every_piece_and_keep_its_bytes(pieces: list[tuple[int, int]]
 def test_host_pack_of_head_major_slot_reads_each_region_once(nrt_lib: str) -> None:
     """NxDI BHSD (head-major) into token-major blocks: one piece per token and head, one read per region."""
     p = Side("bhsd", 2, 4, 0, 1, 16, "float16", 64, 2)
-    d = Side("paged", 2, 4, 0, 1, 16, "float16", 16, 8)
+    d = Side("nxdi_block", 2, 4, 0, 1, 16, "float16", 16, 8)
     b = NeuronBackend(mode="host_staging", mem="DRAM", lib=nrt_lib)
     tensors = [NeuronTensor(b.runtime, s, p.dtype, 0) for s in p.shapes()]
     try:

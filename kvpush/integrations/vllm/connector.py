@@ -373,7 +373,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         rank, tp = self.worker.rank, self.worker.tp_size
         kv = vllm_layout.in_model_order(kv_caches)
         if self._neuron is not None:
-            return kv, self._neuron.vllm_cache_spec(self._vllm_config, rank, tp)
+            return kv, self._neuron.vllm_cache_spec(self._vllm_config, rank, tp, self._kv_cache_config, list(kv))
         if self._kv_cache_config is None:
             raise ConfigError("vLLM gave the KVPushConnector worker no KV-cache config (vLLM < 0.32?)")
         names = list(self.attention_caches(kv))
