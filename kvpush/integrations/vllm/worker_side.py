@@ -15,7 +15,8 @@ from typing import Any
 from kvpush.backends.base import Backend, CacheSpec
 from kvpush.config import Config
 from kvpush.engine import PeerAddress, Receiver, Sender
-from kvpush.integrations.vllm.scheduler_side import StepOrders
+from kvpush.integrations.vllm.compat import load_error_blocks
+from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders
 from kvpush.layout import KVLayout, map_pieces
 from kvpush.metrics import TransferStats, layout_gauges, take_engine
 
@@ -57,6 +58,10 @@ class WorkerSide:
         self._finished_seen: set[str] = set()
         self._expect: set[str] = set()
         self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
+        self._loads: dict[str, Registration] = {}  # D requests registered, KV not yet in
+        self.zero_before_register = False
+        """Wait for the stream before registering blocks: vLLM zeroes fresh blocks in the step that allocates
+        them, loaded ones included (``compat.Features.zeroes_loaded_blocks``), and P's WRITE must land after."""
         self._stats_at = -1e9  # monotonic time of the last metrics report
         # Layer-wise: each layer name's layer (kv_caches order, as the backend describes them), and this
         # step's layer-wise transfers with the layers the forward has written so far.
@@ -103,8 +108,13 @@ class WorkerSide:
                 self.sender.prefill_finished(p.transfer_id, p.request_id, p.block_ids, p.num_tokens, ready)
         if orders.layer_prefills and orders is not self._layers_started_for:
             self.start_layers(orders)
+        if orders.registrations and self.zero_before_register:
+            # The zeroing was queued before this hook (vLLM's state update); on a device stream it may not
+            # have run yet, and a WRITE that lands first would be zeroed. Host backends return at once.
+            self.backend.wait_ready(self.backend.record_ready())
         for r in orders.registrations:
             assert self.receiver is not None, "registration orders on a worker without the consumer role"
+            self._loads[r.request_id] = r
             if DEBUG_CHECKSUM:
                 self._regs[r.request_id] = r
             self.receiver.register(
@@ -197,9 +207,12 @@ class WorkerSide:
             for res in self.receiver.poll():
                 if res.request_id in self._fencing:
                     self._fencing.discard(res.request_id)
+                    self._loads.pop(res.request_id, None)
                     self._done_sending.add(res.request_id)
                     continue
                 recving.add(res.request_id)
+                if res.ok:
+                    self._loads.pop(res.request_id, None)
                 r = self._regs.pop(res.request_id, None)
                 if DEBUG_CHECKSUM and r is not None and self.layout is not None:
                     sha = kv_checksum(self.layout, r.block_ids[0], r.num_tokens, r.start_token)
@@ -221,6 +234,21 @@ class WorkerSide:
         if sending or recving or failed:
             log.debug("kvpush worker: finished_sending=%s finished_recving=%s failed=%s", sending, recving, failed)
         return sending, recving, failed
+
+    def load_error_blocks(self, failed: set[str], block_size: int) -> set[int]:
+        """Block ids (group 0) the failed receives ``failed`` were to fill, for vLLM's
+        ``get_block_ids_with_load_errors`` (``compat.load_error_blocks``); forgets those requests."""
+        out: set[int] = set()
+        for rid in failed:
+            r = self._loads.pop(rid, None)
+            if r is not None and r.block_ids:
+                out |= load_error_blocks(r.block_ids[0], r.start_token, r.num_tokens, block_size)
+        return out
+
+    def forget_loads(self, request_ids: set[str]) -> None:
+        """Drop the registrations of requests whose failure vLLM learns by id (``failed_recving``)."""
+        for rid in request_ids:
+            self._loads.pop(rid, None)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
