@@ -188,11 +188,10 @@ class _Receiver:
         return out
 
 
-def _decode_worker(zero_before_register: bool = False) -> tuple[WorkerSide, _Receiver, list[str]]:
+def _decode_worker() -> tuple[WorkerSide, _Receiver, list[str]]:
     log: list[str] = []
     w = WorkerSide(None, _Backend(log), "d", 0, 1, producer=False, consumer=True)  # type: ignore[arg-type]
     w.receiver = _Receiver(log)  # type: ignore[assignment]
-    w.zero_before_register = zero_before_register
     regs = [
         Registration("ok", "t-ok", "h", 1, 1, ((1, 2, 3),), 40, 0),
         Registration("bad", "t-bad", "h", 1, 1, ((4, 5, 6, 7),), 60, 16),
@@ -229,12 +228,24 @@ def test_get_transfer_results_reports_a_failed_push_by_request() -> None:
     assert c.get_block_ids_with_load_errors() == set()  # vLLM reads failed_recving; no block report as well
 
 
-def test_registration_waits_for_vllms_zeroing_where_it_zeroes_loaded_blocks() -> None:
-    _, _, log = _decode_worker(zero_before_register=True)
-    assert log[:3] == ["record", "wait marker", "register ok"]
-    _, _, log = _decode_worker(zero_before_register=False)
-    assert log[:2] == ["register ok", "register bad"]
-
-
 def _as_dict(f: compat.Features) -> dict[str, Any]:
     return {k.name: getattr(f, k.name) for k in fields(f)}
+
+
+def test_p_lists_every_block_but_only_the_prompts_tokens_move() -> None:
+    """Some vLLM hands ``request_finished`` every block of P's request (its sampled token's block too), not
+    the blocks of its computed tokens: the push carries the prompt's tokens, so D needs the prompt's blocks."""
+    from helpers_layout import make_side
+
+    from kvpush.integrations.vllm.scheduler_side import SchedulerSide
+    from kvpush.layout import TokenOrder, map_pieces
+
+    s = SchedulerSide()
+    # 32-token prompt of 16-token blocks, plus the block vLLM allocated for the sampled token.
+    assert s.finished("r", {"do_remote_decode": True, "transfer_id": "t"}, True, ([3, 4, 5],), 32) is True
+    (order,) = s.take_orders().prefills
+    assert (order.block_ids, order.num_tokens) == (((3, 4, 5),), 32)
+    kw = dict(block_size=16, num_blocks=8, head_bytes=4, num_heads=4, head_start=0, local_heads=4, num_regions=1)
+    src, dst = make_side(**kw, order=TokenOrder.NHD), make_side(**kw, order=TokenOrder.NHD)
+    pieces = map_pieces(src.layout, dst.layout, order.block_ids[0], [6, 7], order.num_tokens)
+    assert int(pieces[:, 2].sum()) == 32 * 4 * 4  # every prompt token's heads, nothing of block 5

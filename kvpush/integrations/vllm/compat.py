@@ -18,8 +18,8 @@ connector never compares version numbers for that, it asks ``detect()``:
 - ``sleep_mode_hook``: vLLM asks ``supports_sleep_mode`` and refuses sleep
   mode itself; before, it never asks, so ``check_start`` refuses it.
 - ``zeroes_loaded_blocks``: vLLM zeroes every freshly allocated block of a
-  model that needs zeroing (hybrid, recurrent state), including blocks a
-  connector is about to load; newer vLLM skips the groups
+  model that needs it (recurrent state, mixed precision), including blocks a
+  connector is about to load (see ``check_start``); newer vLLM skips the groups
   ``get_loaded_kv_cache_group_ids`` names (``allocate_slots``'s
   ``skip_zeroing_group_ids``).
 
@@ -138,6 +138,15 @@ def check_start(features: Features, *, consumer: bool, num_kv_cache_groups: int,
       ``_update_requests_with_invalid_blocks`` unpacks one group and raises
       on more), so a failure would either stop the engine or, unreported,
       decode unloaded KV. Serving P alone is safe: P receives nothing.
+
+    The same refusal keeps vLLM's zeroing of fresh blocks away from P's
+    WRITEs where vLLM also zeroes blocks a connector loads
+    (``zeroes_loaded_blocks``): it zeroes only for models with recurrent-state
+    layers (which kvpush serves only beside attention layers) or with caches
+    of mixed precision, both several KV-cache groups, and D of those is
+    refused here. (The zeroing is issued in the worker's state update, before
+    ``start_load_kv`` sends D's registration; on the host it is done by then,
+    on a device stream it might not be.)
     """
     if sleep_mode and not features.sleep_mode_hook:
         raise ConfigError(
@@ -168,8 +177,3 @@ def load_error_blocks(block_ids: tuple[int, ...], start_token: int, num_tokens: 
         return set()
     first, end = start_token // block_size, -(-num_tokens // block_size)
     return set(block_ids[first:end])
-
-
-def needs_zeroing(kv_cache_config: Any) -> bool:
-    """Whether vLLM zeroes fresh blocks of this KV-cache config (hybrid models, recurrent state)."""
-    return bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))

@@ -256,9 +256,6 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 producer=ktc.is_kv_producer,
                 consumer=ktc.is_kv_consumer,
             )
-            self.worker.zero_before_register = self.features.zeroes_loaded_blocks and compat.needs_zeroing(
-                kv_cache_config
-            )
 
     # ---------------- scheduler hooks ----------------
     def on_new_request(self, request: Request) -> None:

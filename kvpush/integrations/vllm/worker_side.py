@@ -59,9 +59,6 @@ class WorkerSide:
         self._expect: set[str] = set()
         self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
         self._loads: dict[str, Registration] = {}  # D requests registered, KV not yet in
-        self.zero_before_register = False
-        """Wait for the stream before registering blocks: vLLM zeroes fresh blocks in the step that allocates
-        them, loaded ones included (``compat.Features.zeroes_loaded_blocks``), and P's WRITE must land after."""
         self._stats_at = -1e9  # monotonic time of the last metrics report
         # Layer-wise: each layer name's layer (kv_caches order, as the backend describes them), and this
         # step's layer-wise transfers with the layers the forward has written so far.
@@ -108,10 +105,6 @@ class WorkerSide:
                 self.sender.prefill_finished(p.transfer_id, p.request_id, p.block_ids, p.num_tokens, ready)
         if orders.layer_prefills and orders is not self._layers_started_for:
             self.start_layers(orders)
-        if orders.registrations and self.zero_before_register:
-            # The zeroing was queued before this hook (vLLM's state update); on a device stream it may not
-            # have run yet, and a WRITE that lands first would be zeroed. Host backends return at once.
-            self.backend.wait_ready(self.backend.record_ready())
         for r in orders.registrations:
             assert self.receiver is not None, "registration orders on a worker without the consumer role"
             self._loads[r.request_id] = r
@@ -141,9 +134,10 @@ class WorkerSide:
     def start_layers(self, orders: StepOrders) -> None:
         """Announce this step's layer-wise prefills before its forward writes their first layer.
 
-        vLLM 0.32 calls ``start_load_kv`` *after* the forward when no load is
-        synchronous, so the connector calls this from the first
-        ``save_kv_layer`` of the step instead; ``apply`` then skips them.
+        Some vLLM versions call ``start_load_kv`` before the forward, others
+        *after* it when no load is synchronous, so the connector also calls
+        this from the first ``save_kv_layer`` of the step; whichever comes
+        first starts them and the other skips them.
         """
         assert self.sender is not None, "prefill orders on a worker without the producer role"
         self._layers_started_for = orders
