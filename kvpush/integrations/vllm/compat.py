@@ -71,6 +71,12 @@ class Features:
     sleep_mode_hook: bool
     zeroes_loaded_blocks: bool
 
+    @property
+    def failures_by_request(self) -> bool:
+        """Whether a failed push reaches vLLM by request id: it reads ``failed_recving``, which only
+        ``get_transfer_results`` returns."""
+        return self.transfer_results and self.failed_recving
+
 
 @cache
 def detect() -> Features:
@@ -132,8 +138,8 @@ def check_start(features: Features, *, consumer: bool, num_kv_cache_groups: int,
       stay registered with P across a sleep and P's registrations of its own
       KV would point at freed memory after the remap.
     - A consumer (D, or ``kv_both``) of a model with several KV-cache groups
-      (hybrid: sliding window, recurrent state) when vLLM has no
-      ``failed_recving``: a failed push could then be reported only as block
+      (hybrid: sliding window, recurrent state) when vLLM does not read
+      failures by request (``failures_by_request``): a failed push could then be reported only as block
       ids, which such vLLM maps to requests through group 0 alone (its
       ``_update_requests_with_invalid_blocks`` unpacks one group and raises
       on more), so a failure would either stop the engine or, unreported,
@@ -153,7 +159,7 @@ def check_start(features: Features, *, consumer: bool, num_kv_cache_groups: int,
             f"KVPushConnector does not support sleep mode, and vLLM {features.version} does not ask connectors "
             "(supports_sleep_mode): start this server without --enable-sleep-mode"
         )
-    if consumer and num_kv_cache_groups > 1 and not features.failed_recving:
+    if consumer and num_kv_cache_groups > 1 and not features.failures_by_request:
         raise ConfigError(
             f"KVPushConnector cannot receive KV for a model with {num_kv_cache_groups} KV-cache groups on vLLM "
             f"{features.version}: this vLLM reports a failed load only by block ids of a single group, so a failed "
