@@ -4,8 +4,9 @@ Real servers: P, and two D's that register with it, one with
 ``kv_load_failure_policy`` ``"recompute"`` and one with vLLM's default
 ``"fail"``. Each D gets a request whose KV P is to push (a transfer P has no
 prefill for, so P parks D's registration and never WRITEs), then P is
-killed (SIGKILL). D declares P dead after ``peer_dead_s`` and the transfer
-fails. vLLM must then learn of the failure (``failed_recving``, or the
+killed (SIGKILL). D declares P dead after ``peer_dead_s``, holds the blocks
+for ``quarantine_s`` (a P only frozen could still write them) and the
+transfer fails, once. vLLM must then learn of the failure (``failed_recving``, or the
 blocks through ``get_block_ids_with_load_errors`` where vLLM has no
 ``failed_recving``: ``kvpush.integrations.vllm.compat``):
 
@@ -40,6 +41,8 @@ pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
 PEER_DEAD_S = 5.0
+QUARANTINE_S = 10.0
+"""A killed P is never fenced: D holds its blocks this long after declaring it dead, then vLLM gets the failure."""
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -82,7 +85,8 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     kv_port = srv.free_port()
 
     def decode(name: str, cpus: str, **policy: str) -> srv.ServerProcess:
-        cfg = {**srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, peer_dead_s=PEER_DEAD_S), **policy}
+        extra = {"peer_dead_s": PEER_DEAD_S, "quarantine_s": QUARANTINE_S}
+        cfg = {**srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, **extra), **policy}
         return srv.vllm_server(
             name, model, srv.free_port(), log_dir=logs, cpus=cpus, kv_transfer_config=cfg, fast_start=True
         )
@@ -151,13 +155,14 @@ def test_p_killed_after_registration_never_decodes_unloaded_kv(trio: Trio) -> No
     elif got_fail.code < 500:
         problems.append(f"fail policy: HTTP {got_fail.code}, not a server-side failure")
     assert not problems, problems
-    # Both D's freed the failed requests' blocks and still serve.
+    # Both D's freed the failed requests' blocks and still serve (the failure reached vLLM once).
     for base in (trio.d_recompute.url, trio.d_fail.url):
         deadline = time.monotonic() + 30
         while _usage(base) != 0.0:
             assert time.monotonic() < deadline, f"{base} kept the failed request's blocks"
             time.sleep(0.5)
     assert _post(trio.d_recompute.url + "/v1/completions", trio.body(prompt_a))["choices"][0]["text"] == want_a
+    assert _post(trio.d_fail.url + "/v1/completions", trio.body(prompt_b))["choices"][0]["text"]
 
 
 def test_logs_name_the_failure(trio: Trio) -> None:

@@ -250,3 +250,25 @@ def test_p_lists_every_block_but_only_the_prompts_tokens_move() -> None:
     src, dst = make_side(**kw, order=TokenOrder.NHD), make_side(**kw, order=TokenOrder.NHD)
     pieces = map_pieces(src.layout, dst.layout, order.block_ids[0], [6, 7], order.num_tokens)
     assert int(pieces[:, 2].sum()) == 32 * 4 * 4  # every prompt token's heads, nothing of block 5
+
+
+def test_a_failure_reaches_vllm_once_and_only_when_fenced() -> None:
+    """A writer declared dead may be frozen mid-WRITE: vLLM gets the failed request (and may reuse or recompute
+    its blocks) only with the fenced Result, once, whichever way this vLLM reads failures."""
+    w, receiver, _ = _decode_worker()
+    c = _connector(w)
+    receiver.results = [Result("t-ok", "ok", True), Result("t-bad", "bad", False, "P silent: dead", fenced=False)]
+    assert c.get_finished(set()) == (set(), {"ok"})
+    assert c.get_block_ids_with_load_errors() == set()
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
+    assert c.get_finished(set()) == (set(), {"bad"})
+    assert c.get_block_ids_with_load_errors() == {5, 6, 7}
+    # By request id, where vLLM reads failed_recving.
+    w, receiver, _ = _decode_worker()
+    c = _connector(w)
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=False)]
+    res = c.get_transfer_results(set())
+    assert (res.finished_recving, res.failed_recving) == (set(), set())
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
+    res = c.get_transfer_results(set())
+    assert (res.finished_recving, res.failed_recving) == ({"bad"}, {"bad"})

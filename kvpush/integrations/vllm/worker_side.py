@@ -182,7 +182,12 @@ class WorkerSide:
         self._step_tids = []
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) for vLLM."""
+        """(finished_sending, finished_recving, failed_recving) for vLLM.
+
+        A D transfer reaches vLLM only with its fenced Result (no writer can
+        still write its blocks), once: a failure reported before P is fenced
+        (``Result.fenced`` False, a quarantined writer) is logged and held, as
+        vLLM would otherwise reuse the blocks at once."""
         self._finished_seen |= finished_req_ids & self._expect
         sending: set[str] = set()
         recving: set[str] = set()
@@ -199,6 +204,16 @@ class WorkerSide:
                 self._done_sending.add(res.request_id)
         if self.receiver is not None:
             for res in self.receiver.poll():
+                if not res.fenced:
+                    # A writer declared dead may be frozen mid-WRITE: its blocks stay withheld from vLLM, which
+                    # would recompute into them or hand them to another request. The fenced Result follows.
+                    log.warning(
+                        "kvpush: KV for request %s (transfer %s) failed (%s); its blocks are held until P is fenced",
+                        res.request_id,
+                        res.transfer_id,
+                        res.reason,
+                    )
+                    continue
                 if res.request_id in self._fencing:
                     self._fencing.discard(res.request_id)
                     self._loads.pop(res.request_id, None)
