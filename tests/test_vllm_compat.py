@@ -1,0 +1,274 @@
+"""The vLLM compatibility layer against the running vLLM's real classes (every lane runs it).
+
+``detect()`` must find what each lane's vLLM offers; a failed push must
+reach that vLLM the way it reads failures (``failed_recving``, or blocks
+through ``get_block_ids_with_load_errors``, which vLLM's own
+``_update_requests_with_invalid_blocks`` turns back into computed tokens);
+and what such a vLLM cannot run safely is refused at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from kvpush.errors import ConfigError
+from kvpush.integrations.vllm import compat
+from kvpush.integrations.vllm.connector import KVPushConnector
+from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders
+from kvpush.integrations.vllm.worker_side import WorkerSide
+from kvpush.outcome import Result
+
+# What each lane's vLLM offers (tests may name versions; the connector never does).
+OLD = dict(
+    transfer_results=False,
+    failed_recving=False,
+    cache_hit_source=False,
+    loaded_group_ids=False,
+    binds_kv_cache_manager=False,
+    sleep_mode_hook=False,
+    zeroes_loaded_blocks=True,
+)
+EXPECTED = {
+    "0.24": OLD,
+    "0.29": OLD,
+    "0.32": dict(
+        transfer_results=True,
+        failed_recving=True,
+        cache_hit_source=True,
+        loaded_group_ids=True,
+        binds_kv_cache_manager=True,
+        sleep_mode_hook=False,
+        zeroes_loaded_blocks=False,
+    ),
+}
+LANE = ".".join(vllm.__version__.split(".")[:2])
+BS = 16
+
+
+def test_detect_finds_this_lanes_features() -> None:
+    f = compat.detect()
+    assert f.version == vllm.__version__
+    if LANE not in EXPECTED:
+        pytest.skip(f"no expectation recorded for vLLM {vllm.__version__}")
+    got = {k.name: getattr(f, k.name) for k in fields(f) if k.name != "version"}
+    assert got == EXPECTED[LANE]
+
+
+def test_transfer_results_and_hit_source_follow_the_features() -> None:
+    f = compat.detect()
+    cls = compat.transfer_results_class()
+    assert (cls is not compat.TransferResults) == f.transfer_results
+    r = cls({"a"}, {"b"}, {"b"})
+    assert (r.finished_sending, r.finished_recving, r.failed_recving) == ({"a"}, {"b"}, {"b"})
+    source = compat.p2p_cache_hit_source()
+    assert (source is not None) == f.cache_hit_source
+    assert KVPushConnector._cache_hit_source == source
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.24.0", True),
+        ("0.29.1", True),
+        ("0.32.0", True),
+        ("0.33.0rc1", True),
+        ("0.23.9", False),
+        ("0.34.0", False),
+        ("1.0.0", False),
+        ("dev", False),
+    ],
+)
+def test_supported_range(version: str, ok: bool) -> None:
+    assert compat.in_supported_range(version) is ok
+    if ok:
+        compat.check_vllm_version(version)
+    else:
+        with pytest.raises(ConfigError, match=r">= 0\.24 and < 0\.34"):
+            compat.check_vllm_version(version)
+
+
+def test_running_vllm_is_supported() -> None:
+    compat.check_vllm_version(vllm.__version__)
+
+
+def test_check_start_refuses_sleep_mode_where_vllm_never_asks() -> None:
+    f = compat.detect()
+    for hook in (False, True):
+        feats = compat.Features(**{**_as_dict(f), "sleep_mode_hook": hook})
+        if hook:
+            compat.check_start(feats, consumer=True, num_kv_cache_groups=1, sleep_mode=True)
+        else:
+            with pytest.raises(ConfigError, match="enable-sleep-mode"):
+                compat.check_start(feats, consumer=True, num_kv_cache_groups=1, sleep_mode=True)
+    compat.check_start(f, consumer=True, num_kv_cache_groups=1, sleep_mode=False)
+
+
+def test_check_start_refuses_hybrid_decode_without_failed_recving() -> None:
+    f = compat.detect()
+    assert f.failures_by_request == (LANE == "0.32") or LANE not in EXPECTED
+    if f.failures_by_request:
+        compat.check_start(f, consumer=True, num_kv_cache_groups=3, sleep_mode=False)
+    else:
+        with pytest.raises(ConfigError, match="3 KV-cache groups"):
+            compat.check_start(f, consumer=True, num_kv_cache_groups=3, sleep_mode=False)
+    compat.check_start(f, consumer=False, num_kv_cache_groups=3, sleep_mode=False)  # P receives nothing
+    compat.check_start(f, consumer=True, num_kv_cache_groups=1, sleep_mode=False)
+
+
+def test_connector_refuses_sleep_mode_at_start() -> None:
+    """The connector itself runs the check before anything starts (vLLM without the hook)."""
+    if compat.detect().sleep_mode_hook:
+        pytest.skip("this vLLM asks supports_sleep_mode itself")
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(is_kv_consumer=True, is_kv_producer=False),
+        model_config=SimpleNamespace(enable_sleep_mode=True),
+    )
+    with pytest.raises(ConfigError, match="sleep mode"):
+        KVPushConnector(config, KVConnectorRole.WORKER, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("start", "tokens", "want"),
+    [(0, 40, {10, 11, 12}), (16, 40, {11, 12}), (32, 33, {12}), (48, 48, set()), (0, 16, {10})],
+)
+def test_load_error_blocks(start: int, tokens: int, want: set[int]) -> None:
+    assert compat.load_error_blocks((10, 11, 12, 13), start, tokens, BS) == want
+
+
+def _vllm_invalid_blocks(blocks: list[int], computed: int, invalid: set[int]) -> tuple[set[str], int]:
+    """vLLM's own ``_update_requests_with_invalid_blocks`` on one waiting request; its computed tokens after."""
+    request = SimpleNamespace(request_id="r", num_computed_tokens=computed)
+    sched = SimpleNamespace(
+        kv_cache_manager=SimpleNamespace(get_block_ids=lambda rid: (blocks,)),
+        block_size=BS,
+    )
+    affected, _, _ = Scheduler._update_requests_with_invalid_blocks(sched, [request], invalid, {}, evict_blocks=False)
+    return affected, request.num_computed_tokens
+
+
+@pytest.mark.parametrize("local", [0, 16, 32])
+def test_vllm_recomputes_exactly_what_the_failed_push_was_to_load(local: int) -> None:
+    """Reported blocks make vLLM's real scheduler code keep D's local prefix and drop every pushed token."""
+    blocks, tokens = [10, 11, 12, 13], 57
+    invalid = compat.load_error_blocks(tuple(blocks), local, tokens, BS)
+    affected, computed = _vllm_invalid_blocks(blocks, tokens, invalid)
+    assert affected == {"r"}
+    assert computed == local
+
+
+class _Backend:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def record_ready(self) -> str:
+        self.log.append("record")
+        return "marker"
+
+    def wait_ready(self, marker: Any) -> None:
+        self.log.append(f"wait {marker}")
+
+
+class _Receiver:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.results: list[Result] = []
+
+    def register(self, transfer_id: str, request_id: str, *args: Any) -> None:
+        self.log.append(f"register {request_id}")
+
+    def poll(self) -> list[Result]:
+        out, self.results = self.results, []
+        return out
+
+
+def _decode_worker() -> tuple[WorkerSide, _Receiver, list[str]]:
+    log: list[str] = []
+    w = WorkerSide(None, _Backend(log), "d", 0, 1, producer=False, consumer=True)  # type: ignore[arg-type]
+    w.receiver = _Receiver(log)  # type: ignore[assignment]
+    regs = [
+        Registration("ok", "t-ok", "h", 1, 1, ((1, 2, 3),), 40, 0),
+        Registration("bad", "t-bad", "h", 1, 1, ((4, 5, 6, 7),), 60, 16),
+    ]
+    w.apply(StepOrders(registrations=regs))
+    w.receiver.results = [Result("t-ok", "ok", True), Result("t-bad", "bad", False, "P died")]  # type: ignore[union-attr]
+    return w, w.receiver, log  # type: ignore[return-value]
+
+
+def _connector(worker: WorkerSide) -> KVPushConnector:
+    c = object.__new__(KVPushConnector)
+    c.worker = worker
+    c._load_errors = set()
+    c._kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BS))]
+    )
+    return c
+
+
+def test_get_finished_reports_a_failed_push_as_load_errors_in_the_same_step() -> None:
+    """vLLM without failed_recving: the failed request is finished receiving and its pushed blocks are invalid."""
+    c = _connector(_decode_worker()[0])
+    _, recving = c.get_finished(set())
+    assert recving == {"ok", "bad"}
+    assert c.get_block_ids_with_load_errors() == {5, 6, 7}  # block 4 holds D's 16-token local prefix
+    assert c.get_block_ids_with_load_errors() == set()
+
+
+def test_get_transfer_results_reports_a_failed_push_by_request() -> None:
+    c = _connector(_decode_worker()[0])
+    res = c.get_transfer_results(set())
+    assert res.finished_recving == {"ok", "bad"}
+    assert res.failed_recving == {"bad"}
+    assert c.get_block_ids_with_load_errors() == set()  # vLLM reads failed_recving; no block report as well
+
+
+def _as_dict(f: compat.Features) -> dict[str, Any]:
+    return {k.name: getattr(f, k.name) for k in fields(f)}
+
+
+def test_p_lists_every_block_but_only_the_prompts_tokens_move() -> None:
+    """Some vLLM hands ``request_finished`` every block of P's request (its sampled token's block too), not
+    the blocks of its computed tokens: the push carries the prompt's tokens, so D needs the prompt's blocks."""
+    from helpers_layout import make_side
+
+    from kvpush.integrations.vllm.scheduler_side import SchedulerSide
+    from kvpush.layout import TokenOrder, map_pieces
+
+    s = SchedulerSide()
+    # 32-token prompt of 16-token blocks, plus the block vLLM allocated for the sampled token.
+    assert s.finished("r", {"do_remote_decode": True, "transfer_id": "t"}, True, ([3, 4, 5],), 32) is True
+    (order,) = s.take_orders().prefills
+    assert (order.block_ids, order.num_tokens) == (((3, 4, 5),), 32)
+    kw = dict(block_size=16, num_blocks=8, head_bytes=4, num_heads=4, head_start=0, local_heads=4, num_regions=1)
+    src, dst = make_side(**kw, order=TokenOrder.NHD), make_side(**kw, order=TokenOrder.NHD)
+    pieces = map_pieces(src.layout, dst.layout, order.block_ids[0], [6, 7], order.num_tokens)
+    assert int(pieces[:, 2].sum()) == 32 * 4 * 4  # every prompt token's heads, nothing of block 5
+
+
+def test_a_failure_reaches_vllm_once_and_only_when_fenced() -> None:
+    """A writer declared dead may be frozen mid-WRITE: vLLM gets the failed request (and may reuse or recompute
+    its blocks) only with the fenced Result, once, whichever way this vLLM reads failures."""
+    w, receiver, _ = _decode_worker()
+    c = _connector(w)
+    receiver.results = [Result("t-ok", "ok", True), Result("t-bad", "bad", False, "P silent: dead", fenced=False)]
+    assert c.get_finished(set()) == (set(), {"ok"})
+    assert c.get_block_ids_with_load_errors() == set()
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
+    assert c.get_finished(set()) == (set(), {"bad"})
+    assert c.get_block_ids_with_load_errors() == {5, 6, 7}
+    # By request id, where vLLM reads failed_recving.
+    w, receiver, _ = _decode_worker()
+    c = _connector(w)
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=False)]
+    res = c.get_transfer_results(set())
+    assert (res.finished_recving, res.failed_recving) == (set(), set())
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
+    res = c.get_transfer_results(set())
+    assert (res.finished_recving, res.failed_recving) == ({"bad"}, {"bad"})
