@@ -21,7 +21,7 @@ from kvpush.backends.tensors import allocation_registrations, describe_strided
 from kvpush.errors import BackendError
 from kvpush.layout import MemKind, TokenOrder, coalesce, map_pieces
 from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
-from kvpush_cuda.variants import REFUSED, VARIANTS, is_mla, make_kv, regions_per_layer
+from kvpush_cuda.variants import REFUSED, VARIANTS, is_mla, make_kv, regions_per_layer, shared_allocation
 
 torch = pytest.importorskip("torch")
 
@@ -81,13 +81,12 @@ def test_describe_every_variant_matches_real_addresses(variant: str) -> None:
     assert layout.num_blocks == 7
     assert len(layout.regions) == 3 * regions_per_layer(variant)
     if heads > 1:  # with one head both orders place the same bytes
-        head_major = variant in ("old_flash_hnd", "old_flashinfer_hnd", "LBHNC", "BLHNC")
+        head_major = variant in ("old_flash_hnd", "v024_hnd", "LBHNC", "BLHNC")
         assert layout.order is (TokenOrder.HND if head_major else TokenOrder.NHD)
     check_addresses(layout, kv, variant)
     regs, rest = allocation_registrations(layout, spans)
     assert not rest
-    shared = not variant.startswith("old_") or variant == "old_cross_layer"
-    assert len(regs) == (1 if shared else 3)
+    assert len(regs) == (1 if shared_allocation(variant) else 3)
     for r in layout.regions:
         assert any(g.addr <= r.base and r.base + r.size <= g.addr + g.size for g in regs)
 
@@ -194,9 +193,10 @@ def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int, in_par
     ("src", "dst"),
     [
         ("old_flash_nhd", "old_flash_hnd"),
-        ("old_flashinfer", "old_cross_layer"),
-        ("old_flashinfer_hnd", "old_flash_nhd"),
-        ("old_mla", "old_mla"),
+        ("v024_nhd", "v024_cross_layer"),
+        ("v024_hnd", "old_flash_nhd"),
+        ("v024_mla", "mla"),
+        ("old_mla", "v024_mla"),
         ("LBNHC", "LBHNC"),
         ("BLNHC", "LBNHC"),
         ("BLHNC", "LBHNC"),
