@@ -133,6 +133,17 @@ def test_describe_rejects_what_it_cannot_move(make, msg: str) -> None:
         describe_strided(make(), spec_for("old_flash_nhd", 16, 2, 8), MemKind.VRAM, device)
 
 
+def test_a_cache_without_head_axis_holds_one_head() -> None:
+    """vLLM 0.24's MLA ``[blocks, tokens, latent]`` has no head axis: one head a rank; a spec saying this rank
+    holds more heads cannot be addressed in it and is refused, instead of reading one head as several."""
+    kv = make_kv(torch, "v024_mla", 2, 4, 16, 1, 8, torch.bfloat16, "cpu")
+    layout, _ = describe_strided(kv, spec_for("v024_mla", 16, 1, 8), MemKind.VRAM, "cpu")
+    assert (layout.local_heads, layout.head_bytes, layout.block_stride) == (1, 16, 16 * 16)
+    two = type(spec_for("v024_mla", 16, 1, 8))(16, 2, 8, "bfloat16", axes="BNC")
+    with pytest.raises(BackendError, match="no head axis"):
+        describe_strided(kv, two, MemKind.VRAM, "cpu")
+
+
 def test_split_and_unit_width() -> None:
     offs, poss, lens = np.array([0, 100_000]), np.array([0, 10]), np.array([10, 150_000])
     o, p, ln = split_pieces(offs, poss, lens, 65536)
