@@ -231,7 +231,7 @@ def cache_axes(
         found.append(("BKNHC", d))
     if len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, h, d) and content == 2 * d:
         found.append(("KBNHC", d))
-    if len(shape) == 3 and h == 1 and shape[1:] == (bs, content):
+    if len(shape) == 3 and h == 1 and content == d and shape[1:] == (bs, d):  # a latent: no V beside it
         found.append(("BNC", content))
     if len(found) == 1:
         return found[0]
