@@ -107,6 +107,37 @@ def test_state_layers_are_described_apart_and_align_mode_is_refused() -> None:
         vl.state_groups(groups((SimpleNamespace(), [L[0]]), (FULL, [L[1]])))
 
 
+def test_state_bytes_are_the_declared_ones_or_the_spec_shapes_times_their_dtypes() -> None:
+    """vLLM before 0.29 declares no ``state_content_size_bytes``: one block's state is then its ``shapes``
+    times their ``dtypes``' sizes, packed from the page's start (what vLLM's unpadded page size counts)."""
+    mamba = MambaSpec(block_size=32, shapes=((3, 256), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32))
+    assert vl.state_bytes(mamba) == mamba.page_size_bytes == 3 * 256 * 2 + 4 * 16 * 16 * 4
+    undeclared = SimpleNamespace(shapes=mamba.shapes, dtypes=mamba.dtypes)
+    assert vl.state_bytes(undeclared) == 3 * 256 * 2 + 4 * 16 * 16 * 4
+    padded = MambaSpec(block_size=32, shapes=((3, 256),), dtypes=(torch.bfloat16,), page_size_padded=4096)
+    assert vl.state_bytes(padded) == 3 * 256 * 2
+
+
+def test_the_axes_are_those_of_the_shape_vllm_hands() -> None:
+    """vLLM's views ``[B, H, N, K|V]``, a layer's own ``[B, 2, N, H, head]`` or ``[2, B, N, H, head]``, MLA's
+    ``[B, N, latent]``; a shape of neither, or two of them (two blocks), is refused naming it."""
+    kv = dict.fromkeys(L, "FLASH_ATTN")
+
+    def axes(shape: tuple[int, ...], spec: object = FULL, heads: int = 2) -> tuple[str, int]:
+        caches = dict.fromkeys(L, torch.empty(shape))
+        s = vl.vllm_cache_spec(config(heads), groups((spec, L)), L, kv, 1, 2, caches=caches)
+        return s.axes, s.head_dim
+
+    assert axes((7, 1, 32, 128)) == ("BHNC", 128)
+    assert axes((7, 2, 32, 1, 64)) == ("BKNHC", 64)
+    assert axes((2, 7, 32, 1, 64)) == ("KBNHC", 64)
+    assert axes((7, 16, 576), MLA) == ("BNC", 576)
+    assert axes((7, 1, 16, 576), MLA) == ("BHNC", 576)
+    for bad in ((7, 2, 16, 1, 64), (2, 2, 32, 1, 64), (7, 32, 128)):
+        with pytest.raises(BackendError, match=r"shape \(" + ", ".join(map(str, bad))):
+            axes(bad)
+
+
 def test_layers_of_different_geometry_or_attention_are_refused() -> None:
     other = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=128, dtype=torch.float32)
     with pytest.raises(BackendError, match="one geometry"):

@@ -55,10 +55,11 @@ class CacheSpec:
     ``axes`` names each tensor's logical dimensions, outermost first: ``B``
     blocks, ``H`` KV heads of this rank, ``N`` tokens of a block, ``C`` one
     head's content for one token (``head_dim`` elements), ``K`` a leading
-    K/V axis of size 2 (two regions per layer). vLLM (0.32 and later) hands
-    every attention backend's cache as ``BHNC`` views whose strides say the
-    physical order; older engines and NxDI use ``KBNHC``, ``BKNHC`` or
-    ``BNHC``. ``num_heads`` counts the model's KV head slots (1 for MLA's
+    K/V axis of size 2 (two regions per layer); without ``H`` a tensor holds
+    one head. vLLM (0.29 and later) hands every attention backend's cache as
+    ``BHNC`` views whose strides say the physical order; earlier vLLM hands
+    each backend's own shape (``BKNHC``, ``KBNHC``, CPU's ``BHNC``, MLA's
+    ``BNC``), NxDI ``BNHC``. ``num_heads`` counts the model's KV head slots (1 for MLA's
     latent, which every TP rank holds whole). ``attention`` is the engine's
     attention backend name (``CPU_ATTN``, ``FLASH_ATTN``, ``CPU_MLA``...):
     some kernels pack a head's tokens their own way, which strides cannot

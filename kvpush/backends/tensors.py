@@ -4,8 +4,9 @@ Engines hand the connector one tensor per layer whose *strides* say more than
 their shapes: vLLM (0.32 and later) gives every attention backend's cache as
 a ``[blocks, heads, tokens, content]`` view and the physical order (token- or
 head-major, blocks of all layers interleaved or not) only shows in the
-strides; older vLLM and NxDI add a K/V axis in front of or behind the blocks.
-``describe_strided`` names each axis from ``CacheSpec.axes``, checks the
+strides; older vLLM and NxDI add a K/V axis in front of or behind the blocks,
+and older vLLM's MLA caches have no head axis (``[blocks, tokens, latent]``:
+one head). ``describe_strided`` names each axis from ``CacheSpec.axes``, checks the
 sizes against what the engine said, and reads from the strides:
 - the block stride (how far apart two blocks of one layer are),
 - the in-block order (``NHD`` or ``HND``), requiring every block dense,
@@ -25,7 +26,8 @@ from kvpush.errors import BackendError
 from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
 
 AXES = "BHNCK"
-"""Axis names ``CacheSpec.axes`` may use: blocks, heads, tokens, content, K/V."""
+"""Axis names ``CacheSpec.axes`` may use: blocks, heads, tokens, content, K/V. ``B``, ``N`` and ``C`` are
+required; without ``H`` a tensor holds one head (a rank holding more is refused); ``K`` is optional."""
 
 
 @dataclass(frozen=True)
@@ -98,20 +100,28 @@ def check_spec(spec: CacheSpec) -> None:
     if spec.num_heads < 1 or (spec.num_heads % spec.tp_size and spec.tp_size % spec.num_heads):
         raise BackendError(f"{spec.num_heads} KV heads cannot be sharded over TP {spec.tp_size}")
     axes = spec.axes
-    if sorted(axes) not in (sorted("BHNC"), sorted("BHNCK")) or set(axes) - set(AXES):
-        raise BackendError(f"axes {axes!r}: need each of B, H, N, C once and optionally K (e.g. 'BHNC', 'KBNHC')")
+    if len(set(axes)) != len(axes) or set(axes) - set(AXES) or set("BNC") - set(axes):
+        raise BackendError(
+            f"axes {axes!r}: need each of B, N, C once and optionally H and K (e.g. 'BHNC', 'KBNHC', 'BNC')"
+        )
+    if "H" not in axes and spec.local_heads != 1:
+        raise BackendError(
+            f"axes {axes!r} have no head axis, so a tensor holds one head; this rank holds {spec.local_heads}"
+        )
 
 
 def _block_order(name: str, info: TensorInfo, spec: CacheSpec, ax: dict[str, int]) -> TokenOrder:
     """Physical order of tokens and heads inside a block, which must be dense (content contiguous too)."""
     bs, local, c, item = spec.block_size, spec.local_heads, spec.head_dim, info.itemsize
-    st_n, st_h, st_c = (info.strides[ax[a]] for a in "NHC")
+    st_n, st_c = info.strides[ax["N"]], info.strides[ax["C"]]
+    # Without a head axis the one head sits inside the token (NHD, which then places the same bytes as HND).
+    st_h, h_at = (info.strides[ax["H"]], ax["H"]) if "H" in ax else (c * item, len(info.shape))
     if c > 1 and st_c != item:
         raise BackendError(f"layer {name}: a head's content is not contiguous (stride {st_c} bytes, element {item})")
     nhd = (bs == 1 or st_n == local * c * item) and (local == 1 or st_h == c * item)
     hnd = (local == 1 or st_h == bs * c * item) and (bs == 1 or st_n == c * item)
     if nhd and hnd:  # one head or one token a block: both orders place the same bytes
-        return TokenOrder.NHD if ax["N"] < ax["H"] else TokenOrder.HND
+        return TokenOrder.NHD if ax["N"] < h_at else TokenOrder.HND
     if nhd:
         return TokenOrder.NHD
     if hnd:

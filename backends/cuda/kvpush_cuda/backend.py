@@ -1,8 +1,9 @@
 """``CudaBackend``: the kvpush Backend for KV caches in NVIDIA GPU memory.
 
-- describe: vLLM's per-layer CUDA tensors, read from their strides by the
-  shared describer (``kvpush.backends.tensors``; every variant in
-  ``variants``), as a VRAM layout with the tensors' device index, for the
+- describe: vLLM's per-layer CUDA tensors (vLLM 0.29 and later: views of
+  one buffer; earlier: each attention backend's own per-layer shape), read
+  from their strides by the shared describer (``kvpush.backends.tensors``;
+  every variant in ``variants``), as a VRAM layout with the tensors' device index, for the
   attention backends in ``ATTENTION``.
 - registrations: one NIXL VRAM registration per allocation, never one that
   spans two (UCX's cuda_ipc maps a registration through one IPC handle).
@@ -47,15 +48,19 @@ ATTENTION = {
     "": "token-addressable caches named by CacheSpec.axes (engines other than vLLM, tests)",
     **dict.fromkeys(
         ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"),
-        "[blocks, heads, tokens, K|V] in a KVCacheLayout whose blocks are dense (LBNHC, LBHNC, BLNHC, BLHNC)",
+        "vLLM's [blocks, heads, tokens, K|V] views in a KVCacheLayout whose blocks are dense (LBNHC, LBHNC, "
+        "BLNHC, BLHNC); or a layer's own [blocks, 2, tokens, heads, head] (vLLM before 0.29: NHD or HND "
+        "strides, cross-layer NHD buffer) or [2, blocks, tokens, heads, head]",
     ),
     **dict.fromkeys(
         ("FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA"),
-        "[blocks, 1, tokens, latent]: one latent row per token, the same on every TP rank",
+        "[blocks, 1, tokens, latent] views, or a layer's own [blocks, tokens, latent] (vLLM before 0.29): one "
+        "latent row per token, the same on every TP rank",
     ),
 }
-"""vLLM attention backends (0.32 and later) whose caches read K and V (or the latent) per token and head
-from the ``[B, H, N, C]`` view vLLM hands the connector, so a token-level copy lands where they read."""
+"""vLLM attention backends whose caches read K and V (or the latent) per token and head, as vLLM hands them
+to the connector (``kvpush.integrations.vllm.layout.cache_axes`` names the shape), so a token-level copy
+lands where they read."""
 
 
 STAGING_WHAT = (

@@ -21,7 +21,7 @@ from kvpush.backends.tensors import allocation_registrations, describe_strided
 from kvpush.errors import BackendError
 from kvpush.layout import MemKind, TokenOrder, coalesce, map_pieces
 from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
-from kvpush_cuda.variants import REFUSED, VARIANTS, is_mla, make_kv, regions_per_layer
+from kvpush_cuda.variants import REFUSED, VARIANTS, is_mla, make_kv, regions_per_layer, shared_allocation
 
 torch = pytest.importorskip("torch")
 
@@ -81,13 +81,12 @@ def test_describe_every_variant_matches_real_addresses(variant: str) -> None:
     assert layout.num_blocks == 7
     assert len(layout.regions) == 3 * regions_per_layer(variant)
     if heads > 1:  # with one head both orders place the same bytes
-        head_major = variant in ("old_flash_hnd", "old_flashinfer_hnd", "LBHNC", "BLHNC")
+        head_major = variant in ("old_flash_hnd", "v024_hnd", "LBHNC", "BLHNC")
         assert layout.order is (TokenOrder.HND if head_major else TokenOrder.NHD)
     check_addresses(layout, kv, variant)
     regs, rest = allocation_registrations(layout, spans)
     assert not rest
-    shared = not variant.startswith("old_") or variant == "old_cross_layer"
-    assert len(regs) == (1 if shared else 3)
+    assert len(regs) == (1 if shared_allocation(variant) else 3)
     for r in layout.regions:
         assert any(g.addr <= r.base and r.base + r.size <= g.addr + g.size for g in regs)
 
@@ -132,6 +131,17 @@ def test_describe_rejects_what_it_cannot_move(make, msg: str) -> None:
     device = "cuda" if msg == "is on cpu" else "cpu"
     with pytest.raises(BackendError, match=msg):
         describe_strided(make(), spec_for("old_flash_nhd", 16, 2, 8), MemKind.VRAM, device)
+
+
+def test_a_cache_without_head_axis_holds_one_head() -> None:
+    """vLLM 0.24's MLA ``[blocks, tokens, latent]`` has no head axis: one head a rank; a spec saying this rank
+    holds more heads cannot be addressed in it and is refused, instead of reading one head as several."""
+    kv = make_kv(torch, "v024_mla", 2, 4, 16, 1, 8, torch.bfloat16, "cpu")
+    layout, _ = describe_strided(kv, spec_for("v024_mla", 16, 1, 8), MemKind.VRAM, "cpu")
+    assert (layout.local_heads, layout.head_bytes, layout.block_stride) == (1, 16, 16 * 16)
+    two = type(spec_for("v024_mla", 16, 1, 8))(16, 2, 8, "bfloat16", axes="BNC")
+    with pytest.raises(BackendError, match="no head axis"):
+        describe_strided(kv, two, MemKind.VRAM, "cpu")
 
 
 def test_split_and_unit_width() -> None:
@@ -194,9 +204,10 @@ def _transfer(kernel: str, src_variant: str, dst_variant: str, seed: int, in_par
     ("src", "dst"),
     [
         ("old_flash_nhd", "old_flash_hnd"),
-        ("old_flashinfer", "old_cross_layer"),
-        ("old_flashinfer_hnd", "old_flash_nhd"),
-        ("old_mla", "old_mla"),
+        ("v024_nhd", "v024_cross_layer"),
+        ("v024_hnd", "old_flash_nhd"),
+        ("v024_mla", "mla"),
+        ("old_mla", "v024_mla"),
         ("LBNHC", "LBHNC"),
         ("BLNHC", "LBNHC"),
         ("BLHNC", "LBHNC"),

@@ -119,7 +119,8 @@ def test_host_staging() -> None:
 
 @pytest.mark.parametrize("kernel", ["triton", "torch"])
 @pytest.mark.parametrize(
-    ("src", "dst"), [("LBNHC", "LBNHC"), ("LBNHC", "LBHNC"), ("BLNHC", "LBHNC"), ("old_flashinfer", "old_cross_layer")]
+    ("src", "dst"),
+    [("LBNHC", "LBNHC"), ("LBNHC", "LBHNC"), ("BLNHC", "LBHNC"), ("v024_hnd", "v024_cross_layer"), ("v024_mla", "mla")],
 )
 def test_pack_unpack_between_gpus(kernel: str, src: str, dst: str) -> None:
     """P's blocks -> P staging (pack, GPU0) -> D staging (peer copy) -> D's shuffled blocks (unpack, GPU1)."""

@@ -1,21 +1,28 @@
 """What the connector tells the backend about vLLM's KV cache, read from vLLM's own declarations.
 
 The backend reads the tensors (``Backend.describe``: shapes and strides); this
-module supplies what tensors do not say, from vLLM's KV-cache config, never
-from tensor shapes: the block size, the model's KV head slots, one head's
-content per token, the dtype, the attention backend of each layer, each
-layer's KV-cache group, and that vLLM (0.32 and later) hands every cache as
-``[blocks, heads, tokens, content]`` views (``axes="BHNC"``). Under the
-Neuron platform the Neuron backend's own hooks (``kvpush_neuron.vllm_neuron``)
-say the layout and the backend options instead. Recurrent-state layers
-(Mamba, GDN: vLLM's ``MambaSpec`` groups) are described here as state
-regions (``state_layout``); what kvpush cannot push is refused at start,
-naming the layers. Objects are duck-typed, so this runs without a vLLM
-engine.
+module supplies what tensors do not say, from vLLM's KV-cache config: the
+block size, the model's KV head slots, one head's content per token, the
+dtype, the attention backend of each layer and each layer's KV-cache group.
+Which of vLLM's allocations the caches come from is told by which declared
+shape the tensors have (``cache_axes``), never by a version number: vLLM
+0.29 and later hand every cache as ``[blocks, heads, tokens, K|V]`` views
+(``axes="BHNC"``); earlier vLLM allocates each layer in its attention
+backend's ``get_kv_cache_shape``: CPU attention ``[blocks, heads, tokens,
+K|V]`` too, FlashAttention, FlashInfer and Triton ``[blocks, 2, tokens,
+heads, head]`` (``BKNHC``, NHD or HND strides), ROCm's ``[2, blocks, ...]``
+(``KBNHC``) and MLA ``[blocks, tokens, latent]`` (``BNC``: one head). Under
+the Neuron platform the Neuron backend's own hooks
+(``kvpush_neuron.vllm_neuron``) say the layout and the backend options
+instead. Recurrent-state layers (Mamba, GDN: vLLM's ``MambaSpec`` groups)
+are described here as state regions (``state_layout``); what kvpush cannot
+push is refused at start, naming the layers. Objects are duck-typed, so this
+runs without a vLLM engine.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +34,16 @@ from kvpush.layout import KVLayout, Region
 from kvpush.state import StateGroup
 
 VLLM_AXES = "BHNC"
-"""vLLM 0.32 and later: each layer's cache is a ``[blocks, heads, tokens, content]`` view (vLLM RFC #42082)."""
+"""vLLM 0.29 and later: each layer's cache is a ``[blocks, heads, tokens, content]`` view (vLLM RFC #42082); the
+axes assumed when the connector gives no tensors."""
+
+CACHE_AXES = {
+    "BHNC": "[blocks, heads, tokens, K|V] (vLLM's KV-cache views; CPU attention's own shape)",
+    "BKNHC": "[blocks, 2, tokens, heads, head] (FlashAttention, FlashInfer, Triton attention; NHD or HND strides)",
+    "KBNHC": "[2, blocks, tokens, heads, head] (attention backends that put K/V outermost)",
+    "BNC": "[blocks, tokens, latent] (MLA: one latent row a token)",
+}
+"""The per-layer cache shapes vLLM's allocations give the connector, by ``CacheSpec.axes``."""
 
 
 def check_parallelism(parallel_config: Any) -> None:
@@ -127,16 +143,17 @@ def vllm_cache_spec(
     attention: Mapping[str, str],
     rank: int,
     tp: int,
+    *,
     caches: Mapping[str, Any] | None = None,
 ) -> CacheSpec:
     """The ``CacheSpec`` of vLLM's caches ``layer_names`` (in model order), from its KV-cache groups.
 
-    ``caches``: the tensors in model order (the connector passes them; the layouts of vLLM versions that shape
-    each layer's cache by its attention backend are read with them).
-
     ``attention`` maps each layer to its attention backend's name. Every
     layer must share one geometry (block size, heads, content, dtype) and one
-    attention backend: regions of one layout share a piece list.
+    attention backend: regions of one layout share a piece list. ``caches``
+    (layer -> tensor, as vLLM hands them) says which allocation they come
+    from (``cache_axes``); without it the caches are taken as vLLM's
+    ``[blocks, heads, tokens, K|V]`` views.
     """
     groups = _group_of_layers(kv_cache_config)
     missing = [n for n in layer_names if n not in groups]
@@ -150,9 +167,21 @@ def vllm_cache_spec(
     if len(facts) != 1 or len(names) != 1:
         raise BackendError(
             f"kvpush needs one geometry and one attention backend for every layer; this model's layers have "
-            f"{sorted(facts)} (block size, KV heads, content, dtype) and attention backends {sorted(names)}"
+            f"{sorted(facts)} (block size, KV heads, K|V content, head size, dtype) and attention backends "
+            f"{sorted(names)}"
         )
-    block_size, heads, content, dtype = facts.pop()
+    block_size, heads, content, head_size, dtype = facts.pop()
+    name = names.pop()
+    axes = VLLM_AXES
+    if caches is not None:
+        local = max(1, heads // tp)
+        found = {
+            cache_axes(n, caches[n], name, block_size, local, content, head_size) for n in layer_names if n in caches
+        }
+        if len(found) > 1:
+            raise BackendError(f"kvpush needs one cache shape for every layer; this model's caches have {found}")
+        if found:
+            axes, content = found.pop()
     return CacheSpec(
         block_size,
         heads,
@@ -160,14 +189,51 @@ def vllm_cache_spec(
         dtype,
         rank,
         tp,
-        axes=VLLM_AXES,
-        attention=names.pop(),
+        axes=axes,
+        attention=name,
         layer_groups=tuple(groups[n][0] for n in layer_names),
     )
 
 
-def _facts(vllm_config: Any, spec: Any) -> tuple[int, int, int, str]:
-    """(block size, model KV head slots, content elements of one head and token, dtype) of a group's spec."""
+def cache_axes(
+    name: str, cache: Any, attention: str, block_size: int, local_heads: int, content: int, head_size: int
+) -> tuple[str, int]:
+    """``(axes, content per head and token)`` of one layer's cache: which of ``CACHE_AXES`` its shape is.
+
+    The shape is matched against what vLLM declared (block size, this rank's
+    heads, K|V content, head size); a cache matching none, or two (K/V and
+    blocks both of size 2), is refused naming its shape, strides and
+    attention backend: guessing would move the wrong bytes.
+    """
+    shape = tuple(int(s) for s in getattr(cache, "shape", ()))
+    bs, h, d = block_size, local_heads, head_size
+    found = []
+    if len(shape) == 4 and shape[1:] == (h, bs, content):
+        found.append(("BHNC", content))
+    if len(shape) == 5 and shape[1] == 2 and shape[2:] == (bs, h, d) and content == 2 * d:
+        found.append(("BKNHC", d))
+    if len(shape) == 5 and shape[0] == 2 and shape[2:] == (bs, h, d) and content == 2 * d:
+        found.append(("KBNHC", d))
+    if len(shape) == 3 and h == 1 and content == d and shape[1:] == (bs, d):  # a latent: no V beside it
+        found.append(("BNC", content))
+    if len(found) == 1:
+        return found[0]
+    stride = tuple(cache.stride()) if hasattr(cache, "stride") else ()
+    what = "matches several of" if found else "is none of"
+    raise BackendError(
+        f"kvpush cannot move the KV cache of layer {name}: shape {shape}, strides {stride}, attention backend "
+        f"{attention or 'unknown'!r} {what} the shapes it knows for block size {bs}, {h} local heads, head size "
+        f"{d}, K|V content {content}: " + "; ".join(f"{a} {w}" for a, w in CACHE_AXES.items())
+    )
+
+
+def _facts(vllm_config: Any, spec: Any) -> tuple[int, int, int, int, str]:
+    """(block size, model KV head slots, K|V content of one head and token, head size, dtype) of a group's spec.
+
+    MLA's content is its latent (``head_size``). Otherwise it is K then V:
+    ``head_size + head_size_v``, or twice ``head_size`` for specs that
+    declare no ``head_size_v`` (K and V of one size).
+    """
     if getattr(spec, "num_head_slots", None) is not None or getattr(spec, "state_content_bytes", None) is not None:
         raise BackendError(
             f"{_spec_kind(spec)} packs its cache ({spec!r}); kvpush moves plain per-head, per-token content only"
@@ -175,9 +241,11 @@ def _facts(vllm_config: Any, spec: Any) -> tuple[int, int, int, str]:
     mla = "MLA" in _spec_kind(spec)
     # MLA's latent is one head slot every TP rank holds whole; otherwise the model's KV heads, sharded by TP.
     heads = 1 if mla else int(vllm_config.model_config.get_total_num_kv_heads())
-    content = int(spec.head_size) + int(getattr(spec, "head_size_v", 0) or 0)
+    head = int(spec.head_size)
+    head_v = getattr(spec, "head_size_v", None)
+    content = head if mla else head + int(head if head_v is None else head_v)
     dtype = str(spec.dtype).removeprefix("torch.")
-    return int(spec.block_size), heads, content, dtype
+    return int(spec.block_size), heads, content, head, dtype
 
 
 def describe_error(exc: Exception, kv_caches: Mapping[str, Any], spec: CacheSpec, supported: list[str]) -> BackendError:
@@ -194,8 +262,24 @@ def describe_error(exc: Exception, kv_caches: Mapping[str, Any], spec: CacheSpec
 
 def state_tensor(cache: Any) -> Any:
     """The tensor whose first byte is block 0's state: vLLM's raw ``[B, 1, 1, C]`` page view, or the first of
-    a layer's bound state views (conv, ssm), which start at the page."""
+    a layer's state tensors (conv, ssm: what earlier vLLM hands, and the bound views), which starts at the page."""
     return cache[0] if isinstance(cache, (list, tuple)) else cache
+
+
+def state_bytes(spec: Any) -> int:
+    """Bytes of one block's state: ``state_content_size_bytes`` where vLLM declares it, else the sum of its
+    ``shapes`` times their ``dtypes``' sizes (vLLM places the states one after another from the page's start)."""
+    declared = getattr(spec, "state_content_size_bytes", None)
+    if declared is not None:
+        return int(declared)
+    return sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True))
+
+
+def _itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if size is None:
+        raise ConfigError(f"cannot tell the size of state dtype {dtype!r}")
+    return int(size)
 
 
 def with_states(
@@ -205,8 +289,8 @@ def with_states(
     regions of the other caches of ``names`` (model order), every region numbered by its model layer.
 
     A state layer's region starts at its block 0's page: block ``b``'s state is
-    the ``state_content_size_bytes`` vLLM declares, at ``b`` times the cache's
-    block stride (read from the tensor). Raises ``ConfigError`` when the
+    ``state_bytes`` long, at ``b`` times the cache's block stride (read from
+    the tensor, or the first of the layer's state tensors). Raises ``ConfigError`` when the
     backend described nothing to place them beside.
     """
     specs = state_groups(kv_cache_config)
@@ -223,7 +307,7 @@ def with_states(
             continue
         t = state_tensor(caches[n])
         stride = int(t.stride(0)) * int(t.element_size())
-        nbytes = int(spec.state_content_size_bytes)
+        nbytes = state_bytes(spec)
         group = StateGroup(g, stride, nbytes, int(getattr(spec, "num_speculative_blocks", 0) or 0)).validate()
         if states.setdefault(g, group) != group:
             raise ConfigError(f"state layers of KV-cache group {g} differ in layout: {states[g]} and {group} ({n})")
