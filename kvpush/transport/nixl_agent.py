@@ -25,11 +25,18 @@ from kvpush.transport.backends import traits
 
 log = logging.getLogger(__name__)
 
+NIXL_INSTALL = "pip install 'nixl>=1.3.2,<1.6' (after torch, so pip does not pull a CUDA torch)"
+"""How to install a NIXL kvpush supports (the range pyproject.toml names)."""
+
 RETIRED_PEERS_MAX = 64
 """Most unloaded peers an agent keeps loaded where a live peer cannot be reloaded
 (``traits.reloads_live_peer`` False); beyond it the oldest is really unloaded."""
 SETTLE_MAX_ERRORS = 4096
 """Most failed completions one ``Agent._settle_errors`` reads (a dead peer leaves one per descriptor)."""
+
+
+WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+"""NIXL's wheels (the ``nixl`` meta package imports one of them), in the meta package's order."""
 
 
 def _torch_without_cuda_on_disk() -> bool:
@@ -67,7 +74,7 @@ def _nixl() -> Any:
     """
     try:
         if "nixl._api" not in sys.modules and _torch_without_cuda_on_disk():
-            for wheel in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
+            for wheel in WHEELS:
                 try:
                     api = importlib.import_module(f"{wheel}._api")
                     return api.nixl_agent, api.nixl_agent_config
@@ -76,8 +83,37 @@ def _nixl() -> Any:
                         raise
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:  # pragma: no cover - depends on install
-        raise KVPushError(f"NIXL is not importable ({exc}); install it with: pip install nixl==1.5.1") from None
+        raise KVPushError(f"NIXL is not importable ({exc}); install it with: {NIXL_INSTALL}") from None
     return nixl_agent, nixl_agent_config
+
+
+def nixl_wheel() -> str:
+    """The NIXL wheel module this process imported (``nixl_cu13``, …; ``nixl`` for a build without wheels),
+    empty while NIXL is not imported."""
+    return next((w for w in (*WHEELS, "nixl") if f"{w}._api" in sys.modules), "")
+
+
+def nixl_version() -> str:
+    """The version of the NIXL this process runs (imported by :func:`_nixl`), from the wheel it imported,
+    which is what runs; the meta package's version where the wheel has no metadata, else ``"unknown"``.
+    The backends' traits depend on it (:mod:`kvpush.transport.backends`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    _nixl()
+    for dist in (nixl_wheel().replace("_", "-"), "nixl"):
+        try:
+            return version(dist) if dist else "unknown"
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def imports_torch() -> bool:
+    """Whether the running NIXL's Python API imports torch when loaded (NIXL 1.3.2 does: seconds and hundreds
+    of MiB per process on a small host); later versions only look for a torch already imported. Read from
+    the API module, not the version number."""
+    api = sys.modules.get(f"{nixl_wheel()}._api")
+    return api is not None and not hasattr(api, "_is_torch_tensor") and hasattr(api, "torch")
 
 
 def _pairs(new: dict[Any, list[Any]]) -> list[tuple[str, bytes]]:
@@ -111,7 +147,8 @@ class Agent:
             except Exception as exc:
                 raise KVPushError(f"NIXL backend {b} failed to start: {exc}") from None
         self.backends = tuple(backends)
-        self.traits = traits(self.backends)
+        self.nixl_version = nixl_version()
+        self.traits = traits(self.backends, self.nixl_version)
         self._mem_types = {b: set(self._agent.get_backend_mem_types(b)) for b in self.backends}
         self._regs: list[Any] = []
         self._peers: dict[str, bytes] = {}
