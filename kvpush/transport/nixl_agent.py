@@ -25,8 +25,10 @@ from kvpush.transport.backends import traits
 
 log = logging.getLogger(__name__)
 
+SUPPORTED = ((1, 3, 2), (1, 6))
+"""NIXL versions kvpush supports: from the first, below the second (pyproject.toml's ``nixl>=1.3.2,<1.6``)."""
 NIXL_INSTALL = "pip install 'nixl>=1.3.2,<1.6' (after torch, so pip does not pull a CUDA torch)"
-"""How to install a NIXL kvpush supports (the range pyproject.toml names)."""
+"""How to install a NIXL kvpush supports."""
 
 RETIRED_PEERS_MAX = 64
 """Most unloaded peers an agent keeps loaded where a live peer cannot be reloaded
@@ -106,6 +108,15 @@ def nixl_version() -> str:
         except PackageNotFoundError:
             continue
     return "unknown"
+
+
+def supported(version: str) -> bool:
+    """Whether kvpush supports this NIXL version (``SUPPORTED``); a version it cannot read is not."""
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:3])
+    except ValueError:
+        return False
+    return SUPPORTED[0] <= parts < SUPPORTED[1]
 
 
 def imports_torch() -> bool:
