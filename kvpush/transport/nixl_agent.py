@@ -9,6 +9,7 @@ no NIXL thread-safety mode is needed.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -95,10 +96,12 @@ def nixl_wheel() -> str:
     return next((w for w in (*WHEELS, "nixl") if f"{w}._api" in sys.modules), "")
 
 
+@functools.cache
 def nixl_version() -> str:
     """The version of the NIXL this process runs (imported by :func:`_nixl`), from the wheel it imported,
     which is what runs; the meta package's version where the wheel has no metadata, else ``"unknown"``.
-    The backends' traits depend on it (:mod:`kvpush.transport.backends`)."""
+    The backends' traits depend on it (:mod:`kvpush.transport.backends`). Read once a process: a loaded
+    NIXL does not change, and reading package metadata scans the path."""
     from importlib.metadata import PackageNotFoundError, version
 
     _nixl()
