@@ -41,21 +41,37 @@ class BackendTraits:
     waits (inside the post) for that answer up to its handshake timeout. Where False, the agent keeps
     an unloaded peer's metadata loaded and reuses it when the same metadata comes back
     (docs/libfabric.md, difference 10)."""
+    dead_peer_writes_end: bool = True
+    """A WRITE in flight to a peer that dies ends by itself (failed). Not so on LIBFABRIC before NIXL 1.5:
+    its WRITEs to a killed peer stay in progress for as long as the peer is loaded, and end (failed) once it
+    is unloaded. Where False, the agent unloads a given-up peer that still has WRITEs in flight even where
+    a live peer cannot be reloaded: P holds those WRITEs' blocks until they end, and a peer given up with
+    WRITEs in flight was declared dead (a fencing hello is refused while WRITEs fly)
+    (docs/libfabric.md, difference 11)."""
 
 
 UCX = BackendTraits(descriptor_cost_us=7.0)
-LIBFABRIC = BackendTraits(descriptor_cost_us=11.0, drain_calls=32, peer_errors_isolated=False, reloads_live_peer=False)
-"""LIBFABRIC as measured on NIXL 1.4.1 and 1.5.1 (docs/libfabric.md, differences 1, 3 and 10); also its
-traits where the running NIXL's were not measured: the most cautious any measured version needed, each
-harmless where the plugin does not need it (extra drain calls return at once, settling reads no errors,
-a peer kept loaded is reused), so an unmeasured version is driven safely."""
+LIBFABRIC = BackendTraits(
+    descriptor_cost_us=11.0,
+    drain_calls=32,
+    peer_errors_isolated=False,
+    reloads_live_peer=False,
+    dead_peer_writes_end=False,
+)
+"""LIBFABRIC as measured on NIXL 1.4.1 (docs/libfabric.md, differences 1, 3, 10 and 11); also its traits
+where the running NIXL's were not measured: the most cautious any measured version needed, each harmless
+where the plugin does not need it (extra drain calls return at once, settling reads no errors, a peer
+kept loaded is reused, a dead peer unloaded frees its connection), so an unmeasured version is driven
+safely."""
 LIBFABRIC_1_3 = replace(LIBFABRIC, reloads_live_peer=True)
 """LIBFABRIC on NIXL 1.3.2, whose plugin handshakes on a peer's first WRITE, not when its metadata is loaded:
 a live peer unloaded and loaded again is written to at once, so given-up peers are unloaded (their
-connections freed) as on UCX. Draining and error isolation as on later versions."""
+connections freed) as on UCX. Draining, error isolation and WRITEs to a dead peer as on 1.4.1."""
+LIBFABRIC_1_5 = replace(LIBFABRIC, dead_peer_writes_end=True)
+"""LIBFABRIC on NIXL 1.5.1: as on 1.4.1, except that WRITEs to a peer that died end (failed) by themselves."""
 
 VERIFIED: dict[str, dict[str, BackendTraits]] = {
-    "LIBFABRIC": {"1.3.2": LIBFABRIC_1_3, "1.4.1": LIBFABRIC, "1.5.1": LIBFABRIC},
+    "LIBFABRIC": {"1.3.2": LIBFABRIC_1_3, "1.4.1": LIBFABRIC, "1.5.1": LIBFABRIC_1_5},
 }
 """Traits by backend and NIXL version, for the versions kvpush measured them on with
 ``tools/libfabric/probe_traits.py`` and the multi-process tests (docs/libfabric.md, "NIXL versions").
@@ -88,4 +104,5 @@ def traits(backends: Iterable[str], nixl_version: str | None = None) -> BackendT
         max(t.drain_calls for t in known),
         all(t.peer_errors_isolated for t in known),
         all(t.reloads_live_peer for t in known),
+        all(t.dead_peer_writes_end for t in known),
     )

@@ -170,6 +170,8 @@ class Agent:
         self._retired: dict[str, bytes] = {}
         """Peers given up with ``remove_peer`` but kept loaded (``traits.reloads_live_peer`` False), oldest first."""
         self._early: list[tuple[str, bytes]] = []
+        self._writes: dict[int, str] = {}
+        """WRITEs made and not yet released: ``id`` of the handle -> the peer written to."""
 
     def register(self, regs: list[MemRegistration]) -> None:
         """Register buffers (all of one memory kind per call)."""
@@ -237,11 +239,14 @@ class Agent:
 
     def remove_peer(self, name: str) -> None:
         """Give a peer up: nothing of it is posted any more. Unloaded where the backend can load a live
-        peer again (``traits.reloads_live_peer``); else kept loaded for its metadata's return."""
+        peer again (``traits.reloads_live_peer``), or where WRITEs to it are still unreleased and would not
+        end by themselves if it died (``traits.dead_peer_writes_end``); else kept loaded for its metadata's
+        return."""
         metadata = self._peers.pop(name, None)
         if metadata is None:
             return
-        if self.traits.reloads_live_peer:
+        stuck = not self.traits.dead_peer_writes_end and name in self._writes.values()
+        if self.traits.reloads_live_peer or stuck:
             self._unload(name)
             return
         self._retired[name] = metadata
@@ -285,7 +290,9 @@ class Agent:
         off the critical path. An unposted handle is given back with ``release``."""
         ld = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.int64), local_mem)
         rd = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem)
-        return self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
+        handle = self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
+        self._writes[id(handle)] = peer
+        return handle
 
     def post(self, handle: Any) -> XferState:
         """Post a WRITE made by ``prepare_write``; returns the post state."""
@@ -308,6 +315,7 @@ class Agent:
             return XferState.ERR
 
     def release(self, handle: Any) -> None:
+        self._writes.pop(id(handle), None)
         try:
             self._agent.release_xfer_handle(handle)
         except Exception as exc:  # pragma: no cover
