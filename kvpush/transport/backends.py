@@ -42,12 +42,13 @@ class BackendTraits:
     an unloaded peer's metadata loaded and reuses it when the same metadata comes back
     (docs/libfabric.md, difference 10)."""
     dead_peer_writes_end: bool = True
-    """A WRITE in flight to a peer that dies ends by itself (failed). Not so on LIBFABRIC before NIXL 1.5:
-    its WRITEs to a killed peer stay in progress for as long as the peer is loaded, and end (failed) once it
-    is unloaded. Where False, the agent unloads a given-up peer that still has WRITEs in flight even where
-    a live peer cannot be reloaded: P holds those WRITEs' blocks until they end, and a peer given up with
-    WRITEs in flight was declared dead (a fencing hello is refused while WRITEs fly)
-    (docs/libfabric.md, difference 11)."""
+    """A WRITE in flight to a peer that dies ends by itself (failed). Not so on LIBFABRIC before NIXL 1.5
+    when the failed completions are read by notification calls, as ``Agent._settle_errors`` does where
+    errors are not isolated: they are then charged to no transfer, and the WRITEs stay in progress for as
+    long as the peer is loaded; unloading it ends them (failed). Where False, the agent unloads a given-up
+    peer that still has WRITEs unreleased even where a live peer cannot be reloaded: P holds those WRITEs'
+    blocks until they end, and a peer given up with WRITEs in flight was declared dead (a fencing hello is
+    refused while WRITEs fly) (docs/libfabric.md, difference 11)."""
 
 
 UCX = BackendTraits(descriptor_cost_us=7.0)

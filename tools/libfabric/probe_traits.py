@@ -12,7 +12,10 @@ when given up), so what is printed is the plugin's own behaviour, not kvpush's h
 * ``reload``: whether a WRITE to a live peer that was unloaded and loaded again lands within
   ``RELOAD_WAIT_S`` (``BackendTraits.reloads_live_peer``);
 * ``isolation``: of the WRITEs to a live peer in flight while another peer is killed, how many fail
-  (``BackendTraits.peer_errors_isolated``).
+  (``BackendTraits.peer_errors_isolated``);
+* ``dead``: the states of WRITEs to a peer killed mid-write, ``DEAD_WAIT_S`` later and then once the peer
+  is unloaded, its failed completions read by notification calls before each poll, as kvpush does where
+  errors are not isolated (``BackendTraits.dead_peer_writes_end``; ``settle`` False: by the polls alone).
 
 Results go to docs/libfabric.md; kvpush's traits per NIXL version are in kvpush/transport/backends.py.
 """
@@ -37,6 +40,9 @@ from kvpush.transport.nixl_agent import Agent, nixl_version
 POLL_S = 0.001
 RELOAD_WAIT_S = 15.0
 """Longer than any WRITE here takes, far shorter than the plugin's 60 s handshake timeout."""
+DEAD_WAIT_S = 8.0
+"""How long WRITEs to a killed peer are polled before the peer is unloaded (they fail within 0.1 s where
+they end by themselves)."""
 
 
 def _agent(name: str, drain_calls: int = 1) -> Agent:
@@ -180,15 +186,57 @@ def isolation(runs: int = 3) -> dict[str, Any]:
     return {"runs": runs, "d2_writes_failed_per_run": failed}
 
 
+def dead(settle: bool = True) -> dict[str, Any]:
+    """States of three 8 MiB WRITEs to a peer killed mid-write: after ``DEAD_WAIT_S`` of polls, then once it
+    is unloaded."""
+    ctx = mp.get_context("spawn")
+    size, descs = 8 << 20, 128
+    proc, _, stop, meta, raddr = _start(ctx, "D", 3 * size)
+    p = _agent("P")
+    p.traits = replace(p.traits, peer_errors_isolated=not settle)
+    src = _buffer(p, 3 * size)
+    peer = p.add_peer(meta)
+    handles = [
+        p.write(
+            _rows(src.ctypes.data + i * size, descs, size // descs),
+            "DRAM",
+            _rows(raddr + i * size, descs, size // descs),
+            "DRAM",
+            peer,
+            b"d",
+        )[0]
+        for i in range(3)
+    ]
+    time.sleep(0.02)
+    proc.kill()
+    out: dict[str, Any] = {}
+    for step in ("polled", "unloaded"):
+        if step == "unloaded":
+            p.remove_peer(peer)  # UCX's traits: really unloaded
+        t0, states = time.monotonic(), [XferState.PROC]
+        while XferState.PROC in states and time.monotonic() - t0 < DEAD_WAIT_S:
+            states = [p.state(h) for h in handles]
+            time.sleep(POLL_S)
+        out[step] = {"states": [st.value for st in states], "s": round(time.monotonic() - t0, 2)}
+    stop.set()
+    p.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("drain", "reload", "isolation"), action="append")
+    ap.add_argument("--only", choices=("drain", "reload", "isolation", "dead"), action="append")
     ap.add_argument("--runs", type=int, default=3, help="isolation runs")
     args = ap.parse_args()
-    which = args.only or ["drain", "reload", "isolation"]
+    which = args.only or ["drain", "reload", "isolation", "dead"]
     result: dict[str, Any] = {"nixl": nixl_version()}
     for name in which:
-        result[name] = isolation(args.runs) if name == "isolation" else globals()[name]()
+        if name == "isolation":
+            result[name] = isolation(args.runs)
+        elif name == "dead":
+            result[name] = {"settled": dead(True), "polls_alone": dead(False)}
+        else:
+            result[name] = globals()[name]()
         print(json.dumps({name: result[name]}), flush=True)
     print("KVPUSH_PROBE " + json.dumps(result), flush=True)
     return 0
