@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from kvpush.doctor import (
     explain_plugin,
     has_version_node,
 )
-from kvpush.doctor.libfabric import is_cuda_standin, nvidia_present
+from kvpush.doctor.libfabric import explain_deps, is_cuda_standin, nvidia_present, required_node
+from kvpush.transport.backends import verified
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,14 +71,20 @@ def test_doctor_on_this_host(tmp_path: Path) -> None:
         rc, text, findings = doctor(tmp_path, "--port", str(free_port), "--peer", f"127.0.0.1:{pair.sender.address[1]}")
     f = by_key(findings)
     assert rc == 0, text
-    assert f["nixl"]["status"] == "ok" and f["nixl"]["details"]["version"] == "1.5.1"
+    nixl = f["nixl"]["details"]
+    assert f["nixl"]["status"] == "ok" and nixl["version"] == version(nixl["wheel"].replace("_", "-")), f["nixl"]
+    assert nixl["supported"] is True and nixl["libfabric_verified"] is verified("LIBFABRIC", nixl["version"])
+    assert f"[ ok ] NIXL: NIXL {nixl['version']} importable (wheel {nixl['wheel']})" in text
+    said = "was verified on" if nixl["libfabric_verified"] else "was not verified on"
+    assert f"kvpush's LIBFABRIC behaviour {said} NIXL {nixl['version']}" in f["nixl"]["why"]
     assert f["UCX"]["status"] == "ok"
     assert "[ ok ] NIXL plugin UCX" in text
     # LIBFABRIC: unavailable here, and the reason names the library the loader could not find.
     lf = f["LIBFABRIC"]
     if ctypes.util.find_library("fabric") is None:
         assert lf["status"] == "missing"
-        assert "libfabric.so.1 not found" in lf["why"] and "FABRIC_1.10" in lf["why"]
+        node = required_node(Path(lf["details"]["plugin"])).decode()  # FABRIC_1.10 from NIXL 1.5, 1.7 before
+        assert "libfabric.so.1 not found" in lf["why"] and f"symbol version {node}" in lf["why"]
         assert "libfabric.so.1" in lf["details"]["missing_libraries"]
         assert "aws-efa-installer" in lf["fix"]
         assert "[ -- ] NIXL plugin LIBFABRIC: LIBFABRIC does not load" in text
@@ -138,6 +146,21 @@ def test_silent_peer_fails() -> None:
         port = s.getsockname()[1]  # nothing will answer here
     c = check_clock(f"127.0.0.1:{port}", warn_ms=5)
     assert c.status == "fail" and "did not answer" in c.summary and "side_channel_port" in c.fix
+
+
+def test_libfabric_version_node_is_read_from_the_plugin(tmp_path: Path) -> None:
+    """The libfabric a plugin needs is the one defining the newest symbol version that plugin names (NIXL 1.5's
+    FABRIC_1.10, earlier NIXL's FABRIC_1.7): a libfabric stopping at FABRIC_1.9 serves the older plugins."""
+    p17, p110 = tmp_path / "p17.so", tmp_path / "p110.so"
+    p17.write_bytes(b"\x7fELF...FABRIC_1.0\0FABRIC_1.1\0FABRIC_1.7\0...")
+    p110.write_bytes(b"\x7fELF...FABRIC_1.0\0FABRIC_1.10\0FABRIC_1.7\0...")
+    assert required_node(p17) == b"FABRIC_1.7" and required_node(p110) == b"FABRIC_1.10"
+    assert required_node(tmp_path / "absent.so") == LIBFABRIC_VERSION_NODE
+    fab = tmp_path / "libfabric.so.1"
+    fab.write_bytes(b"\x7fELF...FABRIC_1.0\0FABRIC_1.7\0FABRIC_1.9\0")
+    deps: dict[str, str | None] = {"libfabric.so.1": str(fab)}
+    assert explain_deps(deps, required_node(p17))[0] == []
+    assert "it lacks symbol version FABRIC_1.10" in explain_deps(deps, required_node(p110))[0][0]
 
 
 def test_libfabric_version_node(tmp_path: Path) -> None:

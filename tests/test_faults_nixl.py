@@ -17,7 +17,6 @@ from helpers_libfabric import spawn_env
 from procs import Geom, Node, make_cache
 
 from kvpush.conformance.model import Req, apply_push
-from kvpush.transport.backends import traits
 
 FAST = {"heartbeat_s": 0.2, "peer_dead_s": 1.5, "staging_bytes": 1 << 20, "quarantine_s": 2.0}
 
@@ -124,7 +123,7 @@ def test_a_dead_d_fails_only_its_own_transfers(pair: tuple[Node, Node], nixl_bac
         d1.proc.kill()
         got = {r.request_id: r for r in d2.call("results", "r", 3, 30.0)}
         assert sorted(got) == ["b0", "b1", "b2"], got
-        if traits([nixl_backend]).peer_errors_isolated:
+        if p.call("nixl_traits")[1].peer_errors_isolated:
             assert all(r.ok for r in got.values()), got
         exp = make_cache(g, None)
         src = p.call("snapshot", "s")

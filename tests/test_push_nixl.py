@@ -28,6 +28,7 @@ from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.engine.types import Result
 from kvpush.layout import KVLayout
 from kvpush.transport import auth
+from kvpush.transport.backends import traits
 
 STAGING = 4 << 20
 
@@ -634,3 +635,14 @@ def test_a_live_peer_given_up_and_loaded_again_is_written_at_once(nodes: tuple[N
     peer again made that WRITE's post wait the plugin's 60 s handshake timeout (``reloads_live_peer``)."""
     p, _ = nodes
     assert p.call("reload_live_peer", 8, timeout=30.0) == [True, True]
+
+
+def test_agents_drive_the_traits_measured_on_the_running_nixl(nodes: tuple[Node, Node], nixl_backend: str) -> None:
+    """Each worker's agents drive the traits kvpush measured on the NIXL version they run (the LIBFABRIC
+    plugin behaves differently across versions), and that version is the installed wheel's."""
+    from importlib.metadata import version
+
+    for node in nodes:
+        running, got = node.call("nixl_traits")
+        assert running in {version(w) for w in ("nixl-cu13", "nixl-cu12", "nixl")}, running
+        assert got == traits([nixl_backend], running), (running, got)

@@ -1,11 +1,12 @@
 """LIBFABRIC's part of ``kvpush doctor``: the libfabric NIXL's plugin loads, its providers, and what else it links.
 
-NIXL's LIBFABRIC plugin needs libfabric >= 1.10 (symbol version
-``FABRIC_1.10``), hwloc (``libhwloc.so.15``) and, because the wheels build it
-with CUDA, the NVIDIA driver's ``libcuda.so.1`` and the wheel's CUDA runtime,
-even for host memory. Which provider it then uses is its own rule: cxi, else
-efa, else the first tcp domain, else sockets (shm and the others are never
-chosen). Each finding here is read from the host (the loader's resolution,
+NIXL's LIBFABRIC plugin needs a libfabric defining the newest symbol version it
+links (``FABRIC_1.10`` from NIXL 1.5, ``FABRIC_1.7`` before; read from the
+plugin), hwloc (``libhwloc.so.15``) and, because the wheels build it with CUDA,
+the NVIDIA driver's ``libcuda.so.1`` and the wheel's CUDA runtime, even for
+host memory. Which provider it then uses is its own rule: cxi, else efa, else
+the first tcp domain, else sockets (shm and the others are never chosen).
+Each finding here is read from the host (the loader's resolution,
 the library's version nodes, ``fi_getinfo`` in a child process), not assumed.
 """
 
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 LIBFABRIC_VERSION_NODE = b"FABRIC_1.10"
+"""The newest libfabric symbol version a NIXL LIBFABRIC plugin links (1.5's); older plugins link older ones."""
 STANDIN_MARK = b"kvpush_cuda_standin\0"
 """Exported by kvpush's CPU stand-in for ``libcuda.so.1`` (tests/native/cuda_standin.c)."""
 PLUGIN_ORDER = ("cxi", "efa", "tcp", "sockets")
@@ -33,6 +36,17 @@ def has_version_node(lib: Path, node: bytes = LIBFABRIC_VERSION_NODE) -> bool:
         return node + b"\0" in lib.read_bytes()
     except OSError:
         return False
+
+
+def required_node(plugin: Path) -> bytes:
+    """The newest libfabric symbol version ``plugin`` names (``FABRIC_1.7``, ``FABRIC_1.10``), read from its
+    dynamic string table: what the libfabric it loads must define. ``LIBFABRIC_VERSION_NODE`` where it names
+    none or cannot be read."""
+    try:
+        found = re.findall(rb"FABRIC_1\.(\d+)\0", plugin.read_bytes())
+    except OSError:
+        found = []
+    return b"FABRIC_1.%d" % max(int(m) for m in found) if found else LIBFABRIC_VERSION_NODE
 
 
 def is_cuda_standin(lib: str | Path | None) -> bool:
@@ -50,16 +64,19 @@ def nvidia_present(root: Path = Path("/")) -> bool:
     return (root / "proc/driver/nvidia").exists() or any((root / "dev").glob("nvidia[0-9]*"))
 
 
-def explain_deps(deps: dict[str, str | None]) -> tuple[list[str], list[str], dict[str, Any]]:
-    """(reasons, fixes, details) for the LIBFABRIC plugin's libraries as the loader resolves them."""
+def explain_deps(
+    deps: dict[str, str | None], node_bytes: bytes = LIBFABRIC_VERSION_NODE
+) -> tuple[list[str], list[str], dict[str, Any]]:
+    """(reasons, fixes, details) for the LIBFABRIC plugin's libraries as the loader resolves them; ``node_bytes``:
+    the libfabric symbol version the plugin needs (:func:`required_node`)."""
     reasons: list[str] = []
     fixes: list[str] = []
     fab = deps.get("libfabric.so.1", "absent") if deps else "absent"
-    node = LIBFABRIC_VERSION_NODE.decode()
+    node = node_bytes.decode()
     if "libfabric.so.1" in deps and fab is None:
         reasons.append(
             "libfabric is not installed where the loader looks (libfabric.so.1 not found); the plugin needs "
-            f"libfabric >= 1.10 (symbol version {node})"
+            f"a libfabric with symbol version {node}"
         )
         fixes.append(
             "on an EFA host install the AWS EFA software (aws-efa-installer), which puts a recent libfabric in "
@@ -67,10 +84,8 @@ def explain_deps(deps: dict[str, str | None]) -> tuple[list[str], list[str], dic
             "libfabric1/rdma-core packages instead (too old here, and they break UCX agents); to test without "
             "EFA, build libfabric's tcp provider (kvpush's repository: tools/libfabric/setup.sh)"
         )
-    elif isinstance(fab, str) and fab != "absent" and not has_version_node(Path(fab)):
-        reasons.append(
-            f"the libfabric the loader finds ({fab}) is too old: it lacks symbol version {node} (libfabric >= 1.10)"
-        )
+    elif isinstance(fab, str) and fab != "absent" and not has_version_node(Path(fab), node_bytes):
+        reasons.append(f"the libfabric the loader finds ({fab}) is too old: it lacks symbol version {node}")
         fixes.append(
             "put the EFA installer's libfabric (/opt/amazon/efa/lib) first on LD_LIBRARY_PATH, or remove the old "
             "libfabric"

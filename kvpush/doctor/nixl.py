@@ -24,35 +24,55 @@ from kvpush.doctor.report import Check
 
 
 def check_nixl() -> tuple[Check, str]:
-    """NIXL importable; returns the check and the wheel module kvpush uses (``nixl_cu13``, …)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """NIXL importable; returns the check and the wheel module kvpush uses (``nixl_cu13``, …).
 
+    It names the running NIXL version, whether kvpush supports it, and whether kvpush's LIBFABRIC handling
+    was measured on it: the LIBFABRIC plugin changes between NIXL releases, and on a version nobody
+    measured kvpush drives it with its most cautious traits (kvpush/transport/backends.py)."""
     try:
-        from kvpush.transport.nixl_agent import _nixl
+        from kvpush.transport.nixl_agent import NIXL_INSTALL, imports_torch, nixl_version, nixl_wheel, supported
 
-        _nixl()
+        ver = nixl_version()
         if not os.environ.get("NIXL_LOG_LEVEL"):
             # NIXL logs every agent and backend it creates at INFO; the findings below say what matters.
             logging.getLogger("nixl").setLevel(logging.WARNING)
     except Exception as exc:
+        from kvpush.transport.nixl_agent import NIXL_INSTALL
+
+        return Check("nixl", "NIXL", "fail", "NIXL is not importable", why=str(exc), fix=NIXL_INSTALL), ""
+    from kvpush.transport.backends import VERIFIED, verified
+
+    wheel = nixl_wheel() or "nixl"
+    where = str(Path(sys.modules[wheel].__file__ or "").parent)
+    lf_ok = verified("LIBFABRIC", ver)
+    lf_versions = ", ".join(sorted(VERIFIED["LIBFABRIC"]))
+    details = {
+        "version": ver,
+        "wheel": wheel,
+        "supported": supported(ver),
+        "libfabric_verified": lf_ok,
+        "libfabric_verified_on": sorted(VERIFIED["LIBFABRIC"]),
+        "imports_torch": imports_torch(),
+    }
+    why = (
+        f"kvpush's LIBFABRIC behaviour was verified on NIXL {ver}"
+        if lf_ok
+        else f"kvpush's LIBFABRIC behaviour was not verified on NIXL {ver} (verified on {lf_versions}): "
+        "over LIBFABRIC it is driven with its most cautious traits"
+    )
+    if details["imports_torch"]:
+        why += f"; NIXL {ver} imports torch when loaded (seconds and hundreds of MiB in every process using it)"
+    if not details["supported"]:
         return Check(
             "nixl",
             "NIXL",
             "fail",
-            "NIXL is not importable",
-            why=str(exc),
-            fix="pip install nixl==1.5.1 (after torch, so pip does not pull a CUDA torch)",
-        ), ""
-    wheel = next(
-        (w for w in ("nixl_cu13", "nixl_cu12", "nixl_rocm", "nixl") if f"{w}._api" in sys.modules),
-        "nixl",
-    )
-    try:
-        ver = version("nixl")
-    except PackageNotFoundError:
-        ver = "unknown"
-    where = str(Path(sys.modules[wheel].__file__ or "").parent)
-    ok = Check("nixl", "NIXL", "ok", f"NIXL {ver} importable (wheel {wheel})", details={"version": ver, "wheel": wheel})
+            f"NIXL {ver} (wheel {wheel}) is outside the versions kvpush supports",
+            why=why,
+            fix=NIXL_INSTALL,
+            details=details,
+        ), where
+    ok = Check("nixl", "NIXL", "ok", f"NIXL {ver} importable (wheel {wheel})", why=why, details=details)
     return ok, where
 
 
@@ -145,7 +165,7 @@ def explain_plugin(name: str, pdir: Path | None, error: str) -> tuple[str, str, 
     loader = dlopen_error(so)
     details["loader_error"] = loader
     if name == "LIBFABRIC":
-        reasons, fixes, more = lf.explain_deps(deps)
+        reasons, fixes, more = lf.explain_deps(deps, lf.required_node(so))
         details.update(more)
     else:
         reasons, fixes = _other_deps(missing)

@@ -10,7 +10,7 @@ docs/benchmarks.md has the measurements behind the numbers.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -41,20 +41,69 @@ class BackendTraits:
     waits (inside the post) for that answer up to its handshake timeout. Where False, the agent keeps
     an unloaded peer's metadata loaded and reuses it when the same metadata comes back
     (docs/libfabric.md, difference 10)."""
+    dead_peer_writes_end: bool = True
+    """A WRITE in flight to a peer that dies ends by itself (failed). Not so on LIBFABRIC before NIXL 1.5
+    when the failed completions are read by notification calls, as ``Agent._settle_errors`` does where
+    errors are not isolated: they are then charged to no transfer, and the WRITEs stay in progress for as
+    long as the peer is loaded; unloading it ends them (failed). Where False, the agent unloads a given-up
+    peer that still has WRITEs unreleased even where a live peer cannot be reloaded: P holds those WRITEs'
+    blocks until they end, and a peer given up with WRITEs in flight was declared dead (a fencing hello is
+    refused while WRITEs fly) (docs/libfabric.md, difference 11)."""
 
 
 UCX = BackendTraits(descriptor_cost_us=7.0)
-LIBFABRIC = BackendTraits(descriptor_cost_us=11.0, drain_calls=32, peer_errors_isolated=False, reloads_live_peer=False)
-TRAITS: dict[str, BackendTraits] = {"UCX": UCX, "LIBFABRIC": LIBFABRIC}
+LIBFABRIC = BackendTraits(
+    descriptor_cost_us=11.0,
+    drain_calls=32,
+    peer_errors_isolated=False,
+    reloads_live_peer=False,
+    dead_peer_writes_end=False,
+)
+"""LIBFABRIC as measured on NIXL 1.4.1 (docs/libfabric.md, differences 1, 3, 10 and 11); also its traits
+where the running NIXL's were not measured: the most cautious any measured version needed, each harmless
+where the plugin does not need it (extra drain calls return at once, settling reads no errors, a peer
+kept loaded is reused, a dead peer unloaded frees its connection), so an unmeasured version is driven
+safely."""
+LIBFABRIC_1_3 = replace(LIBFABRIC, reloads_live_peer=True)
+"""LIBFABRIC on NIXL 1.3.2, whose plugin handshakes on a peer's first WRITE, not when its metadata is loaded:
+a live peer unloaded and loaded again is written to at once, so given-up peers are unloaded (their
+connections freed) as on UCX. Draining, error isolation and WRITEs to a dead peer as on 1.4.1."""
+LIBFABRIC_1_5 = replace(LIBFABRIC, dead_peer_writes_end=True)
+"""LIBFABRIC on NIXL 1.5.1: as on 1.4.1, except that WRITEs to a peer that died end (failed) by themselves."""
+
+VERIFIED: dict[str, dict[str, BackendTraits]] = {
+    "LIBFABRIC": {"1.3.2": LIBFABRIC_1_3, "1.4.1": LIBFABRIC, "1.5.1": LIBFABRIC_1_5},
+}
+"""Traits by backend and NIXL version, for the versions kvpush measured them on with
+``tools/libfabric/probe_traits.py`` and the multi-process tests (docs/libfabric.md, "NIXL versions").
+A backend's plugin is NIXL's own code and changes between releases (LIBFABRIC's handshake was rewritten
+between 1.3.2 and 1.4.1), so what was measured on one version is claimed for that version only."""
+DEFAULTS: dict[str, BackendTraits] = {"UCX": UCX, "LIBFABRIC": LIBFABRIC}
+"""A backend's traits on a NIXL version it was not measured on (UCX: one call handles everything)."""
 
 
-def traits(backends: Iterable[str]) -> BackendTraits:
-    """The traits of an agent with these backends: the first one's costs (NIXL prefers it) and the
-    most draining any of them needs. Backends kvpush has not measured are driven like UCX."""
-    known = [TRAITS.get(b, UCX) for b in backends] or [UCX]
+def backend_traits(backend: str, nixl_version: str | None = None) -> BackendTraits:
+    """One backend's traits on ``nixl_version`` (None: the running version is not known): the measured ones
+    where kvpush verified that version, else the backend's cautious default. Unknown backends: as UCX."""
+    return VERIFIED.get(backend, {}).get(nixl_version or "", DEFAULTS.get(backend, UCX))
+
+
+def verified(backend: str, nixl_version: str | None) -> bool:
+    """Whether kvpush measured ``backend``'s traits on this NIXL version (UCX needs no measurement: it has
+    none of the differences the traits describe)."""
+    if backend not in VERIFIED:
+        return backend in DEFAULTS
+    return (nixl_version or "") in VERIFIED[backend]
+
+
+def traits(backends: Iterable[str], nixl_version: str | None = None) -> BackendTraits:
+    """The traits of an agent with these backends on ``nixl_version``: the first one's costs (NIXL prefers
+    it) and the most cautious handling any of them needs."""
+    known = [backend_traits(b, nixl_version) for b in backends] or [UCX]
     return BackendTraits(
         known[0].descriptor_cost_us,
         max(t.drain_calls for t in known),
         all(t.peer_errors_isolated for t in known),
         all(t.reloads_live_peer for t in known),
+        all(t.dead_peer_writes_end for t in known),
     )

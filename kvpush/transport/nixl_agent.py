@@ -9,6 +9,7 @@ no NIXL thread-safety mode is needed.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -25,11 +26,20 @@ from kvpush.transport.backends import traits
 
 log = logging.getLogger(__name__)
 
+SUPPORTED = ((1, 3, 2), (1, 6))
+"""NIXL versions kvpush supports: from the first, below the second (pyproject.toml's ``nixl>=1.3.2,<1.6``)."""
+NIXL_INSTALL = "pip install 'nixl>=1.3.2,<1.6' (after torch, so pip does not pull a CUDA torch)"
+"""How to install a NIXL kvpush supports."""
+
 RETIRED_PEERS_MAX = 64
 """Most unloaded peers an agent keeps loaded where a live peer cannot be reloaded
 (``traits.reloads_live_peer`` False); beyond it the oldest is really unloaded."""
 SETTLE_MAX_ERRORS = 4096
 """Most failed completions one ``Agent._settle_errors`` reads (a dead peer leaves one per descriptor)."""
+
+
+WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+"""NIXL's wheels (the ``nixl`` meta package imports one of them), in the meta package's order."""
 
 
 def _torch_without_cuda_on_disk() -> bool:
@@ -67,7 +77,7 @@ def _nixl() -> Any:
     """
     try:
         if "nixl._api" not in sys.modules and _torch_without_cuda_on_disk():
-            for wheel in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
+            for wheel in WHEELS:
                 try:
                     api = importlib.import_module(f"{wheel}._api")
                     return api.nixl_agent, api.nixl_agent_config
@@ -76,8 +86,48 @@ def _nixl() -> Any:
                         raise
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:  # pragma: no cover - depends on install
-        raise KVPushError(f"NIXL is not importable ({exc}); install it with: pip install nixl==1.5.1") from None
+        raise KVPushError(f"NIXL is not importable ({exc}); install it with: {NIXL_INSTALL}") from None
     return nixl_agent, nixl_agent_config
+
+
+def nixl_wheel() -> str:
+    """The NIXL wheel module this process imported (``nixl_cu13``, …; ``nixl`` for a build without wheels),
+    empty while NIXL is not imported."""
+    return next((w for w in (*WHEELS, "nixl") if f"{w}._api" in sys.modules), "")
+
+
+@functools.cache
+def nixl_version() -> str:
+    """The version of the NIXL this process runs (imported by :func:`_nixl`), from the wheel it imported,
+    which is what runs; the meta package's version where the wheel has no metadata, else ``"unknown"``.
+    The backends' traits depend on it (:mod:`kvpush.transport.backends`). Read once a process: a loaded
+    NIXL does not change, and reading package metadata scans the path."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    _nixl()
+    for dist in (nixl_wheel().replace("_", "-"), "nixl"):
+        try:
+            return version(dist) if dist else "unknown"
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def supported(version: str) -> bool:
+    """Whether kvpush supports this NIXL version (``SUPPORTED``); a version it cannot read is not."""
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:3])
+    except ValueError:
+        return False
+    return SUPPORTED[0] <= parts < SUPPORTED[1]
+
+
+def imports_torch() -> bool:
+    """Whether the running NIXL's Python API imports torch when loaded (NIXL 1.3.2 does: seconds and hundreds
+    of MiB per process on a small host); later versions only look for a torch already imported. Read from
+    the API module, not the version number."""
+    api = sys.modules.get(f"{nixl_wheel()}._api")
+    return api is not None and not hasattr(api, "_is_torch_tensor") and hasattr(api, "torch")
 
 
 def _pairs(new: dict[Any, list[Any]]) -> list[tuple[str, bytes]]:
@@ -111,7 +161,8 @@ class Agent:
             except Exception as exc:
                 raise KVPushError(f"NIXL backend {b} failed to start: {exc}") from None
         self.backends = tuple(backends)
-        self.traits = traits(self.backends)
+        self.nixl_version = nixl_version()
+        self.traits = traits(self.backends, self.nixl_version)
         self._mem_types = {b: set(self._agent.get_backend_mem_types(b)) for b in self.backends}
         self._regs: list[Any] = []
         self._peers: dict[str, bytes] = {}
@@ -119,6 +170,8 @@ class Agent:
         self._retired: dict[str, bytes] = {}
         """Peers given up with ``remove_peer`` but kept loaded (``traits.reloads_live_peer`` False), oldest first."""
         self._early: list[tuple[str, bytes]] = []
+        self._writes: dict[int, str] = {}
+        """WRITEs made and not yet released: ``id`` of the handle -> the peer written to."""
 
     def register(self, regs: list[MemRegistration]) -> None:
         """Register buffers (all of one memory kind per call)."""
@@ -186,11 +239,14 @@ class Agent:
 
     def remove_peer(self, name: str) -> None:
         """Give a peer up: nothing of it is posted any more. Unloaded where the backend can load a live
-        peer again (``traits.reloads_live_peer``); else kept loaded for its metadata's return."""
+        peer again (``traits.reloads_live_peer``), or where WRITEs to it are still unreleased and would not
+        end by themselves if it died (``traits.dead_peer_writes_end``); else kept loaded for its metadata's
+        return."""
         metadata = self._peers.pop(name, None)
         if metadata is None:
             return
-        if self.traits.reloads_live_peer:
+        stuck = not self.traits.dead_peer_writes_end and name in self._writes.values()
+        if self.traits.reloads_live_peer or stuck:
             self._unload(name)
             return
         self._retired[name] = metadata
@@ -234,7 +290,9 @@ class Agent:
         off the critical path. An unposted handle is given back with ``release``."""
         ld = self._agent.get_xfer_descs(np.ascontiguousarray(local, dtype=np.int64), local_mem)
         rd = self._agent.get_xfer_descs(np.ascontiguousarray(remote, dtype=np.int64), remote_mem)
-        return self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
+        handle = self._agent.initialize_xfer("WRITE", ld, rd, peer, notif)
+        self._writes[id(handle)] = peer
+        return handle
 
     def post(self, handle: Any) -> XferState:
         """Post a WRITE made by ``prepare_write``; returns the post state."""
@@ -257,6 +315,7 @@ class Agent:
             return XferState.ERR
 
     def release(self, handle: Any) -> None:
+        self._writes.pop(id(handle), None)
         try:
             self._agent.release_xfer_handle(handle)
         except Exception as exc:  # pragma: no cover

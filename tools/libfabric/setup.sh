@@ -16,7 +16,7 @@
 #                                           already generated) and DIR/hwloc/libhwloc.so.15 (Debian's)
 #
 # Inputs (environment): KVPUSH_LIBFABRIC_TARBALL (default ../shared/vendor/libfabric-src.tar.gz
-# beside the checkout), KVPUSH_CACHE (default ~/.cache/kvpush), KVPUSH_HWLOC_DIR (a folder
+# beside the checkout, or beside the main checkout for a git worktree), KVPUSH_CACHE (default ~/.cache/kvpush), KVPUSH_HWLOC_DIR (a folder
 # holding libhwloc.so.15, for hosts without the package), JOBS (make -j, default nproc),
 # KVPUSH_LIBFABRIC_CUDA (a CUDA toolkit folder: build with CUDA memory support, FI_HMEM, into a
 # prefix of its own; by default libfabric is built without it, as the tests need).
@@ -25,6 +25,12 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 TARBALL=${KVPUSH_LIBFABRIC_TARBALL:-$ROOT/../shared/vendor/libfabric-src.tar.gz}
+if [ -z "${KVPUSH_LIBFABRIC_TARBALL:-}" ] && [ ! -f "$TARBALL" ]; then
+  # A worktree lives elsewhere than its main checkout; the vendored tarball sits beside the main one.
+  common=$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir 2>/dev/null || true)
+  [ -n "$common" ] && [ -f "$common/../../shared/vendor/libfabric-src.tar.gz" ] \
+    && TARBALL=$(cd "$common/../../shared/vendor" && pwd)/libfabric-src.tar.gz
+fi
 CACHE=${KVPUSH_CACHE:-$HOME/.cache/kvpush}
 JOBS=${JOBS:-$(nproc)}
 STANDIN_SRC=$ROOT/tests/native/cuda_standin.c

@@ -1,0 +1,114 @@
+"""Which traits kvpush drives each NIXL backend with, per NIXL version (no NIXL needed).
+
+The measured versions get their measured traits; any other version gets, per trait, the most cautious
+value any measured version needed, so a NIXL nobody measured is driven safely
+(kvpush/transport/backends.py, docs/libfabric.md "NIXL versions").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpush.transport.backends import LIBFABRIC, UCX, VERIFIED, BackendTraits, backend_traits, traits, verified
+from kvpush.transport.nixl_agent import Agent, supported
+
+
+def test_libfabric_reloads_a_live_peer_on_1_3_2_only() -> None:
+    """NIXL 1.3.2's plugin handshakes on the first WRITE; 1.4.1 and 1.5.1 on load, which a live peer never
+    answers twice (measured with tools/libfabric/probe_traits.py)."""
+    assert backend_traits("LIBFABRIC", "1.3.2").reloads_live_peer is True
+    for v in ("1.4.1", "1.5.1"):
+        assert backend_traits("LIBFABRIC", v).reloads_live_peer is False, v
+    for v in ("1.3.2", "1.4.1", "1.5.1"):
+        t = backend_traits("LIBFABRIC", v)
+        assert t.drain_calls == 32 and t.peer_errors_isolated is False, (v, t)
+        assert verified("LIBFABRIC", v)
+
+
+def test_libfabric_ends_writes_to_a_dead_peer_from_1_5_only() -> None:
+    """Before NIXL 1.5 the plugin leaves WRITEs to a killed peer in progress while that peer is loaded."""
+    assert [backend_traits("LIBFABRIC", v).dead_peer_writes_end for v in ("1.3.2", "1.4.1", "1.5.1")] == [
+        False,
+        False,
+        True,
+    ]
+
+
+@pytest.mark.parametrize("version", ["1.5.2", "1.4.0", "unknown", None])
+def test_an_unmeasured_version_gets_the_most_cautious_traits(version: str | None) -> None:
+    got = backend_traits("LIBFABRIC", version)
+    assert got == LIBFABRIC and not verified("LIBFABRIC", version)
+    for measured in VERIFIED["LIBFABRIC"].values():
+        assert got.drain_calls >= measured.drain_calls
+        assert got.peer_errors_isolated <= measured.peer_errors_isolated
+        assert got.reloads_live_peer <= measured.reloads_live_peer
+        assert got.dead_peer_writes_end <= measured.dead_peer_writes_end
+
+
+def test_ucx_and_unknown_backends() -> None:
+    for v in ("1.3.2", "1.5.2", None):
+        assert backend_traits("UCX", v) == UCX and verified("UCX", v)
+        assert backend_traits("GDS", v) == UCX and not verified("GDS", v)
+
+
+def test_an_agent_with_several_backends_takes_the_most_cautious_of_each() -> None:
+    both = traits(["UCX", "LIBFABRIC"], "1.3.2")
+    assert both.descriptor_cost_us == UCX.descriptor_cost_us  # the first backend's costs
+    assert (both.drain_calls, both.peer_errors_isolated, both.reloads_live_peer) == (32, False, True)
+    assert both.dead_peer_writes_end is False
+    assert traits(["UCX", "LIBFABRIC"], "1.4.1").reloads_live_peer is False
+    assert traits([], "1.5.1") == UCX
+
+
+def test_supported_versions() -> None:
+    """pyproject.toml's range: nixl>=1.3.2,<1.6."""
+    assert [supported(v) for v in ("1.3.2", "1.4.1", "1.5.2", "1.5.99")] == [True] * 4
+    assert [supported(v) for v in ("1.3.1", "1.6.0", "2.0.0", "unknown", "")] == [False] * 5
+
+
+class _Inner:
+    """NIXL's agent as far as ``Agent.add_peer``/``remove_peer``/``prepare_write``/``release`` use it."""
+
+    def __init__(self) -> None:
+        self.unloaded: list[str] = []
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return metadata.split(b":")[0]
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.unloaded.append(name)
+
+    def get_xfer_descs(self, rows: object, mem: str) -> object:
+        return rows
+
+    def initialize_xfer(self, *args: object) -> object:
+        return object()
+
+    def release_xfer_handle(self, handle: object) -> None:
+        pass
+
+
+def _agent(t: BackendTraits) -> tuple[Agent, _Inner]:
+    agent = Agent.__new__(Agent)
+    inner = _Inner()
+    agent._agent, agent.traits, agent._peers, agent._retired, agent._writes = inner, t, {}, {}, {}
+    return agent, inner
+
+
+@pytest.mark.parametrize("version", ["1.3.2", "1.4.1", "1.5.1", "1.5.2"])
+def test_a_peer_given_up_with_writes_in_flight_is_unloaded_where_they_would_not_end(version: str) -> None:
+    """Where a dead peer's WRITEs do not end by themselves, a peer given up with unreleased WRITEs is unloaded
+    (they then end, failed); one given up with none stays loaded where a live peer cannot be reloaded."""
+    t = backend_traits("LIBFABRIC", version)
+    agent, inner = _agent(t)
+    rows = np.zeros((1, 3), np.int64)
+    for peer in ("D1", "D2"):
+        assert agent.add_peer(f"{peer}:meta".encode(), peer) == peer
+    handle = agent.prepare_write(rows, "DRAM", rows, "DRAM", "D1", b"n")
+    agent.remove_peer("D1")
+    agent.remove_peer("D2")
+    expect = [p for p in ("D1", "D2") if t.reloads_live_peer or (p == "D1" and not t.dead_peer_writes_end)]
+    assert inner.unloaded == expect, (version, t)
+    agent.release(handle)
+    assert agent._writes == {}

@@ -1,0 +1,246 @@
+"""Measure, on the NIXL installed here, the LIBFABRIC behaviours kvpush's backend traits describe.
+
+Run it under the LIBFABRIC test environment (``tools/libfabric/setup.sh --ld-path``)::
+
+    LD_LIBRARY_PATH=$(bash tools/libfabric/setup.sh --ld-path) python tools/libfabric/probe_traits.py
+
+Every agent is driven with UCX's traits (one call per poll, errors taken as isolated, peers unloaded
+when given up), so what is printed is the plugin's own behaviour, not kvpush's handling of it:
+
+* ``drain``: polls (1 ms apart) each side needs for one WRITE of many small descriptors, with one NIXL
+  call per poll and with LIBFABRIC's ``drain_calls`` (``BackendTraits.drain_calls``);
+* ``reload``: whether a WRITE to a live peer that was unloaded and loaded again lands within
+  ``RELOAD_WAIT_S`` (``BackendTraits.reloads_live_peer``);
+* ``isolation``: of the WRITEs to a live peer in flight while another peer is killed, how many fail
+  (``BackendTraits.peer_errors_isolated``);
+* ``dead``: the states of WRITEs to a peer killed mid-write, ``DEAD_WAIT_S`` later and then once the peer
+  is unloaded, its failed completions read by notification calls before each poll, as kvpush does where
+  errors are not isolated (``BackendTraits.dead_peer_writes_end``; ``settle`` False: by the polls alone).
+
+Results go to docs/libfabric.md; kvpush's traits per NIXL version are in kvpush/transport/backends.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from kvpush.backends.base import MemKind, MemRegistration
+from kvpush.outcome import XferState
+from kvpush.transport.backends import LIBFABRIC, UCX
+from kvpush.transport.nixl_agent import Agent, nixl_version
+
+POLL_S = 0.001
+RELOAD_WAIT_S = 15.0
+"""Longer than any WRITE here takes, far shorter than the plugin's 60 s handshake timeout."""
+DEAD_WAIT_S = 8.0
+"""How long WRITEs to a killed peer are polled before the peer is unloaded (they fail within 0.1 s where
+they end by themselves)."""
+
+
+def _agent(name: str, drain_calls: int = 1) -> Agent:
+    """A LIBFABRIC agent driven as UCX is (``drain_calls`` NIXL calls per poll)."""
+    agent = Agent(name, ("LIBFABRIC",))
+    agent.traits = replace(UCX, drain_calls=drain_calls)
+    return agent
+
+
+def _buffer(agent: Agent, size: int) -> np.ndarray:
+    buf = np.zeros(size, dtype=np.uint8)
+    agent.register([MemRegistration(buf.ctypes.data, size, 0, MemKind.DRAM)])
+    return buf
+
+
+def _receiver(name: str, size: int, drain_calls: int, out: Any, stop: Any) -> None:
+    """A peer that polls its agent every ``POLL_S`` and reports each notification with the polls it took."""
+    agent = _agent(name, drain_calls)
+    buf = _buffer(agent, size)
+    buf[:] = 0
+    out.put(("ready", agent.metadata(), buf.ctypes.data))
+    polls = 0
+    while not stop.is_set():
+        polls += 1
+        for _peer, msg in agent.notifs(drain=True):
+            out.put(("notif", msg.decode(), polls, int(buf[: 1 << 16].sum())))
+            polls = 0
+        time.sleep(POLL_S)
+
+
+def _rows(addr: int, count: int, size: int) -> np.ndarray:
+    return np.array([(addr + i * size, size, 0) for i in range(count)], dtype=np.int64)
+
+
+def _wait(agent: Agent, handle: Any, limit_s: float = 60.0) -> tuple[XferState, int]:
+    polls, deadline = 0, time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        polls += 1
+        state = agent.state(handle)
+        if state is not XferState.PROC:
+            return state, polls
+        time.sleep(POLL_S)
+    return XferState.PROC, polls
+
+
+def _start(ctx: Any, name: str, size: int, drain_calls: int = 1) -> tuple[Any, Any, Any, bytes, int]:
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_receiver, args=(name, size, drain_calls, q, stop), daemon=True)
+    proc.start()
+    _, meta, addr = q.get(timeout=60)
+    return proc, q, stop, meta, addr
+
+
+def drain(descs: int = 1024, desc_size: int = 32 << 10) -> dict[str, Any]:
+    """Polls each side needs for one WRITE of ``descs`` descriptors, per NIXL calls per poll."""
+    ctx = mp.get_context("spawn")
+    out: dict[str, Any] = {"descriptors": descs, "descriptor_bytes": desc_size}
+    for calls in (1, LIBFABRIC.drain_calls):
+        proc, q, stop, meta, raddr = _start(ctx, f"D{calls}", descs * desc_size, calls)
+        p = _agent(f"P{calls}", calls)
+        src = _buffer(p, descs * desc_size)
+        src[:] = 7
+        peer = p.add_peer(meta)
+        t0 = time.monotonic()
+        handle, _ = p.write(
+            _rows(src.ctypes.data, descs, desc_size), "DRAM", _rows(raddr, descs, desc_size), "DRAM", peer, b"w"
+        )
+        state, p_polls = _wait(p, handle)
+        p_s = time.monotonic() - t0
+        _, _, d_polls, _ = q.get(timeout=60)
+        out[f"calls_{calls}"] = {"state": state.value, "p_polls": p_polls, "d_polls": d_polls, "p_s": round(p_s, 3)}
+        stop.set()
+        proc.join(10)
+        p.close()
+    return out
+
+
+def _reload_child(meta: bytes, raddr: int, out: Any) -> None:
+    p = _agent("P")
+    src = _buffer(p, 1 << 16)
+    src[:] = 1
+    res = {}
+    for step in ("first", "reloaded"):
+        peer = p.add_peer(meta)
+        t0 = time.monotonic()
+        handle, _ = p.write(_rows(src.ctypes.data, 1, 1 << 16), "DRAM", _rows(raddr, 1, 1 << 16), "DRAM", peer, b"r")
+        state, _ = _wait(p, handle, RELOAD_WAIT_S)
+        res[step] = {"state": state.value, "s": round(time.monotonic() - t0, 3)}
+        out.put(dict(res))
+        p.release(handle)
+        p.remove_peer(peer)  # UCX's traits: really unloaded
+
+
+def reload() -> dict[str, Any]:
+    """Whether a live peer unloaded and loaded again is written to at once (else: the post blocks, and the
+    writer is killed after ``RELOAD_WAIT_S``)."""
+    ctx = mp.get_context("spawn")
+    proc, _, stop, meta, raddr = _start(ctx, "D", 1 << 16)
+    q = ctx.Queue()
+    child = ctx.Process(target=_reload_child, args=(meta, raddr, q))
+    child.start()
+    child.join(RELOAD_WAIT_S + 20)
+    res: dict[str, Any] = {}
+    while not q.empty():
+        res = q.get()
+    if child.is_alive():
+        child.kill()
+        child.join()
+        res.setdefault("reloaded", {"state": "BLOCKED", "s": f">{RELOAD_WAIT_S}"})
+    stop.set()
+    proc.join(10)
+    return res
+
+
+def isolation(runs: int = 3) -> dict[str, Any]:
+    """Of three 8 MiB WRITEs to a live D2 in flight while D1 is killed, how many fail (per run)."""
+    ctx = mp.get_context("spawn")
+    size, descs = 8 << 20, 128
+    failed = []
+    for run in range(runs):
+        d1 = _start(ctx, f"D1r{run}", 3 * size)
+        d2 = _start(ctx, f"D2r{run}", 3 * size)
+        p = _agent(f"Pr{run}")
+        src = _buffer(p, 3 * size)
+        src[:] = 3
+        handles: dict[str, list[Any]] = {"D1": [], "D2": []}
+        for key, (_, _, _, meta, raddr) in (("D1", d1), ("D2", d2)):
+            peer = p.add_peer(meta)
+            for i in range(3):
+                rows = _rows(src.ctypes.data + i * size, descs, size // descs)
+                rrows = _rows(raddr + i * size, descs, size // descs)
+                handles[key].append(p.write(rows, "DRAM", rrows, "DRAM", peer, f"{key}{i}".encode())[0])
+        time.sleep(0.02)
+        d1[0].kill()
+        states = [_wait(p, h, 30.0)[0].value for h in handles["D2"]]
+        failed.append(sum(s != "DONE" for s in states))
+        for d in (d1, d2):
+            d[2].set()
+            d[0].join(10)
+        p.close()
+    return {"runs": runs, "d2_writes_failed_per_run": failed}
+
+
+def dead(settle: bool = True) -> dict[str, Any]:
+    """States of three 8 MiB WRITEs to a peer killed mid-write: after ``DEAD_WAIT_S`` of polls, then once it
+    is unloaded."""
+    ctx = mp.get_context("spawn")
+    size, descs = 8 << 20, 128
+    proc, _, stop, meta, raddr = _start(ctx, "D", 3 * size)
+    p = _agent("P")
+    p.traits = replace(p.traits, peer_errors_isolated=not settle)
+    src = _buffer(p, 3 * size)
+    peer = p.add_peer(meta)
+    handles = [
+        p.write(
+            _rows(src.ctypes.data + i * size, descs, size // descs),
+            "DRAM",
+            _rows(raddr + i * size, descs, size // descs),
+            "DRAM",
+            peer,
+            b"d",
+        )[0]
+        for i in range(3)
+    ]
+    time.sleep(0.02)
+    proc.kill()
+    out: dict[str, Any] = {}
+    for step in ("polled", "unloaded"):
+        if step == "unloaded":
+            p.remove_peer(peer)  # UCX's traits: really unloaded
+        t0, states = time.monotonic(), [XferState.PROC]
+        while XferState.PROC in states and time.monotonic() - t0 < DEAD_WAIT_S:
+            states = [p.state(h) for h in handles]
+            time.sleep(POLL_S)
+        out[step] = {"states": [st.value for st in states], "s": round(time.monotonic() - t0, 2)}
+    stop.set()
+    p.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("drain", "reload", "isolation", "dead"), action="append")
+    ap.add_argument("--runs", type=int, default=3, help="isolation runs")
+    args = ap.parse_args()
+    which = args.only or ["drain", "reload", "isolation", "dead"]
+    result: dict[str, Any] = {"nixl": nixl_version()}
+    for name in which:
+        if name == "isolation":
+            result[name] = isolation(args.runs)
+        elif name == "dead":
+            result[name] = {"settled": dead(True), "polls_alone": dead(False)}
+        else:
+            result[name] = globals()[name]()
+        print(json.dumps({name: result[name]}), flush=True)
+    print("KVPUSH_PROBE " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
