@@ -20,6 +20,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
+pytest.importorskip(
+    "vllm.v1.kv_cache_layout",
+    reason="vLLM before 0.29 has no KV-cache views (compute_layout_strides); its per-layer shapes are checked "
+    "in test_vllm_layout_versions",
+)
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layout_strides  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
