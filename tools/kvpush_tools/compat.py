@@ -73,7 +73,7 @@ class Cell:
         if self.skipped:
             reason = max(self.reasons, key=lambda r: self.reasons[r]) if self.reasons else ""
             return f"skipped: {reason[:80]}".replace("|", "/")
-        return "-"
+        return "main lane only"
 
 
 def feature_of(cls: str, name: str) -> str:
