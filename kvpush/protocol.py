@@ -114,6 +114,10 @@ class Hello(_Msg, tag="hello"):
     session is in flight and every registration of it is dropped."""
     staging_mem: MemKind | None = None
     """Memory kind of ``staging`` when it differs from the layout's (a device's KV staged through host memory)."""
+    nixl_version: Name = ""
+    """D's NIXL version, and below its NIXL backends: P refuses a D its NIXL cannot write to
+    (``kvpush.transport.interop``)."""
+    nixl_backends: Annotated[tuple[Name, ...], msgspec.Meta(max_length=16)] = ()
 
 
 class HelloReply(_Msg, tag="hello_reply"):

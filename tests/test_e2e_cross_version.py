@@ -8,6 +8,12 @@ by the vLLM versions, so nothing here tells either side the other's version. The
 naming that command, when it is absent. Both pairs and the plain server start at once (one wait), with the
 session's tiny fp32 model; the bar is the families' (``e2e_family``): greedy equality through kvpush's
 router with every prompt token by transfer, the swap test, and every block back afterwards.
+
+The NIXL versions differ too (each lane's own). On one host, UCX of NIXL 1.3.2 and of 1.5.1 cannot reach each
+other over loopback or shared memory (the older UCX reads the newer one's address as another pid namespace
+and finds no transport; "no active messages transport ... different pid namespaces" in D's log); over a
+network device they do, as P and D on two hosts always are. So every server here uses the host's network
+device (``UCX_NET_DEVICES``, the interface of the default route).
 """
 
 from __future__ import annotations
@@ -43,6 +49,15 @@ def vllm_version(python: str) -> str:
     return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
+def network_device() -> str | None:
+    """The interface of this host's default route (``/proc/net/route``), or None without one."""
+    try:
+        lines = Path("/proc/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    return next((f[0] for f in (line.split() for line in lines) if len(f) > 1 and f[1] == "00000000"), None)
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target]]:
     """``{"0.24->0.32": target, "0.32->0.24": target}``: two P/D pairs, each behind its own router."""
@@ -50,6 +65,11 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target
     if old is None:
         pytest.skip(f"the {OLD_LANE!r} lane's vLLM is not installed: bash .ci/lane install {OLD_LANE}")
     old_v = vllm_version(old)
+    device = network_device()
+    if device is None:
+        pytest.skip("no default route: UCX of two NIXL versions meets over a network device only")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("UCX_NET_DEVICES", device)
     new_v = vllm_version(sys.executable)
     model, keys = model_dir(), srv.temp_keys()
     plan = {
@@ -84,6 +104,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target
         pytest.fail(str(exc))
     finally:
         srv.stop_all(started)
+        mp.undo()
 
 
 @pytest.fixture(params=[0, 1], ids=["old-to-new", "new-to-old"])

@@ -143,6 +143,8 @@ class Conns:
             staging=staging,
             epoch=epoch,
             staging_mem=r._staging.mem if r._staging is not None else None,
+            nixl_version=r.agent.nixl_version,
+            nixl_backends=r.agent.backends,
         )
         client.send(hello)
         return conn

@@ -35,6 +35,7 @@ from kvpush.outcome import Cause, Failed, Stage
 from kvpush.push_job import DKey
 from kvpush.topology import targets_for
 from kvpush.transport.auth import LOG_EVERY_S, short
+from kvpush.transport.interop import peer_problem
 
 if TYPE_CHECKING:
     from kvpush.engine.sender import Sender
@@ -245,11 +246,16 @@ class PeerTable:
         s.server.send(ident, self._welcome(msg.epoch))
 
     def _hello_problem(self, msg: protocol.Hello) -> str:
-        """Why D's hello cannot be accepted on what it declares ("" when it can): a different model, or a KV
-        layout P cannot write into or that is malformed, would corrupt every push, so it is refused up front."""
+        """Why D's hello cannot be accepted on what it declares ("" when it can): a different model, a NIXL
+        P's cannot write to, or a KV layout P cannot write into or that is malformed, would fail or corrupt
+        every push, so it is refused up front."""
         model = self.sender.cfg.model
         if model and msg.model and msg.model != model:
             return f"model differs: P serves {model!r}, D serves {msg.model!r}"
+        agent = self.sender.agent
+        nixl = peer_problem(agent.nixl_version, agent.backends, msg.nixl_version, msg.nixl_backends)
+        if nixl:
+            return nixl
         try:
             check_compatible(self.layout, msg.layout)
             msg.layout.validate()
