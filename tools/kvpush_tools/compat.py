@@ -40,6 +40,7 @@ def _family(*ids: str, exclude: str = "") -> Match:
 
 FEATURES: list[tuple[str, Match]] = [
     ("P and D on different vLLM", _module("test_e2e_cross_version")),
+    ("P and D on different NIXL", _module("test_nixl_versions_nixl")),
     ("failed push never decoded", _module("test_e2e_load_failure")),
     ("e2e core: equal outputs, swap, by transfer, pools", _module("test_e2e_vllm")),
     ("MLA e2e", _family("mla", exclude="tp2")),
