@@ -35,6 +35,17 @@ def test_libfabric_ends_writes_to_a_dead_peer_from_1_5_only() -> None:
     ]
 
 
+def test_libfabric_connects_on_load_from_1_4_only() -> None:
+    """NIXL 1.3.2's plugin connects inside a peer's first post, retrying without limit while the peer does not
+    accept; 1.4.1 and 1.5.1 connect as the peer is loaded (docs/libfabric.md, difference 12)."""
+    assert [backend_traits("LIBFABRIC", v).connects_on_load for v in ("1.3.2", "1.4.1", "1.5.1")] == [
+        False,
+        True,
+        True,
+    ]
+    assert UCX.connects_on_load is True
+
+
 @pytest.mark.parametrize("version", ["1.5.2", "1.4.0", "unknown", None])
 def test_an_unmeasured_version_gets_the_most_cautious_traits(version: str | None) -> None:
     got = backend_traits("LIBFABRIC", version)
@@ -44,6 +55,7 @@ def test_an_unmeasured_version_gets_the_most_cautious_traits(version: str | None
         assert got.peer_errors_isolated <= measured.peer_errors_isolated
         assert got.reloads_live_peer <= measured.reloads_live_peer
         assert got.dead_peer_writes_end <= measured.dead_peer_writes_end
+        assert got.connects_on_load <= measured.connects_on_load
 
 
 def test_ucx_and_unknown_backends() -> None:
@@ -56,8 +68,9 @@ def test_an_agent_with_several_backends_takes_the_most_cautious_of_each() -> Non
     both = traits(["UCX", "LIBFABRIC"], "1.3.2")
     assert both.descriptor_cost_us == UCX.descriptor_cost_us  # the first backend's costs
     assert (both.drain_calls, both.peer_errors_isolated, both.reloads_live_peer) == (32, False, True)
-    assert both.dead_peer_writes_end is False
+    assert both.dead_peer_writes_end is False and both.connects_on_load is False
     assert traits(["UCX", "LIBFABRIC"], "1.4.1").reloads_live_peer is False
+    assert traits(["UCX", "LIBFABRIC"], "1.4.1").connects_on_load is True
     assert traits([], "1.5.1") == UCX
 
 
@@ -70,14 +83,21 @@ def test_supported_versions() -> None:
 class _Inner:
     """NIXL's agent as far as ``Agent.add_peer``/``remove_peer``/``prepare_write``/``release`` use it."""
 
-    def __init__(self) -> None:
+    def __init__(self, send_fails: bool = False) -> None:
         self.unloaded: list[str] = []
+        self.sent: list[tuple[str, bytes]] = []
+        self.send_fails = send_fails
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         return metadata.split(b":")[0]
 
     def remove_remote_agent(self, name: str) -> None:
         self.unloaded.append(name)
+
+    def send_notif(self, name: str, msg: bytes) -> None:
+        if self.send_fails:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        self.sent.append((name, msg))
 
     def get_xfer_descs(self, rows: object, mem: str) -> object:
         return rows
@@ -112,3 +132,27 @@ def test_a_peer_given_up_with_writes_in_flight_is_unloaded_where_they_would_not_
     assert inner.unloaded == expect, (version, t)
     agent.release(handle)
     assert agent._writes == {}
+
+
+@pytest.mark.parametrize("version", ["1.3.2", "1.4.1", "1.5.1", "1.5.2"])
+def test_a_peer_is_greeted_as_it_is_loaded_where_loading_does_not_connect(version: str) -> None:
+    """Where the plugin connects in the first post (NIXL 1.3.2), the greeting is sent at load, while the peer is
+    known to progress, so a WRITE never has to connect; a peer taken back from those kept loaded is not greeted
+    again (its connection is there), and a peer loaded without a greeting gets none."""
+    t = backend_traits("LIBFABRIC", version)
+    agent, inner = _agent(t)
+    agent.add_peer(b"D1:meta", "D1", b"hi")
+    agent.add_peer(b"D2:meta", "D2")
+    assert inner.sent == ([] if t.connects_on_load else [("D1", b"hi")]), (version, t)
+    agent.remove_peer("D1")
+    inner.sent.clear()
+    agent.add_peer(b"D1:meta", "D1", b"hi")
+    assert inner.sent == ([] if t.connects_on_load or not t.reloads_live_peer else [("D1", b"hi")])
+
+
+def test_a_failed_greeting_unloads_the_peer_and_raises() -> None:
+    agent, inner = _agent(backend_traits("LIBFABRIC", "1.3.2"))
+    agent._agent = inner = _Inner(send_fails=True)
+    with pytest.raises(RuntimeError):
+        agent.add_peer(b"D1:meta", "D1", b"hi")
+    assert inner.unloaded == ["D1"] and agent._peers == {}

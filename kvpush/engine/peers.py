@@ -226,7 +226,8 @@ class PeerTable:
             # previous session, and NIXL refuses to load an agent name twice.
             self._drop(dkey, "said hello again (restarted?)", now)
         try:
-            agent_name = s.agent.add_peer(msg.agent_metadata, msg.agent_name)
+            greeting = protocol.encode(protocol.Heartbeat(s.engine_id, s.rank, 0, time.time()))
+            agent_name = s.agent.add_peer(msg.agent_metadata, msg.agent_name, greeting)
         except Exception as exc:
             reason = f"cannot load D's NIXL metadata: {exc}"
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))

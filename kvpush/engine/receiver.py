@@ -214,12 +214,14 @@ class Receiver(EngineLoop):
 
     def _on_notif(self, agent_name: str, data: bytes, now: float) -> None:
         try:
-            msg = protocol.decode(data, expected=(protocol.Completion, protocol.Failure))
+            msg = protocol.decode(data, expected=(protocol.Completion, protocol.Failure, protocol.Heartbeat))
         except ProtocolError as exc:
             self.bump(Count.REJECTED_MESSAGES)
             log.warning("%s: rejected notification from %s: %s", self.name, agent_name, exc)
             return
         self.conns.heard_from_agent(agent_name, now)
+        if isinstance(msg, protocol.Heartbeat):
+            return  # P's greeting as it loaded this agent: it connects where loading does not (Agent.add_peer)
         if isinstance(msg, protocol.Failure):
             self._do(self.book.failure(msg, time.monotonic()))
         else:

@@ -49,6 +49,16 @@ class BackendTraits:
     peer that still has WRITEs unreleased even where a live peer cannot be reloaded: P holds those WRITEs'
     blocks until they end, and a peer given up with WRITEs in flight was declared dead (a fencing hello is
     refused while WRITEs fly) (docs/libfabric.md, difference 11)."""
+    connects_on_load: bool = True
+    """Loading a peer's metadata connects to it, while the peer is known to progress (it just said hello).
+    Not so on LIBFABRIC in NIXL 1.3.2: its plugin connects inside the first post to the peer, and over tcp
+    retries that post without limit while the peer does not accept, so a peer that died after being loaded
+    but before its first WRITE blocks the thread posting to it for ever. Where False, the agent sends the
+    peer a greeting notification as it loads it, which makes the connection then (the send returns once the
+    peer accepted) and spares the first WRITE the connect; a peer that died since is met by the first WRITE's
+    post on its open connection, which fails. Not covered, on every version: once the agent was progressed
+    after the peer's death, the connection is gone and the next post connects anew, blocking as above
+    (docs/libfabric.md, difference 12)."""
 
 
 UCX = BackendTraits(descriptor_cost_us=7.0)
@@ -58,21 +68,25 @@ LIBFABRIC = BackendTraits(
     peer_errors_isolated=False,
     reloads_live_peer=False,
     dead_peer_writes_end=False,
+    connects_on_load=False,
 )
-"""LIBFABRIC as measured on NIXL 1.4.1 (docs/libfabric.md, differences 1, 3, 10 and 11); also its traits
-where the running NIXL's were not measured: the most cautious any measured version needed, each harmless
-where the plugin does not need it (extra drain calls return at once, settling reads no errors, a peer
-kept loaded is reused, a dead peer unloaded frees its connection), so an unmeasured version is driven
-safely."""
+"""LIBFABRIC's traits where the running NIXL's were not measured: for each, the most cautious value any
+measured version needed, each harmless where the plugin does not need it (extra drain calls return at once,
+settling reads no errors, a peer kept loaded is reused, a dead peer unloaded frees its connection, a
+greeting to a peer already connected is one small message), so an unmeasured version is driven safely."""
+LIBFABRIC_1_4 = replace(LIBFABRIC, connects_on_load=True)
+"""LIBFABRIC on NIXL 1.4.1 (docs/libfabric.md, differences 1, 3, 10 and 11): its plugin handshakes when a
+peer is loaded, so it needs no greeting."""
 LIBFABRIC_1_3 = replace(LIBFABRIC, reloads_live_peer=True)
-"""LIBFABRIC on NIXL 1.3.2, whose plugin handshakes on a peer's first WRITE, not when its metadata is loaded:
+"""LIBFABRIC on NIXL 1.3.2, whose plugin connects on a peer's first WRITE, not when its metadata is loaded:
 a live peer unloaded and loaded again is written to at once, so given-up peers are unloaded (their
-connections freed) as on UCX. Draining, error isolation and WRITEs to a dead peer as on 1.4.1."""
-LIBFABRIC_1_5 = replace(LIBFABRIC, dead_peer_writes_end=True)
+connections freed) as on UCX, and a peer is greeted as it is loaded, so that a peer dead by its first WRITE
+does not block that post (difference 12). Draining, error isolation and WRITEs to a dead peer as on 1.4.1."""
+LIBFABRIC_1_5 = replace(LIBFABRIC_1_4, dead_peer_writes_end=True)
 """LIBFABRIC on NIXL 1.5.1: as on 1.4.1, except that WRITEs to a peer that died end (failed) by themselves."""
 
 VERIFIED: dict[str, dict[str, BackendTraits]] = {
-    "LIBFABRIC": {"1.3.2": LIBFABRIC_1_3, "1.4.1": LIBFABRIC, "1.5.1": LIBFABRIC_1_5},
+    "LIBFABRIC": {"1.3.2": LIBFABRIC_1_3, "1.4.1": LIBFABRIC_1_4, "1.5.1": LIBFABRIC_1_5},
 }
 """Traits by backend and NIXL version, for the versions kvpush measured them on with
 ``tools/libfabric/probe_traits.py`` and the multi-process tests (docs/libfabric.md, "NIXL versions").
@@ -106,4 +120,5 @@ def traits(backends: Iterable[str], nixl_version: str | None = None) -> BackendT
         all(t.peer_errors_isolated for t in known),
         all(t.reloads_live_peer for t in known),
         all(t.dead_peer_writes_end for t in known),
+        all(t.connects_on_load for t in known),
     )

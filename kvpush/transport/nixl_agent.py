@@ -218,12 +218,17 @@ class Agent:
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes, name: str = "") -> str:
+    def add_peer(self, metadata: bytes, name: str = "", greeting: bytes = b"") -> str:
         """Load a peer's metadata; returns its agent name. ``name``: the name the peer says it has.
 
         Metadata identical to a peer kept loaded (given up but not unloaded) takes that peer back
         without loading anything: the same peer, the same session. A peer kept loaded under ``name``
-        with other metadata (it restarted) is unloaded first."""
+        with other metadata (it restarted) is unloaded first.
+
+        ``greeting``: a notification for a peer known to progress its agent now (it just said hello),
+        sent as it is loaded where loading does not connect to it (``traits.connects_on_load`` False):
+        the send connects, so that no WRITE's post has to, which would block for as long as a peer dead
+        by then never accepts. Returns once the peer accepted; a failed send unloads the peer and raises."""
         for known, meta in (*self._peers.items(), *self._retired.items()):
             if meta == metadata:
                 self._retired.pop(known, None)
@@ -234,6 +239,12 @@ class Agent:
             self._unload(name)
         loaded = self._agent.add_remote_agent(metadata)
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if greeting and not self.traits.connects_on_load:
+            try:
+                self._agent.send_notif(loaded, greeting)
+            except Exception:
+                self._unload(loaded)
+                raise
         self._peers[loaded] = metadata
         return loaded
 

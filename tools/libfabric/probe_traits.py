@@ -15,7 +15,10 @@ when given up), so what is printed is the plugin's own behaviour, not kvpush's h
   (``BackendTraits.peer_errors_isolated``);
 * ``dead``: the states of WRITEs to a peer killed mid-write, ``DEAD_WAIT_S`` later and then once the peer
   is unloaded, its failed completions read by notification calls before each poll, as kvpush does where
-  errors are not isolated (``BackendTraits.dead_peer_writes_end``; ``settle`` False: by the polls alone).
+  errors are not isolated (``BackendTraits.dead_peer_writes_end``; ``settle`` False: by the polls alone);
+* ``first``: whether the first WRITE to a peer killed after it was loaded ends or blocks its post, the peer
+  loaded as such or greeted as it was loaded (``BackendTraits.connects_on_load``), the writer's agent
+  polled for ``FIRST_IDLE_S`` between the kill and the post or not.
 
 Results go to docs/libfabric.md; kvpush's traits per NIXL version are in kvpush/transport/backends.py.
 """
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -43,6 +48,12 @@ RELOAD_WAIT_S = 15.0
 DEAD_WAIT_S = 8.0
 """How long WRITEs to a killed peer are polled before the peer is unloaded (they fail within 0.1 s where
 they end by themselves)."""
+
+
+FIRST_WAIT_S = 15.0
+"""How long a first WRITE to a killed peer is given before its writer is killed (it ends at once where it ends)."""
+FIRST_IDLE_S = 1.0
+"""How long the writer's agent is polled between the peer's death and the post, in the cases that poll it."""
 
 
 def _agent(name: str, drain_calls: int = 1) -> Agent:
@@ -223,12 +234,59 @@ def dead(settle: bool = True) -> dict[str, Any]:
     return out
 
 
+def _first_child(meta: bytes, raddr: int, greet: bool, poll_s: float, peer_pid: int, out: Any) -> None:
+    p = _agent("P")
+    p.traits = replace(p.traits, connects_on_load=not greet)
+    src = _buffer(p, 1 << 16)
+    t0 = time.monotonic()
+    peer = p.add_peer(meta, greeting=b"greeting" if greet else b"")
+    out.put({"load_s": round(time.monotonic() - t0, 3)})
+    os.kill(peer_pid, signal.SIGKILL)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < poll_s:
+        p.notifs()
+        time.sleep(POLL_S)
+    t0 = time.monotonic()
+    try:
+        handle, _ = p.write(_rows(src.ctypes.data, 1, 1 << 16), "DRAM", _rows(raddr, 1, 1 << 16), "DRAM", peer, b"f")
+        state = _wait(p, handle, FIRST_WAIT_S)[0].value
+    except Exception as exc:  # the post itself failed: it ended
+        state = f"post raised {exc}"
+    out.put({"write": state, "s": round(time.monotonic() - t0, 3)})
+
+
+def first() -> dict[str, Any]:
+    """The first WRITE to a peer killed after it was loaded: ended (failed or raised) or blocked in its post
+    (the writer is killed after ``FIRST_WAIT_S``), per greeting at load and polling between kill and post."""
+    ctx = mp.get_context("spawn")
+    out: dict[str, Any] = {}
+    for greet in (False, True):
+        for poll_s in (0.0, FIRST_IDLE_S):
+            proc, _, stop, meta, raddr = _start(ctx, "D", 1 << 16)
+            q = ctx.Queue()
+            child = ctx.Process(target=_first_child, args=(meta, raddr, greet, poll_s, proc.pid, q))
+            child.start()
+            child.join(FIRST_WAIT_S + 20)
+            res: dict[str, Any] = {}
+            while not q.empty():
+                res.update(q.get())
+            if child.is_alive():
+                child.kill()
+                child.join()
+                res.setdefault("write", f"BLOCKED in the post (> {FIRST_WAIT_S} s)")
+            out[f"{'greeted' if greet else 'loaded'}, polled {poll_s} s"] = res
+            stop.set()
+            proc.join(10)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("drain", "reload", "isolation", "dead"), action="append")
+    ap.add_argument("--only", choices=("drain", "reload", "isolation", "dead", "first"), action="append")
     ap.add_argument("--runs", type=int, default=3, help="isolation runs")
     args = ap.parse_args()
-    which = args.only or ["drain", "reload", "isolation", "dead"]
+    which = args.only or ["drain", "reload", "isolation", "dead", "first"]
     result: dict[str, Any] = {"nixl": nixl_version()}
     for name in which:
         if name == "isolation":
