@@ -35,7 +35,9 @@ def test_discovery_without_its_ports_is_named() -> None:
 def test_announcer_beats_reach_a_router_that_starts_later() -> None:
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    # Below Linux's ephemeral range: a connect to a port in it with nothing listening can end connected to
+    # itself (TCP simultaneous open), and the port is then taken when the router binds it again.
+    port = router.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=32000)
     router.close()  # nothing listens yet: beats are dropped, not queued
     payload = {"type": "D", "http_address": "h:1", "zmq_address": "h:2", "transfer_mode": "WRITE"}
     ann = Announcer(f"127.0.0.1:{port}", payload, period_s=0.05)
