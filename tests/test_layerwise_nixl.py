@@ -204,7 +204,10 @@ def test_the_group_before_the_last_layer_is_posted_so_the_last_layer_goes_alone(
         assert (got[LAYERS - 1] == SENTINEL).all()
         p.call("layer_written", k + "p", [r.tid], LAYERS - 1)
         d_res, p_res = _pushed_intact(p, d, k, pg, dg, [r])
-        assert p_res[r.p_rid].stats.parts == d_res[r.d_rid].stats.parts == 3, p_res[r.p_rid].stats
+        # 3 parts ([0, 3), [3, 5), [5]), or 2 where P's thread woke late and read the reports of layers 0-4
+        # at once ([0, 5), [5]): either way the held-back layers went before the last layer was written.
+        pres, dres = p_res[r.p_rid], d_res[r.d_rid]
+        assert pres.stats.parts in (2, 3) and dres.stats.parts == pres.stats.parts, pres.stats
 
 
 def _first_report(p: Node, k: str, r: Req) -> int:
