@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,3 +62,14 @@ def network_device() -> str | None:
     except OSError:
         return None
     return next((f[0] for f in (line.split() for line in lines) if len(f) > 1 and f[1] == "00000000"), None)
+
+
+def ucx_over_network() -> pytest.MonkeyPatch:
+    """``UCX_NET_DEVICES`` set to the default route's interface for the processes started from now on (the
+    returned patch's ``undo`` restores it); skips the caller where the host has no default route."""
+    device = network_device()
+    if device is None:
+        pytest.skip("no default route: UCX of two NIXL versions meets over a network device only")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("UCX_NET_DEVICES", device)
+    return mp

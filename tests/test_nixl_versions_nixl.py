@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import helpers_libfabric as lf
 import pytest
-from helpers_lanes import lane_python, network_device, spawning_with, version_of
+from helpers_lanes import lane_python, spawning_with, ucx_over_network, version_of
 from procs import Geom, Node, assert_same, make_cache
 from test_push_nixl import _cfg, _key, assert_idle, engines
 
@@ -34,11 +34,7 @@ def sides(nixl_backend: str) -> Iterator[tuple[Node, Node, str, str]]:
     old_v, new_v = version_of(old_python, "nixl"), nixl_version()
     if old_v.split(".")[:2] == new_v.split(".")[:2]:
         pytest.skip(f"this interpreter's NIXL {new_v} is the {OLD_LANE} lane's ({old_v})")
-    device = network_device()
-    if device is None:
-        pytest.skip("no default route: UCX of two NIXL versions meets over a network device only")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("UCX_NET_DEVICES", device)
+    mp = ucx_over_network()
     with lf.spawn_env(nixl_backend):
         new = Node("new", nixl_backend)
         with spawning_with(old_python):
