@@ -180,7 +180,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     logs = tmp_path_factory.mktemp(f"e2e-{name}-logs")
     session = None if fam.model else request.getfixturevalue("e2e_pair")
     model = family_model(fam.model, fam.dtype) if fam.model else session.model
-    kv_port = srv.free_port() if fam.p is not None else session.kv_port
+    kv_port = srv.free_port(span=4) if fam.p is not None else session.kv_port
     keys = session.keys if session else srv.temp_keys()  # a family pairing with a session server uses its keys
     started = [
         s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys, fam.args, fam.dtype)

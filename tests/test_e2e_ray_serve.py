@@ -18,7 +18,6 @@ is not installed apart from the system's packages (``.ci/install``).
 from __future__ import annotations
 
 import json
-import random
 import sys
 import time
 import urllib.request
@@ -95,18 +94,8 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.5)
 
 
-def side_channel_port() -> int:
-    """A free port for P's side channel below the ephemeral range: P binds it a minute or more after the
-    launcher starts, and Ray's many processes bind ephemeral ports meanwhile (also above Ray's worker ports)."""
-    for _ in range(200):
-        port = random.randrange(24000, 32000)
-        if srv.port_is_free(port):
-            return port
-    raise RuntimeError("no free port in 24000-32000 for P's side channel")
-
-
 def ray_pd_process(model: str, keys: str, log_dir: Path) -> tuple[srv.ServerProcess, str]:
-    port, kv_port, metrics_port = srv.free_port(), side_channel_port(), srv.free_port()
+    port, kv_port, metrics_port = srv.free_port(), srv.free_port(), srv.free_port()
     cmd = [sys.executable, "-m", "kvpush_tools.demo.ray_pd", "--model", model, "--port", str(port)]
     cmd += ["--kv-port", str(kv_port), "--metrics-port", str(metrics_port), "--keys", keys]
     cmd += ["--replicas", str(log_dir / "replicas.json")]

@@ -920,6 +920,34 @@ def test_launcher_reports_a_dying_server_with_its_log(tmp_path: Any) -> None:
     s.stop()
 
 
+def test_launcher_reports_the_first_error_not_only_the_shutdown_after_it(tmp_path: Any) -> None:
+    """Data parallel: one engine core fails, the others print their shutdown; the cause must be in the error."""
+    from kvpush_tools.demo.servers import ServerError, ServerProcess
+
+    script = (
+        "import sys\n"
+        "print('starting', flush=True)\n"
+        "print('Traceback (most recent call last):\\nOSError: [Errno 98] Address already in use', flush=True)\n"
+        "for i in range(80): print('shutdown noise', i, flush=True)\n"
+        "sys.exit(1)\n"
+    )
+    s = ServerProcess("dp", [sys.executable, "-c", script], closed_port_url(), tmp_path / "dp.log").start()
+    with pytest.raises(ServerError, match=r"(?s)first error.*Address already in use.*last lines") as err:
+        s.wait_healthy(timeout=30)
+    assert "shutdown noise 79" in str(err.value)
+    s.stop()
+
+
+def test_free_ports_lie_outside_the_ephemeral_range() -> None:
+    """Ports picked for servers that bind late never collide with the local end of outgoing connections."""
+    from kvpush_tools.demo.servers import ephemeral_ports, free_port, port_is_free
+
+    for _ in range(20):
+        base = free_port(span=4)
+        assert all(base + i not in ephemeral_ports() and port_is_free(base + i) for i in range(4))
+        assert base >= 20000  # above Ray's worker ports
+
+
 STUBBORN = """
 import signal, subprocess, sys, time
 for s in (signal.SIGINT, signal.SIGTERM):

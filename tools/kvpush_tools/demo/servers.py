@@ -35,6 +35,8 @@ import atexit
 import contextlib
 import json
 import os
+import random
+import re
 import shutil
 import signal
 import socket
@@ -66,6 +68,10 @@ class ServerError(RuntimeError):
     """A server did not come up (or died); the message holds its log tail."""
 
 
+# A log line that starts an error report: a traceback or a logged error.
+_ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|Error: ")
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether nothing listens on ``host:port`` (so a server can bind it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -77,11 +83,38 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (good enough for tests and the demo)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+_LOWEST = 20000
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out to outgoing connections and ``bind(0)``
+    (``ip_local_port_range``; Linux's default where it cannot be read)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port with ``span`` consecutive ports from it free now, outside the
+    kernel's ephemeral range.
+
+    A server binds its ports tens of seconds after they were picked (vLLM
+    imports first); a port from the ephemeral range can meanwhile become the
+    local end of any outgoing connection on the host (other tests, NIXL
+    agents), and the server then dies with ``EADDRINUSE``. Ports below the
+    range are only ever taken by an explicit ``bind``; from :data:`_LOWEST`,
+    above the ports Ray's workers take (10002-19999 by default).
+    """
+    ephemeral = ephemeral_ports()
+    low, high = (_LOWEST, ephemeral.start) if ephemeral.start - _LOWEST > 1000 + span else (ephemeral.stop, 65536)
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        base = rng.randrange(low, high - span + 1)
+        if all(port_is_free(base + i, host) for i in range(span)):
+            return base
+    raise ServerError(f"no {span} consecutive free ports in [{low}, {high}) on {host}")
 
 
 @dataclass
@@ -189,6 +222,19 @@ class ServerProcess:
             return f"(no log: {e})"
         return "\n".join(text.splitlines()[-lines:])
 
+    def log_cause(self, lines: int = 30) -> str:
+        """The first error of the log with the lines before it: with several
+        processes (engine cores of data parallelism) the root cause comes
+        first and the tail only shows the others shutting down."""
+        try:
+            text = self.log_path.read_text("utf-8", "replace").splitlines()
+        except OSError as e:
+            return f"(no log: {e})"
+        first = next((i for i, line in enumerate(text) if _ERROR_LINE.search(line)), None)
+        if first is None:
+            return ""
+        return "\n".join(text[max(0, first - 5) : first + lines])
+
     def __enter__(self) -> ServerProcess:
         if self.proc is None:
             self.start()
@@ -276,9 +322,11 @@ def wait_all_healthy(
             if s.proc is None:
                 raise ServerError(f"{s.name}: not started")
             if s.proc.poll() is not None:
+                cause = s.log_cause()
                 raise ServerError(
                     f"{s.name} exited with code {s.proc.returncode} before it was healthy.\n"
-                    f"--- last lines of {s.log_path} ---\n{s.log_tail()}"
+                    + (f"--- first error in {s.log_path} ---\n{cause}\n" if cause else "")
+                    + f"--- last lines of {s.log_path} ---\n{s.log_tail()}"
                 )
             if s.healthy():
                 s.ready_after = time.monotonic() - s.started_at
