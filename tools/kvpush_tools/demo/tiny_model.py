@@ -91,11 +91,15 @@ def vocabulary(vocab_size: int) -> list[str]:
             seen.add(w)
             words.append(w)
     syllables = [o + v for o in _ONSETS for v in _VOWELS]
+    # The syllable words run out (a few tens of thousands); real-model vocabularies go on with numbered words.
+    spelled = len(syllables) ** 2 * 2
     i = 0
     while len(words) < vocab_size:
         # Deterministic two- and three-syllable words.
         a, b, c = syllables[i % len(syllables)], syllables[(i * 7 + 3) % len(syllables)], i // len(syllables)
         w = a + b if c == 0 else a + b + syllables[(c * 13) % len(syllables)]
+        if i >= spelled:
+            w = f"w{i}"
         i += 1
         if w not in seen:
             seen.add(w)
@@ -249,6 +253,73 @@ def make_tiny_model(
     return path
 
 
+# Qwen3-8B's shape (its published config), for experiments on a GPU.
+QWEN3_8B = {
+    "num_layers": 36,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+}
+
+
+def make_shaped_model(
+    path: str | os.PathLike[str], *, dtype: str = "bfloat16", device: str | None = None, seed: int = 0, **shape: Any
+) -> Path:
+    """A random Qwen3 model of a real model's shape (``shape`` defaults to :data:`QWEN3_8B`) with the word
+    tokenizer, built on ``device`` (``"cuda"``: billions of parameters initialise in seconds there).
+
+    Weights as transformers initialises them (normal, std 0.02; norms at one), so logits spread like a
+    trained model's and greedy ties stay rare. ``device=None`` writes the config and tokenizer only, for
+    vLLM's ``--load-format dummy`` (its weights are uniform in +-0.001: every logit nearly equal, greedy
+    decoding all ties, useless for checking outputs)."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    shape = {**QWEN3_8B, **shape}
+    path = Path(path).resolve()
+    words = vocabulary(shape["vocab_size"])
+    vocab = {w: i for i, w in enumerate(words)}
+    eos_id = vocab[EOS]
+    cfg = Qwen3Config(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        bos_token_id=None,
+        dtype=dtype,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    if device is None:
+        cfg.save_pretrained(path)
+    else:
+        torch.manual_seed(seed)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(getattr(torch, dtype))
+        try:
+            with torch.device(device):
+                model = Qwen3ForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(default)
+        model.generation_config.eos_token_id = eos_id
+        model.generation_config.pad_token_id = eos_id
+        model.save_pretrained(path, safe_serialization=True, max_shard_size="4GB")
+        del model
+    _tokenizer(vocab, PreTrainedTokenizerFast).save_pretrained(path)
+    return path
+
+
 def _family_model(family: str, eos_id: int, *, sliding_window: int, **shape: Any) -> Any:
     """A randomly initialised transformers model of ``family``.
 
@@ -381,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--family", choices=FAMILIES, default="qwen3")
+    ap.add_argument("--qwen3-8b-shape", action="store_true", help="Qwen3-8B's shape, bf16 (make_shaped_model)")
+    ap.add_argument("--device", default=None, help="with --qwen3-8b-shape: where the weights are built (none: none)")
     args = ap.parse_args(argv)
+    if args.qwen3_8b_shape:
+        print(make_shaped_model(args.path, device=args.device, seed=args.seed))
+        return 0
     print(make_tiny_model(args.path, family=args.family, seed=args.seed, num_layers=args.num_layers))
     return 0
 
