@@ -21,6 +21,7 @@ from typing import Any
 
 from kvpush import protocol
 from kvpush.backends.base import Backend
+from kvpush.capability import Binding, derive_key
 from kvpush.config import Config
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.peers import PeerTable
@@ -167,6 +168,8 @@ class Sender(EngineLoop):
     # -- engine thread ---------------------------------------------------
     def setup(self) -> None:
         keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
+        if keys is not None:
+            self.rdv.binding = Binding(derive_key(keys.secret), self.cfg.capability == "required")
         self.open_agent("p")
         self.prepacks = Prepacks(self._slots.capacity)
         port = self.cfg.side_channel_port + self.rank
