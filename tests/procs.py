@@ -204,6 +204,13 @@ class Worker(conformance.Worker):
         """P stops telling D that a push starts: as if every ``Posting`` were lost on the way."""
         self.ranks[key].engine._tell_posting = lambda job, peer: None
 
+    def op_forge_notif(self, key: str, agent: str, msg: bytes) -> None:
+        """This P rank's NIXL agent (a real P of the fleet's key, which has D's metadata because D said hello
+        to it) sends D's agent ``msg`` as a notification: a Completion or Failure of a transfer D registered
+        with another P."""
+        engine = self.ranks[key].engine
+        engine.call_sync(lambda: engine.agent.send_notif(agent, msg))
+
     def op_wakeups(self, key: str) -> int:
         return int(self.ranks[key].engine.wakeups)
 
