@@ -76,7 +76,7 @@ def servers(e2e_pair: E2EServers, e2e_single: str, tmp_path_factory: pytest.Temp
     vr = vllm_router_process(e2e_pair.p, e2e_pair.d, logs)
     # The benchmark's proxy for vLLM's push connector, with the arguments it gives vLLM's push stack.
     args = router_args("vllm-push", e2e_pair.p, e2e_pair.d, e2e_pair.kv_port, P_ENGINE_ID)
-    proxy = srv.router_server(args, srv.free_port(), log_dir=logs)
+    proxy = srv.router_server(args, srv.free_port(), log_dir=logs, keys=e2e_pair.keys)
     try:
         vr.start()
         proxy.start()
