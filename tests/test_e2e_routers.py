@@ -198,12 +198,12 @@ def test_client_cancel_through_vllm_router_leaves_nothing_parked(servers: Server
 def test_no_log_shows_a_capability(e2e_pair: E2EServers, servers: Servers) -> None:
     """The transfers this module ran (kvpush router, its vllm-push mode, vllm-router): none of their
     capabilities appears in P's, D's (both at DEBUG) or the router's log; the ids do."""
-    check_outputs_and_transfer(servers, servers.vllm_router, seed=33)  # at least one of each flow, if run alone
-    check_outputs_and_transfer(servers, servers.kvpush_router, seed=34)
+    for seed, router in enumerate((servers.vllm_router, servers.kvpush_router, servers.push_proxy)):
+        servers.complete(router, prompt_words(40, seed=330 + seed))  # one of each flow, also when run alone
     logs = [s.log_path.read_text(errors="replace") for s in [*e2e_pair.pair, e2e_pair.router] if s is not None]
     records, _ = parse_lines(logs[0].splitlines())
     tids = {r["transfer_id"] for r in records if r["side"] == "prefill"}
-    assert len(tids) >= 2 * (len(LENGTHS) + 1), "P's timeline lines are missing"
+    assert len(tids) >= 3, "P's timeline lines are missing"
     shared = {t.split("/")[0] for t in tids}
     for tid in shared:
         cap = srv.capability(e2e_pair.keys, tid)
