@@ -260,9 +260,9 @@ class OptionalBindingMachine(BindingMachine):
 
 
 TestBinding = BindingMachine.TestCase
-TestBinding.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+TestBinding.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 TestOptionalBinding = OptionalBindingMachine.TestCase
-TestOptionalBinding.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+TestOptionalBinding.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 
 
 # -- D: who may complete or fail a transfer ------------------------------------------------------------
