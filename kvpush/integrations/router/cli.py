@@ -244,6 +244,12 @@ async def serve(config: RouterConfig) -> None:
         [i.name for i in config.prefill],
         [i.name for i in config.decode],
     )
+    if config.capability_key is None and config.mode in ("kvpush", "vllm-push"):
+        log.warning(
+            "no capability key (--capability-key, or $KVPUSH_AUTH_KEYS_DIR with router/capability.key): D gets "
+            "no capability, so P refuses its registrations unless P runs with capability optional "
+            "(docs/security.md)"
+        )
     try:
         await asyncio.Event().wait()
     finally:
