@@ -160,6 +160,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     auth_keys_dir: str = ""
     """Key set directory (``kvpush keys DIR`` makes one); empty: ``$KVPUSH_AUTH_KEYS_DIR``, else the
     ``KVPUSH_AUTH_*`` key variables. Missing keys with ``auth`` on are a start-up error naming what is missing."""
+    capability: Literal["required", "optional"] = "required"
+    """P: a registration or abort must carry the transfer's capability (``kvpush.capability``: P's answer
+    or the router gives it; docs/security.md). "optional" also accepts them without one, for routers that
+    cannot pass it (vLLM's push proxies, which send P and D at once in vLLM's own conventions); a
+    registration with the capability then still takes the transfer from one without. Not applied with
+    ``"auth": "none"``."""
+    allowed_prefills: tuple[str, ...] = ()
+    """D: the P side channels it may dial, as ``ADDR``, ``ADDR:PORT`` or ``ADDR:PORT-PORT`` where ADDR is a
+    host name, an IP address or a network (``10.0.0.0/8``; IPv6 in brackets); empty: any (the router names
+    P). A request naming another P fails before any connection, saying why (``kvpush.allow``)."""
     proxy_ip: str = ""
     """Router service discovery (vLLM's name): announce this instance to ``proxy_ip:proxy_ping_port``
     (vllm-router ``--vllm-discovery-address``) so the router sends P and D their requests at once;

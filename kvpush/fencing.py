@@ -16,7 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 from kvpush import protocol
-from kvpush.fencing_actions import Action, Cancel, ConnKey, Report, SendAbort, SendRegister, Stale, StartUnpack
+from kvpush.allow import Allowed
+from kvpush.fencing_actions import (
+    Action,
+    Cancel,
+    ConnKey,
+    Foreign,
+    Report,
+    SendAbort,
+    SendRegister,
+    Stale,
+    StartUnpack,
+)
 from kvpush.incoming import Asked, Incoming, Writer
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PrefillState, Stage
@@ -32,8 +43,12 @@ class Fencing:
         peer_dead_s: float,
         hard_cap_s: float = float("inf"),
         quarantine_s: float = float("inf"),
+        allowed: Allowed | None = None,
     ) -> None:
         self.nregions = nregions
+        self.allowed = allowed or Allowed()
+        """The P side channels D may dial (``allowed_prefills``): a registration or cancel naming another
+        fails before any connection."""
         self.transfer_timeout_s = transfer_timeout_s
         self.peer_dead_s = peer_dead_s
         self.hard_cap_s = hard_cap_s
@@ -62,6 +77,7 @@ class Fencing:
         """
         self._bump(Count.REGISTRATIONS)
         transfer_id = asked.transfer_id
+        refused = self._not_allowed([*writers.values(), *(bystanders or {}).values()])
         old = self.current.pop(transfer_id, None)
         self.hot.discard(transfer_id)
         out: list[Action] = []
@@ -77,8 +93,15 @@ class Fencing:
         deadline = now + self.transfer_timeout_s
         inc = Incoming(asked, writers, self.nregions, now, deadline, attempt, now + self.hard_cap_s)
         self.current[transfer_id] = inc
+        if refused:
+            # No writer got the registration: the transfer fails now, its blocks free at once.
+            return out + self._settle(
+                [a for conn in set(writers.values()) for a in inc.conn_refused(conn, refused, now)]
+            )
         why = f"D takes this KV from P ranks {sorted(writers)}"
-        spare = [Cancel(transfer_id, asked.request_id, conn, why) for conn in (bystanders or {}).values()]
+        spare = [
+            Cancel(transfer_id, asked.request_id, conn, why, asked.capability) for conn in (bystanders or {}).values()
+        ]
         return out + [SendRegister(inc, p) for p in inc.writers] + spare
 
     def on(self, inc: Incoming, actions: list[Action]) -> list[Action]:
@@ -159,7 +182,13 @@ class Fencing:
         inc.acknowledged(p_rank, PrefillState.PUSHING, 0)
         return True
 
-    def completion(self, msg: protocol.Completion, now: float) -> list[Action]:
+    def completion(self, msg: protocol.Completion, now: float, sender: ConnKey | None = None) -> list[Action]:
+        """A part of ``msg.rank``'s push arrived. ``sender``: the P rank the notification came from (None:
+        not checked, for callers that know it); only the P rank the transfer's registration went to is
+        heard, so no other holder of the P key can complete (or fail, ``failure``) a transfer."""
+        foreign = self._foreign(msg.transfer_id, msg.rank, msg.attempt, sender)
+        if foreign:
+            return foreign
         inc, w, out = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=True, now=now)
         if inc is None or w is None:
             return out
@@ -172,7 +201,10 @@ class Fencing:
         self._bump(Count.PARTS, inc.stats.parts - parts)
         return self._settle(out + actions)
 
-    def failure(self, msg: protocol.Failure, now: float) -> list[Action]:
+    def failure(self, msg: protocol.Failure, now: float, sender: ConnKey | None = None) -> list[Action]:
+        foreign = self._foreign(msg.transfer_id, msg.rank, msg.attempt, sender)
+        if foreign:
+            return foreign
         inc, w, out = self._lookup(msg.transfer_id, msg.rank, msg.attempt, fences_older=False, now=now)
         if inc is None or w is None:
             return out
@@ -199,14 +231,22 @@ class Fencing:
         return self._settle(inc.abort(why, now, self.peer_dead_s))
 
     def cancel(
-        self, transfer_id: str, request_id: str, writers: dict[int, ConnKey], why: Failed, now: float
+        self,
+        transfer_id: str,
+        request_id: str,
+        writers: dict[int, ConnKey],
+        why: Failed,
+        now: float,
+        capability: str = "",
     ) -> list[Action]:
         """D gives up on a transfer it may never have registered: abort it if it did; else tell its writers,
         so that a P holding the finished prefill frees it now instead of at its lease."""
         if transfer_id in self.current:
             return self.abort(transfer_id, why, now)
+        if self._not_allowed(list(writers.values())):
+            return []  # D never dials a P outside its allow-list; that P's lease frees the prefill
         self._bump(Count.CANCELS)
-        return [Cancel(transfer_id, request_id, conn, why.reason) for conn in writers.values()]
+        return [Cancel(transfer_id, request_id, conn, why.reason, capability) for conn in writers.values()]
 
     def expire(self, now: float) -> list[Action]:
         out: list[Action] = []
@@ -232,6 +272,25 @@ class Fencing:
         return list(self.unpacking)
 
     # -- internals -----------------------------------------------------------
+    def _not_allowed(self, conns: list[ConnKey]) -> str:
+        """Why one of these P side channels may not be dialed ("" if all may)."""
+        return next((why for why in (self.allowed.why_not(*c) for c in conns) if why), "")
+
+    def _foreign(self, transfer_id: str, p_rank: int, attempt: int, sender: ConnKey | None) -> list[Action]:
+        """[Foreign] when ``sender`` is not the P rank whose writer the message names (in the attempt it
+        names, current or superseded); [] when it is, or when no such writer exists (``_lookup`` then
+        calls the message stale)."""
+        if sender is None:
+            return []
+        for inc in [self.current.get(transfer_id), *self.superseded]:
+            if inc is None or inc.transfer_id != transfer_id or inc.attempt != attempt:
+                continue
+            w = inc.writers.get(p_rank)
+            if w is not None and w.conn != sender:
+                self._bump(Count.FOREIGN_MESSAGES)
+                return [Foreign(transfer_id, p_rank, sender)]
+        return []
+
     def _lookup(
         self, transfer_id: str, p_rank: int, attempt: int, fences_older: bool, now: float
     ) -> tuple[Incoming | None, Writer | None, list[Action]]:

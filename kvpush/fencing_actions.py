@@ -8,7 +8,7 @@ attempts share one vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpush import protocol
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 ConnKey = tuple[str, int]
 """A P rank's side channel: (host, port)."""
+UNKNOWN_SENDER: ConnKey = ("", 0)
+"""The sender of a notification from a NIXL agent no P rank's hello reply named."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Cancel:
     request_id: str
     conn: ConnKey
     reason: str
+    capability: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,16 @@ class Stale:
 
     transfer_id: str
     p_rank: int
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """A completion or failure from a P rank this transfer was not registered with (another P instance, or
+    one holding the P key): ignored; count and log it."""
+
+    transfer_id: str
+    p_rank: int
+    sender: ConnKey | None
 
 
 @dataclass(frozen=True)

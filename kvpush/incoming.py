@@ -55,6 +55,9 @@ class Asked:
     num_tokens: int
     start_token: int = 0
     skip_blocks: tuple[int, ...] = ()  # per group: leading blocks D does not hold (a sliding window's)
+    capability: str = field(default="", repr=False)
+    """The transfer's capability (``kvpush.capability``), sent with the registration and any abort; never
+    shown."""
 
 
 @dataclass

@@ -26,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         made = auth.make_key_set(args.dir)
+        router = auth.write_router_key(args.dir)
+        made += [router] if router is not None else []
         own = [auth.add_decode_key(args.dir, name) for name in args.decode]
     except (ConfigError, OSError) as exc:
         print(f"kvpush keys: {exc}", file=sys.stderr)
@@ -39,7 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"P: auth_keys_dir={args.dir} (reads {auth.PREFILL_SECRET}, {auth.DECODERS}/*.key)\n"
         f"D: auth_keys_dir={args.dir} or a {args.dir}/NAME made by --decode (reads {auth.PREFILL_PUBLIC}, "
-        f"{auth.DECODE_SECRET})"
+        f"{auth.DECODE_SECRET})\n"
+        f"router: --capability-key {args.dir}/{auth.ROUTER_KEY} (kvpush router's concurrent dispatch mints "
+        "each transfer's capability with it)"
     )
     return 0
 

@@ -31,6 +31,8 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=4096)]
+Capability = Annotated[str, msgspec.Meta(max_length=64)]
+"""A transfer's capability (``kvpush.capability``); empty: none given."""
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 WIRE_BLOCK_ID = np.dtype("<u4")
 """A block id on the wire: each group's ids travel as one msgpack bin of little-endian uint32s. Neither
@@ -160,6 +162,11 @@ class Register(_Msg, tag="register"):
     staging: StagingGrant | None = None
     attempt: NonNeg = 0
     skip_blocks: Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=64)] = ()
+    capability: Capability = ""
+    """The transfer's capability (``kvpush.capability``): P accepts the registration only with it."""
+
+    def __repr__(self) -> str:  # a registration logged must not show its capability
+        return f"Register({self.transfer_id!r}, {self.engine_id!r}, rank={self.rank}, attempt={self.attempt})"
 
 
 class Completion(_Msg, tag="done"):
@@ -239,6 +246,11 @@ class Abort(_Msg, tag="abort"):
     request_id: Name
     reason: Reason
     attempt: NonNeg = 0
+    capability: Capability = ""
+    """The transfer's capability: P accepts the abort only with it."""
+
+    def __repr__(self) -> str:  # an abort logged must not show its capability
+        return f"Abort({self.transfer_id!r}, {self.reason!r}, attempt={self.attempt})"
 
 
 class Heartbeat(_Msg, tag="hb"):

@@ -53,6 +53,7 @@ def register_message(
         staging=grant,
         attempt=inc.attempt,
         skip_blocks=ask.skip_blocks,
+        capability=ask.capability,
     )
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvpush.capability import Binding
 from kvpush.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, TransferState
 from kvpush.limits import Holdings, PeerLimits
 from kvpush.outcome import Cause, Failed, PrefillState
@@ -54,6 +55,7 @@ class _Entry:
     lease_deadline: float = float("inf")
     record: Transfer = field(default_factory=Transfer)
     owner: str | None = None  # the D key whose registration came first: only it may register again or abort
+    bound: bool = False  # the owner's registration carried the transfer's capability
     acked: dict[DKey, PrefillState] = field(default_factory=dict)  # the state each registration was last told
 
 
@@ -85,9 +87,14 @@ class Rendezvous:
     ``on_pushed``.
     """
 
-    def __init__(self, prefill_lease_s: float = 60.0, limits: PeerLimits | None = None) -> None:
+    def __init__(
+        self, prefill_lease_s: float = 60.0, limits: PeerLimits | None = None, binding: Binding | None = None
+    ) -> None:
         self.prefill_lease_s = prefill_lease_s
         self.limits = limits or PeerLimits()
+        self.binding = binding
+        """The capability rule (``kvpush.capability``); None: none checked (``"auth": "none"``, where every
+        peer is the same nobody anyway)."""
         self.holdings = Holdings(self.limits)
         """What each D rank holds in the entries (registrations and their block ids), kept equal to
         the entries by every event (``_settle_holdings``)."""
@@ -140,8 +147,16 @@ class Rendezvous:
         ``PeerLimits`` bound them too, with the registrations and their rate.
         """
         e = self._entries.get(reg.transfer_id)
+        why = self.binding.check(reg.transfer_id, reg.capability, "registration") if self.binding else ""
+        if why:
+            return [Refuse(reg, why, Cause.REFUSED)]
+        out: list[Decision] = []
         if e is not None and e.owner is not None and e.owner != owner:
-            return [Refuse(reg, "the transfer is registered by another D (a different key)", Cause.REFUSED)]
+            if not reg.capability or e.bound or e.in_flight:
+                return [Refuse(reg, "the transfer is registered by another D (a different key)", Cause.REFUSED)]
+            # Capabilities optional: a key that registered without one loses the transfer to the one with it.
+            out = self._evict(reg.transfer_id, e, now)
+            e = self._entries.get(reg.transfer_id)
         if e is not None and e.aborted:
             # Aborted while a write was in flight; the entry lives on only until it lands.
             return [Refuse(reg, "transfer was aborted", Cause.ABORTED)]
@@ -153,14 +168,29 @@ class Rendezvous:
         if why:
             return [Refuse(reg, why, Cause.OVER_LIMIT)]
         before = self._holding_of(reg.transfer_id)
-        out = self._on_register(reg, now, expected, owner)
+        out += self._on_register(reg, now, expected, owner)
         self._settle_holdings(reg.transfer_id, before)
+        return out
+
+    def _evict(self, tid: str, e: _Entry, now: float) -> list[Decision]:
+        """The owner's registrations (made without the capability, none in flight) are refused and the
+        transfer is the next registration's; a finished prefill stays parked for it."""
+        before = _holding(e)
+        why = "another D registered this transfer with its capability"
+        out: list[Decision] = [Refuse(r, why, Cause.REFUSED) for r in [*e.regs.values(), *e.held.values()]]
+        e.regs, e.held, e.acked, e.owner = {}, {}, {}, None
+        e.done.clear()
+        if e.prefill is None:
+            self._drop(tid)
+        self._settle_holdings(tid, before, dropped=e.prefill is None)
         return out
 
     def _on_register(self, reg: Register, now: float, expected: int, owner: str) -> list[Decision]:
         e = self._entries.setdefault(reg.transfer_id, _Entry())
         if e.owner is None:
             e.owner = owner
+        if reg.capability:
+            e.bound = True
         e.expected = expected
         k = _key(reg)
         old = e.regs.get(k)
@@ -259,14 +289,19 @@ class Rendezvous:
         self._settle_holdings(transfer_id, before)
         return out
 
-    def may_abort(self, transfer_id: str, key: str, by: DKey) -> str:
+    def may_abort(self, transfer_id: str, key: str, by: DKey, capability: str = "") -> str:
         """Why D rank ``by``, of D key ``key``, may not abort this transfer ("" if it may).
 
-        A transfer a D registered belongs to that D's key: no other key may abort it. One that no D
-        registered yet (a prefill parked, or nothing here: D gave up before it had blocks) may be
-        cancelled by any D, which leaves a tombstone when P's prefill has not finished; a D rank holds
-        at most ``max_peer_tombstones`` of those, so a flood of aborts costs a bounded amount of memory.
+        An abort must carry the transfer's capability (``binding``), so no D that merely knows the id
+        can kill it. A transfer a D registered belongs to that D's key: no other key may abort it. One
+        that no D registered yet (a prefill parked, or nothing here: D gave up before it had blocks) may
+        be cancelled by a D with its capability, which leaves a tombstone when P's prefill has not
+        finished; a D rank holds at most ``max_peer_tombstones`` of those, so a flood of aborts costs a
+        bounded amount of memory.
         """
+        why = self.binding.check(transfer_id, capability, "abort") if self.binding else ""
+        if why:
+            return why
         e = self._entries.get(transfer_id)
         if e is not None and e.owner is not None and e.owner != key:
             return "the transfer is registered by another D (a different key)"

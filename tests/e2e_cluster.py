@@ -141,6 +141,7 @@ class E2EServers:
             ["--prefill", self.p, "--prefill-kv", f"127.0.0.1:{self.kv_port}", "--decode", self.d],
             router_port,
             log_dir=self.logs,
+            keys=keys,
         )
         vllm = [*self.pair, *([self.single] if self.single else [])]
         for s in vllm:

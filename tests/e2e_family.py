@@ -78,6 +78,7 @@ class Target:
     """Headers for P's requests (``X-data-parallel-rank`` picks one of P's DP engines)."""
     max_tokens: int = MAX_TOKENS
     logs: dict[str, Path] = field(default_factory=dict)  # server logs of the family's own servers, by role
+    keys: str = ""  # the key set of P: D's hand-made kv_transfer_params carry the capability it gives
 
     def complete(self, base: str, prompt: str, headers: dict[str, str] | None = None, **kw: Any) -> str:
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, **kw}
@@ -93,6 +94,7 @@ class Target:
             "remote_host": host,
             "remote_port": port,
             "remote_tp_size": self.p_tp,
+            **({"capability": srv.capability(self.keys, tid)} if self.keys else {}),
         }
         with cf.ThreadPoolExecutor(2) as ex:
             p = ex.submit(self.complete, self.p, prompt, self.p_headers, max_tokens=1, kv_transfer_params=p_params)

@@ -19,6 +19,7 @@ from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
 from kvpush.engine import PeerAddress, Receiver, Result, Sender
+from kvpush.transport import auth
 
 SPEC = CacheSpec(block_size=16, num_heads=4, head_dim=64, dtype="float16")
 LAYERS = 2
@@ -41,7 +42,8 @@ class Pair:
 
     def push(self, tid: str, num_tokens: int, p_blocks: list[int], d_blocks: list[int], prefill: bool = True) -> None:
         """Register D's blocks, then (unless ``prefill`` is False) hand P's finished prefill over."""
-        self.receiver.register(tid, f"d-{tid}", self.peer, [d_blocks], num_tokens)
+        cap = auth.session_capability(tid)
+        self.receiver.register(tid, f"d-{tid}", self.peer, [d_blocks], num_tokens, capability=cap)
         if prefill:
             self.sender.prefill_finished(tid, f"p-{tid}", [p_blocks], num_tokens)
 

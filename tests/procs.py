@@ -36,6 +36,7 @@ import numpy as np
 from kvpush.conformance import model
 from kvpush.conformance import worker as conformance
 from kvpush.conformance.target import Target
+from kvpush.transport import auth
 
 SENTINEL = 0xA5
 """Byte that fills D's caches before a test: any block D did not register must still hold it."""
@@ -173,7 +174,7 @@ class Worker(conformance.Worker):
         """D gives up on a transfer it never registered (the connector's cancel order)."""
         from kvpush.engine import PeerAddress
 
-        self.ranks[key].engine.cancel(tid, rid, PeerAddress(*peer), reason)
+        self.ranks[key].engine.cancel(tid, rid, PeerAddress(*peer), reason, auth.session_capability(tid))
 
     def op_fill(self, key: str, blocks: list[int], value: int) -> None:
         """Write ``value`` into every byte of these blocks, as vLLM reusing them for another request would."""
@@ -202,6 +203,13 @@ class Worker(conformance.Worker):
     def op_mute_posting(self, key: str) -> None:
         """P stops telling D that a push starts: as if every ``Posting`` were lost on the way."""
         self.ranks[key].engine._tell_posting = lambda job, peer: None
+
+    def op_forge_notif(self, key: str, agent: str, msg: bytes) -> None:
+        """This P rank's NIXL agent (a real P of the fleet's key, which has D's metadata because D said hello
+        to it) sends D's agent ``msg`` as a notification: a Completion or Failure of a transfer D registered
+        with another P."""
+        engine = self.ranks[key].engine
+        engine.call_sync(lambda: engine.agent.send_notif(agent, msg))
 
     def op_wakeups(self, key: str) -> int:
         return int(self.ranks[key].engine.wakeups)
@@ -315,7 +323,9 @@ class Worker(conformance.Worker):
     ) -> None:
         from kvpush.engine import PeerAddress
 
-        self.ranks[key].engine.register(tid, rid, PeerAddress(*peer), blocks, n, 0)
+        self.ranks[key].engine.register(
+            tid, rid, PeerAddress(*peer), blocks, n, 0, capability=auth.session_capability(tid)
+        )
 
     def op_gdn_pool(self, key: str) -> np.ndarray:
         """A copy of the rank's whole pool (every layer's bytes)."""

@@ -218,6 +218,10 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
         s = dealer(addr, keys, ctx)
         try:
             hello, register, abort, _, _ = _attack(d, k, victim.tid, g)
+            # Even with the victim's capability (leaked: tests/test_binding_nixl.py covers the intruder
+            # without it), the key rule holds: the transfer belongs to the key that registered it.
+            register = msgspec.structs.replace(register, capability=auth.session_capability(victim.tid))
+            abort = msgspec.structs.replace(abort, capability=auth.session_capability(victim.tid))
             s.send(protocol.encode(hello))
             assert s.poll(5000) and protocol.decode(s.recv()).ok  # a D P allows: it is heard
             s.send(protocol.encode(register))
@@ -225,7 +229,8 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
             fail = protocol.decode(s.recv())
             assert isinstance(fail, protocol.Failure) and "registered by another D" in fail.reason, fail
             s.send(protocol.encode(abort))
-            s.send(protocol.encode(msgspec.structs.replace(abort, transfer_id=parked.tid)))
+            cap = auth.session_capability(parked.tid)
+            s.send(protocol.encode(msgspec.structs.replace(abort, transfer_id=parked.tid, capability=cap)))
             d_name = msgspec.structs.replace(hello, engine_id="D" + k)  # the victim's engine id, rank 0
             s2 = dealer(addr, keys, ctx)  # a connection of its own, as a D rank has
             s2.send(protocol.encode(d_name))

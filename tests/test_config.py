@@ -70,6 +70,8 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "peer_registrations_per_s": 50,
         "max_tombstones": 10,
         "peer_max_tombstones": 5,
+        "capability": "optional",
+        "allowed_prefills": ["10.0.0.0/8", "p1:5600-5607"],
     }
     assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
     c = Config.from_dict(values)

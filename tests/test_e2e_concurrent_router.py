@@ -47,7 +47,9 @@ class Stack:
 
 
 def announcing(role: str, kv_port: int, http_port: int, discovery: int, keys: str) -> dict[str, object]:
-    extra = {"proxy_ip": "127.0.0.1", "proxy_ping_port": discovery, "http_port": http_port}
+    # vllm-router's concurrent mode carries no capability (nobody holds the P fleet's key there): P accepts
+    # registrations without one (docs/security.md, "Routers that cannot pass it").
+    extra = {"proxy_ip": "127.0.0.1", "proxy_ping_port": discovery, "http_port": http_port, "capability": "optional"}
     return srv.kvpush_transfer_config(role, kv_port, auth_keys_dir=keys, **extra)
 
 

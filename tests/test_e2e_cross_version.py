@@ -67,10 +67,11 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target
                 ["--prefill", p.url, "--prefill-kv", f"127.0.0.1:{ports[name]}", "--decode", d.url],
                 srv.free_port(),
                 log_dir=p.log_path.parent,
+                keys=keys,
             )
             started.append(router.start())
             srv.wait_all_healthy([router], timeout=60)
-            targets[name] = Target(model, p.url, d.url, router.url, single.url, ("127.0.0.1", ports[name]))
+            targets[name] = Target(model, p.url, d.url, router.url, single.url, ("127.0.0.1", ports[name]), keys=keys)
         yield targets
     except srv.ServerError as exc:
         pytest.fail(str(exc))

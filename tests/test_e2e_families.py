@@ -204,11 +204,14 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             ],
             srv.free_port(),
             log_dir=logs,
+            keys=keys,
         )
         router.start()
         srv.wait_all_healthy([router], timeout=60)
         logs = {role: s.log_path for role, s in procs.items()}
-        target = Target(str(model), p, d, router.url, single, ("127.0.0.1", kv_port), p_tp, max_tokens=fam.max_tokens)
+        target = Target(
+            str(model), p, d, router.url, single, ("127.0.0.1", kv_port), p_tp, max_tokens=fam.max_tokens, keys=keys
+        )
         yield name, replace(target, logs=logs)
     except srv.ServerError as exc:
         pytest.fail(str(exc))

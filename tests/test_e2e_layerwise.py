@@ -98,6 +98,7 @@ def cluster(
         ],
         router_port,
         log_dir=logs,
+        keys=keys,
     )
     try:
         for s in servers:

@@ -60,8 +60,10 @@ def _usage(base: str) -> float:
 
 
 class Trio:
-    def __init__(self, p: srv.ServerProcess, d_recompute: srv.ServerProcess, d_fail: srv.ServerProcess, kv: int):
-        self.p, self.d_recompute, self.d_fail, self.kv_port = p, d_recompute, d_fail, kv
+    def __init__(
+        self, p: srv.ServerProcess, d_recompute: srv.ServerProcess, d_fail: srv.ServerProcess, kv: int, keys: str
+    ):
+        self.p, self.d_recompute, self.d_fail, self.kv_port, self.keys = p, d_recompute, d_fail, kv, keys
         self.model = model_dir()
 
     def body(self, prompt: str, **kw: Any) -> dict[str, Any]:
@@ -74,6 +76,7 @@ class Trio:
             "remote_host": "127.0.0.1",
             "remote_port": self.kv_port,
             "remote_tp_size": 1,
+            "capability": srv.capability(self.keys, transfer_id),
         }
 
 
@@ -106,7 +109,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
         for s in servers:
             s.start()
         srv.wait_all_healthy(servers, timeout=900)
-        yield Trio(*servers, kv=kv_port)
+        yield Trio(*servers, kv=kv_port, keys=keys)
     finally:
         srv.stop_all(servers)
 

@@ -78,7 +78,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         fast_start=True,
     )
     args = ["--prefill", p.url, "--prefill-kv", f"127.0.0.1:{kv_port}", "--decode", d.url]
-    router = srv.router_server([*args, "--max-prefill-queue", str(QUEUE_BOUND)], r_port, log_dir=logs)
+    router = srv.router_server([*args, "--max-prefill-queue", str(QUEUE_BOUND)], r_port, log_dir=logs, keys=keys)
     try:
         for s in (p, d):
             s.start()

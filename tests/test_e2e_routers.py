@@ -32,6 +32,7 @@ import pytest
 from e2e_cluster import P_ENGINE_ID, E2EServers
 from test_e2e_vllm import _metric, _post, _stream_text
 
+from kvpush.timeline import parse_lines
 from kvpush_tools.bench.stacks import router_args
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
@@ -76,7 +77,7 @@ def servers(e2e_pair: E2EServers, e2e_single: str, tmp_path_factory: pytest.Temp
     vr = vllm_router_process(e2e_pair.p, e2e_pair.d, logs)
     # The benchmark's proxy for vLLM's push connector, with the arguments it gives vLLM's push stack.
     args = router_args("vllm-push", e2e_pair.p, e2e_pair.d, e2e_pair.kv_port, P_ENGINE_ID)
-    proxy = srv.router_server(args, srv.free_port(), log_dir=logs)
+    proxy = srv.router_server(args, srv.free_port(), log_dir=logs, keys=e2e_pair.keys)
     try:
         vr.start()
         proxy.start()
@@ -192,3 +193,18 @@ def test_client_cancel_through_vllm_router_leaves_nothing_parked(servers: Server
     # The pair still serves afterwards.
     prompt = prompt_words(90, seed=69)
     assert s.complete(s.vllm_router, prompt) == s.complete(s.single, prompt)
+
+
+def test_no_log_shows_a_capability(e2e_pair: E2EServers, servers: Servers) -> None:
+    """The transfers this module ran (kvpush router, its vllm-push mode, vllm-router): none of their
+    capabilities appears in P's, D's (both at DEBUG) or the router's log; the ids do."""
+    for seed, router in enumerate((servers.vllm_router, servers.kvpush_router, servers.push_proxy)):
+        servers.complete(router, prompt_words(40, seed=330 + seed))  # one of each flow, also when run alone
+    logs = [s.log_path.read_text(errors="replace") for s in [*e2e_pair.pair, e2e_pair.router] if s is not None]
+    records, _ = parse_lines(logs[0].splitlines())
+    tids = {r["transfer_id"] for r in records if r["side"] == "prefill"}
+    assert len(tids) >= 3, "P's timeline lines are missing"
+    shared = {t.split("/")[0] for t in tids}
+    for tid in shared:
+        cap = srv.capability(e2e_pair.keys, tid)
+        assert not any(cap in text for text in logs), f"the capability of {tid} is in a log"

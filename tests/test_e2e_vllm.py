@@ -72,9 +72,12 @@ def _stream_text(url: str, body: dict[str, Any]) -> str:
 
 
 class Cluster:
-    def __init__(self, model: str, single: str, p: str, d: str, router: str, router_kv: tuple[str, int]) -> None:
+    def __init__(
+        self, model: str, single: str, p: str, d: str, router: str, router_kv: tuple[str, int], keys: str = ""
+    ) -> None:
         self.model, self.single, self.p, self.d, self.router = model, single, p, d, router
         self.router_kv = router_kv  # P's side channel
+        self.keys = keys  # P's key set: a request sent to D by hand carries the capability it gives
 
     def complete(self, base: str, prompt: str, **kw: Any) -> str:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
@@ -84,7 +87,9 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(e2e_pair: E2EServers, e2e_single: str) -> Cluster:
     """The session's shared servers (``conftest.py``), read at this module's start."""
-    return Cluster(e2e_pair.model, e2e_single, e2e_pair.p, e2e_pair.d, e2e_pair.router_url, e2e_pair.p_kv)
+    return Cluster(
+        e2e_pair.model, e2e_single, e2e_pair.p, e2e_pair.d, e2e_pair.router_url, e2e_pair.p_kv, e2e_pair.keys
+    )
 
 
 def _prompts(seed: int) -> list[str]:
@@ -198,6 +203,7 @@ def test_abort_on_d_while_waiting_for_kv_frees_its_blocks(cluster: Cluster) -> N
             "remote_host": p_host,
             "remote_port": p_port,
             "remote_tp_size": 1,
+            "capability": srv.capability(cluster.keys, "abandoned-1"),
         },
     }
     req = urllib.request.Request(
@@ -249,7 +255,8 @@ def test_d_continues_the_prompt_p_pushed(cluster: Cluster) -> None:
     """The swap test: D is sent prompt Q under the transfer id of P's prompt A and continues A, so it decoded
     over the KV P pushed (``e2e_family.check_swap``)."""
     c = cluster
-    check_swap(Target(c.model, c.p, c.d, c.router, c.single, c.router_kv, max_tokens=MAX_TOKENS), 150, seed=90)
+    target = Target(c.model, c.p, c.d, c.router, c.single, c.router_kv, max_tokens=MAX_TOKENS, keys=c.keys)
+    check_swap(target, 150, seed=90)
 
 
 def test_everything_released_afterwards(cluster: Cluster) -> None:

@@ -105,12 +105,18 @@ def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, 
         ids = tuple(i % 128 for i in range(protocol.MAX_BLOCKS))  # the most ids a group holds
         name = hello.engine_id
         s.send(protocol.encode(protocol.Register("max-ids", "max-ids", name, 0, (ids,), 0, lease_ms=3_600_000)))
+        # With each transfer's capability (the worst case: a D the router gave them), so that the floods
+        # reach the per-peer limits instead of stopping at the capability check.
+        cap = auth.session_capability
         for i in range(REGISTRATIONS):
-            reg = protocol.Register(f"flood-{i}", f"flood-{i}", name, 0, ((1, 2),), 30, lease_ms=3_600_000)
+            reg = protocol.Register(
+                f"flood-{i}", f"flood-{i}", name, 0, ((1, 2),), 30, lease_ms=3_600_000, capability=cap(f"flood-{i}")
+            )
             s.send(protocol.encode(reg))
         long_id = "x" * 240
         for i in range(ABORTS):
-            s.send(protocol.encode(protocol.Abort(f"{long_id}{i:08d}", "r" * 200, "forged" * 100)))
+            tid = f"{long_id}{i:08d}"
+            s.send(protocol.encode(protocol.Abort(tid, "r" * 200, "forged" * 100, capability=cap(tid))))
         # frames of the largest size P decodes, each a registration of ~2M block ids (4 bytes each)
         group = tuple(300 + i % 60_000 for i in range(protocol.MAX_BLOCKS))
         n = (protocol.MAX_FRAME_BYTES - 4096) // 4 - protocol.MAX_BLOCKS

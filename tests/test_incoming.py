@@ -33,6 +33,7 @@ from kvpush.fencing import Fencing
 from kvpush.fencing_actions import (
     AwaitUnpacks,
     Cancel,
+    Foreign,
     FreeSlot,
     Report,
     SendAbort,
@@ -332,10 +333,43 @@ class FencingMachine(RuleBasedStateMachine):
     def deliver(self, data) -> None:
         msg = self.net.msgs.pop(data.draw(st.integers(0, len(self.net.msgs) - 1)))
         if isinstance(msg, protocol.Completion):
-            self._do(self.book.completion(msg, self.now))
+            self._do(self.book.completion(msg, self.now, sender=("p", msg.rank)))
         else:
-            self._do(self.book.failure(msg, self.now))
+            self._do(self.book.failure(msg, self.now, sender=("p", msg.rank)))
         self._step()
+
+    def _writers_state(self) -> list[tuple]:
+        return [
+            (id(inc), p, w.final, w.quarantined, bytes(w.covered or b""), len(w.unpacking), inc.reported)
+            for inc in [*self.book.current.values(), *self.book.superseded]
+            for p, w in inc.writers.items()
+        ]
+
+    @precondition(lambda self: self.net.msgs or self.book.current)
+    @rule(data=st.data(), kind=st.sampled_from(["completion", "failure"]), other_rank=st.booleans())
+    def forged(self, data, kind: str, other_rank: bool) -> None:
+        """Another holder of the P key (a P D never registered this transfer with, or the other P rank of
+        the same instance) sends D a copy of a message on its way, or one of its own making: D ignores it,
+        whatever state the transfer is in."""
+        if self.net.msgs and data.draw(st.booleans()):
+            msg = self.net.msgs[data.draw(st.integers(0, len(self.net.msgs) - 1))]
+        else:
+            inc = data.draw(st.sampled_from([*self.book.current.values(), *self.book.superseded] or [None]))
+            if inc is None:
+                return
+            p = data.draw(st.sampled_from(sorted(inc.writers)))
+            if kind == "completion":
+                msg = protocol.Completion(inc.transfer_id, "r", p, attempt=inc.attempt)
+            else:
+                msg = protocol.Failure(inc.transfer_id, "r", p, Stage.TRANSFER, Cause.OTHER, "forged", inc.attempt)
+        sender = ("p", 1 - msg.rank) if other_rank and msg.rank in (0, 1) else ("evil", msg.rank)
+        before = self._writers_state()
+        if isinstance(msg, protocol.Completion):
+            out = self.book.completion(msg, self.now, sender=sender)
+        else:
+            out = self.book.failure(msg, self.now, sender=sender)
+        assert all(isinstance(a, (Foreign, Stale)) for a in out), out
+        assert self._writers_state() == before, "a forged message changed a writer"
 
     @precondition(lambda self: any(not m.reached for ms in self.unpacks.values() for m in ms))
     @rule(data=st.data())
@@ -365,9 +399,9 @@ class FencingMachine(RuleBasedStateMachine):
             while self.net.msgs:
                 msg = self.net.msgs.pop(0)
                 if isinstance(msg, protocol.Completion):
-                    self._do(self.book.completion(msg, self.now))
+                    self._do(self.book.completion(msg, self.now, sender=("p", msg.rank)))
                 else:
-                    self._do(self.book.failure(msg, self.now))
+                    self._do(self.book.failure(msg, self.now, sender=("p", msg.rank)))
             for p, v in list(self.conns.items()):
                 if p in self.dead:
                     if v == "pending":

@@ -1064,3 +1064,54 @@ def test_tiny_model_prompts_have_exactly_n_tokens() -> None:
         assert len(ids) == n and words.index(UNK) not in ids
     assert prompt_words(50, seed=1) == prompt_words(50, seed=1) != prompt_words(50, seed=2)
     assert prompt_words(10, seed=3).split()[:5] != prompt_words(10, seed=4).split()[:5]
+
+
+def test_with_a_capability_key_d_gets_the_transfers_capability_in_every_mode() -> None:
+    from kvpush.capability import derive_key, mint
+
+    key = derive_key(b"k" * 40)
+    p = Instance("http://p", "prefill", "10.1.1.1", 5600, 2, "eng-7")
+    cap = mint(key, "t9")
+    assert decode_params("kvpush", "t9", p, capability=cap)["capability"] == cap
+    push = decode_params("vllm-push", "t9", p, capability=cap)
+    assert (push["capability"], push["transfer_id"]) == (cap, "t9")
+    assert prefill_body(COMPLETION, "vllm-push", "t9", bound=True)["kv_transfer_params"]["transfer_id"] == "t9"
+    assert "transfer_id" not in prefill_body(COMPLETION, "vllm-push", "t9")["kv_transfer_params"]
+    # P first (engine id unknown): P's own capability is passed on; in vllm-pull P's answer goes as it is
+    unknown = Instance("http://p", "prefill", "10.1.1.1", 5600)
+    answer = {"kv_transfer_params": {"remote_engine_id": "e", "capability": "c" * 32}}
+    assert decode_params("vllm-push", "t9", unknown, answer)["capability"] == "c" * 32
+    assert decode_params("vllm-pull", "t9", p, answer) == answer["kv_transfer_params"]
+
+    async def go() -> None:
+        async with cluster(capability_key=key) as c:
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
+            assert status == 200, data
+            (p_seen,), (d_seen,) = c.p[0].seen, c.d[0].seen
+            tid = p_seen.body["kv_transfer_params"]["transfer_id"]
+            assert d_seen.body["kv_transfer_params"]["capability"] == mint(key, tid)
+            assert "capability" not in p_seen.body["kv_transfer_params"], "P derives it itself"
+
+    run(go())
+
+
+def test_the_router_reads_its_capability_key_from_kvpush_keys(tmp_path: Path) -> None:
+    from kvpush.capability import derive_key
+    from kvpush.errors import ConfigError
+    from kvpush.keys import main as keys_main
+    from kvpush.transport import auth
+
+    assert keys_main([str(tmp_path)]) == 0
+    router_file = tmp_path / auth.ROUTER_KEY
+    assert router_file.stat().st_mode & 0o777 == 0o600
+    _, secret = auth.read_key_file(tmp_path / auth.PREFILL_SECRET, need_secret=True)
+    assert secret is not None and auth.router_capability_key(router_file) == derive_key(secret)
+    assert auth.router_capability_key(tmp_path) == derive_key(secret)  # a key set directory
+    assert router_file.read_text().strip() != secret.decode(), "the router's file is not P's key"
+    args = ["--prefill", "http://p", "--prefill-kv", "127.0.0.1:5600", "--decode", "http://d"]
+    assert config_from_args([*args, "--capability-key", str(router_file)]).capability_key == derive_key(secret)
+    bad = tmp_path / "bad.key"
+    bad.write_text("not hex\n")
+    with pytest.raises(ConfigError, match="capability key file"):
+        auth.router_capability_key(bad)
+    assert auth.router_capability_key(tmp_path / "decoders") is None

@@ -145,3 +145,31 @@ def test_not_an_object() -> None:
 def test_sub_request_part_may_not_overflow_the_wire_limit() -> None:
     with pytest.raises(ConfigError, match="too long"):
         parse({"do_remote_decode": True, "transfer_id": "x" * 256}, "cmpl-a-1-deadbeef")
+
+
+def test_d_reads_the_capability_and_a_bad_one_is_refused_without_echoing_it() -> None:
+    cap = "0123456789abcdef" * 2
+    role = parse({**KVPUSH_D, "capability": cap}, "r1")
+    assert isinstance(role, DecodeSide) and role.capability == cap
+    assert cap not in repr(role), "a role logged must not show its capability"
+    assert parse(KVPUSH_D, "r1").capability == ""  # none given: P decides (required: refused)
+    for bad in ("short-secret-value", 12345, "x" * 64):
+        with pytest.raises(ConfigError, match="capability must be a string of 32") as err:
+            parse({**KVPUSH_D, "capability": bad}, "r1")
+        assert str(bad) not in str(err.value)
+
+
+def test_ps_answer_carries_the_capability_of_the_shared_id_which_covers_sub_requests() -> None:
+    from kvpush.capability import derive_key, mint, valid
+
+    key = derive_key(b"s" * 40)
+    advert = PrefillAdvert("eng", "10.0.0.7", 5600, 1, key)
+    assert "capability_key" not in repr(advert) and repr(key) not in repr(advert)
+    role = parse({"do_remote_decode": True, "transfer_id": "shared"}, "cmpl-x-1-0123abcd")
+    assert isinstance(role, PrefillSide) and role.transfer_id == "shared/1.0"
+    answer = prefill_answer(advert, role, "cmpl-x-1-0123abcd")
+    assert answer["transfer_id"] == "shared" and answer["capability"] == mint(key, "shared")
+    d_role = parse(answer, "cmpl-y-1-89abcdef")  # the sequential router hands D P's answer
+    assert isinstance(d_role, DecodeSide) and d_role.transfer_id == "shared/1.0"
+    assert valid(key, d_role.transfer_id, d_role.capability)
+    assert "capability" not in prefill_answer(PrefillAdvert("eng", "h", 1), role, "r"), "no key: none given"

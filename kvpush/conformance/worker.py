@@ -31,6 +31,7 @@ import numpy as np
 
 from kvpush.conformance.model import Geom, payload
 from kvpush.conformance.target import Target
+from kvpush.transport import auth
 
 
 class _Capture(logging.Handler):
@@ -170,7 +171,8 @@ class Worker:
     ) -> None:
         from kvpush.engine import PeerAddress
 
-        self.ranks[key].engine.register(tid, rid, PeerAddress(*peer), [blocks], n, start)
+        cap = auth.session_capability(tid)  # the harness plays the router
+        self.ranks[key].engine.register(tid, rid, PeerAddress(*peer), [blocks], n, start, capability=cap)
 
     def op_results(self, key: str, count: int, timeout: float) -> list[Any]:
         """Up to ``count`` results within ``timeout`` s (fewer on timeout)."""

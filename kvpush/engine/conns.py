@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush import protocol
+from kvpush.fencing_actions import UNKNOWN_SENDER, ConnKey
 from kvpush.layout import KVLayout, Region
 from kvpush.metrics import Count
 from kvpush.transport.side_channel import Client, peer_budgets
@@ -35,8 +36,6 @@ log = logging.getLogger(__name__)
 
 REFUSED_RETRY_S = 5.0
 """A P rank that refused the handshake is asked again after this long, on the next registration."""
-
-ConnKey = tuple[str, int]
 
 
 class ConnState(enum.StrEnum):
@@ -98,6 +97,10 @@ class Conns:
                 # The authentication failed (a P without the key this D trusts, or refusing this D's key):
                 # a refused handshake, now and with its reason, not a P silent for peer_dead_s.
                 yield key, conn, protocol.HelloReply(ok=False, reason=conn.client.failure)
+
+    def key_of(self, agent_name: str) -> ConnKey:
+        """The P rank whose hello reply named this NIXL agent (``UNKNOWN_SENDER``: none did)."""
+        return self._by_agent.get(agent_name, UNKNOWN_SENDER)
 
     def heard_from_agent(self, agent_name: str, now: float) -> None:
         key = self._by_agent.get(agent_name)

@@ -170,7 +170,7 @@ class PeerTable:
         if peer is None:
             why = "from a connection that never said hello"
         else:
-            why = s.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank))
+            why = s.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank), msg.capability)
         if not why:
             assert peer is not None
             s.on_remote_abort(msg, (peer.engine_id, peer.rank), self.writes_to(peer))

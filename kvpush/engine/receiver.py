@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvpush import protocol
+from kvpush.allow import Allowed
 from kvpush.backends.base import Backend
 from kvpush.config import Config
 from kvpush.engine.conns import Conn, Conns, ConnState
@@ -27,10 +28,12 @@ from kvpush.engine.types import PeerAddress
 from kvpush.errors import ProtocolError
 from kvpush.fencing import Fencing
 from kvpush.fencing_actions import (
+    UNKNOWN_SENDER,
     Action,
     AwaitUnpacks,
     Cancel,
     ConnKey,
+    Foreign,
     FreeSlot,
     Report,
     SendAbort,
@@ -41,11 +44,13 @@ from kvpush.fencing_actions import (
 )
 from kvpush.incoming import Asked, Incoming
 from kvpush.layout import KVLayout
+from kvpush.limits import Throttle
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.plan import staged_bytes, unpack_pieces
 from kvpush.registration import guess_parts, register_message, unpack_choice
 from kvpush.topology import bystander_channels, writer_channels
+from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import client_keys
 
 log = logging.getLogger(__name__)
@@ -78,7 +83,9 @@ class Receiver(EngineLoop):
             config.peer_dead_s,
             config.transfer_hard_cap_s,
             config.quarantine_s,
+            Allowed.parse(config.allowed_prefills),
         )
+        self._foreign_log = Throttle(LOG_EVERY_S)
         self.counters = self.book.counters
         self.conns = Conns(self)
         self._next_timer = 0.0
@@ -94,22 +101,33 @@ class Receiver(EngineLoop):
         num_tokens: int,
         start_token: int = 0,
         skip_blocks: tuple[int, ...] = (),
+        capability: str = "",
     ) -> None:
         """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks (``skip_blocks[g]``: leading
-        blocks of group ``g`` D does not hold, as a sliding window's)."""
+        blocks of group ``g`` D does not hold, as a sliding window's). ``capability``: the transfer's
+        (``kvpush.capability``), from P's answer or the router."""
         # On the caller's thread, on the request's path: one copy into uint32 arrays, the wire's form (the
         # message is their bytes; the checks and D's unpack list take them as they are); a bad id raises
         # here, naming it.
         ids = tuple(protocol.block_id_array(g, f"block_ids[{i}]") for i, g in enumerate(block_ids))
         skip = tuple(int(n) for n in skip_blocks)
-        self.call(lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token, skip))
+        self.call(
+            lambda: self._on_register(transfer_id, request_id, peer, ids, num_tokens, start_token, skip, capability)
+        )
 
     def abort(self, transfer_id: str, reason: str = "aborted on D") -> None:
         """Give up on a transfer; ``poll`` reports it once no P rank can still write."""
         why = Failed(Stage.TRANSFER, Cause.ABORTED, reason)
         self.call(lambda: self._do(self.book.abort(transfer_id, why, time.monotonic())))
 
-    def cancel(self, transfer_id: str, request_id: str, peer: PeerAddress, reason: str = "cancelled on D") -> None:
+    def cancel(
+        self,
+        transfer_id: str,
+        request_id: str,
+        peer: PeerAddress,
+        reason: str = "cancelled on D",
+        capability: str = "",
+    ) -> None:
         """D gave up on a transfer it never registered: tell the P ranks that would have written it.
 
         A P that already parked the finished prefill frees it now instead of
@@ -118,7 +136,8 @@ class Receiver(EngineLoop):
         """
         why = Failed(Stage.TRANSFER, Cause.ABORTED, reason)
         writers = self._writers(peer)
-        self.call(lambda: self._do(self.book.cancel(transfer_id, request_id, writers, why, time.monotonic())))
+        now = time.monotonic
+        self.call(lambda: self._do(self.book.cancel(transfer_id, request_id, writers, why, now(), capability)))
 
     def stats(self) -> dict[str, Any]:
         return self.call_sync(
@@ -179,11 +198,12 @@ class Receiver(EngineLoop):
         num_tokens: int,
         start_token: int,
         skip_blocks: tuple[int, ...] = (),
+        capability: str = "",
     ) -> None:
         now = time.monotonic()
         writers = self._writers(peer)
         bystanders = self._bystanders(peer)
-        asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token, skip_blocks)
+        asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token, skip_blocks, capability)
         self._do(self.book.register(asked, writers, now, bystanders))
 
     def _bystanders(self, peer: PeerAddress) -> dict[int, ConnKey]:
@@ -208,7 +228,7 @@ class Receiver(EngineLoop):
                 what = (msg.rank, msg.transfer_id, msg.state, msg.tokens_ahead)
                 log.debug("%s: P rank %d: %s is %s (%d tokens ahead)", self.name, *what)
         elif isinstance(msg, protocol.Failure):
-            self._do(self.book.failure(msg, time.monotonic()))
+            self._do(self.book.failure(msg, time.monotonic(), sender=key))
         elif not isinstance(msg, protocol.Heartbeat):
             log.warning("%s: unexpected %s from P %s:%s", self.name, type(msg).__name__, *key)
 
@@ -222,10 +242,11 @@ class Receiver(EngineLoop):
         self.conns.heard_from_agent(agent_name, now)
         if isinstance(msg, protocol.Heartbeat):
             return  # P's greeting as it loaded this agent: it connects where loading does not (Agent.add_peer)
+        sender = self.conns.key_of(agent_name)
         if isinstance(msg, protocol.Failure):
-            self._do(self.book.failure(msg, time.monotonic()))
+            self._do(self.book.failure(msg, time.monotonic(), sender=sender))
         else:
-            self._do(self.book.completion(msg, time.monotonic()))
+            self._do(self.book.completion(msg, time.monotonic(), sender=sender))
 
     # -- actions --------------------------------------------------------------------
     def _do(self, actions: list[Action]) -> None:
@@ -244,13 +265,14 @@ class Receiver(EngineLoop):
             conn = self.conns.get(w.conn)
             if conn is not None and conn.state in (ConnState.READY, ConnState.DEAD):
                 # To a dead P too, best effort: if it is only slow, the abort reaches it before it posts.
-                conn.client.send(protocol.Abort(inc.transfer_id, inc.request_id, a.reason, inc.attempt))
+                abort = protocol.Abort(inc.transfer_id, inc.request_id, a.reason, inc.attempt, inc.asked.capability)
+                conn.client.send(abort)
             if conn is None or conn.state is not ConnState.READY:
                 why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, a.reason)
                 return self.book.on(inc, inc.writer_failed(a.p_rank, why, time.monotonic()))
         elif isinstance(a, Cancel):
             # Queued behind the Hello on a new connection: P reads them in order.
-            abort = protocol.Abort(a.transfer_id, a.request_id, a.reason, 0)
+            abort = protocol.Abort(a.transfer_id, a.request_id, a.reason, 0, a.capability)
             self.conns.open(a.conn, time.monotonic()).client.send(abort)
         elif isinstance(a, StartUnpack):
             return self._start_unpack(a)
@@ -264,6 +286,20 @@ class Receiver(EngineLoop):
                     log.exception("%s: waiting for an unpack failed", self.name)
         elif isinstance(a, FreeSlot):
             self._slots.free(a.offset)
+        elif isinstance(a, Foreign):
+            held = self._foreign_log.note(a.sender, time.monotonic())
+            if held is not None:
+                more = f" ({held} more since the last line)" if held else ""
+                host, port = a.sender or UNKNOWN_SENDER
+                who = f"P {host}:{port}" if (host, port) != UNKNOWN_SENDER else "an agent this D has no link to"
+                log.warning(
+                    "%s: ignored a message for %s naming P rank %d from %s: the transfer was not registered with it%s",
+                    self.name,
+                    a.transfer_id,
+                    a.p_rank,
+                    who,
+                    more,
+                )
         elif isinstance(a, Stale):
             log.warning("%s: stale or unknown message for %s from P rank %d", self.name, a.transfer_id, a.p_rank)
         elif isinstance(a, Report):

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvpush import protocol
 from kvpush.backends.base import Backend
+from kvpush.capability import Binding, derive_key
 from kvpush.config import Config
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.peers import PeerTable
@@ -167,6 +168,15 @@ class Sender(EngineLoop):
     # -- engine thread ---------------------------------------------------
     def setup(self) -> None:
         keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
+        if keys is not None:
+            self.rdv.binding = Binding(derive_key(keys.secret), self.cfg.capability == "required")
+            if not self.rdv.binding.required:
+                log.warning(
+                    "%s: capability optional: registrations and aborts without a transfer's capability are "
+                    "accepted, so any D key that knows a transfer id may take or cancel a transfer no D "
+                    "registered with its capability (docs/security.md)",
+                    self.name,
+                )
         self.open_agent("p")
         self.prepacks = Prepacks(self._slots.capacity)
         port = self.cfg.side_channel_port + self.rank

@@ -17,6 +17,7 @@ Keys come from a key set directory (``kvpush keys DIR`` makes one) or from
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from kvpush.capability import derive_key, mint
 from kvpush.errors import ConfigError
 from kvpush.limits import Throttle
 
@@ -47,6 +49,9 @@ ENV_PREFILL_SECRET = "KVPUSH_AUTH_PREFILL_SECRET"
 ENV_DECODE_PUBLIC = "KVPUSH_AUTH_DECODE_PUBLIC"
 ENV_DECODE_SECRET = "KVPUSH_AUTH_DECODE_SECRET"
 ENV_DECODERS = "KVPUSH_AUTH_DECODERS"
+ROUTER_KEY = "router/capability.key"
+"""The router's file in a key set: the P fleet's capability key (``kvpush.capability``), hex, and nothing
+else; ``kvpush keys`` writes it, derived from P's secret key (it does not reveal that key)."""
 """The same keys as environment variables (Z85 text, 40 characters; ``KVPUSH_AUTH_DECODERS`` lists
 allowed D public keys separated by commas or white space), for secrets injected as variables."""
 
@@ -168,6 +173,58 @@ def add_decode_key(path: str | os.PathLike[str], name: str) -> Path:
     (root / DECODERS).mkdir(exist_ok=True)
     write_key_file(root / DECODERS / f"{name}.key", public)
     return own
+
+
+def write_router_key(path: str | os.PathLike[str]) -> Path | None:
+    """``path/router/capability.key`` from the key set's P secret key (None: it exists already)."""
+    root = Path(path)
+    out = root / ROUTER_KEY
+    if out.exists():
+        return None
+    _, secret = read_key_file(root / PREFILL_SECRET, need_secret=True)
+    assert secret is not None
+    out.parent.mkdir(exist_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(derive_key(secret).hex() + "\n")
+    return out
+
+
+def router_capability_key(path: str | os.PathLike[str] | None) -> bytes | None:
+    """The capability key a router mints with: ``path`` is the router's key file, or a key set directory
+    holding ``router/capability.key`` (or P's secret key, on a host that has it); None: nothing there."""
+    if path is None or not str(path):
+        return None
+    p = Path(path)
+    if p.is_dir():
+        if (p / ROUTER_KEY).exists():
+            p = p / ROUTER_KEY
+        elif (p / PREFILL_SECRET).exists():
+            _, secret = read_key_file(p / PREFILL_SECRET, need_secret=True)
+            assert secret is not None
+            return derive_key(secret)
+        else:
+            return None
+    try:
+        key = bytes.fromhex(p.read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"capability key file {p}: {exc} (`kvpush keys DIR` writes DIR/{ROUTER_KEY})") from None
+    if len(key) != 32:
+        raise ConfigError(f"capability key file {p}: expected 64 hex characters, got {2 * len(key)}")
+    return key
+
+
+@functools.lru_cache(maxsize=8)
+def _session_key(root: str) -> bytes | None:
+    return router_capability_key(root)
+
+
+def session_capability(transfer_id: str) -> str:
+    """The capability a harness acting as the router (tests, benchmarks) gives D: minted with the key set
+    of ``$KVPUSH_AUTH_KEYS_DIR`` ("" without one, as with ``"auth": "none"``)."""
+    root = keys_dir("")
+    key = _session_key(str(root)) if root is not None else None
+    return mint(key, transfer_id) if key is not None else ""
 
 
 # -- loading for an engine -----------------------------------------------------

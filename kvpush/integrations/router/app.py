@@ -41,6 +41,7 @@ from kvpush.integrations.router.health import HealthChecker, mark_down
 from kvpush.integrations.router.metrics import ROUTER_METRICS, fixed_exposition
 from kvpush.integrations.router.pool import Instance, Pool
 from kvpush.integrations.router.requests import (
+    capability_of,
     client_params_error,
     concurrent,
     decode_body,
@@ -370,17 +371,18 @@ class Router:
     ) -> tuple[asyncio.Task[dict[str, Any]], dict[str, Any]]:
         """Send P its request; D's body, once D's parameters are known (at once, or from P's answer)."""
         mode = self.cfg.mode
-        p_body = prefill_body(body, mode, tid)
+        cap = capability_of(self.cfg.capability_key, tid)
+        p_body = prefill_body(body, mode, tid, bound=bool(cap))
         p_body["kv_transfer_params"] = with_client_params(p_body["kv_transfer_params"], body)
         p_task = self._start_prefill(p, endpoint, p_body, headers)
         if concurrent(mode, p):
-            params = decode_params(mode, tid, p)
+            params = decode_params(mode, tid, p, capability=cap)
         else:
             p_json = await p_task
             if mode == "vllm-push" and p.engine_id is None:
                 p.engine_id = (p_json.get("kv_transfer_params") or {}).get("remote_engine_id")
             try:
-                params = decode_params(mode, tid, p, p_json)
+                params = decode_params(mode, tid, p, p_json, cap)
             except ValueError as e:
                 raise UpstreamError(p, "prefill", str(e)) from None
         return p_task, decode_body(body, with_client_params(params, body))

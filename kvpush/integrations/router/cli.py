@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpush.errors import ConfigError
 from kvpush.integrations.router.app import Router
 from kvpush.integrations.router.config import (
     DEFAULT_HEALTH_TIMEOUT,
@@ -20,6 +21,7 @@ from kvpush.integrations.router.config import (
 from kvpush.integrations.router.dp import dp_engines
 from kvpush.integrations.router.pool import Instance
 from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
+from kvpush.transport import auth
 
 log = logging.getLogger("kvpush.router")
 
@@ -139,6 +141,14 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
         "router's: only behind another router that chooses transfer ids)",
     )
     g.add_argument(
+        "--capability-key",
+        metavar="PATH",
+        default="",
+        help="the P fleet's capability key: the file `kvpush keys DIR` writes (DIR/router/capability.key) or a "
+        "key set directory; default $KVPUSH_AUTH_KEYS_DIR. D gets each transfer's capability from it "
+        "(docs/security.md); without it P must accept registrations without one (capability: optional)",
+    )
+    g.add_argument(
         "--max-prefill-queue",
         type=int,
         default=0,
@@ -212,8 +222,9 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             selective=a.selective,
             max_prefill_queue=a.max_prefill_queue,
             queue_interval=a.queue_interval,
+            capability_key=auth.router_capability_key(a.capability_key or auth.keys_dir("")),
         )
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:
         ap.error(str(e))
         raise  # unreachable: ap.error exits
 
@@ -233,6 +244,12 @@ async def serve(config: RouterConfig) -> None:
         [i.name for i in config.prefill],
         [i.name for i in config.decode],
     )
+    if config.capability_key is None and config.mode in ("kvpush", "vllm-push"):
+        log.warning(
+            "no capability key (--capability-key, or $KVPUSH_AUTH_KEYS_DIR with router/capability.key): D gets "
+            "no capability, so P refuses its registrations unless P runs with capability optional "
+            "(docs/security.md)"
+        )
     try:
         await asyncio.Event().wait()
     finally:

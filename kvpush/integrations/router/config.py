@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpush.integrations.router.pool import Instance
 from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
@@ -40,6 +40,9 @@ class RouterConfig:
     max_prefill_queue: int = 0
     # Seconds between reads of each P's queue depth from its /metrics (0: off; then only this router's count).
     queue_interval: float = 1.0
+    # The P fleet's capability key (kvpush.capability): concurrent dispatch mints each transfer's capability
+    # with it and sends it to D. None: D gets none (P then must accept registrations without: "optional").
+    capability_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

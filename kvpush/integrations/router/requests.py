@@ -23,6 +23,13 @@ Modes (``--mode``), i.e. which KV connector the vLLM instances run:
     either order), later requests are concurrent. kvpush's connector speaks
     these conventions too, so this mode drives kvpush servers unchanged.
 
+Capabilities (``kvpush.capability``): with the P fleet's capability key
+(``--capability-key``), the router mints each transfer's capability and
+sends it to D with the transfer id (kvpush, and vllm-push where it then also
+sends both sides ``transfer_id``, which vLLM's connectors ignore); in
+vllm-pull D gets P's answer, which carries P's own. Without the key, D gets
+none, and P must run with ``"capability": "optional"``.
+
 A client's own ``kv_transfer_params`` never reach P or D unless the router
 is told to trust them (``client_params``): they would let a client choose
 transfer ids, hosts and ports.
@@ -34,6 +41,7 @@ import copy
 import uuid
 from typing import Any
 
+from kvpush.capability import mint
 from kvpush.integrations.router.pool import Instance
 
 MODES = ("kvpush", "vllm-pull", "vllm-push")
@@ -65,7 +73,12 @@ def new_transfer_id() -> str:
     return uuid.uuid4().hex
 
 
-def prefill_body(body: dict[str, Any], mode: str, tid: str) -> dict[str, Any]:
+def capability_of(key: bytes | None, tid: str) -> str:
+    """The capability the router gives D for transfer ``tid`` ("" without the key)."""
+    return mint(key, tid) if key is not None else ""
+
+
+def prefill_body(body: dict[str, Any], mode: str, tid: str, bound: bool = False) -> dict[str, Any]:
     """The request P gets: the client's, cut to one output token, not streamed,
     tagged so P keeps (kvpush, vllm-push) or offers (vllm-pull) its KV."""
     out = copy.deepcopy(body)
@@ -88,31 +101,36 @@ def prefill_body(body: dict[str, Any], mode: str, tid: str) -> dict[str, Any]:
             "remote_host": None,
             "remote_port": None,
         }
+        if mode == "vllm-push" and bound:
+            # The id the capability is minted for; vLLM's connectors ignore the field.
+            out["kv_transfer_params"]["transfer_id"] = tid
     else:
         raise ValueError(f"unknown router mode {mode!r}; expected one of {MODES}")
     return out
 
 
 def decode_params(
-    mode: str, tid: str, prefill: Instance, prefill_response: dict[str, Any] | None = None
+    mode: str, tid: str, prefill: Instance, prefill_response: dict[str, Any] | None = None, capability: str = ""
 ) -> dict[str, Any]:
     """``kv_transfer_params`` for D.
 
     kvpush and vllm-push know everything up front (P's coordinates); vllm-pull
     needs ``prefill_response``, P's response JSON, whose ``kv_transfer_params``
-    say where P's blocks are. Raises ``ValueError`` when a needed piece is
-    missing, so a misconfigured router fails loudly, not with a stuck D.
+    say where P's blocks are (and carry P's capability). ``capability``: the router's for ``tid``
+    (``capability_of``), sent in kvpush and vllm-push modes with the id it is for. Raises ``ValueError``
+    when a needed piece is missing, so a misconfigured router fails loudly, not with a stuck D.
     """
     if mode == "kvpush":
         if prefill.kv_host is None or prefill.kv_port is None:
             raise ValueError(f"{prefill.name}: no KV side-channel address (--prefill-kv) for mode kvpush")
-        return {
+        out = {
             "do_remote_prefill": True,
             "transfer_id": tid,
             "remote_host": prefill.kv_host,
             "remote_port": prefill.kv_port,
             "remote_tp_size": prefill.tp_size,
         }
+        return {**out, "capability": capability} if capability else out
     if mode == "vllm-pull":
         params = (prefill_response or {}).get("kv_transfer_params")
         if not isinstance(params, dict) or not params:
@@ -126,7 +144,10 @@ def decode_params(
             raise ValueError(f"{prefill.name}: NIXL engine id unknown (--prefill-engine-id)")
         if prefill.kv_host is None or prefill.kv_port is None:
             raise ValueError(f"{prefill.name}: no NIXL side-channel address (--prefill-kv) for mode vllm-push")
+        p_cap = ((prefill_response or {}).get("kv_transfer_params") or {}).get("capability")
+        bound = {"transfer_id": tid, "capability": capability or p_cap} if capability or p_cap else {}
         return {
+            **bound,
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": engine_id,

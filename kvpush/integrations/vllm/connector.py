@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.backends import CacheSpec, load_backend
+from kvpush.capability import derive_key
 from kvpush.config import Config
 from kvpush.errors import BackendError, ConfigError
 from kvpush.integrations.vllm import compat
@@ -48,6 +49,7 @@ from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSid
 from kvpush.integrations.vllm.worker_side import WorkerSide
 from kvpush.layout import KVLayout
 from kvpush.state import loaded_tokens, prefill_backoff
+from kvpush.transport import auth
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -139,7 +141,9 @@ def prefill_advert(cfg: Config, engine_id: str, vllm_config: VllmConfig) -> Pref
         )
         return None
     tp = vllm_config.parallel_config.tensor_parallel_size
-    return PrefillAdvert(engine_id, cfg.side_channel_host, cfg.side_channel_port, tp)
+    keys = auth.server_keys(cfg.auth, cfg.auth_keys_dir)
+    key = derive_key(keys.secret) if keys is not None else None
+    return PrefillAdvert(engine_id, cfg.side_channel_host, cfg.side_channel_port, tp, key)
 
 
 def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:

@@ -12,6 +12,10 @@ kvpush with only the connector name changed:
   transfer id as ``transfer_id``. vLLM's own fields (``remote_engine_id``,
   ``remote_request_id``, ``remote_block_ids``, ``transfer_mode``, ...) are
   accepted and not needed: push pairs by transfer id, not by P's blocks.
+* ``capability``: the transfer's capability (``kvpush.capability``), from P's
+  answer (a sequential router passes it on untouched) or from the router
+  (concurrent dispatch). D sends it with its registration; P refuses a
+  registration or abort without it unless P's ``capability`` is "optional".
 * Without ``transfer_id`` the pair is named by the request id, as vLLM's push
   connector does: the router sends P and D the same ``X-Request-Id`` and each
   side drops what vLLM appended (``cmpl-``, the prompt index, the random
@@ -35,9 +39,10 @@ vLLM, not deep in a transfer.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.capability import CAPABILITY_CHARS, mint
 from kvpush.engine.types import PeerAddress
 from kvpush.errors import ConfigError
 
@@ -101,6 +106,7 @@ class DecodeSide:
 
     transfer_id: str
     peer: PeerAddress
+    capability: str = field(default="", repr=False)
 
 
 def parse(params: dict[str, Any] | None, request_id: str) -> PrefillSide | DecodeSide | None:
@@ -123,7 +129,7 @@ def parse(params: dict[str, Any] | None, request_id: str) -> PrefillSide | Decod
         )
     if decode:
         return PrefillSide(tid, shared)
-    return DecodeSide(tid, _peer(params, request_id))
+    return DecodeSide(tid, _peer(params, request_id), _capability(params, request_id))
 
 
 def _flag(params: dict[str, Any], key: str, request_id: str) -> bool:
@@ -147,6 +153,19 @@ def _shared_id(params: dict[str, Any], sub: SubRequest, request_id: str) -> str:
             f"characters, got {tid!r}"
         )
     return tid
+
+
+def _capability(params: dict[str, Any], request_id: str) -> str:
+    cap = params.get("capability")
+    if cap is None:
+        return ""
+    if not isinstance(cap, str) or len(cap) != CAPABILITY_CHARS:
+        # The value is not echoed: it is a secret, even when malformed.
+        raise ConfigError(
+            f"request {request_id}: kv_transfer_params.capability must be a string of {CAPABILITY_CHARS} characters "
+            "(as P's answer or the router gives it)"
+        )
+    return cap
 
 
 def _peer(params: dict[str, Any], request_id: str) -> PeerAddress:
@@ -194,6 +213,8 @@ class PrefillAdvert:
     host: str
     port: int
     tp_size: int = 1
+    capability_key: bytes | None = field(default=None, repr=False)
+    """The P fleet's capability key (``kvpush.capability``); None: P's answer carries no capability."""
 
 
 def prefill_answer(advert: PrefillAdvert, role: PrefillSide, request_id: str) -> dict[str, Any]:
@@ -203,7 +224,8 @@ def prefill_answer(advert: PrefillAdvert, role: PrefillSide, request_id: str) ->
     D's connector needs; ``transfer_id`` is the shared id (each of D's
     sub-requests derives its own from it, as P's did).
     """
-    return {
+    shared = role.shared_id or role.transfer_id
+    out = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": advert.engine_id,
@@ -211,5 +233,8 @@ def prefill_answer(advert: PrefillAdvert, role: PrefillSide, request_id: str) ->
         "remote_host": advert.host,
         "remote_port": advert.port,
         "tp_size": advert.tp_size,
-        "transfer_id": role.shared_id or role.transfer_id,
+        "transfer_id": shared,
     }
+    if advert.capability_key is not None:
+        out["capability"] = mint(advert.capability_key, shared)
+    return out

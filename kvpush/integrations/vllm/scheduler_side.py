@@ -53,6 +53,7 @@ class Registration:
     num_tokens: int
     start_token: int
     skip_blocks: tuple[int, ...] = ()  # per KV-cache group: leading blocks D does not hold (a sliding window's)
+    capability: str = field(default="", repr=False)  # the transfer's (never logged)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class CancelOrder:
     host: str
     port: int
     tp_size: int
+    capability: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,7 @@ class SchedulerSide:
             num_computed + num_external,
             num_computed,
             self.skipped(ids) if len(ids) > 1 else (),
+            role.capability,
         )
         self._orders.registrations.append(reg)
         log.debug("kvpush scheduler: register %s", reg)
@@ -342,7 +345,8 @@ class SchedulerSide:
             # Still marked remote: it never got blocks (aborted while waiting).
             # P may hold a finished prefill for it: say so now, not at P's lease.
             peer = role.peer
-            self._orders.cancels.append(CancelOrder(request_id, role.transfer_id, peer.host, peer.port, peer.tp_size))
+            cancel = CancelOrder(request_id, role.transfer_id, peer.host, peer.port, peer.tp_size, role.capability)
+            self._orders.cancels.append(cancel)
             self._bump("decode_cancels")
             if params is not None:
                 params["do_remote_prefill"] = False

@@ -118,6 +118,7 @@ class WorkerSide:
                 r.num_tokens,
                 r.start_token,
                 r.skip_blocks,
+                r.capability,
             )
         for a in orders.aborts:
             if a.side == "decode" and self.receiver is not None:
@@ -129,7 +130,8 @@ class WorkerSide:
         for c in orders.cancels:
             if self.receiver is not None:
                 peer = PeerAddress(c.host, c.port, c.tp_size)
-                self.receiver.cancel(c.transfer_id, c.request_id, peer, "request aborted on D before it got blocks")
+                why = "request aborted on D before it got blocks"
+                self.receiver.cancel(c.transfer_id, c.request_id, peer, why, c.capability)
 
     def start_layers(self, orders: StepOrders) -> None:
         """Announce this step's layer-wise prefills before its forward writes their first layer.

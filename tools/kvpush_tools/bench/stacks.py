@@ -278,7 +278,8 @@ def build_stack(
     rargs = router_args(mode, prefill.url, decode.url, p_kv, engine_id) if mode != BASELINE else []
     if mode in KVPUSH_MODES:
         rargs += list(kvpush_router_args)
-    router = srv.router_server(rargs, r_port, log_dir=logs) if mode != BASELINE else None
+    keys = p_cfg["kv_connector_extra_config"]["auth_keys_dir"] if mode in KVPUSH_MODES and p_cfg else None
+    router = srv.router_server(rargs, r_port, log_dir=logs, keys=keys) if mode != BASELINE else None
     info = {
         "mode": mode,
         **({"name": name} if name != mode else {}),

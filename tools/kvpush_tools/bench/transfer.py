@@ -300,10 +300,14 @@ class _Side:
     def op_register(self, plan: str, tid: str, peer: tuple[str, int], blocks: list[int]) -> float:
         """Register; returns when it was asked (the start of a ``finished`` transfer)."""
         from kvpush.engine import PeerAddress
+        from kvpush.transport.auth import session_capability
 
+        cap = session_capability(tid)  # the harness plays the router
         self.cpu0 = _engine_cpu(self.engines[plan])
         t0 = time.monotonic()
-        self.engines[plan].register(tid, tid, PeerAddress(peer[0], peer[1], 1), [blocks], self.shape.tokens)
+        self.engines[plan].register(
+            tid, tid, PeerAddress(peer[0], peer[1], 1), [blocks], self.shape.tokens, capability=cap
+        )
         return t0
 
     def op_wait(self, plan: str, tid: str, timeout: float) -> dict[str, Any]:

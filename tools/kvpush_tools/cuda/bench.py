@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.outcome import XferState
+from kvpush.transport.auth import session_capability
 from kvpush_tools.cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
 
 POISON = 0xA5
@@ -508,7 +509,8 @@ class DServer:
         before = s.copy_stats()
         t0 = time.monotonic()
         n = s.opts.tokens if tokens is None else tokens
-        self.receiver.register(tid, tid, PeerAddress(address[0], address[1], 1), [dst.tolist()], n)
+        cap = session_capability(tid)  # the harness plays the router
+        self.receiver.register(tid, tid, PeerAddress(address[0], address[1], 1), [dst.tolist()], n, capability=cap)
         if announce:
             self.conn.send(("registered",))
         res = None

@@ -79,6 +79,8 @@ class Plan:
             args += ["--prefill-kv", f"127.0.0.1:{self.p_kv_port}"]
         if self.mode == "vllm-push":
             args += ["--prefill-engine-id", P_ENGINE_ID]
+        if self.mode == "kvpush" and self.keys:
+            args += ["--capability-key", self.keys]
         return [*args, "--decode", f"http://127.0.0.1:{self.d_port}"]
 
 

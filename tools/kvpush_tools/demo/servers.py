@@ -490,6 +490,17 @@ def kvpush_transfer_config(
     }
 
 
+def capability(keys: str | os.PathLike[str], transfer_id: str) -> str:
+    """The capability a router holding key set ``keys``'s capability key gives D for ``transfer_id`` (a test
+    that sends D its ``kv_transfer_params`` by hand plays the router)."""
+    from kvpush.capability import mint
+    from kvpush.transport.auth import router_capability_key
+
+    key = router_capability_key(keys)
+    assert key is not None, f"{keys} holds no P key"
+    return mint(key, transfer_id)
+
+
 def temp_keys() -> str:
     """A fresh side-channel key set (``kvpush keys``) in a private temporary directory, removed at exit."""
     from kvpush.transport.auth import make_key_set
@@ -536,10 +547,18 @@ def vllm_nixl_env(side_channel_port: int, host: str = "127.0.0.1") -> dict[str, 
 
 
 def router_server(
-    args: Sequence[str], port: int, *, log_dir: str | os.PathLike[str], host: str = "127.0.0.1"
+    args: Sequence[str],
+    port: int,
+    *,
+    log_dir: str | os.PathLike[str],
+    host: str = "127.0.0.1",
+    keys: str | os.PathLike[str] | None = None,
 ) -> ServerProcess:
-    """The kvpush router as a subprocess (``python -m kvpush.integrations.router``)."""
+    """The kvpush router as a subprocess (``python -m kvpush.integrations.router``); ``keys``: the stack's key
+    set (:func:`temp_keys`), whose P key gives the router its capability key (``--capability-key``)."""
     cmd = [sys.executable, "-m", "kvpush.integrations.router", "--host", host, "--port", str(port), *args]
+    if keys is not None:
+        cmd += ["--capability-key", str(keys)]
     return ServerProcess(
         name="router", cmd=cmd, url=f"http://{host}:{port}", log_path=Path(log_dir) / "router.log", ports=(port,)
     )
