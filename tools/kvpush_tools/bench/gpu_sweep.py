@@ -42,8 +42,8 @@ def say(msg: str) -> None:
 
 def transfer_configs(
     mode: str, p_kv: int, engine_id: str, kv_device: str
-) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, str]]:
-    """(P config, P env, D config, D env) of one mode, KV on ``kv_device``."""
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, str], str | None]:
+    """(P config, P env, D config, D env, the key set the router needs) of one mode, KV on ``kv_device``."""
     if mode == "kvpush":
         keys = srv.temp_keys()
         p = srv.kvpush_transfer_config("kv_producer", p_kv, auth_keys_dir=keys)
@@ -51,20 +51,21 @@ def transfer_configs(
         p_env: dict[str, str] = {}
         d_env: dict[str, str] = {}
     else:
+        keys = None
         connector = "NixlConnector" if mode == "vllm-pull" else "NixlPushConnector"
         p = srv.vllm_nixl_transfer_config(connector, "kv_producer", engine_id=engine_id)
         d = srv.vllm_nixl_transfer_config(connector, "kv_consumer")
         p_env, d_env = srv.vllm_nixl_env(p_kv), srv.vllm_nixl_env(srv.free_port())
     for cfg in (p, d):
         cfg["kv_buffer_device"] = kv_device
-    return p, p_env, d, d_env
+    return p, p_env, d, d_env, keys
 
 
 def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.ServerProcess]:
     """P, D and the router of ``mode``, healthy; raises ``ServerError``."""
     p_port, d_port, r_port, p_kv = srv.free_port(), srv.free_port(), srv.free_port(), srv.free_port(span=4)
     engine_id = f"gpu-{mode}-prefill-{p_port}"
-    p_cfg, p_env, d_cfg, d_env = transfer_configs(mode, p_kv, engine_id, args.kv_device)
+    p_cfg, p_env, d_cfg, d_env, keys = transfer_configs(mode, p_kv, engine_id, args.kv_device)
     extra = [
         "--no-enable-prefix-caching",
         "--kv-cache-memory-bytes",
@@ -84,7 +85,9 @@ def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.Serv
     decode = srv.vllm_server(f"{mode}-decode", args.model, d_port, kv_transfer_config=d_cfg, env=d_env, **common)
     started = [prefill.start(), decode.start()]
     srv.wait_all_healthy(started, timeout=args.start_timeout, progress=say, every=30.0)
-    router = srv.router_server(router_args(mode, prefill.url, decode.url, p_kv, engine_id), r_port, log_dir=logs)
+    router = srv.router_server(
+        router_args(mode, prefill.url, decode.url, p_kv, engine_id), r_port, log_dir=logs, keys=keys
+    )
     router.start()
     started.append(router)
     router.wait_healthy(timeout=60)
