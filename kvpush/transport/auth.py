@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 PREFILL_PUBLIC = "prefill.key"
 PREFILL_SECRET = "prefill.key_secret"
 DECODE_SECRET = "decode.key_secret"
+RANKS = "ranks"
+"""Metadata of a D public key file: the ranks (TP size times DP) that D has (``kvpush.admission``)."""
 DECODERS = "decoders"
 """A key set: P reads ``prefill.key_secret`` and the D public keys in ``decoders/*.key``;
 D reads ``prefill.key`` (whom to trust) and ``decode.key_secret`` (who it is)."""
@@ -81,9 +83,13 @@ class ClientKeys:
 # -- key files -----------------------------------------------------------------
 
 
-def write_key_file(path: Path, public: bytes, secret: bytes | None = None) -> None:
-    """A ZeroMQ certificate file (the format of ``zmq.auth``); a secret one is readable by its owner only."""
-    text = "#   ZeroMQ CURVE certificate (kvpush)\n#   made by `kvpush keys`\ncurve\n"
+def write_key_file(path: Path, public: bytes, secret: bytes | None = None, ranks: int | None = None) -> None:
+    """A ZeroMQ certificate file (the format of ``zmq.auth``); a secret one is readable by its owner only.
+    ``ranks``: the D rank count its holder declares (metadata ``ranks``, ``declared_ranks``)."""
+    text = "#   ZeroMQ CURVE certificate (kvpush)\n#   made by `kvpush keys`\n"
+    if ranks is not None:
+        text += f'metadata\n    {RANKS} = "{ranks}"\n'
+    text += "curve\n"
     text += f'    public-key = "{public.decode()}"\n'
     if secret is not None:
         text += f'    secret-key = "{secret.decode()}"\n'
@@ -150,10 +156,13 @@ def make_key_set(path: str | os.PathLike[str]) -> list[Path]:
     return made
 
 
-def add_decode_key(path: str | os.PathLike[str], name: str) -> Path:
+def add_decode_key(path: str | os.PathLike[str], name: str, ranks: int | None = None) -> Path:
     """A D key pair of its own: ``path/name/`` is that D's mount (P's public key and its pair), and P
-    allows it through ``path/decoders/name.key``. Returns the new directory."""
+    allows it through ``path/decoders/name.key``, which declares ``ranks`` (that D's TP size times DP) when
+    given. Returns the new directory."""
     root = Path(path)
+    if ranks is not None and ranks < 1:
+        raise ConfigError(f"--ranks {ranks}: a D has at least one rank")
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"D key name {name!r}: use a plain file name (letters, digits, - and _)")
     if not (root / PREFILL_PUBLIC).exists():
@@ -166,8 +175,49 @@ def add_decode_key(path: str | os.PathLike[str], name: str) -> Path:
     write_key_file(own / DECODE_SECRET, public, secret)
     write_key_file(own / PREFILL_PUBLIC, read_key_file(root / PREFILL_PUBLIC, need_secret=False)[0])
     (root / DECODERS).mkdir(exist_ok=True)
-    write_key_file(root / DECODERS / f"{name}.key", public)
+    write_key_file(root / DECODERS / f"{name}.key", public, ranks=ranks)
     return own
+
+
+def read_declared_ranks(path: Path) -> dict[str, int]:
+    """Z85 D public key -> the ranks its file in ``path/*.key`` declares (files that declare none are left
+    out; an unreadable value is left out too: that key gets the default)."""
+    out: dict[str, int] = {}
+    for f in sorted(path.glob("*.key")):
+        try:
+            public, _ = read_key_file(f, need_secret=False)
+            lines = f.read_bytes().splitlines()
+        except (ConfigError, OSError):
+            continue
+        for line in lines:
+            line = line.strip()
+            if line.startswith(RANKS.encode()) and b"=" in line:
+                try:
+                    n = int(line.split(b"=", 1)[1].strip(b" \t'\""))
+                except ValueError:
+                    break
+                if n >= 1:
+                    out[public.decode()] = n
+                break
+    return out
+
+
+class DeclaredRanks:
+    """The ranks each allowed D key declares in P's ``decoders/`` (None without one): re-read when the
+    directory changes, as the gate re-reads the keys."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._stamp: int | None = None
+        self._ranks: dict[str, int] = {}
+
+    def __call__(self, key: str) -> int | None:
+        if self.path is None:
+            return None
+        stamp = _stamp(self.path)
+        if stamp != self._stamp:
+            self._stamp, self._ranks = stamp, read_declared_ranks(self.path)
+        return self._ranks.get(key)
 
 
 # -- loading for an engine -----------------------------------------------------
