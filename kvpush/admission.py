@@ -237,3 +237,68 @@ def metadata_problem(blob: bytes, regions: int, name_bytes: int = 1024) -> str:
     if r.at != len(blob):
         return f"NIXL metadata has {len(blob) - r.at} bytes after its end (a blob of {r.at} bytes)"
     return ""
+
+
+# -- connections before authentication ----------------------------------------------
+
+CURVE_CLIENT_HANDSHAKE_BYTES = 64 + 202 + 266
+"""What a CURVE client sends before its key is checked, at least: the ZMTP greeting (64), HELLO (200 and
+its frame header) and INITIATE (257 at least, with its 9-byte long-frame header). A connection that has
+sent this much has finished its handshake, or ZeroMQ is closing it (an INITIATE that fails its box or the
+key check ends the connection); one that has sent less is still before authentication."""
+
+
+class PreAuth:
+    """Connections not yet past authentication, per source address; the oldest beyond ``per_address`` go.
+
+    A client without a key can open connections and send nothing: each holds a descriptor of P until the
+    handshake times out, and enough of them fill P's descriptor table, so that a real D's connection can
+    not be accepted. Per source address, at most ``per_address`` such connections are kept: when one more
+    is accepted, the oldest of that address that has not proven a key is shut. The newest stays, so a real
+    D behind the same address (a NAT, a shared host) gets its connection through as long as its handshake
+    (milliseconds) is faster than the attacker opens ``per_address`` new ones.
+
+    Events in (``accepted``, ``proven``, ``closed``), connections to shut out; the shell learns which
+    connections are past the handshake (``CURVE_CLIENT_HANDSHAKE_BYTES``) and shuts them.
+    """
+
+    def __init__(self, per_address: int) -> None:
+        self.per_address = per_address
+        self._addr: dict[int, object] = {}  # connection -> source address, not yet proven
+        self._pending: dict[object, list[int]] = {}  # source address -> its unproven connections, oldest first
+        self.shut_total = 0
+
+    def pending(self, addr: object) -> list[int]:
+        return list(self._pending.get(addr, ()))
+
+    def __len__(self) -> int:
+        return len(self._addr)
+
+    def accepted(self, conn: int, addr: object) -> None:
+        self.closed(conn)  # a descriptor number reused: whatever it was is gone
+        self._addr[conn] = addr
+        self._pending.setdefault(addr, []).append(conn)
+
+    def proven(self, conn: int) -> None:
+        """``conn`` is past the handshake: no longer counted."""
+        self.closed(conn)
+
+    def closed(self, conn: int) -> None:
+        addr = self._addr.pop(conn, None)
+        if addr is None:
+            return
+        conns = self._pending[addr]
+        conns.remove(conn)
+        if not conns:
+            del self._pending[addr]
+
+    def over(self, addr: object) -> int | None:
+        """The oldest unproven connection of ``addr`` while it has more than ``per_address`` (else None): the
+        shell says whether it is past its handshake by now (``proven``) or shuts it (``shut``)."""
+        conns = self._pending.get(addr, [])
+        return conns[0] if len(conns) > self.per_address else None
+
+    def shut(self, conn: int) -> None:
+        """``conn`` is being shut: forgotten (its close follows)."""
+        self.closed(conn)
+        self.shut_total += 1

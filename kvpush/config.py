@@ -160,6 +160,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     open registrations and their block ids (``kvpush.admission`` counts them); a hello or a registration
     that would go over it is refused (cause ``over_limit``), the reason naming the key. docs/security.md
     states what this means for P's memory."""
+    preauth_per_address: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """Connections from one source address P keeps open before they prove a D key; when one more comes,
+    the oldest of that address still before its handshake is shut (``kvpush.admission.PreAuth``): a
+    client without a key cannot fill P's descriptor table, and a real D behind the same address still
+    gets through. Only with authentication (``"auth": "none"`` has no handshake to wait for)."""
     auth: Literal["curve", "none"] = "curve"
     """Side channel authentication: "curve" (ZeroMQ CURVE keys: P accepts only D keys it allows, D talks only
     to a P holding the key it trusts) or "none" (anyone who reaches the port gets NIXL access to the KV cache;

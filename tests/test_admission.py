@@ -166,3 +166,56 @@ def test_what_is_admitted_never_exceeds_either_cap(events: list, declared: int |
         for k in (KEY, OTHER):
             assert a.names(k) <= names_cap(lim, declared)
             assert a.held(k, held[k]) <= lim.max_bytes
+
+
+def _drive(pre: admission.PreAuth, addr: str, proven: set[int]) -> list[int]:
+    """What the gate does after an accept: past its handshake counts as proven, else the oldest is shut."""
+    shut = []
+    while (conn := pre.over(addr)) is not None:
+        if conn in proven:
+            pre.proven(conn)
+        else:
+            pre.shut(conn)
+            shut.append(conn)
+    return shut
+
+
+def test_preauth_keeps_the_newest_per_address_and_shuts_the_oldest() -> None:
+    pre = admission.PreAuth(3)
+    for fd in range(10, 13):
+        pre.accepted(fd, "a")
+        assert _drive(pre, "a", set()) == []
+    pre.accepted(13, "a")
+    assert _drive(pre, "a", set()) == [10]  # the oldest goes, the newest (maybe a real D) stays
+    assert pre.pending("a") == [11, 12, 13]
+    pre.accepted(20, "b")  # another address has its own
+    assert _drive(pre, "b", set()) == [] and pre.pending("b") == [20]
+    pre.accepted(14, "a")
+    assert _drive(pre, "a", {11}) == []  # 11 proved its key by now: no longer counted, nothing to shut
+    assert pre.pending("a") == [12, 13, 14] and pre.shut_total == 1
+    pre.accepted(15, "a")
+    assert _drive(pre, "a", set()) == [12] and pre.shut_total == 2
+    pre.closed(13)
+    pre.accepted(13, "b")  # a descriptor number reused for another address
+    assert pre.pending("a") == [14, 15] and pre.pending("b") == [20, 13]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["accept", "close", "prove"]), st.integers(0, 30), st.sampled_from("ab"))))
+@settings(max_examples=300, deadline=None)
+def test_preauth_never_keeps_more_than_per_address(events: list) -> None:
+    pre = admission.PreAuth(4)
+    open_: dict[int, str] = {}
+    for kind, fd, addr in events:
+        if kind == "accept":
+            pre.accepted(fd, addr)
+            open_[fd] = addr
+            for conn in _drive(pre, addr, set()):
+                open_.pop(conn)
+        elif kind == "close":
+            pre.closed(fd)
+            open_.pop(fd, None)
+        else:
+            pre.proven(fd)
+        for a in "ab":
+            assert len(pre.pending(a)) <= 4
+            assert set(pre.pending(a)) <= {f for f, x in open_.items() if x == a}

@@ -289,3 +289,98 @@ def test_registrations_stop_at_the_keys_bytes(nodes: tuple[Node, Node]) -> None:
             s.close(linger=0)
         ctx.term()
         _close(p, d, k)
+
+
+RAW = 400
+"""Raw connections the keyless client holds (issue 28: ~1,500 against a table of 1,024; here against a
+table of P's own descriptors plus 200)."""
+
+
+class RawFlood:
+    """A client without a key holding ``RAW`` TCP connections to P, sending nothing; each one P closes is
+    opened again at once, as long as the flood runs."""
+
+    def __init__(self, addr: tuple[str, int]) -> None:
+        self.addr, self.opened, self.errors = addr, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import select
+        import socket
+
+        held: list[socket.socket] = []
+        try:
+            while not self._stop.is_set():
+                while len(held) < RAW and not self._stop.is_set():
+                    s = socket.socket()
+                    s.settimeout(2.0)
+                    try:
+                        s.connect(self.addr)
+                    except OSError:
+                        s.close()
+                        time.sleep(0.01)
+                        break
+                    held.append(s)
+                    self.opened += 1
+                readable, _, _ = select.select(held, [], [], 0.05)
+                for s in readable:  # closed by P (or it sent its greeting): drop the closed ones
+                    try:
+                        gone = s.recv(4096, socket.MSG_DONTWAIT) == b""
+                    except OSError:
+                        gone = True
+                    if gone:
+                        held.remove(s)
+                        s.close()
+        except BaseException as exc:
+            self.errors.append(exc)
+        finally:
+            for s in held:
+                s.close()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(30)
+        assert not self.errors, self.errors
+        return self.opened
+
+
+def _fds(pid: int) -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_keyless_client_holding_raw_connections(nodes: tuple[Node, Node]) -> None:
+    """A client without a key holds 400 raw connections to P (reopening each one P closes), against a
+    descriptor table of P's own plus 200: P keeps at most ``preauth_per_address`` of them, logs it, and a
+    D that starts meanwhile, from the same address, says hello and pushes byte-exact."""
+    import resource
+
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = "raw"
+    addr = tuple(p.call("sender", k + "p", g, {"staging_bytes": 1 << 20}, "P" + k, 3))
+    pid = p.proc.pid
+    limit = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    base = _fds(pid)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (base + 200, limit[1]))
+    flood = RawFlood(addr)
+    try:
+        deadline = time.monotonic() + 20
+        while flood.opened < RAW and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen = [_fds(pid)]
+        d.call("receiver", k + "d", g, {"staging_bytes": 1 << 20}, "D" + k)  # a new D, while the flood holds
+        _push_exact(p, d, g, addr, 1, np.random.default_rng(5), k + "p", k + "d")
+        seen.append(_fds(pid))
+        opened = flood.stop()
+        print(f"P descriptors: {base} before, {seen} during; the flood opened {opened} connections")
+        assert opened >= RAW, opened
+        assert max(seen) - base < 64 + 100, (base, seen)  # preauth_per_address, the new D's, a burst
+        _logged(p, ["that had not authenticated: more than 64 open before authentication from one address"])
+    finally:
+        flood.stop()
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limit)
+        _close(p, d, k)

@@ -170,7 +170,9 @@ class Sender(EngineLoop):
         self.open_agent("p")
         self.prepacks = Prepacks(self._slots.capacity)
         port = self.cfg.side_channel_port + self.rank
-        self.server = Server(self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg))
+        self.server = Server(
+            self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg), self.cfg.preauth_per_address
+        )
         if keys is not None:
             self.peers.declared = DeclaredRanks(keys.decoders_dir)
         self.poller.register(self.server.sock, 1)

@@ -17,11 +17,14 @@ Keys come from a key set directory (``kvpush keys DIR`` makes one) or from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,11 +32,17 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from kvpush.admission import CURVE_CLIENT_HANDSHAKE_BYTES, PreAuth
 from kvpush.errors import ConfigError
 from kvpush.limits import Throttle
 
 log = logging.getLogger(__name__)
 
+PREAUTH_PER_ADDRESS = 64
+"""Connections from one source address P keeps open before they authenticate (``Config.preauth_per_address``)."""
+TCP_INFO_BYTES = 232
+TCPI_BYTES_RECEIVED = 128
+"""Linux's ``struct tcp_info``: its size as asked for, and the offset of ``tcpi_bytes_received`` (a u64)."""
 PREFILL_PUBLIC = "prefill.key"
 PREFILL_SECRET = "prefill.key_secret"
 DECODE_SECRET = "decode.key_secret"
@@ -334,9 +343,12 @@ class Gate:
     a replayed stream) are logged with their reason, rate-limited.
     """
 
-    def __init__(self, keys: ServerKeys, label: str) -> None:
+    def __init__(self, keys: ServerKeys, label: str, per_address: int = PREAUTH_PER_ADDRESS) -> None:
         self.keys = keys
         self.label = label
+        self.preauth = PreAuth(per_address)
+        """Connections not yet past the handshake, per source address (``kvpush.admission.PreAuth``)."""
+        self._remote: dict[int, tuple[str, int]] = {}  # descriptor -> the (host, port) it was accepted from
         self.allowed = keys.allowed
         self._dir_stamp = _stamp(keys.decoders_dir)
         self.refused = 0
@@ -362,6 +374,7 @@ class Gate:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public)
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
         events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        events |= zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         self._monitor = sock.get_monitor_socket(events)
         self._thread = threading.Thread(target=self._run, name=f"kvpush-gate-{self.label}", daemon=True)
         self._thread.start()
@@ -435,6 +448,14 @@ class Gate:
         return False, f"D key {short(key)} is not among the allowed D keys ({where})"
 
     def _on_event(self, event: dict[str, object]) -> None:
+        kind, value = event.get("event"), event.get("value")
+        if kind == zmq.EVENT_ACCEPTED and isinstance(value, int):
+            self._on_accepted(value)
+            return
+        if kind == zmq.EVENT_DISCONNECTED and isinstance(value, int):
+            self.preauth.closed(value)
+            self._remote.pop(value, None)
+            return
         self.failed += 1
         what = handshake_error(event)
         _limited(
@@ -444,6 +465,96 @@ class Gate:
             f"side channel {self.label}: CURVE rejected a connection ({what}): not a kvpush D with a key set of "
             "this P, or a replayed or corrupted stream; nothing it sent from there on was read",
         )
+
+    def _on_accepted(self, fd: int) -> None:
+        """A connection was accepted: count it against its source address until it is past the handshake;
+        beyond ``per_address`` unproven ones, shut the oldest (ZeroMQ then closes it as a dropped peer)."""
+        remote = _remote_of(fd, None)
+        if remote is None:
+            return
+        self._remote[fd] = remote
+        host = remote[0]
+        self.preauth.accepted(fd, host)
+        shut = 0
+        while (conn := self.preauth.over(host)) is not None:
+            at = self._remote.get(conn)
+            sent = _received(conn, at)
+            if sent is None or sent >= CURVE_CLIENT_HANDSHAKE_BYTES:
+                self.preauth.proven(conn)  # past its handshake, or no longer the connection it was
+                continue
+            self.preauth.shut(conn)
+            self._remote.pop(conn, None)
+            shut += _shut(conn, at)
+        if shut:
+            _limited(
+                self._limit,
+                f"preauth:{host}",
+                log.warning,
+                f"side channel {self.label}: shut {shut} connection(s) from {host} that had not authenticated: "
+                f"more than {self.preauth.per_address} open before authentication from one address "
+                f"(preauth_per_address); {self.preauth.shut_total} so far",
+            )
+
+
+@contextlib.contextmanager
+def _borrowed(fd: int, remote: tuple[str, int] | None) -> Iterator[socket.socket | None]:
+    """Descriptor ``fd`` as a socket, if it is a TCP connection from ``remote`` (any, when None), else None
+    (closed, or its number reused by another connection). Borrowed, not duplicated: no descriptor is
+    taken (the table may be full, which is what this is for) and ``fd`` stays ZeroMQ's, open."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        yield None
+        return
+    try:
+        ok = sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6)
+        if ok and remote is not None:
+            ok = tuple(sock.getpeername()[:2]) == remote
+        yield sock if ok else None
+    except OSError:
+        yield None
+    finally:
+        sock.detach()
+
+
+def _remote_of(fd: int, remote: tuple[str, int] | None) -> tuple[str, int] | None:
+    with _borrowed(fd, remote) as sock:
+        if sock is None:
+            return None
+        try:
+            host, port = sock.getpeername()[:2]
+            return str(host), int(port)
+        except OSError:
+            return None
+
+
+def _received(fd: int, remote: tuple[str, int] | None) -> int | None:
+    """Bytes the connection ``fd`` (still from ``remote``) has received (Linux ``TCP_INFO``), else None."""
+    with _borrowed(fd, remote) as sock:
+        if sock is None:
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+        except OSError:
+            return None
+        if len(info) < TCPI_BYTES_RECEIVED + 8:
+            return CURVE_CLIENT_HANDSHAKE_BYTES  # a kernel that does not say: count it as proven
+        return int(struct.unpack_from("<Q", info, TCPI_BYTES_RECEIVED)[0])
+
+
+def _shut(fd: int, remote: tuple[str, int] | None) -> bool:
+    """Shut the connection ``fd`` down if it is still the one from ``remote``: ZeroMQ sees it end and closes
+    the descriptor itself (closing it here would pull it from under ZeroMQ)."""
+    if remote is None:
+        return False
+    with _borrowed(fd, remote) as sock:
+        if sock is None:
+            return False
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
 
 
 def _stamp(path: Path | None) -> int | None:
