@@ -159,7 +159,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Bytes one D key may make a P rank hold, as a whole: its D rank names with their NIXL metadata, its
     open registrations and their block ids (``kvpush.admission`` counts them); a hello or a registration
     that would go over it is refused (cause ``over_limit``), the reason naming the key. docs/security.md
-    states what this means for P's memory."""
+    states what this means for P's memory. Not applied with ``"auth": "none"`` (there are no keys)."""
     preauth_per_address: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Connections from one source address P keeps open before they prove a D key; when one more comes,
     the oldest of that address still before its handshake is shut (``kvpush.admission.PreAuth``): a
