@@ -98,6 +98,14 @@ def test_a_d_key_declares_its_ranks_in_the_key_set(tmp_path: Path, no_env: pytes
     assert two is not None and declared(two.public.decode()) == 2
     assert auth.DeclaredRanks(None)(eight.public.decode()) is None  # keys from the environment declare none
 
+    def full_table(path: Path) -> dict[str, int]:
+        raise OSError(24, "Too many open files")
+
+    no_env.setattr(auth, "read_declared_ranks", full_table)  # a hello while the descriptor table is full
+    time.sleep(0.01)
+    assert cli(["keys", str(tmp_path), "--decode", "d-three", "--ranks", "3"]) == 0
+    assert declared(eight.public.decode()) == 8  # what was read before holds; the hello goes on
+
 
 @pytest.mark.parametrize(
     ("role", "remove", "needle"),

@@ -225,7 +225,11 @@ class DeclaredRanks:
             return None
         stamp = _stamp(self.path)
         if stamp != self._stamp:
-            self._stamp, self._ranks = stamp, read_declared_ranks(self.path)
+            try:
+                self._stamp, self._ranks = stamp, read_declared_ranks(self.path)
+            except OSError as exc:
+                # e.g. a full descriptor table: keep what was read before, try again at the next hello
+                log.warning("cannot re-read the ranks D keys declare in %s (kept the old ones): %s", self.path, exc)
         return self._ranks.get(key)
 
 
