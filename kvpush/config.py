@@ -148,11 +148,23 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     peer_max_tombstones: Annotated[int, msgspec.Meta(ge=0)] = 4_096
     """Of those, how many one D rank's aborts of transfers no D registered may leave; its further such
     aborts are ignored (logged, counted)."""
-    peer_max_ranks: Annotated[int, msgspec.Meta(ge=1)] = 256
-    """D ranks (engine id, rank) one D key may be known as on a P rank at once; a hello under a further
-    name is refused. The per-D-rank limits above then bound what one key can make P hold. With one D key
-    shared by the whole D fleet, at least the number of D ranks that use one P rank. Not applied with
-    ``"auth": "none"`` (every peer is then the same nobody)."""
+    peer_max_ranks: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """D rank names (engine id, rank) one D key may be known as on a P rank at once, for a key whose key set
+    declares no ranks (``kvpush keys DIR --decode NAME --ranks N`` declares N, TP size times DP, and the
+    key may then be known as 2 N: a restarted D's new names while its old ones wait out ``peer_dead_s``);
+    a hello under a further name is refused. With one D key shared by the whole D fleet, at least the
+    number of D ranks that use one P rank. Not applied with ``"auth": "none"`` (every peer is then the same
+    nobody)."""
+    peer_key_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
+    """Bytes one D key may make a P rank hold, as a whole: its D rank names with their NIXL metadata, its
+    open registrations and their block ids (``kvpush.admission`` counts them); a hello or a registration
+    that would go over it is refused (cause ``over_limit``), the reason naming the key. docs/security.md
+    states what this means for P's memory. Not applied with ``"auth": "none"`` (there are no keys)."""
+    preauth_per_address: Annotated[int, msgspec.Meta(ge=1)] = 64
+    """Connections from one source address P keeps open before they prove a D key; when one more comes,
+    the oldest of that address still before its handshake is shut (``kvpush.admission.PreAuth``): a
+    client without a key cannot fill P's descriptor table, and a real D behind the same address still
+    gets through. Only with authentication (``"auth": "none"`` has no handshake to wait for)."""
     auth: Literal["curve", "none"] = "curve"
     """Side channel authentication: "curve" (ZeroMQ CURVE keys: P accepts only D keys it allows, D talks only
     to a P holding the key it trusts) or "none" (anyone who reaches the port gets NIXL access to the KV cache;

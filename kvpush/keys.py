@@ -23,12 +23,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--decode", action="append", default=[], metavar="NAME", help="add a D key pair of its own (repeatable)"
     )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the D ranks (TP size times DP) of the D keys --decode makes: P lets such a key be known\n"
+        "as at most 2 N D ranks (else peer_max_ranks)",
+    )
     args = ap.parse_args(argv)
     try:
         made = auth.make_key_set(args.dir)
         router = auth.write_router_key(args.dir)
         made += [router] if router is not None else []
-        own = [auth.add_decode_key(args.dir, name) for name in args.decode]
+        own = [auth.add_decode_key(args.dir, name, args.ranks) for name in args.decode]
     except (ConfigError, OSError) as exc:
         print(f"kvpush keys: {exc}", file=sys.stderr)
         return 1

@@ -78,6 +78,35 @@ def test_keys_command_adds_a_d_key_of_its_own(tmp_path: Path, no_env: pytest.Mon
     assert cli(["keys", str(tmp_path), "--decode", "d-one"]) == 1  # exists already
 
 
+def test_a_d_key_declares_its_ranks_in_the_key_set(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
+    """``--ranks N`` writes N into P's copy of the D key (what P caps that key's D rank names by); a key
+    without it declares none; the declaration is read again when ``decoders/`` changes; the key file stays
+    a certificate ZeroMQ and P read as before."""
+    assert cli(["keys", str(tmp_path), "--decode", "d-eight", "--ranks", "8"]) == 0
+    assert cli(["keys", str(tmp_path), "--decode", "d-plain"]) == 0
+    assert cli(["keys", str(tmp_path), "--decode", "d-zero", "--ranks", "0"]) == 1
+    eight = auth.client_keys("curve", str(tmp_path / "d-eight"))
+    plain = auth.client_keys("curve", str(tmp_path / "d-plain"))
+    sk = auth.server_keys("curve", str(tmp_path))
+    assert eight is not None and plain is not None and sk is not None
+    assert eight.public in sk.allowed and plain.public in sk.allowed
+    declared = auth.DeclaredRanks(tmp_path / auth.DECODERS)
+    assert declared(eight.public.decode()) == 8 and declared(plain.public.decode()) is None
+    time.sleep(0.01)
+    assert cli(["keys", str(tmp_path), "--decode", "d-two", "--ranks", "2"]) == 0
+    two = auth.client_keys("curve", str(tmp_path / "d-two"))
+    assert two is not None and declared(two.public.decode()) == 2
+    assert auth.DeclaredRanks(None)(eight.public.decode()) is None  # keys from the environment declare none
+
+    def full_table(path: Path) -> dict[str, int]:
+        raise OSError(24, "Too many open files")
+
+    no_env.setattr(auth, "read_declared_ranks", full_table)  # a hello while the descriptor table is full
+    time.sleep(0.01)
+    assert cli(["keys", str(tmp_path), "--decode", "d-three", "--ranks", "3"]) == 0
+    assert declared(eight.public.decode()) == 8  # what was read before holds; the hello goes on
+
+
 @pytest.mark.parametrize(
     ("role", "remove", "needle"),
     [

@@ -67,6 +67,8 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "peer_max_registrations": 100,
         "peer_max_block_ids": 1000,
         "peer_max_ranks": 8,
+        "peer_key_bytes": 64 << 20,
+        "preauth_per_address": 8,
         "peer_registrations_per_s": 50,
         "max_tombstones": 10,
         "peer_max_tombstones": 5,

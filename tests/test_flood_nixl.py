@@ -246,7 +246,7 @@ def test_one_d_key_is_known_as_at_most_peer_max_ranks_d_ranks(nodes: tuple[Node,
             socks.append(dealer(addr, keys, ctx))
             replies.append(hello(socks[-1], f"names-{i}"))
         assert [r.ok for r in replies] == [True, False, False], replies
-        assert all("peer_max_ranks 2" in r.reason for r in replies[1:]), replies
+        assert all("limit 2: peer_max_ranks" in r.reason for r in replies[1:]), replies
         assert p.call("stats", "pr")["peers"] == 2
         _push_exact(p, d, g, addr, 0, np.random.default_rng(2), "pr", "dr")
         assert p.call("stats", "pr")["peers"] == 3

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvpush import protocol
+from kvpush.admission import Admission, KeyLimits, block_ceiling, metadata_problem
 from kvpush.errors import LayoutError
 from kvpush.layout import KVLayout, MemKind, check_compatible
 from kvpush.limits import Throttle
@@ -67,13 +69,20 @@ class Peer:
 class PeerTable:
     """The D ranks one P rank knows, keyed by (engine id, rank)."""
 
-    def __init__(self, sender: Sender, layout: KVLayout) -> None:
+    def __init__(
+        self, sender: Sender, layout: KVLayout, declared_ranks: Callable[[str], int | None] = lambda key: None
+    ) -> None:
         self.sender = sender
         self.layout = layout
         self.groups = 1 + max(r.group for r in layout.regions)
         """KV-cache groups of this P's layout (once: every registration is checked against it)."""
         self._peers: dict[DKey, Peer] = {}
         self._throttle = Throttle(LOG_EVERY_S)
+        cfg = sender.cfg
+        self.admission = Admission(KeyLimits(cfg.peer_key_bytes, cfg.peer_max_ranks))
+        """What each D key makes this P rank hold, as a whole (``kvpush.admission``)."""
+        self.declared = declared_ranks
+        """The ranks a D key's key set declares (None: it declares none); ``kvpush.transport.auth``."""
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -118,7 +127,7 @@ class PeerTable:
                 s.server.send(ident, protocol.Heartbeat(s.engine_id, s.rank, msg.seq, time.time()))
         elif isinstance(msg, protocol.Register):
             s.bump(Count.REGISTRATIONS)
-            problem = self._check_register(peer, msg)
+            problem = self._check_register(peer, msg) or self._over_budget(peer, msg)
             if problem is not None:
                 s.fail(ident, msg, problem)
             else:
@@ -137,7 +146,7 @@ class PeerTable:
         if counts is None:
             return True
         peer = next((p for p in self._peers.values() if p.ident == ident), None)
-        most = peer.layout.num_blocks if peer is not None else UNKNOWN_PEER_BLOCKS
+        most = self.most_blocks(peer) if peer is not None else UNKNOWN_PEER_BLOCKS
         groups = self.groups
         if len(counts) <= groups and max(counts, default=0) <= most:
             return True
@@ -146,8 +155,10 @@ class PeerTable:
         held = self._throttle.note(("oversized", key), time.monotonic())
         if held is not None:
             who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "a D rank that said no hello"
+            who += f" (D key {short(key)})" if key else ""
             log.warning(
-                "%s: dropped a registration from %s unread: %s block ids per group, it has %d blocks (%d group%s)%s",
+                "%s: dropped a registration from %s unread: %s block ids per group, at most %d per group "
+                "(%d group%s)%s",
                 s.name,
                 who,
                 list(counts),
@@ -158,10 +169,23 @@ class PeerTable:
             )
         return False
 
+    def most_blocks(self, peer: Peer) -> int:
+        """The most block ids one group of a registration from ``peer`` may list: what P's own cache can
+        prefill (``admission.block_ceiling``), and no more than the blocks the D rank said it has."""
+        ceiling = block_ceiling(self.layout.num_blocks, self.layout.block_size, peer.layout.block_size)
+        return min(peer.layout.num_blocks, ceiling)
+
     def block_cap(self, peer: Peer) -> int:
         """The most block ids a D rank's open registrations may hold: every block of its cache, twice (a
-        re-registration's new blocks while the earlier attempt's are still being written)."""
+        re-registration's new blocks while the earlier attempt's are still being written). Only a
+        tightening: the D rank's claim can lower it, never raise what its key may make P hold
+        (``peer_key_bytes``, which counts every block id)."""
         return 2 * self.groups * peer.layout.num_blocks
+
+    def holdings(self, key: str) -> list[tuple[int, int]]:
+        """(open registrations, block ids) of each D rank name of ``key``."""
+        held = self.sender.rdv.holdings.held
+        return [held(dkey) for dkey, p in self._peers.items() if p.key == key]
 
     def _on_abort(self, peer: Peer | None, msg: protocol.Abort, now: float) -> None:
         """An abort counts only from the key that registered the transfer (``Rendezvous.may_abort``); others
@@ -192,6 +216,7 @@ class PeerTable:
     def _drop(self, key: DKey, why: str, now: float) -> None:
         """Forget a D rank: abort the transfers it registered for and unload its NIXL agent."""
         peer = self._peers.pop(key)
+        self.admission.remove(peer.key, key)
         log.warning("%s: D %s rank %d %s", self.sender.name, key[0], key[1], why)
         self.sender.drop_peer(key, f"D {key[0]} rank {key[1]} {why}", now)
         if not any(p.agent == peer.agent for p in self._peers.values()):
@@ -201,12 +226,16 @@ class PeerTable:
         s = self.sender
         reason = self._hello_problem(msg)
         if reason:
-            log.warning("%s: refused D %s rank %d: %s", s.name, msg.engine_id, msg.rank, reason)
+            held = self._throttle.note(("refused", key), now)
+            if held is not None:
+                more = f" ({held} more since the last line)" if held else ""
+                who = f" (D key {short(key)})" if key else ""
+                log.warning("%s: refused D %s rank %d%s: %s%s", s.name, msg.engine_id, msg.rank, who, reason, more)
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         dkey = (msg.engine_id, msg.rank)
         known = self._peers.get(dkey)
-        reason = self._name_problem(ident, key, dkey, known)
+        reason = self._name_problem(ident, key, dkey, known, msg.agent_metadata)
         if reason:
             held = self._throttle.note(("hello", key), now)
             if held is not None:
@@ -232,6 +261,7 @@ class PeerTable:
             reason = f"cannot load D's NIXL metadata: {exc}"
             s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
+        self.admission.add(key, dkey, len(msg.agent_metadata))
         self._peers[dkey] = Peer(
             ident,
             key,
@@ -249,7 +279,13 @@ class PeerTable:
     def _hello_problem(self, msg: protocol.Hello) -> str:
         """Why D's hello cannot be accepted on what it declares ("" when it can): a different model, a NIXL
         P's cannot write to, or a KV layout P cannot write into or that is malformed, would fail or corrupt
-        every push, so it is refused up front."""
+        every push, so it is refused up front; so is NIXL metadata that is not what NIXL makes for the
+        buffers the hello declares (its KV regions and staging), which P would hold for as long as the
+        D rank is known."""
+        regions = len(msg.layout.regions) + len(msg.layout.states) + 1
+        meta = metadata_problem(msg.agent_metadata, regions)
+        if meta:
+            return meta
         model = self.sender.cfg.model
         if model and msg.model and msg.model != model:
             return f"model differs: P serves {model!r}, D serves {msg.model!r}"
@@ -278,11 +314,10 @@ class PeerTable:
             epoch=epoch,
         )
 
-    def _name_problem(self, ident: bytes, key: str, dkey: DKey, known: Peer | None) -> str:
+    def _name_problem(self, ident: bytes, key: str, dkey: DKey, known: Peer | None, meta: bytes) -> str:
         """Why a hello under the D rank name ``dkey`` is refused ("" if it is not): the name belongs to another
-        key; the connection said hello under another name; the key holds ``peer_max_ranks`` names already.
-        Each D rank has a connection of its own, so a key can hold names (and with each, the per-D-rank
-        limits) only up to that cap."""
+        key; the connection said hello under another name; the key is known under as many names as it may be,
+        or one more would put it over its bytes (``kvpush.admission``)."""
         s = self.sender
         if known is not None and known.key != key:
             # Another key claims a D rank's name: refused, or it could drop that rank and its transfers.
@@ -293,13 +328,8 @@ class PeerTable:
         other = next((p for p in self._peers.values() if p.ident == ident), None)
         if other is not None and (other.engine_id, other.rank) != dkey:
             return f"this connection said hello as D {other.engine_id} rank {other.rank} already (one D rank each)"
-        if known is None and key:
-            held = sum(1 for p in self._peers.values() if p.key == key)
-            if held >= s.cfg.peer_max_ranks:
-                return (
-                    f"D key {short(key)} is known as {held} D ranks on this P rank already "
-                    f"(peer_max_ranks {s.cfg.peer_max_ranks})"
-                )
+        if key:
+            return self.admission.hello(key, dkey, len(meta), self.declared(key), self.holdings(key))
         return ""
 
     def _check_register(self, peer: Peer | None, reg: protocol.Register) -> Failed | None:
@@ -308,7 +338,21 @@ class PeerTable:
             why = "registration before a successful hello from this D rank"
             return Failed(Stage.REGISTER, Cause.REFUSED, why)
         problem = registration_problem(self.layout, peer.layout, peer.staging, reg, self.groups)
+        if not problem:
+            most = self.most_blocks(peer)
+            longest = max((len(ids) for ids in reg.block_ids), default=0)
+            if longest > most:
+                problem = f"a group lists {longest} block ids; a prompt this P can prefill needs at most {most}"
         return Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, problem) if problem else None
+
+    def _over_budget(self, peer: Peer | None, reg: protocol.Register) -> Failed | None:
+        """Would this registration put its D key over what a key may make P hold (``peer_key_bytes``)?
+        Counted as one more registration (a re-registration replaces one: it is counted so too, which errs
+        on the side of P)."""
+        if peer is None or not peer.key:
+            return None
+        why = self.admission.register(peer.key, self.holdings(peer.key), sum(len(g) for g in reg.block_ids))
+        return Failed(Stage.REGISTER, Cause.OVER_LIMIT, why) if why else None
 
 
 def registration_problem(

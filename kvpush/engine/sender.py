@@ -39,7 +39,7 @@ from kvpush.push_job import (
     PushJob,
 )
 from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
-from kvpush.transport.auth import LOG_EVERY_S
+from kvpush.transport.auth import LOG_EVERY_S, DeclaredRanks
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,11 @@ class Sender(EngineLoop):
         self.open_agent("p")
         self.prepacks = Prepacks(self._slots.capacity)
         port = self.cfg.side_channel_port + self.rank
-        self.server = Server(self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg))
+        self.server = Server(
+            self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg), self.cfg.preauth_per_address
+        )
+        if keys is not None:
+            self.peers.declared = DeclaredRanks(keys.decoders_dir)
         self.poller.register(self.server.sock, 1)
         self.address = (self.server.host, self.server.port)
         log.info("%s: side channel on %s:%d", self.name, *self.address)

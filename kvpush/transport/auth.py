@@ -17,12 +17,15 @@ Keys come from a key set directory (``kvpush keys DIR`` makes one) or from
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,15 +33,23 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from kvpush.admission import CURVE_CLIENT_HANDSHAKE_BYTES, PreAuth
 from kvpush.capability import derive_key, mint
 from kvpush.errors import ConfigError
 from kvpush.limits import Throttle
 
 log = logging.getLogger(__name__)
 
+PREAUTH_PER_ADDRESS = 64
+"""Connections from one source address P keeps open before they authenticate (``Config.preauth_per_address``)."""
+TCP_INFO_BYTES = 232
+TCPI_BYTES_RECEIVED = 128
+"""Linux's ``struct tcp_info``: its size as asked for, and the offset of ``tcpi_bytes_received`` (a u64)."""
 PREFILL_PUBLIC = "prefill.key"
 PREFILL_SECRET = "prefill.key_secret"
 DECODE_SECRET = "decode.key_secret"
+RANKS = "ranks"
+"""Metadata of a D public key file: the ranks (TP size times DP) that D has (``kvpush.admission``)."""
 DECODERS = "decoders"
 """A key set: P reads ``prefill.key_secret`` and the D public keys in ``decoders/*.key``;
 D reads ``prefill.key`` (whom to trust) and ``decode.key_secret`` (who it is)."""
@@ -86,9 +97,13 @@ class ClientKeys:
 # -- key files -----------------------------------------------------------------
 
 
-def write_key_file(path: Path, public: bytes, secret: bytes | None = None) -> None:
-    """A ZeroMQ certificate file (the format of ``zmq.auth``); a secret one is readable by its owner only."""
-    text = "#   ZeroMQ CURVE certificate (kvpush)\n#   made by `kvpush keys`\ncurve\n"
+def write_key_file(path: Path, public: bytes, secret: bytes | None = None, ranks: int | None = None) -> None:
+    """A ZeroMQ certificate file (the format of ``zmq.auth``); a secret one is readable by its owner only.
+    ``ranks``: the D rank count its holder declares (metadata ``ranks``, ``declared_ranks``)."""
+    text = "#   ZeroMQ CURVE certificate (kvpush)\n#   made by `kvpush keys`\n"
+    if ranks is not None:
+        text += f'metadata\n    {RANKS} = "{ranks}"\n'
+    text += "curve\n"
     text += f'    public-key = "{public.decode()}"\n'
     if secret is not None:
         text += f'    secret-key = "{secret.decode()}"\n'
@@ -155,10 +170,13 @@ def make_key_set(path: str | os.PathLike[str]) -> list[Path]:
     return made
 
 
-def add_decode_key(path: str | os.PathLike[str], name: str) -> Path:
+def add_decode_key(path: str | os.PathLike[str], name: str, ranks: int | None = None) -> Path:
     """A D key pair of its own: ``path/name/`` is that D's mount (P's public key and its pair), and P
-    allows it through ``path/decoders/name.key``. Returns the new directory."""
+    allows it through ``path/decoders/name.key``, which declares ``ranks`` (that D's TP size times DP) when
+    given. Returns the new directory."""
     root = Path(path)
+    if ranks is not None and ranks < 1:
+        raise ConfigError(f"--ranks {ranks}: a D has at least one rank")
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"D key name {name!r}: use a plain file name (letters, digits, - and _)")
     if not (root / PREFILL_PUBLIC).exists():
@@ -171,7 +189,7 @@ def add_decode_key(path: str | os.PathLike[str], name: str) -> Path:
     write_key_file(own / DECODE_SECRET, public, secret)
     write_key_file(own / PREFILL_PUBLIC, read_key_file(root / PREFILL_PUBLIC, need_secret=False)[0])
     (root / DECODERS).mkdir(exist_ok=True)
-    write_key_file(root / DECODERS / f"{name}.key", public)
+    write_key_file(root / DECODERS / f"{name}.key", public, ranks=ranks)
     return own
 
 
@@ -225,6 +243,51 @@ def session_capability(transfer_id: str) -> str:
     root = keys_dir("")
     key = _session_key(str(root)) if root is not None else None
     return mint(key, transfer_id) if key is not None else ""
+
+
+def read_declared_ranks(path: Path) -> dict[str, int]:
+    """Z85 D public key -> the ranks its file in ``path/*.key`` declares (files that declare none are left
+    out; an unreadable value is left out too: that key gets the default)."""
+    out: dict[str, int] = {}
+    for f in sorted(path.glob("*.key")):
+        try:
+            public, _ = read_key_file(f, need_secret=False)
+            lines = f.read_bytes().splitlines()
+        except (ConfigError, OSError):
+            continue
+        for line in lines:
+            line = line.strip()
+            if line.startswith(RANKS.encode()) and b"=" in line:
+                try:
+                    n = int(line.split(b"=", 1)[1].strip(b" \t'\""))
+                except ValueError:
+                    break
+                if n >= 1:
+                    out[public.decode()] = n
+                break
+    return out
+
+
+class DeclaredRanks:
+    """The ranks each allowed D key declares in P's ``decoders/`` (None without one): re-read when the
+    directory changes, as the gate re-reads the keys."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._stamp: int | None = None
+        self._ranks: dict[str, int] = {}
+
+    def __call__(self, key: str) -> int | None:
+        if self.path is None:
+            return None
+        stamp = _stamp(self.path)
+        if stamp != self._stamp:
+            try:
+                self._stamp, self._ranks = stamp, read_declared_ranks(self.path)
+            except OSError as exc:
+                # e.g. a full descriptor table: keep what was read before, try again at the next hello
+                log.warning("cannot re-read the ranks D keys declare in %s (kept the old ones): %s", self.path, exc)
+        return self._ranks.get(key)
 
 
 # -- loading for an engine -----------------------------------------------------
@@ -341,9 +404,12 @@ class Gate:
     a replayed stream) are logged with their reason, rate-limited.
     """
 
-    def __init__(self, keys: ServerKeys, label: str) -> None:
+    def __init__(self, keys: ServerKeys, label: str, per_address: int = PREAUTH_PER_ADDRESS) -> None:
         self.keys = keys
         self.label = label
+        self.preauth = PreAuth(per_address)
+        """Connections not yet past the handshake, per source address (``kvpush.admission.PreAuth``)."""
+        self._remote: dict[int, tuple[str, int]] = {}  # descriptor -> the (host, port) it was accepted from
         self.allowed = keys.allowed
         self._dir_stamp = _stamp(keys.decoders_dir)
         self.refused = 0
@@ -369,6 +435,7 @@ class Gate:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public)
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
         events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        events |= zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         self._monitor = sock.get_monitor_socket(events)
         self._thread = threading.Thread(target=self._run, name=f"kvpush-gate-{self.label}", daemon=True)
         self._thread.start()
@@ -442,6 +509,14 @@ class Gate:
         return False, f"D key {short(key)} is not among the allowed D keys ({where})"
 
     def _on_event(self, event: dict[str, object]) -> None:
+        kind, value = event.get("event"), event.get("value")
+        if kind == zmq.EVENT_ACCEPTED and isinstance(value, int):
+            self._on_accepted(value)
+            return
+        if kind == zmq.EVENT_DISCONNECTED and isinstance(value, int):
+            self.preauth.closed(value)
+            self._remote.pop(value, None)
+            return
         self.failed += 1
         what = handshake_error(event)
         _limited(
@@ -451,6 +526,96 @@ class Gate:
             f"side channel {self.label}: CURVE rejected a connection ({what}): not a kvpush D with a key set of "
             "this P, or a replayed or corrupted stream; nothing it sent from there on was read",
         )
+
+    def _on_accepted(self, fd: int) -> None:
+        """A connection was accepted: count it against its source address until it is past the handshake;
+        beyond ``per_address`` unproven ones, shut the oldest (ZeroMQ then closes it as a dropped peer)."""
+        remote = _remote_of(fd, None)
+        if remote is None:
+            return
+        self._remote[fd] = remote
+        host = remote[0]
+        self.preauth.accepted(fd, host)
+        shut = 0
+        while (conn := self.preauth.over(host)) is not None:
+            at = self._remote.get(conn)
+            sent = _received(conn, at)
+            if sent is None or sent >= CURVE_CLIENT_HANDSHAKE_BYTES:
+                self.preauth.proven(conn)  # past its handshake, or no longer the connection it was
+                continue
+            self.preauth.shut(conn)
+            self._remote.pop(conn, None)
+            shut += _shut(conn, at)
+        if shut:
+            _limited(
+                self._limit,
+                f"preauth:{host}",
+                log.warning,
+                f"side channel {self.label}: shut {shut} connection(s) from {host} that had not authenticated: "
+                f"more than {self.preauth.per_address} open before authentication from one address "
+                f"(preauth_per_address); {self.preauth.shut_total} so far",
+            )
+
+
+@contextlib.contextmanager
+def _borrowed(fd: int, remote: tuple[str, int] | None) -> Iterator[socket.socket | None]:
+    """Descriptor ``fd`` as a socket, if it is a TCP connection from ``remote`` (any, when None), else None
+    (closed, or its number reused by another connection). Borrowed, not duplicated: no descriptor is
+    taken (the table may be full, which is what this is for) and ``fd`` stays ZeroMQ's, open."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        yield None
+        return
+    try:
+        ok = sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6)
+        if ok and remote is not None:
+            ok = tuple(sock.getpeername()[:2]) == remote
+        yield sock if ok else None
+    except OSError:
+        yield None
+    finally:
+        sock.detach()
+
+
+def _remote_of(fd: int, remote: tuple[str, int] | None) -> tuple[str, int] | None:
+    with _borrowed(fd, remote) as sock:
+        if sock is None:
+            return None
+        try:
+            host, port = sock.getpeername()[:2]
+            return str(host), int(port)
+        except OSError:
+            return None
+
+
+def _received(fd: int, remote: tuple[str, int] | None) -> int | None:
+    """Bytes the connection ``fd`` (still from ``remote``) has received (Linux ``TCP_INFO``), else None."""
+    with _borrowed(fd, remote) as sock:
+        if sock is None:
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+        except OSError:
+            return None
+        if len(info) < TCPI_BYTES_RECEIVED + 8:
+            return CURVE_CLIENT_HANDSHAKE_BYTES  # a kernel that does not say: count it as proven
+        return int(struct.unpack_from("<Q", info, TCPI_BYTES_RECEIVED)[0])
+
+
+def _shut(fd: int, remote: tuple[str, int] | None) -> bool:
+    """Shut the connection ``fd`` down if it is still the one from ``remote``: ZeroMQ sees it end and closes
+    the descriptor itself (closing it here would pull it from under ZeroMQ)."""
+    if remote is None:
+        return False
+    with _borrowed(fd, remote) as sock:
+        if sock is None:
+            return False
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
 
 
 def _stamp(path: Path | None) -> int | None:

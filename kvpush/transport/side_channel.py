@@ -93,9 +93,15 @@ class Server:
     """P's ROUTER socket; replies go to the identity a message came from."""
 
     def __init__(
-        self, ctx: zmq.Context, host: str, port: int, keys: ServerKeys | None, budgets: Budgets | None = None
+        self,
+        ctx: zmq.Context,
+        host: str,
+        port: int,
+        keys: ServerKeys | None,
+        budgets: Budgets | None = None,
+        preauth_per_address: int = auth.PREAUTH_PER_ADDRESS,
     ) -> None:
-        self.gate = Gate(keys, f"{host}:{port}") if keys is not None else None
+        self.gate = Gate(keys, f"{host}:{port}", preauth_per_address) if keys is not None else None
         self.budgets = budgets
         self.dropped = 0
         """Frames dropped unread because their peer was over its budget."""

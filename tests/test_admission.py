@@ -1,0 +1,221 @@
+"""The per-D-key budget of P (``kvpush.admission``), without NIXL: names per key, bytes per key, the block
+ceiling from P's own cache, and NIXL metadata held to what NIXL makes for the declared regions."""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush import admission
+from kvpush.admission import (
+    BLOCK_ID_BYTES,
+    NAME_BYTES,
+    REGISTRATION_BYTES,
+    Admission,
+    KeyLimits,
+    block_ceiling,
+    holding_cost,
+    metadata_problem,
+    name_cost,
+    names_cap,
+)
+
+KEY, OTHER = "K" * 40, "O" * 40
+
+
+def _entry(tag: bytes, value: bytes) -> bytes:
+    return tag + struct.pack("<Q", len(value)) + value + b"|"
+
+
+def serdes(name: bytes = b"agent", conns: int = 1, sections: tuple[int, ...] = (2,), desc: int = 35) -> bytes:
+    """NIXL metadata in ``nixlSerDes`` form, as NIXL 1.3-1.5 write it (checked against real agents in
+    ``test_budget_nixl``): agent name, backends' connection info, per section its buffers' entries."""
+    out = admission.SERDES + _entry(b"Agent", name) + _entry(b"Conns", struct.pack("<Q", conns))
+    for _ in range(conns):
+        out += _entry(b"t", b"UCX") + _entry(b"c", b"\x01" * 213)
+    out += _entry(b"", b"MemSection") + _entry(b"nixlSecElms", struct.pack("<Q", len(sections)))
+    for n in sections:
+        out += _entry(b"bknd", b"UCX") + _entry(b"nixlDList", b"nixlSDList") + _entry(b"t", b"\0" * 4)
+        out += _entry(b"n", struct.pack("<Q", n))
+        for _ in range(n):
+            out += _entry(b"", b"\x02" * desc)
+    return out
+
+
+def test_metadata_as_nixl_makes_it_passes() -> None:
+    for regions in range(4):
+        assert metadata_problem(serdes(sections=(regions,)), regions) == ""
+        assert metadata_problem(serdes(sections=(regions,)), regions + 3) == ""
+    assert metadata_problem(serdes(conns=2, sections=(2, 1)), 2) == ""
+
+
+def test_metadata_with_a_tail_is_refused_naming_it() -> None:
+    blob = serdes()
+    for tail in (b"x", b"\0" * 100, b"\0" * (6 << 20)):
+        why = metadata_problem(blob + tail, 2)
+        assert f"{len(tail)} bytes after its end (a blob of {len(blob)} bytes)" in why, why
+
+
+def test_metadata_with_more_buffers_than_declared_is_refused() -> None:
+    assert "'n' is 3 (at most 2)" in metadata_problem(serdes(sections=(3,)), 2)
+
+
+def test_metadata_padded_inside_is_refused() -> None:
+    """The tail hidden in an entry: a name, a connection info or a buffer entry larger than any NIXL makes."""
+    assert "'Agent' holds" in metadata_problem(serdes(name=b"a" * 5000), 2)
+    assert "holds 9000 bytes" in metadata_problem(serdes(desc=9000), 2)
+    big = serdes().replace(_entry(b"c", b"\x01" * 213), _entry(b"c", b"\x01" * (1 << 20)))
+    assert "'c' holds" in metadata_problem(big, 2)
+    assert "'Conns' is 17" in metadata_problem(serdes(conns=17), 2)
+
+
+def test_metadata_cut_short_or_garbled_is_refused() -> None:
+    blob = serdes()
+    for cut in range(len(admission.SERDES) + 1, len(blob)):
+        assert metadata_problem(blob[:cut], 2), cut
+    assert "malformed" in metadata_problem(blob.replace(b"MemSection", b"MemSectioX"), 2)
+
+
+@given(st.binary(max_size=600))
+@settings(max_examples=300, deadline=None)
+def test_metadata_parse_never_raises(junk: bytes) -> None:
+    metadata_problem(admission.SERDES + junk, 4)
+    metadata_problem(serdes()[:40] + junk, 4)
+
+
+def test_metadata_of_another_form_is_bounded_by_size() -> None:
+    assert metadata_problem(b"\0" * 1000, 2) == ""
+    most = admission.OPAQUE_BASE_BYTES + 2 * admission.OPAQUE_PER_REGION_BYTES
+    assert metadata_problem(b"\0" * most, 2) == ""
+    assert f"at most {most}" in metadata_problem(b"\0" * (most + 1), 2)
+
+
+def test_block_ceiling_is_what_ps_cache_can_prefill_in_ds_blocks() -> None:
+    assert block_ceiling(64, 16, 16) == 65
+    assert block_ceiling(64, 16, 32) == 33
+    assert block_ceiling(64, 16, 5) == -(-1024 // 5) + 1
+    # never below what a prompt filling P's cache needs
+    for p_blocks, p_bs, d_bs in [(1, 1, 1), (7, 3, 2), (1000, 16, 64)]:
+        assert block_ceiling(p_blocks, p_bs, d_bs) * d_bs >= p_blocks * p_bs
+
+
+def test_names_per_key_capped_by_the_key_sets_declared_ranks_else_the_default() -> None:
+    lim = KeyLimits(1 << 40, 4)
+    assert names_cap(lim, None) == 4 and names_cap(lim, 3) == 6
+    a = Admission(lim)
+    for i in range(6):
+        assert a.hello(KEY, ("e", i), 100, 3, []) == ""
+        a.add(KEY, ("e", i), 100)
+    why = a.hello(KEY, ("e", 6), 100, 3, [])
+    assert KEY[:8] in why and "known as 6 D ranks" in why and "3 ranks declared in its key set" in why, why
+    assert "peer_max_ranks" in a.hello(KEY, ("e", 6), 100, None, [])
+    assert a.hello(KEY, ("e", 0), 100, 3, []) == ""  # a name it holds (it said hello again)
+    assert a.hello(OTHER, ("e", 9), 100, 3, []) == ""  # another key has its own
+    a.remove(KEY, ("e", 0))
+    assert a.hello(KEY, ("e", 6), 100, 3, []) == ""
+
+
+def test_bytes_per_key_count_names_metadata_registrations_and_block_ids() -> None:
+    lim = KeyLimits(2 * name_cost(1000) + holding_cost(3, 500), 100)
+    a = Admission(lim)
+    a.add(KEY, "n0", 1000)
+    assert a.hello(KEY, "n1", 1000, None, [(3, 500)]) == ""
+    a.add(KEY, "n1", 1000)
+    assert a.held(KEY, [(1, 200), (2, 300)]) == lim.max_bytes
+    why = a.register(KEY, [(1, 200), (2, 300)], 1)
+    assert "D key KKKKKKKK" in why and f"peer_key_bytes {lim.max_bytes}" in why, why
+    assert a.register(KEY, [(1, 200), (2, 299)], 1, replacing=0) == ""  # replaces one: no new registration
+    assert a.register(OTHER, [], 10) == ""  # the other key's budget is its own
+    assert "one more D rank" in a.hello(KEY, "n2", 0, None, [(3, 500)])
+    assert a.names_bytes(KEY) == 2 * (NAME_BYTES + admission.METADATA_FACTOR * 1000)
+
+
+def test_costs_are_what_the_docs_state() -> None:
+    assert holding_cost(2, 10) == 2 * REGISTRATION_BYTES + 10 * BLOCK_ID_BYTES
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["hello", "bye", "reg"]),
+            st.sampled_from([KEY, OTHER]),
+            st.integers(0, 9),
+            st.integers(0, 1 << 16),
+        ),
+        max_size=60,
+    ),
+    st.sampled_from([None, 1, 2, 5]),
+)
+@settings(max_examples=300, deadline=None)
+def test_what_is_admitted_never_exceeds_either_cap(events: list, declared: int | None) -> None:
+    """Any sequence of hellos, goodbyes and registrations: each key's names stay within its cap and its
+    bytes within ``max_bytes`` (the shells take only what the machine admits)."""
+    lim = KeyLimits(4 * NAME_BYTES, 3)
+    a = Admission(lim)
+    held: dict[str, list[tuple[int, int]]] = {KEY: [], OTHER: []}
+    for kind, key, n, size in events:
+        if kind == "hello":
+            if a.hello(key, n, size, declared, held[key]) == "":
+                a.add(key, n, size)
+        elif kind == "bye":
+            a.remove(key, n)
+        elif a.register(key, held[key], size) == "":
+            held[key].append((1, size))
+        for k in (KEY, OTHER):
+            assert a.names(k) <= names_cap(lim, declared)
+            assert a.held(k, held[k]) <= lim.max_bytes
+
+
+def _drive(pre: admission.PreAuth, addr: str, proven: set[int]) -> list[int]:
+    """What the gate does after an accept: past its handshake counts as proven, else the oldest is shut."""
+    shut = []
+    while (conn := pre.over(addr)) is not None:
+        if conn in proven:
+            pre.proven(conn)
+        else:
+            pre.shut(conn)
+            shut.append(conn)
+    return shut
+
+
+def test_preauth_keeps_the_newest_per_address_and_shuts_the_oldest() -> None:
+    pre = admission.PreAuth(3)
+    for fd in range(10, 13):
+        pre.accepted(fd, "a")
+        assert _drive(pre, "a", set()) == []
+    pre.accepted(13, "a")
+    assert _drive(pre, "a", set()) == [10]  # the oldest goes, the newest (maybe a real D) stays
+    assert pre.pending("a") == [11, 12, 13]
+    pre.accepted(20, "b")  # another address has its own
+    assert _drive(pre, "b", set()) == [] and pre.pending("b") == [20]
+    pre.accepted(14, "a")
+    assert _drive(pre, "a", {11}) == []  # 11 proved its key by now: no longer counted, nothing to shut
+    assert pre.pending("a") == [12, 13, 14] and pre.shut_total == 1
+    pre.accepted(15, "a")
+    assert _drive(pre, "a", set()) == [12] and pre.shut_total == 2
+    pre.closed(13)
+    pre.accepted(13, "b")  # a descriptor number reused for another address
+    assert pre.pending("a") == [14, 15] and pre.pending("b") == [20, 13]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["accept", "close", "prove"]), st.integers(0, 30), st.sampled_from("ab"))))
+@settings(max_examples=300, deadline=None)
+def test_preauth_never_keeps_more_than_per_address(events: list) -> None:
+    pre = admission.PreAuth(4)
+    open_: dict[int, str] = {}
+    for kind, fd, addr in events:
+        if kind == "accept":
+            pre.accepted(fd, addr)
+            open_[fd] = addr
+            for conn in _drive(pre, addr, set()):
+                open_.pop(conn)
+        elif kind == "close":
+            pre.closed(fd)
+            open_.pop(fd, None)
+        else:
+            pre.proven(fd)
+        for a in "ab":
+            assert len(pre.pending(a)) <= 4
+            assert set(pre.pending(a)) <= {f for f, x in open_.items() if x == a}
