@@ -76,7 +76,7 @@ class Count(enum.StrEnum):
     ACKS = "acks_total"  # D: P's acknowledgements of a registration (queued, running)
     QUARANTINES = "quarantines_total"  # D: transfers failed with a writer that may still write (blocks withheld)
     QUARANTINES_FENCED = "quarantines_fenced_total"  # D: quarantined writers released by fencing or P's answer
-    QUARANTINES_EXPIRED = "quarantines_expired_total"  # D: quarantined writers released after quarantine_s
+    QUARANTINES_OVERDUE = "quarantines_overdue_total"  # D: quarantined writers still unfenced after quarantine_s
 
     @classmethod
     def plan(cls, kind: PlanKind) -> Count:
@@ -97,7 +97,7 @@ COUNT_STAT: dict[Count, tuple[str, ...]] = {
     Count.STALE_NOTIFICATIONS: ("stale_notifications",),
     Count.REJECTED_MESSAGES: ("rejected_messages",),
     Count.QUARANTINES: ("quarantines",),
-    Count.QUARANTINES_EXPIRED: ("quarantines_expired",),
+    Count.QUARANTINES_OVERDUE: ("quarantines_overdue",),
 }
 """Engine counters exported (as increments, under these stats names); the others stay internal."""
 _STATS_OF = {c.value: names for c, names in COUNT_STAT.items()} | {
