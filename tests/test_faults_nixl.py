@@ -41,7 +41,10 @@ def _idle_sender(node: Node, key: str) -> None:
     assert (st["parked_prefills"], st["waiting_registrations"], st["in_flight"]) == (0, 0, 0), st
 
 
-def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node]) -> None:
+def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node], nixl_backend: str) -> None:
+    """P is killed with a registration parked: D fails the transfer within ``peer_dead_s``, keeps its blocks out
+    past ``quarantine_s`` (a frozen P would look the same), and gives them back once a P started again at that
+    address answers its fencing hello (a new process: nothing of the old one can write)."""
     p, d = pair
     g = Geom(num_blocks=16)
     addr = p.call("sender", "s", g, FAST, "P", 7)
@@ -60,6 +63,17 @@ def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node]
     assert d.call("results", "r", 1, FAST["quarantine_s"] + 1.0) == []
     st = d.call("stats", "r")
     assert st["quarantined_blocks"] == 2 and st.get("quarantines_overdue_total", 0) == 1, st
+    with spawn_env(nixl_backend):
+        p2 = Node("P2", nixl_backend)
+    try:
+        assert tuple(p2.call("sender", "s", g, {**FAST, "side_channel_port": addr[1]}, "P", 7)) == tuple(addr)
+        [released] = d.call("results", "r", 1, 30.0)
+        assert released.fenced and not released.ok and released.transfer_id == "t1", released
+        st = d.call("stats", "r")
+        assert st["pending"] == 0 and st["staging_slots_in_use"] == 0 and st["quarantined_blocks"] == 0, st
+        p2.call("close", "s")
+    finally:
+        p2.stop()
     d.call("close", "r")
 
 
