@@ -1,4 +1,18 @@
-"""Does D deregistering and re-registering its buffer kill the remote keys P loaded before? (two processes)"""
+"""Does D deregistering (and re-registering) its memory kill the remote keys a P loaded before? Two processes.
+
+D registers a buffer and gives P its metadata; P writes once, builds a second WRITE with the keys it loaded,
+then D deregisters the buffer (and, unless ``--no-reregister``, registers the same memory again, as a D that
+wanted to revoke every P's keys under vLLM, which keeps the KV tensors, would have to); P posts the second
+WRITE. Prints whether it landed. Measured results and what they mean: docs/security.md, "A block is reused
+only when no writer can reach it".
+
+    python tools/nixl/rekey.py UCX [--no-reregister]
+    eval "$(bash tools/libfabric/setup.sh --env)"
+    PYTHONPATH=tests python -c 'import helpers_libfabric as h, os, sys; \
+        os.execvpe(sys.executable, [sys.executable, "tools/nixl/rekey.py", "LIBFABRIC"], h.child_env())'
+
+"""
+
 import multiprocessing as mp
 import sys
 import threading
@@ -86,7 +100,10 @@ if __name__ == "__main__":
     d.start()
     p.start()
     first, res, landed, notified = out.get(timeout=120)
-    print(f"{backend}: first write landed={first}; after D re-registered: P's WRITE {res}, "
-          f"bytes landed {landed} of {N}, notification delivered={notified}")
+    what = "deregistered" if "--no-reregister" in sys.argv else "re-registered"
+    print(
+        f"{backend}: first write landed={first}; after D {what}: P's WRITE {res}, "
+        f"bytes landed {landed} of {N}, notification delivered={notified}"
+    )
     p.join(10)
     d.join(10)
