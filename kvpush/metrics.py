@@ -361,6 +361,7 @@ class Recorder:
             g["in_flight"] = float(gauges.get("in_flight", 0.0))
         else:
             g["pending_registrations"] = float(gauges.get("pending_registrations", 0.0))
+            g["quarantined_blocks"] = float(gauges.get("quarantined_blocks", 0.0))
         if self._last_take is not None and now > self._last_take:
             g["loop_rate"] = (current["loop_iterations"] - self._last_counts.get("loop_iterations", 0.0)) / (
                 now - self._last_take
