@@ -95,7 +95,7 @@ class Stale:
 @dataclass(frozen=True)
 class Overdue:
     """A quarantined writer is still unfenced ``quarantine_s`` after it was given up on: warn and count it.
-    Its blocks stay withheld (a frozen P may still write them); only fencing or P's answer releases them."""
+    Its blocks stay withheld (a frozen P may still write them) until fencing, P's answer or its last part."""
 
     incoming: Incoming
     p_rank: int

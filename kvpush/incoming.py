@@ -6,7 +6,7 @@ happens to one attempt (a completion, a failure, an abort, an unpack done, a
 writer declared dead, time passing) into actions (``kvpush.fencing_actions``).
 
 The one rule everything here serves: **D gives a transfer's blocks back
-only when no writer can still write into them** -- every writer completed,
+only when no writer can still write into them** — every writer completed,
 failed, answered an abort, or never got the registration; an unpack still
 running is waited for first. A writer declared dead (or that did not answer
 an abort) may only be frozen and write later, so it is *quarantined*: the
@@ -79,7 +79,7 @@ class Writer:
     state: PrefillState = PrefillState.UNKNOWN  # what P last acknowledged
     quarantined: bool = False  # declared dead (or silent on an abort) while it may still write
     q_until: float = float("inf")  # still quarantined by then: overdue (reported once, the blocks stay out)
-    overdue: bool = False
+    overdue: bool = False  # reported overdue (once)
     q_epoch: int = 0  # a hello of a later epoch answered by its P rank fences it
 
 

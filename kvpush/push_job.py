@@ -30,9 +30,9 @@ up before its last part ended: D's abort, D's rank forgotten (declared dead
 or said hello again: ``cancel(discard=True)``, ``peer_gone``), or, when the
 last part ends or whenever P looks while a part is posted, D silent for
 longer than ``dead_s`` (``heard``: the last word from D; by the same rule D
-has not heard from this P rank either, and has given it up). A false alarm only fails a push D took (P's result is then
-the pessimistic one); the other way round a request would wait on KV D threw
-away while P reported success.
+has not heard from this P rank either, and has given it up). A false alarm
+only fails a push D took (P's result is then the pessimistic one); the
+other way round P would report success for KV that D threw away.
 """
 
 from __future__ import annotations
