@@ -81,8 +81,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     any sane queue, a bound for a P that vouches for a prefill it lost."""
     quarantine_s: Pos = 120.0
     """Blocks of a transfer whose writer was declared dead (or did not answer an abort) are withheld from
-    vLLM until that P rank is fenced (it answers a new hello, which it does only once nothing of the old
-    session is in flight) or this long has passed: a P frozen and resumed must not write into reused blocks."""
+    vLLM until no writer can reach them: that P rank is fenced (it answers a new hello, which it does only
+    once nothing of the old session is in flight), it answers the registration, or all its parts landed.
+    Never on a timer: a quarantine still unfenced this long after is *overdue* (a warning and
+    ``quarantines_overdue_total``) and its blocks stay withheld, since a P frozen longer and resumed would
+    write into reused blocks."""
     max_waiting_registrations: Annotated[int, msgspec.Meta(ge=0)] = 16
     """D: at most this many registrations wait on one P instance; a request beyond them gets its blocks
     only when one of them ends (it waits in vLLM's queue, holding nothing), so D does not pin blocks for

@@ -22,6 +22,7 @@ from kvpush.fencing_actions import (
     Cancel,
     ConnKey,
     Foreign,
+    Overdue,
     Report,
     SendAbort,
     SendRegister,
@@ -193,9 +194,13 @@ class Fencing:
         if inc is None or w is None:
             return out
         if w.quarantined:
-            # A part of a writer given up on: it failed already; only an answer or fencing releases it.
+            # A part of a writer given up on: it failed already and the part is not used; once every region
+            # of the attempt has landed, nothing more of it can (P writes each region once per attempt).
             self._bump(Count.STALE_NOTIFICATIONS)
-            return [*out, Stale(msg.transfer_id, msg.rank)]
+            landed = inc.late_part(w, msg, now)
+            if landed:
+                self._bump(Count.QUARANTINES_FENCED)
+            return self._settle([*out, Stale(msg.transfer_id, msg.rank), *landed])
         parts = inc.stats.parts
         actions = inc.completion(w, msg, now)
         self._bump(Count.PARTS, inc.stats.parts - parts)
@@ -260,9 +265,8 @@ class Fencing:
                     late = f"no KV from P within {self.transfer_timeout_s:g}s"
                 out += self.abort(inc.transfer_id, Failed(Stage.TRANSFER, Cause.EXPIRED, late), now)
             else:
-                q = sum(w.quarantined for w in inc.writers.values())
                 acts = inc.expire(now, self.quarantine_s, self.epochs)
-                self._bump(Count.QUARANTINES_EXPIRED, max(0, q - sum(w.quarantined for w in inc.writers.values())))
+                self._bump(Count.QUARANTINES_OVERDUE, sum(isinstance(a, Overdue) for a in acts))
                 out += self._settle(acts)
         return out
 

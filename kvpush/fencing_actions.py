@@ -106,6 +106,16 @@ class Foreign:
 
 
 @dataclass(frozen=True)
+class Overdue:
+    """A quarantined writer is still unfenced ``quarantine_s`` after it was given up on: warn and count it.
+    Its blocks stay withheld (a frozen P may still write them) until fencing, P's answer or its last part."""
+
+    incoming: Incoming
+    p_rank: int
+    held_s: float
+
+
+@dataclass(frozen=True)
 class Report:
     """The transfer ended on D: no writer can still write into its blocks (``result.fenced``), or it failed
     while a quarantined writer still might (``fenced`` False: a second Report gives the blocks back)."""
@@ -114,4 +124,6 @@ class Report:
     result: Result
 
 
-Action = SendRegister | SendAbort | Cancel | StartUnpack | AwaitUnpacks | WaitUnpacks | FreeSlot | Stale | Report
+Action = (
+    SendRegister | SendAbort | Cancel | StartUnpack | AwaitUnpacks | WaitUnpacks | FreeSlot | Stale | Overdue | Report
+)

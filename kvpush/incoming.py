@@ -14,8 +14,12 @@ transfer is reported failed at once (``Result.fenced`` False: the request
 may fail now) and its blocks stay withheld until that P rank is *fenced*
 (it answered a hello D sent after the declaration, which P does only once
 nothing of the old session is in flight and its registrations are dropped),
-P answers for that registration, or ``quarantine_s`` passes; then a second
-Report (``fenced``) gives them back.
+P answers for that registration, or every region of its attempt has landed
+(``late_part``); then a second Report (``fenced``) gives them back. Never
+on a timer alone: a freeze (a debugger, a VM migration) can outlast any
+timeout, and a WRITE that lands in reused blocks corrupts another request.
+A quarantine still unfenced after ``quarantine_s`` is reported once
+(``Overdue``: a warning and a count) and the blocks stay withheld.
 
 D's wait is bounded by what P says (``acknowledged``): until P vouches for
 the prefill (queued, running, pushing) D waits ``transfer_timeout_s`` from
@@ -35,6 +39,7 @@ from kvpush.fencing_actions import (
     AwaitUnpacks,
     ConnKey,
     FreeSlot,
+    Overdue,
     Report,
     SendAbort,
     SendRegister,
@@ -76,7 +81,8 @@ class Writer:
     unpacking: deque[tuple[int, int, Any]] = field(default_factory=deque)  # (r0, r1, marker), oldest first
     state: PrefillState = PrefillState.UNKNOWN  # what P last acknowledged
     quarantined: bool = False  # declared dead (or silent on an abort) while it may still write
-    q_until: float = float("inf")  # the quarantine ends by then at the latest
+    q_until: float = float("inf")  # still quarantined by then: overdue (reported once, the blocks stay out)
+    overdue: bool = False  # reported overdue (once)
     q_epoch: int = 0  # a hello of a later epoch answered by its P rank fences it
 
 
@@ -149,6 +155,19 @@ class Incoming:
         """A quarantined writer can no longer write (fenced, it answered, or its quarantine ran out)."""
         w = self.writers[p]
         return self._final(w, w.failed, now) if w.quarantined else []
+
+    def late_part(self, w: Writer, msg: protocol.Completion, now: float) -> list[Action]:
+        """A part of a quarantined writer landed (unused: the transfer failed). Once every region of its attempt
+        has landed, it can write nothing more into these blocks (each region is written once per attempt, and
+        a part's notification arrives after its bytes): released."""
+        n = self.nregions
+        r0, r1 = (msg.region_start, msg.region_end) if msg.region_end else (0, n)
+        if not w.quarantined or r1 > n or r0 >= r1:
+            return []
+        if w.covered is None:
+            w.covered = bytearray(n)
+        w.covered[r0:r1] = b"\x01" * (r1 - r0)
+        return self.release(w.p_rank, now) if not w.covered.count(0) else []
 
     def conn_ready(self, conn: ConnKey, now: float) -> list[Action]:
         out: list[Action] = []
@@ -231,7 +250,7 @@ class Incoming:
 
     def expire(self, now: float, quarantine_s: float, epochs: dict[ConnKey, int]) -> list[Action]:
         """Past the abort deadline: writers that did not answer are quarantined (they may still write);
-        quarantines past their time end."""
+        quarantines past ``quarantine_s`` are reported overdue, once, and stay: only fencing ends them."""
         out: list[Action] = []
         if self.aborting is not None and now >= self.abort_deadline:
             why = self.aborting
@@ -240,8 +259,9 @@ class Incoming:
                 if not w.final:
                     out += self.quarantine(w.p_rank, late, now + quarantine_s, epochs.get(w.conn, 0), now)
         for w in self.writers.values():
-            if w.quarantined and now >= w.q_until:
-                out += self.release(w.p_rank, now)
+            if w.quarantined and not w.overdue and now >= w.q_until:
+                w.overdue = True
+                out.append(Overdue(self, w.p_rank, now - w.q_until + quarantine_s))
         return out
 
     # -- internals -----------------------------------------------------------

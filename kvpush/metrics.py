@@ -77,7 +77,7 @@ class Count(enum.StrEnum):
     ACKS = "acks_total"  # D: P's acknowledgements of a registration (queued, running)
     QUARANTINES = "quarantines_total"  # D: transfers failed with a writer that may still write (blocks withheld)
     QUARANTINES_FENCED = "quarantines_fenced_total"  # D: quarantined writers released by fencing or P's answer
-    QUARANTINES_EXPIRED = "quarantines_expired_total"  # D: quarantined writers released after quarantine_s
+    QUARANTINES_OVERDUE = "quarantines_overdue_total"  # D: quarantined writers still unfenced after quarantine_s
 
     @classmethod
     def plan(cls, kind: PlanKind) -> Count:
@@ -98,7 +98,7 @@ COUNT_STAT: dict[Count, tuple[str, ...]] = {
     Count.STALE_NOTIFICATIONS: ("stale_notifications",),
     Count.REJECTED_MESSAGES: ("rejected_messages",),
     Count.QUARANTINES: ("quarantines",),
-    Count.QUARANTINES_EXPIRED: ("quarantines_expired",),
+    Count.QUARANTINES_OVERDUE: ("quarantines_overdue",),
 }
 """Engine counters exported (as increments, under these stats names); the others stay internal."""
 _STATS_OF = {c.value: names for c, names in COUNT_STAT.items()} | {
@@ -362,6 +362,7 @@ class Recorder:
             g["in_flight"] = float(gauges.get("in_flight", 0.0))
         else:
             g["pending_registrations"] = float(gauges.get("pending_registrations", 0.0))
+            g["quarantined_blocks"] = float(gauges.get("quarantined_blocks", 0.0))
         if self._last_take is not None and now > self._last_take:
             g["loop_rate"] = (current["loop_iterations"] - self._last_counts.get("loop_iterations", 0.0)) / (
                 now - self._last_take

@@ -219,6 +219,25 @@ METRICS: tuple[MetricSpec, ...] = (
         "P: staging slots held by parked prefills, packed at hand-over before D registered.",
         _gauge("parked_staging_slots"),
     ),
+    _kv(
+        "kvpush_quarantines_total",
+        "counter",
+        "D: transfers failed while a writer declared dead may still write their blocks (withheld until fenced).",
+        _count("quarantines"),
+    ),
+    _kv(
+        "kvpush_quarantines_overdue_total",
+        "counter",
+        "D: quarantined writers still unfenced quarantine_s after they were given up on (their blocks stay "
+        "withheld: never released on a timer).",
+        _count("quarantines_overdue"),
+    ),
+    _kv(
+        "kvpush_quarantined_blocks",
+        "gauge",
+        "D: blocks withheld from vLLM because a writer declared dead may still write them.",
+        _gauge("quarantined_blocks"),
+    ),
     _kv("kvpush_transfers_in_flight", "gauge", "P: WRITEs posted and not yet complete.", _gauge("in_flight")),
     _kv(
         "kvpush_kv_bytes_per_token",

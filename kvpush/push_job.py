@@ -21,6 +21,18 @@ Rules it keeps: nothing is packed or posted once the job is cancelled or has
 failed; a pack that is running still ends before the job does (P's blocks
 are read by it); D hears ``Fail`` only when no part is in flight any more, so
 nothing lands after D reads it; ``Done`` comes exactly once.
+
+A push counts only while its D rank counts it. D declares a silent P rank
+dead, fails its transfers and withholds their blocks until it is fenced; a
+WRITE of that P rank that ends later (it was frozen) lands in withheld
+blocks that D no longer counts. So the job fails, not succeeds, when D gave
+up before its last part ended: D's abort, D's rank forgotten (declared dead
+or said hello again: ``cancel(discard=True)``, ``peer_gone``), or, when the
+last part ends or whenever P looks while a part is posted, D silent for
+longer than ``dead_s`` (``heard``: the last word from D; by the same rule D
+has not heard from this P rank either, and has given it up). A false alarm
+only fails a push D took (P's result is then the pessimistic one); the
+other way round P would report success for KV that D threw away.
 """
 
 from __future__ import annotations
@@ -173,8 +185,12 @@ class PushJob:
         slot: int | None = None,
         made: dict[tuple[int, int], tuple[Any, int]] | None = None,
         prepacked: Prepacked | None = None,
+        dead_s: float = float("inf"),
     ) -> None:
         self.reg = reg
+        self.dead_s = dead_s
+        self.heard_at = t_start  # the last word from D's rank (``heard``)
+        self.discarded: Failed | None = None  # D gave up while parts were posted: what landed does not count
         self.key: DKey = (reg.engine_id, reg.rank)
         self.plan = plan
         self.times = times  # the transfer's stage times (shared by its jobs)
@@ -332,16 +348,33 @@ class PushJob:
         if self.failure is None:
             self.failure = failed
 
-    def cancel(self, cause: Cause, reason: str) -> None:
-        """Stop posting (an abort, D gone); what is in flight or packing still ends first."""
+    def cancel(self, cause: Cause, reason: str, discard: bool = False) -> None:
+        """Stop posting (an abort, D gone); what is in flight or packing still ends first. ``discard``: D gave
+        up (its abort, its rank forgotten): D does not count what lands from now on, so the push failed even
+        if every part was posted already."""
         if self.cancelled is None:
             stage = Stage.POST if self.sent else Stage.RENDEZVOUS
             self.cancelled = Failed(stage, cause, reason)
+        if discard and self.discarded is None and not self.done:
+            self.discarded = Failed(Stage.WRITE, cause, f"{reason}; D does not count what lands after it gave up")
 
     def peer_gone(self, reason: str) -> None:
         """D's rank is forgotten: cancel, and give back the WRITEs built for it now (they name its agent)."""
-        self.cancel(Cause.DEAD_PEER, reason)
+        self.cancel(Cause.DEAD_PEER, reason, discard=True)
         self._todo.appendleft(("release",))
+
+    def heard(self, t: float, now: float) -> None:
+        """D's rank last said something at ``t`` (a heartbeat, any message), looked at ``now``: silent longer
+        than ``dead_s`` while a part is posted, D has given this P rank up and does not count the push. P's
+        shell looks before it reads the side channel, so a word D sent before it gave up, read only after a
+        freeze, does not hide the silence."""
+        silent = now - self.heard_at
+        if self.nposted and not self.done and silent > self.dead_s and self.discarded is None:
+            d = f"D {self.key[0]} rank {self.key[1]}"
+            why = f"{d} silent for {silent:.1f}s while the WRITE was posted (this P rank frozen, or the link down): "
+            why += f"D gives a P rank up after peer_dead_s ({self.dead_s:g}s) and does not count what lands later"
+            self.discarded = Failed(Stage.WRITE, Cause.DEAD_PEER, why)
+        self.heard_at = max(self.heard_at, t)
 
     # -- actions -------------------------------------------------------------
     def next_action(self) -> Action | None:
@@ -359,7 +392,7 @@ class PushJob:
         if self.made:
             return self._action(("release",))
         self.done = True
-        why = self.failure
+        why = self.failure or self.discarded
         if why is None and self.cancelled is not None and self.nposted < self.plan.nregions:
             why = self.cancelled
         self._todo.append(("done", why))
@@ -410,3 +443,4 @@ class PushJob:
         if state is not XferState.DONE and self.failure is None:
             d = f"D {self.key[0]} rank {self.key[1]}"
             self.failure = Failed(Stage.WRITE, Cause.WRITE_ERROR, f"WRITE to {d} failed")
+        self.heard(self.heard_at, now)

@@ -374,7 +374,7 @@ class Rendezvous:
                 out.append(Refuse(e.regs[k], why.reason, why.cause))
                 self._settle(transfer_id, e, k)
             else:
-                job.cancel(why.cause, why.reason)
+                job.cancel(why.cause, why.reason, discard=by is not None)  # D's abort: it counts nothing more
         out += [Refuse(r, why.reason, why.cause) for k, r in e.regs.items() if k not in e.in_flight | e.done]
         return out + self._on_abort(transfer_id, now, why.reason, why.cause, by)
 

@@ -4,9 +4,11 @@ Real servers: P, and two D's that register with it, one with
 ``kv_load_failure_policy`` ``"recompute"`` and one with vLLM's default
 ``"fail"``. Each D gets a request whose KV P is to push (a transfer P has no
 prefill for, so P parks D's registration and never WRITEs), then P is
-killed (SIGKILL). D declares P dead after ``peer_dead_s``, holds the blocks
-for ``quarantine_s`` (a P only frozen could still write them) and the
-transfer fails, once. vLLM must then learn of the failure (``failed_recving``, or the
+killed (SIGKILL). D declares P dead after ``peer_dead_s`` and holds the
+blocks past ``quarantine_s`` (a P only frozen could still write them: the
+quarantine is overdue, never released on that timer) until P is started
+again at its address and answers D's fencing hello; then the transfer fails,
+once. vLLM must then learn of the failure (``failed_recving``, or the
 blocks through ``get_block_ids_with_load_errors`` where vLLM has no
 ``failed_recving``: ``kvpush.integrations.vllm.compat``):
 
@@ -34,6 +36,7 @@ from typing import Any
 import pytest
 from e2e_cluster import model_dir
 
+from kvpush.prometheus import sample_sum
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 
@@ -41,14 +44,19 @@ pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 12
 PEER_DEAD_S = 5.0
-QUARANTINE_S = 10.0
-"""A killed P is never fenced: D holds its blocks this long after declaring it dead, then vLLM gets the failure."""
+QUARANTINE_S = 3.0
+"""A killed P is fenced only by a P started again at its address: past this, D's quarantine is overdue, and holds."""
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def _metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        return sample_sum(r.read().decode(), name)
 
 
 def _usage(base: str) -> float:
@@ -61,10 +69,18 @@ def _usage(base: str) -> float:
 
 class Trio:
     def __init__(
-        self, p: srv.ServerProcess, d_recompute: srv.ServerProcess, d_fail: srv.ServerProcess, kv: int, keys: str
+        self,
+        p: srv.ServerProcess,
+        d_recompute: srv.ServerProcess,
+        d_fail: srv.ServerProcess,
+        kv: int,
+        keys: str,
+        restart: Any,
     ):
         self.p, self.d_recompute, self.d_fail, self.kv_port, self.keys = p, d_recompute, d_fail, kv, keys
         self.model = model_dir()
+        self.restart = restart
+        """Start a P again at the same side-channel address (a new process: it answers D's fencing hello)."""
 
     def body(self, prompt: str, **kw: Any) -> dict[str, Any]:
         return {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
@@ -94,22 +110,35 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
             name, model, srv.free_port(), log_dir=logs, cpus=cpus, kv_transfer_config=cfg, fast_start=True
         )
 
-    p = srv.vllm_server(
-        "prefill",
-        model,
-        srv.free_port(),
-        log_dir=logs,
-        cpus="0",
-        kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, auth_keys_dir=keys),
-        check_ports=(kv_port,),
-        fast_start=True,
-    )
-    servers = [p, decode("decode-recompute", "1", kv_load_failure_policy="recompute"), decode("decode-fail", "1")]
+    def prefill(name: str) -> srv.ServerProcess:
+        return srv.vllm_server(
+            name,
+            model,
+            srv.free_port(),
+            log_dir=logs,
+            cpus="0",
+            kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, auth_keys_dir=keys),
+            check_ports=(kv_port,),
+            fast_start=True,
+        )
+
+    servers = [
+        prefill("prefill"),
+        decode("decode-recompute", "1", kv_load_failure_policy="recompute"),
+        decode("decode-fail", "1"),
+    ]
+
+    def restart() -> None:
+        again = prefill("prefill-again")
+        servers.append(again)
+        again.start()
+        srv.wait_all_healthy([again], timeout=900)
+
     try:
         for s in servers:
             s.start()
         srv.wait_all_healthy(servers, timeout=900)
-        yield Trio(*servers, kv=kv_port, keys=keys)
+        yield Trio(*servers, kv=kv_port, keys=keys, restart=restart)
     finally:
         srv.stop_all(servers)
 
@@ -143,6 +172,16 @@ def test_p_killed_after_registration_never_decodes_unloaded_kv(trio: Trio) -> No
         assert trio.p.proc is not None
         os.killpg(trio.p.proc.pid, signal.SIGKILL)
         trio.p.proc.wait()
+        # D cannot tell a killed P from a frozen one: past quarantine_s the blocks stay out (overdue), the
+        # requests wait.
+        deadline = time.monotonic() + 120
+        bases = [trio.d_recompute.url, trio.d_fail.url]
+        while not all(_metric(b, "kvpush_quarantines_overdue_total") >= 1 for b in bases):
+            assert time.monotonic() < deadline, "no D reported its quarantine overdue"
+            time.sleep(0.5)
+        assert not recompute.done() and not fail.done(), "a request ended while its blocks were quarantined"
+        assert all(_metric(b, "kvpush_quarantined_blocks") > 0 for b in bases)
+        trio.restart()  # the new P answers D's fencing hello: the blocks can be given back, the failure told
         got_recompute, got_fail = recompute.result(timeout=300), fail.result(timeout=300)
 
     # Both verdicts first, so a failure names every policy that decoded unloaded KV.

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from helpers_libfabric import spawn_env
@@ -40,7 +41,10 @@ def _idle_sender(node: Node, key: str) -> None:
     assert (st["parked_prefills"], st["waiting_registrations"], st["in_flight"]) == (0, 0, 0), st
 
 
-def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node]) -> None:
+def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node], nixl_backend: str) -> None:
+    """P is killed with a registration parked: D fails the transfer within ``peer_dead_s``, keeps its blocks out
+    past ``quarantine_s`` (a frozen P would look the same), and gives them back once a P started again at that
+    address answers its fencing hello (a new process: nothing of the old one can write)."""
     p, d = pair
     g = Geom(num_blocks=16)
     addr = p.call("sender", "s", g, FAST, "P", 7)
@@ -53,13 +57,23 @@ def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node]
     waited = time.monotonic() - t0
     assert not res.ok and "dead" in res.reason, res
     assert waited < FAST["peer_dead_s"] + 3, waited
-    # A P declared dead may only be frozen: its blocks stay quarantined (it never answers a fencing hello)
+    # A P declared dead may only be frozen: its blocks stay quarantined; a killed one never answers a fencing
+    # hello, so they stay out past quarantine_s (overdue, counted) rather than be given back on a timer
     assert not res.fenced and d.call("stats", "r")["quarantined_blocks"] == 2, res
-    [released] = d.call("results", "r", 1, 10.0)
-    assert released.fenced and not released.ok and released.transfer_id == "t1", released
-    assert time.monotonic() - t0 >= FAST["quarantine_s"]
+    assert d.call("results", "r", 1, FAST["quarantine_s"] + 1.0) == []
     st = d.call("stats", "r")
-    assert st["pending"] == 0 and st["staging_slots_in_use"] == 0 and st["quarantined_blocks"] == 0, st
+    assert st["quarantined_blocks"] == 2 and st.get("quarantines_overdue_total", 0) == 1, st
+    with spawn_env(nixl_backend):
+        p2 = Node("P2", nixl_backend)
+    try:
+        assert tuple(p2.call("sender", "s", g, {**FAST, "side_channel_port": addr[1]}, "P", 7)) == tuple(addr)
+        [released] = d.call("results", "r", 1, 30.0)
+        assert released.fenced and not released.ok and released.transfer_id == "t1", released
+        st = d.call("stats", "r")
+        assert st["pending"] == 0 and st["staging_slots_in_use"] == 0 and st["quarantined_blocks"] == 0, st
+        p2.call("close", "s")
+    finally:
+        p2.stop()
     d.call("close", "r")
 
 
@@ -218,5 +232,79 @@ def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, N
     st = d.call("stats", "r")
     assert st["pending"] == 0 and st["quarantined_blocks"] == 0, st
     print(f"blocks written after the dead declaration, then reused: {late} of {len(blocks)}")
+    p.call("close", "s")
+    d.call("close", "r")
+
+
+FREEZE_S = 9.0
+"""How long P stays frozen mid-WRITE: three times ``quarantine_s`` (past the old timer release, with margin)."""
+
+
+def test_p_frozen_past_quarantine_writes_nothing_into_reused_blocks(pair: tuple[Node, Node]) -> None:
+    """P is stopped as it posts the WRITE of a 128 MiB transfer for ``FREEZE_S``, three times ``quarantine_s``.
+
+    A block is reused only when no writer can reach it: D declares P dead and fails the transfer, but keeps
+    its blocks withheld past ``quarantine_s`` (overdue: counted and warned about), never releasing them on
+    that timer, until the resumed P's WRITE has ended and P answered D's fencing hello. Whatever D gives
+    back is filled at once (vLLM reusing it); not one byte of it may change afterwards. The resumed P learns
+    that D gave it up and reports its push failed. Before this rule D released the blocks at
+    ``quarantine_s`` and the resumed P wrote most of the transfer into them, reporting success.
+    """
+    p, d = pair
+    g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
+    cfg = {**FAST, "plan": "direct", "peer_dead_s": 1.0, "quarantine_s": 3.0}
+    addr = p.call("sender", "s", g, cfg, "P", 7)
+    peer = (addr[0], addr[1], 1)
+    d.call("receiver", "r", g, cfg, "D")
+    blocks, other = list(range(128)), list(range(128, 136))
+    n = len(blocks) * g.block_size
+    d.call("register", "r", "t1", "d1", peer, blocks, n, 0)
+    time.sleep(0.5)
+    p.call("stop_at_post", "s")
+    p.send("prefill", "s", "t1", "p1", blocks, n)
+    _wait_stopped(p.proc.pid)
+    t_stop = time.monotonic()
+    reused: list[int] = []  # what D gave back, filled at once as vLLM would
+
+    def collect(timeout: float) -> list[Any]:
+        got = d.call("results", "r", 2, timeout)
+        for res in got:
+            if res.fenced and res.transfer_id == "t1":
+                d.call("fill", "r", blocks, REUSED)
+                reused.extend(blocks)
+        return got
+
+    try:
+        got = collect(10.0)
+        assert got and not got[0].ok and "dead" in got[0].reason and not got[0].fenced, got
+        while time.monotonic() - t_stop < FREEZE_S:
+            got += collect(min(0.5, FREEZE_S - (time.monotonic() - t_stop)))
+        frozen_s = time.monotonic() - t_stop
+        st = d.call("stats", "r")
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+    p.answer(30.0)
+    assert frozen_s > 2 * cfg["quarantine_s"], frozen_s
+    released_frozen = bool(reused)
+    # D goes on serving (the next request, for the same P): its agent progresses, P's fencing hello is answered
+    d.call("register", "r", "t2", "d2", peer, other, len(other) * g.block_size, 0)
+    deadline = time.monotonic() + 30.0
+    while not reused and time.monotonic() < deadline:
+        got += collect(0.5)
+    [pres] = p.call("results", "s", 1, 30.0)  # P's push ended (its WRITE landed or failed)
+    p.call("prefill", "s", "t2", "p2", other, len(other) * g.block_size)
+    [second] = [r for r in got if r.transfer_id == "t2"] or d.call("results", "r", 1, 30.0)
+    snap = d.call("snapshot", "r")
+    changed = int((snap[:, :, blocks] != REUSED).any(axis=(0, 1, 3, 4, 5)).sum()) if reused else 0
+    assert changed == 0, f"{changed} of {len(blocks)} reused blocks were written after D gave them back"
+    assert not released_frozen, f"D gave the blocks back while P was frozen ({frozen_s:.1f}s): {got}"
+    assert st["quarantined_blocks"] == len(blocks), st
+    assert st.get("quarantines_overdue_total", 0) == 1, st
+    assert any("still unfenced" in line for line in d.call("logs")), "no warning for the overdue quarantine"
+    assert reused, f"the quarantined blocks were never given back once P resumed: {got}"
+    assert pres.request_id == "p1" and not pres.ok, f"P counted a push D had given up: {pres}"
+    assert second.ok and second.transfer_id == "t2", second  # P is served again once fenced
+    st = d.call("stats", "r")
+    assert st["pending"] == 0 and st["quarantined_blocks"] == 0, st
     p.call("close", "s")
     d.call("close", "r")

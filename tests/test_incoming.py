@@ -11,9 +11,12 @@ stopped by SIGSTOP does; unpacks land whenever the device says so. The
 central invariant: **D gives a transfer's blocks back (a fenced Report)
 only when no writer can still write into them** (it finished, failed,
 answered an abort, was fenced by a hello it answered after its WRITEs
-ended, or never got the registration; a P silent for the whole quarantine
-is taken as dead for good), after every unpack into them ended; each attempt
-is reported once (plus once early, failed, while a writer is quarantined),
+ended, or never got the registration), after every unpack into them ended.
+Never on a timer: a P may stay frozen for any time and resume, and a P
+killed for good keeps its quarantined blocks out (reported ``Overdue`` once,
+after ``quarantine_s``) until a P restarted at its address answers a hello.
+Each attempt is reported once (plus once early, failed, while a writer is
+quarantined),
 every staging slot freed exactly once, a transfer reported ok has every
 region of every writer, and D gives up on a transfer P vouches for only at
 the hard cap.
@@ -35,6 +38,7 @@ from kvpush.fencing_actions import (
     Cancel,
     Foreign,
     FreeSlot,
+    Overdue,
     Report,
     SendAbort,
     SendRegister,
@@ -98,7 +102,8 @@ class FencingMachine(RuleBasedStateMachine):
         self.unpacks: dict[int, list[Marker]] = {}  # id(incoming) -> unpack markers started
         self.reported: dict[int, Report] = {}  # id(incoming) -> its report
         self.incomings: list[Incoming] = []
-        self.dead: set[int] = set()
+        self.dead: set[int] = set()  # P ranks killed (they never write nor answer again, until they restart)
+        self.overdue: set[tuple[int, int]] = set()  # (id(incoming), P rank) reported overdue
         self.shape: dict[int, tuple[bool, bool]] = {}  # id(incoming) -> (staged, two parts)
 
     # -- the receiver's shell -------------------------------------------------------
@@ -162,6 +167,12 @@ class FencingMachine(RuleBasedStateMachine):
             self.granted[a.offset] = False
         elif isinstance(a, Report):
             self._on_report(a)
+        elif isinstance(a, Overdue):
+            w = a.incoming.writers[a.p_rank]
+            assert w.quarantined and self.now >= w.q_until, f"overdue before its time: {w}"
+            key = (id(a.incoming), a.p_rank)
+            assert key not in self.overdue, "overdue reported twice"
+            self.overdue.add(key)
         else:
             assert isinstance(a, Stale | Cancel), a
         return []
@@ -185,7 +196,7 @@ class FencingMachine(RuleBasedStateMachine):
         self.reported[id(inc)] = a
         for p in inc.writers:
             for s in self._sessions_of(inc, p):
-                assert not s.writing or p in self.dead, f"blocks given back while P rank {p} may still write {s}"
+                assert not s.writing, f"blocks given back while P rank {p} may still write {s}"
         if a.result.ok:
             for w in inc.writers.values():
                 assert w.covered is not None and w.covered.count(1) == NREGIONS, w
@@ -222,17 +233,29 @@ class FencingMachine(RuleBasedStateMachine):
 
     @rule(dt=st.sampled_from([0.5, PEER_DEAD_S, TIMEOUT_S, QUARANTINE_S, HARD_CAP_S]))
     def time_passes(self, dt: float) -> None:
+        """Time passes; a frozen P may stay frozen through any of it (nothing here ends a session)."""
         self.now += dt
-        for inc in self.incomings:
-            for w in inc.writers.values():
-                if w.quarantined and self.now >= w.q_until:
-                    # A P that stayed silent through the whole quarantine is dead for good (the model's one
-                    # assumption: the quarantine is longer than any freeze).
-                    self.dead.add(w.p_rank)
-        for s in self.sessions:
-            if s.p in self.dead:
-                s.writing = False
         self._do(self.book.expire(self.now))
+
+    @precondition(lambda self: any(v == "dead" and k not in self.dead for k, v in self.conns.items()))
+    @rule(data=st.data())
+    def p_killed(self, data) -> None:
+        """A P rank D declared dead is killed for good: it never writes nor answers again (D cannot tell it
+        from a frozen one)."""
+        p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v == "dead" and k not in self.dead)))
+        self._kill(p)
+
+    def _kill(self, p: int) -> None:
+        self.dead.add(p)
+        for s in self.sessions:
+            if s.p == p:
+                s.writing, s.answered = False, True  # the process is gone: no WRITE, no answer
+
+    @precondition(lambda self: self.dead)
+    @rule(data=st.data())
+    def p_restarts(self, data) -> None:
+        """A killed P rank starts again at its address: it knows no registration, so it answers hellos ok."""
+        self.dead.discard(data.draw(st.sampled_from(sorted(self.dead))))
 
     # -- connections --------------------------------------------------------------------
     def _answering(self) -> list[int]:
@@ -389,7 +412,21 @@ class FencingMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         """Everything settles: P answers or finishes, messages arrive, connections answer (a fencing hello to
         each P rank D declared dead that lives), time runs out. Then every attempt was reported (fenced) once
-        and every slot given back."""
+        and every slot given back; before that, a killed P rank's quarantined writers stay quarantined however
+        long it takes (they are overdue, once), and the restarted P rank fences them."""
+        for _ in range(3):  # deadlines pass, aborts go unanswered, quarantines become overdue
+            self.time_passes(QUARANTINE_S * 10)
+        for inc in self.incomings:
+            for w in inc.writers.values():
+                if w.quarantined:
+                    assert (id(inc), w.p_rank) in self.overdue, f"quarantined past quarantine_s, not overdue: {w}"
+        if self.conns.get(0) == "dead":
+            self._kill(0)  # P rank 0, declared dead, was killed; P rank 1, if declared dead, was frozen
+        held = [(inc, w) for inc in self.incomings for w in inc.writers.values() if w.quarantined]
+        self.time_passes(QUARANTINE_S * 10)
+        assert all(w.quarantined for _, w in held), "a quarantine ended on a timer"
+        assert self.book.quarantined_blocks() == sum(inc.quarantined_blocks() for inc in {i for i, _ in held})
+        self.dead.clear()  # every killed P rank restarts
         for _ in range(50):
             for s in self._live():
                 if not s.answered:

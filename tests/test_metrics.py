@@ -187,6 +187,21 @@ def test_recorder_turns_counters_into_increments() -> None:
     assert second.data["gauges"]["decode:0"]["loop_rate"] == pytest.approx(25.0)
 
 
+def test_d_quarantines_reach_the_metrics() -> None:
+    """What D withholds from vLLM for writers that may still write: the overdue count and the blocks held."""
+    rec = Recorder("decode")
+    counts = {"quarantines_total": 1, "quarantines_overdue_total": 1}
+    stats = rec.take(counts, 10, 0, {"quarantined_blocks": 7.0}, "decode:0", now=1.0)
+    assert stats.data["counts"]["decode"]["quarantines_overdue"] == 1
+    assert stats.data["gauges"]["decode:0"]["quarantined_blocks"] == 7.0
+    page = TextExposition()
+    page.apply(PromFeed().updates(stats.data))
+    text = page.render()
+    assert sample_sum(text, "kvpush_quarantines_overdue_total", side="decode") == 1
+    assert sample_sum(text, "kvpush_quarantines_total", side="decode") == 1
+    assert sample_sum(text, "kvpush_quarantined_blocks", side="decode") == 7
+
+
 # -- Prometheus ---------------------------------------------------------------------
 
 

@@ -9,7 +9,9 @@ job's promises: nothing is packed or posted after a cancel, a part is posted
 only once its KV (and, staged, its pack) is ready, parts tile the regions
 once, D hears ``Fail`` only when nothing is in flight, every prebuilt WRITE
 and the job itself end exactly once, and an undisturbed job writes
-everything.
+everything. A push D gave up on before it ended (D's abort or its rank
+forgotten, or P frozen past ``peer_dead_s`` with a part posted) fails,
+whatever landed: D no longer counts it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class Handle:
     state: XferState = XferState.PROC
 
 
+DEAD_S = 1.0
+"""``peer_dead_s``: D gives up a P rank silent this long."""
+
+
 def _reg() -> Register:
     return Register(transfer_id="t", request_id="d", engine_id="D", rank=0, block_ids=((1,),), num_tokens=16)
 
@@ -71,6 +77,7 @@ def _job(
     ahead: bool,
     prepacked: Prepacked | None = None,
     rec: Transfer | None = None,
+    dead_s: float = float("inf"),
 ):
     n = layers * per_layer
     rb = 0 if kind is PlanKind.EMPTY else MIN_PART_BYTES  # a staged push of n regions can be cut in n parts
@@ -83,7 +90,7 @@ def _job(
 
         made = {(a, b): (Handle(a, b), 1) for a, b in split_regions(0, n, jp.parts(n))}
     rec = Transfer() if rec is None else rec
-    job = PushJob(_reg(), jp, rec.times, 0.0, 0.001, slot=0, made=made, prepacked=prepacked)
+    job = PushJob(_reg(), jp, rec.times, 0.0, 0.001, slot=0, made=made, prepacked=prepacked, dead_s=dead_s)
     rec.jobs[job.key] = job
     return rec, job, made
 
@@ -117,7 +124,9 @@ class PushJobMachine(RuleBasedStateMachine):
             rec.report(self.n, kv, self.n)
             self.packs.append((StartPack(0, self.n, kv if chain else None), pm))
             pre = Prepacked(pm, kv if chain else None)
-        self.rec, self.job, made = _job(kind, layers, per_layer, parts, chain, min_layers, lead, ahead, pre, rec)
+        self.rec, self.job, made = _job(
+            kind, layers, per_layer, parts, chain, min_layers, lead, ahead, pre, rec, dead_s=DEAD_S
+        )
         self.kind = kind
         self.made = set(made.values())
         self.released_made: list[Handle] = []
@@ -130,6 +139,8 @@ class PushJobMachine(RuleBasedStateMachine):
         self.notified = 0
         self.now = 0.0
         self.errors = False  # a pack, post or WRITE failed
+        self.discarded = False  # D gave up on the push before it ended
+        self.heard_t = 0.0  # when P last read a word from D
         self._data = None  # the current rule's draws (the shell's random outcomes)
 
     # -- the shell ----------------------------------------------------------------
@@ -138,6 +149,8 @@ class PushJobMachine(RuleBasedStateMachine):
 
     def _step(self) -> None:
         rec, job = self.rec, self.job
+        job.heard(self.heard_t, self.now)  # the shell looks at D's silence, then reads the side channel
+        self.heard_t = self.now
         if not job.plan.chain and not job.stopped:
             while (m := rec.unconfirmed()) is not None and m.marker.reached:
                 rec.confirm()
@@ -279,6 +292,25 @@ class PushJobMachine(RuleBasedStateMachine):
         self.job.cancel(Cause.ABORTED, "client went away")
         self._step()
 
+    @precondition(lambda self: self.done is None)
+    @rule(data=st.data())
+    def d_gives_up(self, data) -> None:
+        """D aborts the transfer, or P forgets D's rank (declared dead, or it said hello again)."""
+        self._data = data
+        self.cancelled = self.discarded = True
+        self.job.cancel(Cause.DEAD_PEER, "D gave up", discard=True)
+        self._step()
+
+    @rule(data=st.data())
+    def p_frozen(self, data) -> None:
+        """P's thread stops for twice ``peer_dead_s`` (SIGSTOP, a VM pause): D hears nothing and gives it up, so
+        a push with a part posted does not count; one with nothing posted yet hears D's abort if D sent one."""
+        self._data = data
+        self.now += 2 * DEAD_S
+        if self.job.nposted and self.done is None:
+            self.discarded = True
+        self._step()
+
     @rule(data=st.data())
     def idle_step(self, data) -> None:
         self._data = data
@@ -296,8 +328,8 @@ class PushJobMachine(RuleBasedStateMachine):
         assert self.notified <= 1
 
     def teardown(self) -> None:
-        """Let everything happen: the job ends once, every prebuilt WRITE ends once, and an undisturbed job
-        wrote every region without telling D it failed."""
+        """Let everything happen: the job ends once, every prebuilt WRITE ends once, an undisturbed job
+        wrote every region without telling D it failed, and one D gave up on failed."""
         if not hasattr(self, "job"):
             return
         self._data = None
@@ -316,7 +348,9 @@ class PushJobMachine(RuleBasedStateMachine):
                 break
         assert self.done is not None, "the job never ended"
         assert not self.made or all(h in self.released_made for h, _ in self.made), "a prebuilt WRITE leaked"
-        if not self.cancelled and not self.errors:
+        if self.discarded:
+            assert self.done.failed is not None and self.fail is not None, f"D gave up, P counted it: {self.done}"
+        if not self.cancelled and not self.errors and not self.discarded:
             assert self.done.failed is None and self.fail is None, self.done
             covered = [r for a, b in self.posted for r in range(a, b)]
             assert covered == list(range(self.n)), self.posted
@@ -437,3 +471,43 @@ def test_packed_at_hand_over_waits_for_its_pack_even_when_cancelled() -> None:
     job.check_packs()
     acts = _drain(job)
     assert not any(isinstance(a, Post) for a in acts) and isinstance(acts[-1], Done), acts
+
+
+def test_a_push_d_gave_up_while_its_write_flew_fails() -> None:
+    """Every part posted, then D aborts (or P forgets D's rank): what lands is not counted, so the push fails."""
+    _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False)
+    job.ready(2, None, None, 0.1)
+    _drain(job)
+    (h,) = job.flying
+    job.cancel(Cause.ABORTED, "aborted by D: client went away", discard=True)
+    job.written(h, XferState.DONE, 0.2)
+    fail, done = job.next_action(), job.next_action()
+    assert isinstance(fail, Fail) and isinstance(done, Done) and done.failed == fail.failed
+    assert done.failed.stage is Stage.WRITE and "does not count" in done.failed.reason
+
+
+def test_a_push_p_made_while_frozen_past_peer_dead_fails() -> None:
+    """P posts, is frozen for longer than ``peer_dead_s``, resumes and its WRITE ends: D has given P up."""
+    _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False, dead_s=DEAD_S)
+    job.heard(0.0, 0.0)
+    job.ready(2, None, None, 0.1)
+    _drain(job)
+    (h,) = job.flying
+    job.heard(0.1, 0.1 + 3 * DEAD_S)  # looked at before reading the side channel: D's last word is old
+    job.heard(0.1 + 3 * DEAD_S, 0.1 + 3 * DEAD_S)  # a word D sent before giving up, read only now
+    job.written(h, XferState.DONE, 0.2 + 3 * DEAD_S)
+    fail, done = job.next_action(), job.next_action()
+    assert isinstance(fail, Fail) and isinstance(done, Done)
+    assert done.failed.cause is Cause.DEAD_PEER and "silent for" in done.failed.reason
+
+
+def test_p_aborting_its_own_posted_push_still_counts() -> None:
+    """P's own abort once every part is posted does not fail it: D knows nothing of it and counts what lands."""
+    _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False)
+    job.ready(2, None, None, 0.1)
+    _drain(job)
+    (h,) = job.flying
+    job.cancel(Cause.ABORTED, "request aborted on P")
+    job.written(h, XferState.DONE, 0.2)
+    done = job.next_action()
+    assert isinstance(done, Done) and done.failed is None

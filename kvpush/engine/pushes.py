@@ -134,6 +134,7 @@ class PushRunner:
             else:
                 handle, ndesc = a.made if a.made is not None else self._build_part(job, peer, a.r0, a.r1)
                 state = self.s.agent.post(handle)
+                job.heard(peer.last_seen, time.monotonic())  # a post may return after a freeze
         except Exception as exc:
             job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
             return
@@ -177,7 +178,9 @@ class PushRunner:
         if plan.kind is PlanKind.STAGED and prepacked is None:
             made = self._prepare(jp, prefill, rec, peer, reg, slot)
         t_plan = time.monotonic()
-        rec.jobs[key] = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked)
+        job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=cfg.peer_dead_s)
+        job.heard(peer.last_seen, t_plan)
+        rec.jobs[key] = job
         rec.times.first("push_start", t0)
         rec.times.first("planned", t_plan)
         log.debug(

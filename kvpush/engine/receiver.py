@@ -35,6 +35,7 @@ from kvpush.fencing_actions import (
     ConnKey,
     Foreign,
     FreeSlot,
+    Overdue,
     Report,
     SendAbort,
     SendRegister,
@@ -302,6 +303,18 @@ class Receiver(EngineLoop):
                 )
         elif isinstance(a, Stale):
             log.warning("%s: stale or unknown message for %s from P rank %d", self.name, a.transfer_id, a.p_rank)
+        elif isinstance(a, Overdue):
+            w = a.incoming.writers[a.p_rank]
+            log.warning(
+                "%s: %s: P %s:%d (rank %d) is still unfenced %.0fs after it was given up on; its %d blocks stay "
+                "withheld from vLLM until it answers a hello (it may be frozen and still write them)",
+                self.name,
+                a.incoming.transfer_id,
+                *w.conn,
+                a.p_rank,
+                a.held_s,
+                a.incoming.quarantined_blocks(),
+            )
         elif isinstance(a, Report):
             if not a.result.fenced:
                 log.warning(

@@ -206,6 +206,7 @@ class Sender(EngineLoop):
         self.agent.close()
 
     def step(self, now: float) -> bool:
+        self._look_at_silence(now)
         self.server.deliver(lambda ident, key, msg: self.peers.on_message(ident, key, msg, now), self.peers.admits)
         self._progress()
         if self.prepacks.markers():
@@ -216,6 +217,15 @@ class Sender(EngineLoop):
             self.peers.check(now)
             self.refresh_gauges()
         return self._busy()
+
+    def _look_at_silence(self, now: float) -> None:
+        """Tell each posted push when its D rank last spoke, before this step reads the side channel: after a
+        freeze, the words D sent before giving this P rank up are read only now (``PushJob.heard``)."""
+        for _, rec in self.rdv.pushing():
+            for job in rec.jobs.values():
+                peer = self.peers.get(job.key)
+                if peer is not None and job.nposted:
+                    job.heard(peer.last_seen, now)
 
     def refresh_gauges(self) -> None:
         self.gauges = {**self.rdv.pending(), **self._parked_slots(), "peers": float(len(self.peers))}
