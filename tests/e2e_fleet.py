@@ -118,6 +118,13 @@ def kill(proc: srv.ServerProcess) -> None:
     proc.proc.wait(timeout=30)
 
 
-def restarted(proc: srv.ServerProcess) -> srv.ServerProcess:
-    """The same server (command, ports, environment) started again; the caller waits for it to be healthy."""
+def restarted(proc: srv.ServerProcess, timeout: float = 60.0) -> srv.ServerProcess:
+    """The same server (command, ports, environment) started again, once the killed one's ports are free (a
+    killed process lets go of its sockets only when it has finished exiting); the caller waits for it to be
+    healthy."""
+    deadline = time.monotonic() + timeout
+    while busy := [p for p in proc.ports if not srv.port_is_free(p)]:
+        if time.monotonic() > deadline:
+            raise srv.ServerError(f"{proc.name}: port(s) {busy} still in use {timeout:g} s after it was killed")
+        time.sleep(0.2)
     return dataclasses.replace(proc, proc=None, started_at=0.0, ready_after=None).start()

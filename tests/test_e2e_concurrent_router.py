@@ -152,10 +152,6 @@ class Fleet:
         self.routers = {"kvpush": kvpush, "vllm-router": vllm_router}
         self._reference: dict[tuple[str, int], str] = {}
 
-    @property
-    def survivors(self) -> list[str]:
-        return [self.pair.p, self.pair.d]
-
     def body(self, prompt: str, tokens: int = WORDS, stream: bool = False) -> dict[str, Any]:
         return {"model": self.stack.model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": stream}
 
