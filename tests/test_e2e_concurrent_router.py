@@ -141,6 +141,9 @@ def test_concurrent_dispatch_outputs_equal_single_and_d_registers_while_p_comput
 WORDS = 12  # tokens of the non-streamed requests, and of a stream compared with the plain server (its first ones)
 LONG = 400  # tokens of a streamed request: still decoding when its D is lost
 IN_FLIGHT = 4  # requests per router in flight at a loss
+# vllm-router keeps sending new requests to a lost instance until its health check takes it out (2 failed
+# checks 1 s apart here); new requests go to it this long after a loss, with room for a loaded machine.
+VLLM_ROUTER_HEALTH_WINDOW = 6.0
 
 
 class Fleet:
@@ -264,7 +267,8 @@ def test_losing_a_decode_mid_stream(fleet: Fleet) -> None:
     (in place of ``data: [DONE]``); the others complete as the plain server says; the router's health marks
     the D at once (the failed request's check, not the periodic one). vllm-router: a stream on the lost D
     just ends, neither ``[DONE]`` nor an error event (the client sees it cut short), the others complete.
-    Then new requests through either router go to the survivors and equal the plain server's, and the
+    Then new requests through either router go to the survivors and equal the plain server's (vllm-router's
+    once its health check has taken the D out: before, it sends new requests to the dead D), and the
     survivors hold nothing."""
     f = fleet
     prompts = {name: fleet_prompts(820 + k, IN_FLIGHT, 60) for k, name in enumerate(f.routers)}
@@ -276,6 +280,7 @@ def test_losing_a_decode_mid_stream(fleet: Fleet) -> None:
         for out, _ in runs:
             assert out.started.wait(120), "a stream never started"
     fl.kill(f.stack.pair.d)
+    t_kill = time.monotonic()
     for runs in streams.values():
         for _, t in runs:
             t.join()
@@ -299,6 +304,8 @@ def test_losing_a_decode_mid_stream(fleet: Fleet) -> None:
     assert [d["healthy"] for d in decode] == [True, False] and "Cannot connect" in decode[1]["last_error"], decode
     served = decode[1]["served"]
     for k, (name, base) in enumerate(f.routers.items()):
+        if name == "vllm-router":
+            time.sleep(max(0.0, VLLM_ROUTER_HEALTH_WINDOW - (time.monotonic() - t_kill)))
         ps = fleet_prompts(840 + k, IN_FLIGHT, 40)
         f.check_equal(f.send(base, ps), ps, f"{name} after the D was lost")
     assert f.health()["decode"][1]["served"] == served
@@ -311,7 +318,8 @@ def test_losing_a_prefill_in_flight(fleet: Fleet) -> None:
     ``kvpush router``: the requests on the lost P are retried on the surviving P (D's half abandoned), so
     every request completes as the plain server says; the P is marked unhealthy at once. vllm-router: a
     request on the lost P is answered HTTP 500 naming it (no retry on the other P); the others complete.
-    New requests go to the survivors. P's survivor holds nothing; D's holds only the blocks of the lost
+    New requests go to the survivors (vllm-router's once its health check has taken the P out: before, it
+    answers them HTTP 500 too). P's survivor holds nothing; D's holds only the blocks of the lost
     P's transfers, which it withholds (quarantine) until that P is fenced: its restart gives them back."""
     f = fleet
     prompts = {name: fleet_prompts(860 + k, IN_FLIGHT, 300) for k, name in enumerate(f.routers)}
@@ -332,6 +340,7 @@ def test_losing_a_prefill_in_flight(fleet: Fleet) -> None:
         time.sleep(0.1)
     time.sleep(1.0)  # vllm-router's requests reach the frozen P too (nothing to poll there)
     fl.kill(f.stack.pair.p)
+    t_kill = time.monotonic()
     for rs in runs.values():
         for _, t in rs:
             t.join()
@@ -350,6 +359,8 @@ def test_losing_a_prefill_in_flight(fleet: Fleet) -> None:
     assert [p["healthy"] for p in prefill] == [True, False], prefill
     assert prefill[1]["failures"] - failures >= IN_FLIGHT // 2, prefill  # kvpush's share was on the lost P
     for k, (name, base) in enumerate(f.routers.items()):
+        if name == "vllm-router":
+            time.sleep(max(0.0, VLLM_ROUTER_HEALTH_WINDOW - (time.monotonic() - t_kill)))
         ps = fleet_prompts(880 + k, IN_FLIGHT, 40)
         f.check_equal(f.send(base, ps), ps, f"{name} after the P was lost")
     wait_released([f.pair.p], f)
