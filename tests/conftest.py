@@ -14,12 +14,13 @@ from pathlib import Path
 
 import helpers_libfabric as lf
 import pytest
-from e2e_cluster import E2EServers
+from e2e_cluster import AnnouncingPair, E2EServers
 from procs import Node
 
 from kvpush_tools.demo import servers as srv
 
 SINGLE = "e2e_single"
+ANNOUNCING = "e2e_announcing"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,9 +39,10 @@ def e2e_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     has none, e.g. ``pytest tests/test_e2e_metrics.py``, never starts it.
     """
     want_single = any(SINGLE in item.fixturenames for item in request.session.items)
+    want_announcing = any(ANNOUNCING in item.fixturenames for item in request.session.items)
     servers = E2EServers(tmp_path_factory.mktemp("e2e-logs"))
     try:
-        servers.start(with_single=want_single)
+        servers.start(with_single=want_single, with_announcing=want_announcing)
         yield servers
     except srv.ServerError as exc:
         pytest.fail(str(exc))
@@ -65,6 +67,18 @@ def e2e_single(e2e_pair: E2EServers) -> str:
         return e2e_pair.ensure_single()
     except srv.ServerError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="module")
+def e2e_announcing(e2e_pair: E2EServers) -> Iterator[AnnouncingPair]:
+    """The announcing P and D (``e2e_cluster.AnnouncingPair``), started with the session's servers when a
+    collected test asks for them, and stopped when the module that uses them ends."""
+    try:
+        yield e2e_pair.ensure_announcing()
+    except srv.ServerError as exc:
+        pytest.fail(str(exc))
+    finally:
+        e2e_pair.stop_announcing()
 
 
 @pytest.fixture(scope="module", params=lf.BACKENDS)

@@ -18,7 +18,12 @@ The servers are configured for both files at once:
 * every server is a ``fast_start`` one (one process import fewer per start);
 * the plain, non-disaggregated server that ``test_e2e_vllm`` compares
   outputs with starts only when a collected test asks for it, so
-  ``pytest tests/test_e2e_metrics.py`` alone starts two servers, not three.
+  ``pytest tests/test_e2e_metrics.py`` alone starts two servers, not three;
+* likewise the announcing P and D (``AnnouncingPair``: vllm-router's
+  concurrent mode, then the second P and D of the fleet fault tests, both in
+  ``test_e2e_concurrent_router``): started with the others when a collected
+  test asks for them (a server start costs about as much alone as beside the
+  others), stopped by that module when it ends.
 
 Tests therefore must not assume a fresh pair: they measure deltas of
 counters, and pick out their own transfers by id, since other tests may
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +63,56 @@ def model_dir() -> str:
     return str(make_tiny_model(root / "tiny-qwen3"))
 
 
+def announcing_config(role: str, kv_port: int, http_port: int, discovery: int, keys: str) -> dict[str, Any]:
+    """kvpush announcing itself to vllm-router's service discovery (``discovery``); D as the session's D is,
+    since it is also the fleet's second D: a silent P dead after 5 s, a failed transfer prefilled locally."""
+    extra: dict[str, Any] = {"proxy_ip": "127.0.0.1", "proxy_ping_port": discovery, "http_port": http_port}
+    if role == "kv_producer":
+        # vllm-router's concurrent mode carries no capability (nobody holds the P fleet's key there): P accepts
+        # registrations without one (docs/security.md, "Routers that cannot pass it").
+        return srv.kvpush_transfer_config(role, kv_port, auth_keys_dir=keys, capability="optional", **extra)
+    cfg = srv.kvpush_transfer_config(role, kv_port, auth_keys_dir=keys, peer_dead_s=5.0, **extra)
+    return {**cfg, "kv_load_failure_policy": "recompute"}
+
+
+@dataclass
+class AnnouncingPair:
+    """A P and a D that announce themselves to ``discovery`` and share the session's key set (so they pair
+    with the session's P and D too); P's side channel at ``kv_port``. A test that restarts one replaces it here."""
+
+    p: srv.ServerProcess
+    d: srv.ServerProcess
+    kv_port: int
+    discovery: int
+
+    @classmethod
+    def build(cls, servers: E2EServers) -> AnnouncingPair:
+        """The pair, not yet started (P's timeline at DEBUG, as the session's)."""
+        p_port, d_port, kv_port, discovery = (srv.free_port() for _ in range(4))
+        logs, keys, model = servers.logs, servers.keys, servers.model
+        p = srv.vllm_server(
+            "prefill-announcing",
+            model,
+            p_port,
+            log_dir=logs,
+            cpus=servers.cpus_p,
+            kv_transfer_config=announcing_config("kv_producer", kv_port, p_port, discovery, keys),
+            check_ports=(kv_port,),
+            env={"KVPUSH_LOG_LEVEL": "DEBUG"},
+            fast_start=True,
+        )
+        d = srv.vllm_server(
+            "decode-announcing",
+            model,
+            d_port,
+            log_dir=logs,
+            cpus=servers.cpus_d,
+            kv_transfer_config=announcing_config("kv_consumer", 0, d_port, discovery, keys),
+            fast_start=True,
+        )
+        return cls(p, d, kv_port, discovery)
+
+
 class E2EServers:
     """P, D and the router (always), the plain reference server (on demand).
 
@@ -73,6 +129,7 @@ class E2EServers:
         self.pair: list[srv.ServerProcess] = []
         self.router: srv.ServerProcess | None = None
         self.single: srv.ServerProcess | None = None
+        self.announcing: AnnouncingPair | None = None
         self.kv_port = 0
         self.keys = ""  # the side channel's key set P and D share (families pairing with them use it too)
         self.restarts = 0
@@ -104,8 +161,9 @@ class E2EServers:
             "single", self.model, srv.free_port(), log_dir=self.logs, cpus=self.cpus_p, fast_start=True
         )
 
-    def start(self, with_single: bool) -> None:
-        """Start P, D (and the plain server) in parallel, then the router; raises ``ServerError``."""
+    def start(self, with_single: bool, with_announcing: bool = False) -> None:
+        """Start P, D (and the plain server, and the announcing pair) in parallel, then the router; raises
+        ``ServerError``."""
         p_port, d_port, router_port, self.kv_port = (srv.free_port() for _ in range(4))
         debug = {"KVPUSH_LOG_LEVEL": "DEBUG"}
         keys = self.keys = srv.temp_keys()
@@ -143,7 +201,9 @@ class E2EServers:
             log_dir=self.logs,
             keys=keys,
         )
-        vllm = [*self.pair, *([self.single] if self.single else [])]
+        self.announcing = AnnouncingPair.build(self) if with_announcing else None
+        extra = [self.announcing.p, self.announcing.d] if self.announcing else []
+        vllm = [*self.pair, *([self.single] if self.single else []), *extra]
         for s in vllm:
             s.start()
         srv.wait_all_healthy(vllm, timeout=900, progress=self.progress)
@@ -157,6 +217,20 @@ class E2EServers:
             srv.wait_all_healthy([self.single], timeout=900, progress=self.progress)
         return self.single.url
 
+    def ensure_announcing(self) -> AnnouncingPair:
+        """The announcing pair, starting it now if the session did not (it is then not in parallel)."""
+        if self.announcing is None:
+            self.announcing = AnnouncingPair.build(self)
+            for s in (self.announcing.p, self.announcing.d):
+                s.start()
+            srv.wait_all_healthy([self.announcing.p, self.announcing.d], timeout=900, progress=self.progress)
+        return self.announcing
+
+    def stop_announcing(self) -> None:
+        if self.announcing is not None:
+            srv.stop_all([self.announcing.p, self.announcing.d])
+            self.announcing = None
+
     def broken(self) -> list[str]:
         """Names of servers that died, or did not answer ``/health`` three times in a row.
 
@@ -168,10 +242,10 @@ class E2EServers:
 
     def restart(self) -> None:
         """Stop everything and start it again (fresh ports): for a test that broke a server."""
-        with_single = self.single is not None
+        with_single, with_announcing = self.single is not None, self.announcing is not None
         self.stop()
         self.restarts += 1
-        self.start(with_single)
+        self.start(with_single, with_announcing)
 
     def ensure_up(self) -> None:
         """Restart when a server is dead or unhealthy (a test before this module broke it)."""
@@ -183,4 +257,5 @@ class E2EServers:
     def stop(self) -> None:
         procs = [*self.pair, *([self.single] if self.single else []), *([self.router] if self.router else [])]
         srv.stop_all(procs)
+        self.stop_announcing()
         self.pair, self.router, self.single = [], None, None

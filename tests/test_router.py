@@ -70,7 +70,10 @@ class Upstream:
     role: str
     delay: float = 0.05  # before answering (P) / before the first byte (D)
     status: int = 200
-    behavior: str = "ok"  # ok | hang | cut (streams one chunk, then drops the connection)
+    # ok | hang | cut (streams ``cut_after`` chunks, then drops the connection) | short (then ends the stream
+    # cleanly, without its last event) | drop (drops the connection instead of answering)
+    behavior: str = "ok"
+    cut_after: int = 1
     health: int = 200
     health_delay: float = 0.0  # before answering /health (a busy server)
     engine_id: str = "p-engine"
@@ -113,6 +116,10 @@ class Upstream:
             if self.behavior == "hang":
                 await asyncio.sleep(3600)
             await asyncio.sleep(self.delay)
+            if self.behavior == "drop":  # the instance dies with the request in hand
+                assert req.transport is not None
+                req.transport.close()
+                return web.Response()
             if self.status != 200:
                 return web.json_response({"error": {"message": f"{self.role} says no"}}, status=self.status)
             if self.role == "prefill":
@@ -131,13 +138,15 @@ class Upstream:
             if seen.body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(req)
-                for chunk in STREAM_CHUNKS:
+                for k, chunk in enumerate(STREAM_CHUNKS, 1):
                     await resp.write(chunk)
                     await asyncio.sleep(0.01)
-                    if self.behavior == "cut":  # D dies mid-stream
+                    if self.behavior == "cut" and k == self.cut_after:  # D dies mid-stream
                         assert req.transport is not None
                         req.transport.close()
                         return resp
+                    if self.behavior == "short" and k == self.cut_after:
+                        break
                 await resp.write_eof()
                 return resp
             return web.json_response({"choices": [{"text": "decoded", "index": 0}], "served_by": self.url})
@@ -558,18 +567,26 @@ def test_decode_may_finish_before_prefill_answers() -> None:
     run(go())
 
 
-def test_decode_dying_mid_stream_cuts_the_stream() -> None:
+@pytest.mark.parametrize(("how", "cut_after"), [("cut", 1), ("cut", 2), ("short", 2)])
+def test_decode_dying_mid_stream_ends_it_with_a_retryable_error_event(how: str, cut_after: int) -> None:
+    """D dies after the client had bytes: no retry, no 502 glued on, but the stream's last event is the
+    error (retryable), and a half-sent event of D's (cut after chunk 2) is not forwarded in pieces. A stream
+    that ends cleanly without vLLM's last event (``data: [DONE]``) was cut short too."""
+
     async def go() -> None:
         async with cluster(n_d=2) as c:
-            c.d[0].behavior = "cut"
+            c.d[0].behavior, c.d[0].cut_after = how, cut_after
             got = b""
-            with contextlib.suppress(aiohttp.ClientPayloadError):
-                async with c.session.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
-                    assert r.status == 200
-                    async for chunk in r.content.iter_any():
-                        got += chunk
-            # The client already had bytes: no retry on the other D, no 502 glued on.
-            assert got == STREAM_CHUNKS[0] and c.d[1].seen == []
+            async with c.session.post(c.url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+                assert r.status == 200
+                async for chunk in r.content.iter_any():
+                    got += chunk
+            events = got.split(b"\n\n")
+            assert events[-1] == b"" and events[0] + b"\n\n" == STREAM_CHUNKS[0] and len(events) == 3, got
+            error = json.loads(events[1].removeprefix(b"data: "))["error"]
+            assert error["retryable"] is True and error["role"] == "decode" and error["code"] == 502
+            assert error["instance"] == c.router.decode.instances[0].url
+            assert c.d[1].seen == []
             assert c.router.counters["decode_failures"] == 1 and c.router.counters["ok"] == 0
 
     run(go())
@@ -654,6 +671,78 @@ def test_dead_decode_retries_on_another_decode() -> None:
             assert tids[0] != tids[1] == c.d[0].seen[0].body["kv_transfer_params"]["transfer_id"]
             assert not c.router.decode.instances[0].healthy  # passive health took it out
             assert c.router.counters["retries"] == 1
+
+    run(go())
+
+
+@pytest.mark.parametrize("fault", ["dead", "http_500", "dropped"])
+def test_failed_prefill_retries_the_pairing_on_another_prefill(fault: str) -> None:
+    """P refuses connections, answers 5xx, or dies with the request in hand, before D produced anything:
+    D's request is abandoned and the pairing runs again on the other P, under a new transfer id."""
+
+    async def go() -> None:
+        async with cluster(n_p=1 if fault == "dead" else 2, dead_p=1 if fault == "dead" else 0) as c:
+            if fault != "dead":
+                c.p[0].status, c.p[0].behavior = (500, "ok") if fault == "http_500" else (200, "drop")
+            c.d[0].delay = 0.5
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
+            assert status == 200, data
+            live = c.p[-1]
+            assert len(live.seen) == 1 and c.router.counters["retries"] == 1
+            tids = [s.body["kv_transfer_params"]["transfer_id"] for s in c.d[0].seen]
+            assert tids[-1] == live.seen[0].body["kv_transfer_params"]["transfer_id"]
+            # The first pairing's D request, when it got there before P failed, was abandoned.
+            assert len(tids) >= 1 + (fault != "dead") and all(s.disconnected for s in c.d[0].seen[:-1])
+
+    run(go())
+
+
+def test_no_retry_turns_the_prefill_retry_off() -> None:
+    async def go() -> None:
+        async with cluster(n_p=2, retry_prefill=False) as c:
+            c.p[0].status = 500
+            status, data, _ = await c.post("/v1/completions", COMPLETION)
+            err = json.loads(data)["error"]
+            assert status == 502 and err["role"] == "prefill" and err["retryable"] is True
+            assert c.p[1].seen == []
+
+    run(go())
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_an_instance_that_dies_with_a_request_is_checked_at_once(role: str) -> None:
+    """An instance that drops a request and whose /health then fails leaves rotation right away, without
+    waiting for the periodic check (off here); one that dropped a request but answers /health stays."""
+
+    async def go() -> None:
+        async with cluster(n_p=2, n_d=2) as c:
+            ups = c.p if role == "prefill" else c.d
+            pool = c.router.prefill if role == "prefill" else c.router.decode
+            ups[0].behavior, ups[0].health = "drop", 503
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            deadline = time.monotonic() + 5
+            while pool.instances[0].healthy:
+                assert time.monotonic() < deadline, "the failed instance was not checked"
+                await asyncio.sleep(0.02)
+            assert "503" in pool.instances[0].last_error and pool.instances[1].healthy
+            ups[1].behavior, ups[1].health = "drop", 200  # a failure of one request, not of the instance
+            ups[0].behavior, ups[0].health = "ok", 200
+            await c.router.check_health()  # the periodic check re-admits the first
+            assert pool.instances[0].healthy
+            assert (await c.post("/v1/completions", COMPLETION))[0] == 200
+            await asyncio.sleep(0.3)
+            assert pool.instances[1].healthy
+
+    run(go())
+
+
+def test_unavailable_is_a_retryable_503_with_retry_after() -> None:
+    async def go() -> None:
+        async with cluster(n_d=0, dead_d=1) as c:
+            await c.router.check_health()
+            async with c.session.post(c.url + "/v1/completions", json=COMPLETION) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert (await r.json())["error"]["retryable"] is True
 
     run(go())
 

@@ -10,10 +10,25 @@ Failure policy (never a hang):
 
 * P fails (connection error, timeout, HTTP 5xx) before D has produced any
   output -> D's request is cancelled (closing the connection makes vLLM
-  abort it) and the client gets HTTP 502 naming P.
-* D fails before producing anything (connection error, HTTP 5xx) -> one
-  retry on another healthy D with a new transfer id and a new P request;
-  without another D, HTTP 502 naming D.
+  abort it) and the pairing is retried once on another healthy P (new
+  transfer id, D chosen afresh); without another P, HTTP 502 naming P.
+* D fails before producing anything (connection error, HTTP 5xx, or, not
+  streamed, its connection lost before its whole answer) -> one retry on
+  another healthy D with a new transfer id and a new P request; without
+  another D, HTTP 502 naming D.
+* One retry per request, on an instance that has not failed it: a request
+  that failed twice is answered, not sent around the fleet.
+* Every HTTP 5xx the router answers says ``"retryable": true`` in its error
+  body: nothing of it was served, and a new request may succeed (503s also
+  carry ``Retry-After``).
+* D's stream breaks after the client had bytes: the stream ends with an
+  error event (``data: {"error": {..., "retryable": true}}``) in place of
+  ``data: [DONE]``; events are forwarded whole, so the error never lands
+  inside a half-sent one. A client that sees it retries the request.
+* An instance that failed a request (HTTP 5xx, connection lost) is checked
+  at once (``GET /health``, the health rule): a dead one leaves rotation
+  within that check, not at the next periodic one; the periodic check
+  brings it back when it answers again.
 * An HTTP 4xx from P or D is the client's error (bad parameters, prompt too
   long): it is passed through as is, without retry.
 * No healthy P or D -> HTTP 503.
@@ -63,6 +78,7 @@ from kvpush.prometheus import TextExposition
 log = logging.getLogger("kvpush.router")
 
 COMPLETIONS = "/v1/completions"
+DONE_EVENT = b"data: [DONE]"  # the last event of every vLLM stream
 CHAT = "/v1/chat/completions"
 
 
@@ -100,6 +116,7 @@ class Router:
         self._scrape_task: asyncio.Task[None] | None = None
         self._queue_task: asyncio.Task[None] | None = None
         self.up = Upstreams(config, lambda: self.session, self.prom)
+        self._probes: set[asyncio.Task[None]] = set()  # health checks of instances that just failed a request
 
     # -- lifecycle --------------------------------------------------------- #
 
@@ -166,7 +183,9 @@ class Router:
         for role, pool in missing:
             errs = "; ".join(f"{i.url}: {i.last_error or 'unhealthy'}" for i in pool.instances)
             parts.append(f"no healthy {role} instance ({errs})")
-        return _error(503, "; ".join(parts), "service_unavailable")
+        resp = _error(503, "; ".join(parts), "service_unavailable", retryable=True)
+        resp.headers["Retry-After"] = str(max(1, round(self.cfg.health_interval)))
+        return resp
 
     async def _health(self, _req: web.Request) -> web.Response:
         bad = self._unavailable()
@@ -232,25 +251,26 @@ class Router:
             return _error(400, refused, "invalid_request_error", param="kv_transfer_params")
         self.pending += 1
         try:
-            tried: list[Instance] = []
+            failed: list[Instance] = []
             while True:
-                resp = await self._attempt(req, endpoint, body, tried)
-                if isinstance(resp, UpstreamError):
-                    err = resp
-                    if (
-                        err.inst.role == "decode"
-                        and err.retryable
-                        and self.cfg.retry_decode
-                        and len(tried) == 1
-                        and self.decode.pick(exclude=tried) is not None
-                    ):
-                        self.counters["retries"] += 1
-                        log.warning("%s; retrying on another decode instance", err)
-                        continue
-                    return self._fail(err)
-                return resp
+                resp = await self._attempt(req, endpoint, body, failed)
+                if not isinstance(resp, UpstreamError):
+                    return resp
+                failed.append(resp.inst)
+                if self._may_retry(resp, failed):
+                    self.counters["retries"] += 1
+                    log.warning("%s; retrying on another %s instance", resp, resp.inst.role)
+                    continue
+                return self._fail(resp)
         finally:
             self.pending -= 1
+
+    def _may_retry(self, err: UpstreamError, failed: list[Instance]) -> bool:
+        """Retry once, for a 5xx-class failure, when the failed role has a healthy instance that has not
+        failed this request (the module docstring's policy)."""
+        allowed = self.cfg.retry_decode if err.inst.role == "decode" else self.cfg.retry_prefill
+        pool = self.decode if err.inst.role == "decode" else self.prefill
+        return allowed and err.retryable and len(failed) == 1 and pool.pick(exclude=failed) is not None
 
     def _fail(self, err: UpstreamError) -> web.Response:
         self.prom.inc("kvpush_router_failures_total", role=err.inst.role, cause=failure_cause(err))
@@ -271,26 +291,29 @@ class Router:
             instance=err.inst.url,
             role=err.inst.role,
             stage=err.stage,
+            retryable=True,
         )
 
     async def _attempt(
-        self, req: web.Request, endpoint: str, body: dict[str, Any], tried: list[Instance]
+        self, req: web.Request, endpoint: str, body: dict[str, Any], failed: list[Instance]
     ) -> web.StreamResponse | UpstreamError:
-        """One P/D pairing (or D alone, when the selector says so). Returns the client response, or the
-        error that ended it before anything was sent to the client (so a retry is safe)."""
+        """One P/D pairing (or D alone, when the selector says so) on instances not in ``failed``. Returns
+        the client response, or the error that ended it before anything was sent to the client (so a retry
+        is safe)."""
         choice = self.selector.choose(body) if self.selector is not None else None
         local = choice is not None and choice.local
-        p = None if local else self.prefill.pick()
-        d = self.decode.pick(exclude=tried)
+        p = None if local else self.prefill.pick(exclude=failed)
+        d = self.decode.pick(exclude=failed)
         if (p is None and not local) or d is None:
             self.counters["unavailable"] += 1
-            return self._unavailable() or _error(503, "no healthy decode instance left to try", "service_unavailable")
+            return self._unavailable() or _error(
+                503, "no healthy instance left to try", "service_unavailable", retryable=True
+            )
         busy = self._overloaded(p)
         if busy is not None:
             return busy
         if choice is not None:
             self.prom.inc("kvpush_router_routes_total", route=choice.route.value)
-        tried.append(d)
         tid = new_transfer_id()
         t_start = loop_time()
         headers = forward_headers(req, tid)
@@ -319,6 +342,7 @@ class Router:
             return out
         except UpstreamError as e:
             e.inst.failures += 1
+            self._suspect(e)
             return e
         finally:
             self._end_attempt(p, p_task, d, d_resp, ok, t_start)
@@ -414,25 +438,71 @@ class Router:
     async def _forward_stream(
         self, req: web.Request, d: Instance, d_resp: aiohttp.ClientResponse, first: bytes, tid: str
     ) -> tuple[web.StreamResponse, bool]:
-        """Send D's stream to the client chunk by chunk, unchanged; True if it
-        ended normally. The client has bytes from here on, so a later D
-        failure can only cut the stream short."""
+        """Send D's stream to the client unchanged; True if it ended normally.
+
+        The client has bytes from here on, so a later D failure can only end
+        the stream: server-sent events go out whole (a piece of one waits for
+        its end), and a break ends the stream with an error event saying the
+        request may be retried, never inside a half-sent event."""
         out = web.StreamResponse(status=d_resp.status, headers={"X-Request-Id": tid})
         out.content_type = d_resp.content_type
         await out.prepare(req)
+        events = d_resp.content_type == "text/event-stream"
+        held = b""  # the start of an event whose end has not come yet
+        sent = b""  # the end of what was sent (events: the last whole event)
         chunk = first
         try:
             while chunk:
-                await out.write(chunk)
+                if events:
+                    data = held + chunk
+                    end = data.rfind(b"\n\n")
+                    cut = 0 if end < 0 else end + 2
+                    chunk, held = data[:cut], data[cut:]
+                if chunk:
+                    await out.write(chunk)
+                    sent = (sent + chunk)[-64:]
                 chunk = await self.up.read_chunk(d, d_resp)
+            if events and not (sent + held).rstrip().endswith(DONE_EVENT):
+                # D's connection closed cleanly mid-stream (a process killed between chunks can look so).
+                raise UpstreamError(d, "decode", "the stream ended without data: [DONE]")
         except UpstreamError as e:
             d.failures += 1
             self.counters["decode_failures"] += 1
             self.prom.inc("kvpush_router_failures_total", role="decode", cause="stream_cut")
-            log.error("%s (after streaming started; stream cut)", e)
+            self._suspect(e)
+            log.error("%s (after streaming started; stream ended with an error event)", e)
+            if events:
+                await self._write_error_event(out, e)
             return out, False
+        if held:
+            await out.write(held)
         await out.write_eof()
         return out, True
+
+    @staticmethod
+    async def _write_error_event(out: web.StreamResponse, err: UpstreamError) -> None:
+        """The stream's last event: the failure, as vLLM reports errors in a stream, marked retryable."""
+        error = {
+            "message": f"{err} (after streaming started)",
+            "type": "upstream_error",
+            "code": 502,
+            "instance": err.inst.url,
+            "role": err.inst.role,
+            "stage": err.stage,
+            "retryable": True,
+        }
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await out.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
+            await out.write_eof()
+
+    def _suspect(self, err: UpstreamError) -> None:
+        """An instance failed a request with a 5xx-class failure: check its health now, so that a dead one
+        leaves rotation before the next periodic check (a live one that merely failed this request stays)."""
+        if not err.retryable or not err.inst.healthy or self._session is None:
+            return
+        task = asyncio.create_task(self.health.check([err.inst]))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def _settle_prefill(self, p: Instance, task: asyncio.Task[dict[str, Any]], cancel: bool) -> None:
         """After a pairing ends: a failed pairing cancels a still-running P
@@ -443,10 +513,13 @@ class Router:
         def done(t: asyncio.Task[dict[str, Any]]) -> None:
             if t.cancelled():
                 return
-            if t.exception() is None:
+            exc = t.exception()
+            if exc is None:
                 p.served += 1
             else:
-                log.debug("prefill after the pairing ended: %s", t.exception())
+                log.debug("prefill after the pairing ended: %s", exc)
+                if isinstance(exc, UpstreamError):
+                    self._suspect(exc)
 
         if cancel and not task.done():
             task.cancel()

@@ -126,7 +126,7 @@ def _timeout_args(g: argparse._ArgumentGroup) -> None:
 
 def _policy_args(g: argparse._ArgumentGroup) -> None:
     """What the router does with a failed D, a short prompt, and a client's own transfer parameters."""
-    g.add_argument("--no-retry", action="store_true", help="do not retry a failed D on another D")
+    g.add_argument("--no-retry", action="store_true", help="do not retry a failed P or D on another instance")
     g.add_argument(
         "--selective",
         action="store_true",
@@ -218,6 +218,7 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             health_timeout=a.health_timeout,
             health_timeout_strikes=a.health_timeout_strikes,
             retry_decode=not a.no_retry,
+            retry_prefill=not a.no_retry,
             client_params=a.client_kv_params,
             selective=a.selective,
             max_prefill_queue=a.max_prefill_queue,

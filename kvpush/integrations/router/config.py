@@ -31,6 +31,8 @@ class RouterConfig:
     # Timed-out checks in a row before an instance counts as unhealthy.
     health_timeout_strikes: int = DEFAULT_HEALTH_TIMEOUT_STRIKES
     retry_decode: bool = True
+    # A P that fails before D produced anything: the pairing again on another healthy P.
+    retry_prefill: bool = True
     # A client's own kv_transfer_params: "reject" (HTTP 400), "strip", or "trust" (they override the router's).
     client_params: str = "reject"
     # Serve prompts whose measured transfer cost exceeds their prefill cost on D alone (``selective``).
