@@ -17,8 +17,11 @@ SITE=$C/site
 KVP=$C/kvp
 MODEL=$C/model
 mkdir -p "$OUT"
+# FlashInfer is not carried: its sampler is the only part vLLM would import on this path.
+export VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD/$KVP:$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}
+# The checkout first (it changes between calls; the installed copy in $KVP gives the entry points).
+export PYTHONPATH=$PWD/tools:$PWD/backends/cuda:$PWD:$PWD/$KVP:$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$PWD/$KVP/bin:$PATH
 T0=$(date +%s)
 say() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$OUT/summary.txt"; }

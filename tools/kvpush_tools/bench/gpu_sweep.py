@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -195,7 +196,7 @@ def run_mode(mode: str, args: argparse.Namespace, deadline: float) -> dict[str, 
                 summary["left_out"].append([input_len, rate])
                 continue
             if input_len not in warmed:
-                bench(router, args, input_len, float("inf"), 2, None)
+                bench(router, args, input_len, 50.0, 2, None)
                 warmed.add(input_len)
             src0 = prompt_token_sources(decode.url)
             name = f"{mode}_in{input_len}_qps{rate:g}.json"
@@ -251,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             summary = run_mode(mode, args, deadline)
         except Exception as e:  # a failed mode is reported in its summary; the next mode still runs
-            summary, rc = {"mode": mode, "error": str(e)[-4000:]}, 1
-            say(f"{mode}: {e}")
+            summary, rc = {"mode": mode, "error": traceback.format_exc()[-4000:]}, 1
+            say(f"{mode}: {e!r}\n{traceback.format_exc()[-1500:]}")
         Path(args.out, f"{mode}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return rc
 

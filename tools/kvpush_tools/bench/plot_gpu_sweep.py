@@ -48,6 +48,8 @@ def plot(summaries: dict[str, dict[str, Any]], out: Path, title: str) -> None:
                 color = COLORS.get(mode)
                 ax.plot(rates, [p[f"median_{metric}_ms"] for p in pts], "o-", color=color, label=LABELS.get(mode, mode))
                 ax.plot(rates, [p[f"p90_{metric}_ms"] for p in pts], "x--", color=color, alpha=0.6)
+            if metric == "ttft":
+                ax.set_yscale("log")  # connectors can differ by orders of magnitude
             ax.set_xlabel("request rate (QPS)")
             ax.set_ylabel(label)
             ax.set_title(f"input {length} tokens")
