@@ -170,7 +170,19 @@ def test_one_key_under_many_names_claiming_huge_caches(nodes: tuple[Node, Node])
             name = f"{k}-evil-{i}"
             meta = metas[i] + (b"\0" * TAIL if i % 6 == 5 else b"")
             replies.append(say_hello(s, protocol.Hello(name, 0, 1, name, meta, big, "")))
-            s.send(protocol.encode(protocol.Register(f"evil-{i}", "r", name, 0, (ids,), 16, lease_ms=3_600_000)))
+            # with the transfer's capability (the worst case: a D the router gave it), so the block ceiling,
+            # not the capability check, is what stops it
+            reg = protocol.Register(
+                f"evil-{i}",
+                "r",
+                name,
+                0,
+                (ids,),
+                16,
+                lease_ms=3_600_000,
+                capability=auth.session_capability(f"evil-{i}"),
+            )
+            s.send(protocol.encode(reg))
         time.sleep(2.0)  # P reads the registrations (at the key's byte budget) while the pushes go on
         pushed = pusher.stop()
         peak = sampler.stop()
@@ -266,7 +278,9 @@ def test_registrations_stop_at_the_keys_bytes(nodes: tuple[Node, Node]) -> None:
         # holds one block id (one block of 16 tokens).
         for j in range(1000):
             for i, s in enumerate(socks):
-                reg = protocol.Register(f"b-{i}-{j}", "r", f"{k}-{i}", 0, ((j % 64,),), 16, lease_ms=3_600_000)
+                tid = f"b-{i}-{j}"
+                cap = auth.session_capability(tid)  # each with its capability: the budget is what stops them
+                reg = protocol.Register(tid, "r", f"{k}-{i}", 0, ((j % 64,),), 16, lease_ms=3_600_000, capability=cap)
                 s.send(protocol.encode(reg))
         refused = 0
         deadline = time.monotonic() + 30
