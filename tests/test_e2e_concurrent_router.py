@@ -211,7 +211,7 @@ def fleet(stack: Stack, e2e_pair: E2EServers, tmp_path_factory: pytest.TempPathF
     args = ["--prefill", e2e_pair.p, "--prefill-kv", f"127.0.0.1:{e2e_pair.kv_port}"]
     args += ["--prefill", stack.p, "--prefill-kv", f"127.0.0.1:{stack.kv_port}"]
     args += ["--decode", e2e_pair.d, "--decode", stack.d, "--health-interval", "1"]
-    kvpush = srv.router_server(args, srv.free_port(), log_dir=logs)
+    kvpush = srv.router_server(args, srv.free_port(), log_dir=logs, keys=e2e_pair.keys)
     vr = fleet_vllm_router(prefill, decode, logs)
     try:
         kvpush.start()
