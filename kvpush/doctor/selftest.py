@@ -95,18 +95,22 @@ def _fill(p: _Side, d: _Side, rng: np.random.Generator) -> None:
 
 
 @contextmanager
-def engine_pair(nixl_backend: str, p: _Side, d: _Side, spec: Any) -> Iterator[tuple[Any, Any]]:
-    """P's ``Sender`` and D's ``Receiver`` over ``nixl_backend``, closed on the way out.
+def engine_pair(nixl_backend: str, p: _Side, d: _Side, spec: Any) -> Iterator[tuple[Any, Any, bytes]]:
+    """P's ``Sender``, D's ``Receiver`` over ``nixl_backend`` (closed on the way out) and the key a router
+    mints their transfers' capabilities with.
 
     The one place the self-test configures the side channel and the engines:
     they run as a deployment's would, on a port the system picks, authenticated
-    with a throwaway key set."""
+    with a throwaway key set, P requiring each registration's capability (the
+    self-test mints them, as a router does)."""
     from kvpush.config import Config
     from kvpush.engine import Receiver, Sender
-    from kvpush.transport.auth import make_key_set
+    from kvpush.transport.auth import make_key_set, router_capability_key
 
     keys = tempfile.mkdtemp(prefix="kvpush-doctor-keys-")
     make_key_set(keys)
+    capability_key = router_capability_key(keys)
+    assert capability_key is not None  # the key set holds P's secret key
     cfg = Config.from_dict(
         {"nixl_backends": [nixl_backend], "side_channel_port": 0, "model": "kvpush-doctor", "auth_keys_dir": keys}
     )
@@ -114,7 +118,7 @@ def engine_pair(nixl_backend: str, p: _Side, d: _Side, spec: Any) -> Iterator[tu
     try:
         sender = Sender(cfg, p.be, p.be.describe(p.kv, spec), "doctor-p")
         receiver = Receiver(cfg, d.be, d.be.describe(d.kv, spec), "doctor-d")
-        yield sender, receiver
+        yield sender, receiver, capability_key
     finally:
         for e in (receiver, sender):
             if e is not None:
@@ -125,6 +129,7 @@ def engine_pair(nixl_backend: str, p: _Side, d: _Side, spec: Any) -> Iterator[tu
 def _push_rounds(
     sender: Any,
     receiver: Any,
+    capability_key: bytes,
     p: _Side,
     d: _Side,
     geom: SelfTestGeometry,
@@ -133,6 +138,7 @@ def _push_rounds(
     timeout: float,
 ) -> list[dict[str, float]]:
     """``rounds + 1`` pushes of random blocks, each verified; the first pays the handshake and is not timed."""
+    from kvpush.capability import mint
     from kvpush.engine import PeerAddress
 
     peer = PeerAddress(sender.address[0], sender.address[1], 1)
@@ -143,7 +149,7 @@ def _push_rounds(
         dblocks = [int(b) for b in rng.choice(geom.num_blocks, n, replace=False)]
         tid = f"doctor-{r}"
         t0 = time.perf_counter()
-        receiver.register(tid, f"d{r}", peer, [dblocks], geom.tokens)
+        receiver.register(tid, f"d{r}", peer, [dblocks], geom.tokens, capability=mint(capability_key, tid))
         sender.prefill_finished(tid, f"p{r}", [pblocks], geom.tokens, p.be.record_ready())
         d_res = _wait(receiver, timeout)
         elapsed = time.perf_counter() - t0
@@ -186,8 +192,8 @@ def self_test(
     rng = np.random.default_rng(7)
     _fill(p, d, rng)
     try:
-        with engine_pair(nixl_backend, p, d, spec) as (sender, receiver):
-            results = _push_rounds(sender, receiver, p, d, geom, rng, rounds, timeout)
+        with engine_pair(nixl_backend, p, d, spec) as (sender, receiver, capability_key):
+            results = _push_rounds(sender, receiver, capability_key, p, d, geom, rng, rounds, timeout)
     except MemoryKindError as exc:  # the transport takes none of this backend's memory: a setting, not a fault
         return Check(
             key,

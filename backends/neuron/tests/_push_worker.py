@@ -140,6 +140,7 @@ def _p(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
 
 def _d(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
     from kvpush.engine import PeerAddress, Receiver
+    from kvpush.transport import auth
 
     backend, tensors, arrays = _setup(sc.d, sc, env, D_SEED)
     for t, a in zip(tensors, arrays, strict=True):
@@ -154,7 +155,9 @@ def _d(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
             raise RuntimeError("P failed before listening; see P's error")
         host, port = addr
         peer = PeerAddress(host, port, tp_size=sc.p.tp_size)
-        receiver.register("t1", "r1", peer, [sc.d_blocks], sc.num_tokens, sc.start_token)
+        # the test acts as the router: it mints the transfer's capability with the run's key set
+        cap = auth.session_capability("t1")
+        receiver.register("t1", "r1", peer, [sc.d_blocks], sc.num_tokens, sc.start_token, capability=cap)
         res = _wait(receiver, "D")
         stats = receiver.stats()
         after = [t.read_bytes() for t in tensors]  # through the runtime, as decode would see them
