@@ -140,6 +140,7 @@ class PushJobMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.errors = False  # a pack, post or WRITE failed
         self.discarded = False  # D gave up on the push before it ended
+        self.frozen_unposted = False  # P froze before posting: D gave up; the push may fail or land
         self.heard_t = 0.0  # when P last read a word from D
         self._data = None  # the current rule's draws (the shell's random outcomes)
 
@@ -309,6 +310,10 @@ class PushJobMachine(RuleBasedStateMachine):
         self.now += 2 * DEAD_S
         if self.job.nposted and self.done is None:
             self.discarded = True
+        elif self.done is None:
+            # Nothing posted yet: D gave up all the same; P learns it by D's abort (not modelled here) or by
+            # the silence its next post sees, so the push may fail (the pessimistic side) or, heard again, land.
+            self.frozen_unposted = True
         self._step()
 
     @rule(data=st.data())
@@ -350,7 +355,7 @@ class PushJobMachine(RuleBasedStateMachine):
         assert not self.made or all(h in self.released_made for h, _ in self.made), "a prebuilt WRITE leaked"
         if self.discarded:
             assert self.done.failed is not None and self.fail is not None, f"D gave up, P counted it: {self.done}"
-        if not self.cancelled and not self.errors and not self.discarded:
+        if not self.cancelled and not self.errors and not self.discarded and not self.frozen_unposted:
             assert self.done.failed is None and self.fail is None, self.done
             covered = [r for a, b in self.posted for r in range(a, b)]
             assert covered == list(range(self.n)), self.posted
