@@ -28,6 +28,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -240,8 +241,6 @@ class Worker(conformance.Worker):
         """Two agents in this process, the receiver progressed by a thread as a D's engine does: write,
         give the receiver up and load its (unchanged) metadata again, write again. Returns, per write,
         whether the WRITE ended well and the receiver, once notified, holds exactly the sender's bytes."""
-        import time
-
         from kvpush.backends.base import MemRegistration
         from kvpush.transport.nixl_agent import Agent
 
@@ -385,3 +384,16 @@ class Node(conformance.Node):
     def answer(self, timeout: float = 60.0) -> Any:
         """The answer of the op ``send`` started."""
         return self._answer(timeout)
+
+    def wait_logged(self, needles: list[str], timeout_s: float = 10.0) -> list[str]:
+        """The lines this worker logs from now on (it keeps them no longer) until each needle is in one;
+        fails naming the needles never logged."""
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            lines += self.call("logs")
+            if all(any(n in line for line in lines) for n in needles):
+                return lines
+            time.sleep(0.05)
+        missing = [n for n in needles if not any(n in line for line in lines)]
+        raise AssertionError(f"{self.name} never logged {missing}; it logged {lines[-20:]}")

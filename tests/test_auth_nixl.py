@@ -50,18 +50,6 @@ def pair(nodes: tuple[Node, Node], cfg: dict[str, Any], g: Geom) -> Iterator[tup
         p.call("close", k + "p")
 
 
-def _wait_logs(node: Node, needles: list[str], timeout_s: float = 10.0) -> list[str]:
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines += node.call("logs")
-        if all(any(n in line for line in lines) for n in needles):
-            return lines
-        time.sleep(0.05)
-    missing = [n for n in needles if not any(n in line for line in lines)]
-    raise AssertionError(f"{node.name} never logged {missing}; it logged {lines}")
-
-
 def _check_pushed(p: Node, d: Node, k: str, g: Geom, req: Req) -> None:
     """D's result is ok and its cache holds exactly the pushed request (sentinel elsewhere)."""
     [res] = d.call("results", k + "d", 1, 15.0)
@@ -122,7 +110,7 @@ def test_peers_without_an_allowed_key_get_nothing(nodes: tuple[Node, Node], tmp_
             for s in socks:
                 s.close(linger=0)
             ctx.term()
-        _wait_logs(p, ["CURVE rejected a connection", "refused a connection from 127.0.0.1", "not among the allowed"])
+        p.wait_logged(["CURVE rejected a connection", "refused a connection from 127.0.0.1", "not among the allowed"])
         st = p.call("stats", k + "p")
         assert (st["peers"], st["registrations_total"], st.get("aborts_total", 0)) == (1, 1, 0), st
         assert st["waiting_registrations"] == 1, st
@@ -153,7 +141,7 @@ def test_d_tells_a_fake_p_nothing(nodes: tuple[Node, Node], fake: str) -> None:
         assert not router.poll(2500), f"the fake P read a message from D: {router.recv_multipart()}"
         [res] = d.call("results", k + "d", 1, 10.0)
         assert not res.ok and "the CURVE handshake with" in res.reason, res  # refused, not "silent"
-        _wait_logs(d, [f"the CURVE handshake with 127.0.0.1:{port} failed"])
+        d.wait_logged([f"the CURVE handshake with 127.0.0.1:{port} failed"])
         assert d.call("stats", k + "d")["pending"] == 0
     finally:
         d.call("close", k + "d")
@@ -186,13 +174,13 @@ def test_replayed_session_and_replayed_frame_are_rejected(nodes: tuple[Node, Nod
             replayed.close()
             st = p.call("stats", k + "p")
             assert (st["registrations_total"], st["waiting_registrations"], st["peers"]) == (1, 0, 1), st
-            _wait_logs(p, ["CURVE rejected a connection (protocol error zmtp_cryptographic)"])
+            p.wait_logged(["CURVE rejected a connection (protocol error zmtp_cryptographic)"])
             # the registration's frame again, inside the live connection
             proxy.inject(conn, frames[1])
             time.sleep(1.0)
             st = p.call("stats", k + "p")
             assert (st["registrations_total"], st["waiting_registrations"]) == (1, 0), st
-            _wait_logs(p, ["CURVE rejected a connection (protocol error zmtp_invalid_sequence)"])
+            p.wait_logged(["CURVE rejected a connection (protocol error zmtp_invalid_sequence)"])
         finally:
             proxy.close()
 
@@ -237,7 +225,7 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
             assert s2.poll(5000)
             refused = protocol.decode(s2.recv())
             assert not refused.ok and "connected under another D key" in refused.reason, refused
-            _wait_logs(p, ["ignored an abort of victim"])
+            p.wait_logged(["ignored an abort of victim"])
         finally:
             s.close(linger=0)
             if "s2" in locals():

@@ -25,7 +25,7 @@ import msgspec
 import pytest
 import zmq
 from procs import Geom, Node, assert_same, dealer, make_cache
-from test_auth_nixl import FAST, _attack, _check_pushed, _ids, _wait_logs, pair
+from test_auth_nixl import FAST, _attack, _check_pushed, _ids, pair
 
 from kvpush import protocol
 from kvpush.conformance.model import Req, apply_push
@@ -116,7 +116,7 @@ def test_a_second_d_key_cannot_abort_a_parked_prefill_nor_a_registered_transfer(
             for tid in (parked.tid, waiting.tid):
                 for cap in sorted(CAPS):
                     evil.send(msgspec.structs.replace(evil.abort, transfer_id=tid, capability=CAPS[cap]()))
-            _wait_logs(p, [f"ignored an abort of {parked.tid}", "capability"])
+            p.wait_logged([f"ignored an abort of {parked.tid}", "capability"])
             assert p.call("wait_stat", k + "p", "aborts_ignored_total", 4, 10.0)
             st = p.call("stats", k + "p")
             assert (st["parked_prefills"], st["waiting_registrations"], st.get("aborts_total", 0)) == (1, 1, 0), st
@@ -156,7 +156,7 @@ def test_d_hears_a_transfers_end_only_from_the_p_rank_it_registered_with(nodes: 
             else:
                 msg = protocol.Failure(victim.tid, victim.d_rid, 0, Stage.TRANSFER, Cause.OTHER, "forged")
             p.call("forge_notif", k + "e", f"D{k}-d0", protocol.encode(msg))
-            _wait_logs(d, [f"ignored a message for {victim.tid} naming P rank 0 from P {other[0]}:{other[1]}"])
+            d.wait_logged([f"ignored a message for {victim.tid} naming P rank 0 from P {other[0]}:{other[1]}"])
             assert d.call("results", k + "d", 1, 0.0) == [], "D took the forged message"
             assert d.call("stats", k + "d")["pending"] == 1
             p.call("prefill", k + "p", victim.tid, victim.p_rid, victim.p_blocks, victim.n)

@@ -126,19 +126,6 @@ def _close(p: Node, d: Node, k: str) -> None:
     p.call("close", k + "p")
 
 
-def _logged(node: Node, needles: list[str], timeout_s: float = 10.0) -> list[str]:
-    """The lines ``node`` logged from now on (it keeps them no longer) until each needle is in one."""
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines += node.call("logs")
-        if all(any(n in line for line in lines) for n in needles):
-            return lines
-        time.sleep(0.05)
-    missing = [n for n in needles if not any(n in line for line in lines)]
-    raise AssertionError(f"{node.name} never logged {missing}; it logged {lines[-20:]}")
-
-
 def test_one_key_under_many_names_claiming_huge_caches(nodes: tuple[Node, Node]) -> None:
     """24 names, each claiming 2^20 blocks and registering 2^20 block ids (a padded hello among them):
     P knows the key under at most 16 names, refuses the padded hello naming its tail, drops every
@@ -195,8 +182,7 @@ def test_one_key_under_many_names_claiming_huge_caches(nodes: tuple[Node, Node])
         assert all(f"D key {who[:8]}" in r.reason and "limit 16" in r.reason for r in plain[16:]), plain[16:]
         assert st["peers"] == 1 + 16 and st["waiting_registrations"] == 0, st
         most = block_ceiling(g.num_blocks, g.block_size, g.block_size)
-        _logged(
-            p,
+        p.wait_logged(
             [
                 f"refused a hello: D key {who[:8]}",
                 f"(D key {who}) unread: [{protocol.MAX_BLOCKS}] block ids per group, at most {most} per group",
@@ -298,7 +284,7 @@ def test_registrations_stop_at_the_keys_bytes(nodes: tuple[Node, Node]) -> None:
         held = st["waiting_registrations"]
         print(f"P RSS {base:.0f} -> {rss_mb(p.proc.pid):.0f} MB; {held} held; {pushed} real pushes; {st}")
         assert refused > 0 and 1000 < held < 4000, (refused, st)
-        _logged(p, [f"D key {who}"])
+        p.wait_logged([f"D key {who}"])
         assert rss_mb(p.proc.pid) - base < GROWTH_MB
     finally:
         for s in socks:
@@ -416,7 +402,7 @@ def test_a_keyless_client_holding_raw_connections(nodes: tuple[Node, Node]) -> N
         # What P holds settles at preauth_per_address and the new D's own (a burst can outrun the gate for a
         # moment); without the bound it is the whole table (base + 200) for as long as the flood lasts.
         assert typical - base < 64 + 100, (base, seen)
-        _logged(p, ["that had not authenticated: more than 64 open before authentication from one address"])
+        p.wait_logged(["that had not authenticated: more than 64 open before authentication from one address"])
     finally:
         sampling.set()
         flood.stop()

@@ -414,18 +414,6 @@ def _reply(sock: zmq.Socket, timeout_s: float = 5.0) -> Any:
     return protocol.decode(sock.recv())
 
 
-def _wait_logs(node: Node, needles: list[str], timeout_s: float = 5.0) -> list[str]:
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines += node.call("logs")
-        if all(any(n in line for line in lines) for n in needles):
-            return lines
-        time.sleep(0.05)
-    missing = [n for n in needles if not any(n in line for line in lines)]
-    raise AssertionError(f"P never logged {missing}; it logged {lines}")
-
-
 def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
     p, d = nodes
     g = Geom(num_blocks=32)
@@ -445,8 +433,7 @@ def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
         raw.send(msgspec.msgpack.encode([999, msgspec.to_builtins(reg)]))  # a future protocol version
         raw.send_multipart([b"two", b"parts"])
         raw.send(b"\x00" * (protocol.MAX_FRAME_BYTES + 1))  # over the frame limit
-        _wait_logs(
-            p,
+        p.wait_logged(
             [
                 "malformed message",
                 "truncated",
@@ -454,6 +441,7 @@ def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
                 "dropped frame with 3 parts",
                 "exceeds the",
             ],
+            timeout_s=5.0,
         )
         # a registration from a peer that never said hello: answered with a Failure naming why
         raw.send(protocol.encode(reg))
@@ -475,7 +463,7 @@ def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
         time.sleep(0.3)
         huge.close()
         raw.close()
-        _wait_logs(p, ["out of range"])  # the failure is logged on P too
+        p.wait_logged(["out of range"], timeout_s=5.0)  # the failure is logged on P too
         # P is alive and a correct transfer still succeeds
         req = Req("good", "pg", "dg", [7, 8], [3, 9], 30)
         p.call("prefill", k + "p", req.tid, req.p_rid, req.p_blocks, req.n)
