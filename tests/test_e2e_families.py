@@ -209,7 +209,16 @@ def _stop_early() -> Iterator[None]:
         srv.stop_all(_EARLY.popitem()[1][0])
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+HEAVY = ("mla-tp2-to-tp1",)
+"""Families run on purpose (``-m heavy``), not in CI: MLA's latent from a TP 2 P is the slowest family to
+start (a TP 2 P and its plain server, about two minutes here), and its rule (one P rank writes the latent,
+the other lets its prefill go) is checked through real NIXL agents in ``test_replicated_kv_nixl``, with
+``mla`` and ``tp2-to-tp1`` covering MLA and a TP 2 P end to end; CI stays under 45 minutes."""
+
+
+@pytest.fixture(
+    scope="module", params=[pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in FAMILIES]
+)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Target]]:
     """The family's servers (started once for all its tests) and where the checks send requests."""
     name, fam = request.param, FAMILIES[request.param]

@@ -189,7 +189,10 @@ def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, N
     """
     p, d = pair
     g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
-    cfg = {**FAST, "plan": "direct", "peer_dead_s": 1.0, "quarantine_s": 60.0}
+    # Once resumed, P must not look silent again: right after SIGCONT it reaps its failed WRITE and answers the
+    # fencing hello. With 1 s, CI (p5en lane, NIXL 1.4.1 LIBFABRIC, two lanes' tests sharing the two cores)
+    # saw D declare the resumed P dead a second time and fail t2.
+    cfg = {**FAST, "plan": "direct", "peer_dead_s": 3.0, "quarantine_s": 60.0}
     addr = p.call("sender", "s", g, cfg, "P", 7)
     peer = (addr[0], addr[1], 1)
     d.call("receiver", "r", g, cfg, "D")
@@ -252,7 +255,7 @@ def test_p_frozen_past_quarantine_writes_nothing_into_reused_blocks(pair: tuple[
     """
     p, d = pair
     g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
-    cfg = {**FAST, "plan": "direct", "peer_dead_s": 1.0, "quarantine_s": 3.0}
+    cfg = {**FAST, "plan": "direct", "peer_dead_s": 3.0, "quarantine_s": 3.0}  # 3 s: as the test above
     addr = p.call("sender", "s", g, cfg, "P", 7)
     peer = (addr[0], addr[1], 1)
     d.call("receiver", "r", g, cfg, "D")
