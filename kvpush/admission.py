@@ -32,7 +32,7 @@ Time and I/O stay with the caller; a refusal is a reason that names the key.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 NAME_BYTES = 256 << 10
@@ -302,3 +302,57 @@ class PreAuth:
         """``conn`` is being shut: forgotten (its close follows)."""
         self.closed(conn)
         self.shut_total += 1
+
+
+# -- authenticated connections per key -------------------------------------------------
+
+
+class KeyConns:
+    """Authenticated connections to one P rank's side channel, per D key; beyond a key's cap its oldest go.
+
+    Each connection may make ZeroMQ hold ``RCVHWM`` + 1 frames before the engine drains them, so the
+    connections one key may open bound what its frames can cost P while they wait (unbounded, 192
+    connections of one key sending 8 MiB frames took P to 1.5 GB). A D rank needs one connection to a P
+    rank, so a key's cap is its names cap (``names_cap``: twice its declared ranks, else ``default_ranks``).
+    When a key proves itself on one connection more than its cap, its oldest connection is shut, not the
+    new one: the oldest of a real D is the one most likely dead without P knowing (a restarted D's
+    connection replaces a half-open one of its previous life), and a key holder that opens more only
+    loses its own. No other key's connection is touched.
+
+    Events in (``tied``: a connection proved ``key``; ``closed``), connections to shut out; the shell ties
+    each handshake to its connection and shuts them.
+    """
+
+    def __init__(self, cap: Callable[[str], int]) -> None:
+        self.cap = cap
+        self._key: dict[int, str] = {}  # connection -> the key it proved
+        self._conns: dict[str, list[int]] = {}  # key -> its connections, oldest first
+        self.shut_total = 0
+
+    def count(self, key: str) -> int:
+        return len(self._conns.get(key, ()))
+
+    def key_of(self, conn: int) -> str | None:
+        return self._key.get(conn)
+
+    def tied(self, conn: int, key: str) -> list[int]:
+        """``conn`` proved ``key``: the connections of ``key`` to shut (its oldest beyond its cap)."""
+        self.closed(conn)  # a descriptor number reused: whatever it was is gone
+        self._key[conn] = key
+        conns = self._conns.setdefault(key, [])
+        conns.append(conn)
+        cap = max(1, self.cap(key))
+        shut = conns[: max(0, len(conns) - cap)]
+        for c in shut:
+            self.closed(c)
+        self.shut_total += len(shut)
+        return shut
+
+    def closed(self, conn: int) -> None:
+        key = self._key.pop(conn, None)
+        if key is None:
+            return
+        conns = self._conns[key]
+        conns.remove(conn)
+        if not conns:
+            del self._conns[key]

@@ -219,3 +219,40 @@ def test_preauth_never_keeps_more_than_per_address(events: list) -> None:
         for a in "ab":
             assert len(pre.pending(a)) <= 4
             assert set(pre.pending(a)) <= {f for f, x in open_.items() if x == a}
+
+
+def test_key_conns_shut_the_keys_oldest_beyond_its_cap_and_never_another_keys() -> None:
+    conns = admission.KeyConns({KEY: 2, OTHER: 3}.__getitem__)
+    assert conns.tied(10, KEY) == [] and conns.tied(11, KEY) == []
+    assert conns.tied(20, OTHER) == []
+    assert conns.tied(12, KEY) == [10]  # the oldest goes (a restarted D's half-open one), the new one stays
+    assert conns.count(KEY) == 2 and conns.key_of(10) is None and conns.key_of(12) == KEY
+    conns.closed(11)
+    assert conns.tied(13, KEY) == [] and conns.count(OTHER) == 1 and conns.shut_total == 1
+    conns.closed(13)
+    assert conns.tied(13, OTHER) == []  # a descriptor number reused by another key's connection
+    assert conns.count(KEY) == 1 and conns.count(OTHER) == 2
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["tie", "close"]), st.integers(0, 20), st.sampled_from([KEY, OTHER]))),
+    st.integers(1, 4),
+)
+@settings(max_examples=300, deadline=None)
+def test_key_conns_never_keep_more_than_the_cap(events: list, cap: int) -> None:
+    caps = {KEY: cap, OTHER: cap + 1}
+    conns = admission.KeyConns(caps.__getitem__)
+    open_: dict[int, str] = {}  # connection -> its key, as the shell sees them
+    for kind, fd, key in events:
+        if kind == "tie":
+            open_[fd] = key
+            shut = conns.tied(fd, key)
+            assert fd not in shut  # the connection that just proved its key stays
+            for c in shut:
+                assert open_.pop(c) == key  # only the same key's connections are shut
+        else:
+            conns.closed(fd)
+            open_.pop(fd, None)
+        for k, most in caps.items():
+            mine = sorted(f for f, x in open_.items() if x == k)
+            assert conns.count(k) == len(mine) <= most

@@ -408,3 +408,93 @@ def test_a_keyless_client_holding_raw_connections(nodes: tuple[Node, Node]) -> N
         flood.stop()
         resource.prlimit(pid, resource.RLIMIT_NOFILE, limit)
         _close(p, d, k)
+
+
+KEY_CONNS = 48
+"""Connections the key holder opens (its key declares 2 ranks: its cap is 4), each sending 8 MiB frames."""
+FRAME = bytes(8 << 20)
+
+
+class ConnFlood:
+    """A key holder's ``KEY_CONNS`` CURVE connections to P, each sending 8 MiB frames as fast as ZeroMQ takes
+    them; ZeroMQ reconnects each one P shuts (the worst case: it never stops asking)."""
+
+    def __init__(self, addr: tuple[str, int], keys: auth.ClientKeys) -> None:
+        self.ctx = zmq.Context(io_threads=2)
+        self.socks = []
+        for _ in range(KEY_CONNS):
+            s = dealer(addr, keys, self.ctx)
+            s.setsockopt(zmq.SNDHWM, 4)
+            self.socks.append(s)
+        self.sent, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = False
+            for s in self.socks:
+                try:
+                    s.send(FRAME, copy=False, flags=zmq.NOBLOCK)  # one buffer for every frame: no copies here
+                    self.sent += 1
+                    busy = True
+                except zmq.Again:
+                    pass
+            if not busy:
+                time.sleep(0.01)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(30)
+        for s in self.socks:
+            s.close(linger=0)
+        self.ctx.term()
+        return self.sent
+
+
+def _key_conns(pid: int, port: int) -> int:
+    """P's established TCP connections on its side channel port."""
+    import psutil
+
+    conns = psutil.Process(pid).net_connections(kind="tcp")
+    return sum(c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in conns)
+
+
+def test_one_key_holding_many_authenticated_connections(nodes: tuple[Node, Node]) -> None:
+    """A key declaring 2 ranks opens 48 authenticated connections, each sending 8 MiB frames (ZeroMQ holds
+    up to ``RCVHWM`` + 1 of them per connection before P's engine drains them): P keeps at most the key's
+    cap (4, twice its ranks) of them, shutting its oldest, logs it, stays within its memory bound, and the
+    deployment's D pushes byte-exact meanwhile. Without the cap P held every connection and their frames
+    (issue 28: 1.5 GB with 192 connections)."""
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = "conns"
+    cfg: dict[str, Any] = {"staging_bytes": 1 << 20, "peer_dead_s": 600.0}
+    addr = _engines(p, d, g, cfg, k)
+    keys = evil_key(ranks=2)
+    base = rss_mb(p.proc.pid)
+    sampler = Sampler(p.proc.pid)
+    pusher = Pusher(p, d, g, addr, k + "p", k + "d")
+    flood = ConnFlood(addr, keys)
+    held: list[int] = []
+    try:
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:
+            held.append(_key_conns(p.proc.pid, addr[1]))
+            time.sleep(0.1)
+    finally:
+        sent = flood.stop()
+        pushed = pusher.stop()
+        peak = sampler.stop()
+    typical = sorted(held)[len(held) // 2]
+    print(
+        f"P RSS {base:.0f} MB before, {peak:.0f} MB peak; the key sent {sent} frames of 8 MiB; P's connections "
+        f"on its side channel: {typical} typically, {max(held)} at most; {pushed} real pushes"
+    )
+    p.wait_logged([f"shut the oldest connection of D key {auth.short(keys.public)[:8]}"])
+    assert pushed >= 2
+    # The key's 4, the real D's, and connections between ZeroMQ's reconnect and their handshake's end
+    # (the gate counts a connection once its key is proven); without the cap: all 48 and the D's.
+    assert typical <= 4 + 1 + 8, held
+    assert peak - base < 2 * GROWTH_MB, (base, peak)
+    _close(p, d, k)

@@ -181,7 +181,13 @@ class Sender(EngineLoop):
         self.prepacks = Prepacks(self._slots.capacity)
         port = self.cfg.side_channel_port + self.rank
         self.server = Server(
-            self.ctx, self.cfg.side_channel_host, port, keys, peer_budgets(self.cfg), self.cfg.preauth_per_address
+            self.ctx,
+            self.cfg.side_channel_host,
+            port,
+            keys,
+            peer_budgets(self.cfg),
+            self.cfg.preauth_per_address,
+            self.cfg.peer_max_ranks,
         )
         if keys is not None:
             self.peers.declared = DeclaredRanks(keys.decoders_dir)

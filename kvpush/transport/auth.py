@@ -33,7 +33,7 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from kvpush.admission import CURVE_CLIENT_HANDSHAKE_BYTES, PreAuth
+from kvpush.admission import CURVE_CLIENT_HANDSHAKE_BYTES, KeyConns, KeyLimits, PreAuth, names_cap
 from kvpush.capability import derive_key, mint
 from kvpush.errors import ConfigError
 from kvpush.limits import Throttle
@@ -402,14 +402,32 @@ class Gate:
     allowed D keys; the accepted key becomes the user id of the connection's
     messages. Refused keys and failed handshakes (no CURVE, wrong server key,
     a replayed stream) are logged with their reason, rate-limited.
+
+    It also bounds connections: per source address before they authenticate
+    (``PreAuth``), and per key after (``KeyConns``, a key's cap being its
+    names cap: ``default_ranks`` or twice what its key file declares). A ZAP
+    request names the source address, not the connection, so the gate ties it
+    to the oldest connection from that address that has sent a whole CURVE
+    handshake (``CURVE_CLIENT_HANDSHAKE_BYTES``, from ``TCP_INFO``) and is not
+    tied yet: handshakes from one address are checked in the order they
+    complete, and a tie can only be wrong between connections from one address
+    whose handshakes end together, where it may count one key's connection
+    under the other key of that address.
     """
 
-    def __init__(self, keys: ServerKeys, label: str, per_address: int = PREAUTH_PER_ADDRESS) -> None:
+    def __init__(
+        self, keys: ServerKeys, label: str, per_address: int = PREAUTH_PER_ADDRESS, default_ranks: int = 16
+    ) -> None:
         self.keys = keys
         self.label = label
         self.preauth = PreAuth(per_address)
         """Connections not yet past the handshake, per source address (``kvpush.admission.PreAuth``)."""
         self._remote: dict[int, tuple[str, int]] = {}  # descriptor -> the (host, port) it was accepted from
+        self._tied: set[int] = set()  # connections whose ZAP request was answered (accepted or refused)
+        self._declared = DeclaredRanks(keys.decoders_dir)
+        limits = KeyLimits(default_ranks=default_ranks)
+        self.conns = KeyConns(lambda key: names_cap(limits, self._declared(key)))
+        """Authenticated connections per key (``kvpush.admission.KeyConns``)."""
         self.allowed = keys.allowed
         self._dir_stamp = _stamp(keys.decoders_dir)
         self.refused = 0
@@ -460,10 +478,12 @@ class Gate:
             if self._stop_rx in events:
                 return
             try:
+                # Connection events first: a ZAP request is tied to an accepted connection, so the accept
+                # must be known by then.
+                while self._monitor is not None and self._monitor.poll(0):
+                    self._on_event(parse_monitor_message(self._monitor.recv_multipart()))
                 if self._zap in events:
                     self._answer(self._zap.recv_multipart())
-                if self._monitor is not None and self._monitor in events:
-                    self._on_event(parse_monitor_message(self._monitor.recv_multipart()))
             except Exception:
                 # A bug here must not stop the gate: a ZAP request left unanswered stalls every handshake.
                 log.exception("side channel %s: the gate failed on a request", self.label)
@@ -479,6 +499,7 @@ class Gate:
         except Exception as exc:
             log.exception("side channel %s: malformed ZAP request", self.label)
             address, key, ok, why = b"?", b"", False, f"internal error: {exc}"
+        self._tie(address.decode(errors="replace"), key.decode() if ok else None)
         if ok:
             self._zap.send_multipart([version, request_id, b"200", b"OK", key, b""])
             return
@@ -490,6 +511,33 @@ class Gate:
             f"side channel {self.label}: refused a connection from {address.decode(errors='replace')}: {why}",
         )
         self._zap.send_multipart([version, request_id, b"400", why.encode()[:255], b"", b""])
+
+    def _tie(self, host: str, key: str | None) -> None:
+        """Tie a handshake from ``host`` to its connection (the oldest from there, past a whole handshake, not
+        tied yet), counted under ``key`` (None: refused, only marked); shut that key's oldest beyond its cap."""
+        for fd, remote in list(self._remote.items()):  # accept order: the oldest first
+            if fd in self._tied or remote[0] != host:
+                continue
+            sent = _received(fd, remote)
+            if sent is None or sent < CURVE_CLIENT_HANDSHAKE_BYTES:
+                continue
+            self._tied.add(fd)
+            self.preauth.proven(fd)
+            if key is None:
+                return
+            shut = 0
+            for old in self.conns.tied(fd, key):
+                self._tied.discard(old)
+                shut += _shut(old, self._remote.pop(old, None))
+            if shut:
+                _limited(
+                    self._limit,
+                    f"keyconns:{key}",
+                    log.warning,
+                    f"side channel {self.label}: shut the oldest connection of D key {short(key)}: more than "
+                    f"{self.conns.cap(key)} connections of one key (its names cap); {self.conns.shut_total} so far",
+                )
+            return
 
     def _allows(self, key: bytes) -> tuple[bool, str]:
         if not key:
@@ -515,6 +563,8 @@ class Gate:
             return
         if kind == zmq.EVENT_DISCONNECTED and isinstance(value, int):
             self.preauth.closed(value)
+            self.conns.closed(value)
+            self._tied.discard(value)
             self._remote.pop(value, None)
             return
         self.failed += 1
@@ -533,6 +583,10 @@ class Gate:
         remote = _remote_of(fd, None)
         if remote is None:
             return
+        # A descriptor number reused: whatever connection it was is gone (its close may not have been seen).
+        self.conns.closed(fd)
+        self._tied.discard(fd)
+        self._remote.pop(fd, None)
         self._remote[fd] = remote
         host = remote[0]
         self.preauth.accepted(fd, host)

@@ -100,8 +100,9 @@ class Server:
         keys: ServerKeys | None,
         budgets: Budgets | None = None,
         preauth_per_address: int = auth.PREAUTH_PER_ADDRESS,
+        default_ranks: int = 16,
     ) -> None:
-        self.gate = Gate(keys, f"{host}:{port}", preauth_per_address) if keys is not None else None
+        self.gate = Gate(keys, f"{host}:{port}", preauth_per_address, default_ranks) if keys is not None else None
         self.budgets = budgets
         self.dropped = 0
         """Frames dropped unread because their peer was over its budget."""
