@@ -328,9 +328,15 @@ class KeyConns:
         self._key: dict[int, str] = {}  # connection -> the key it proved
         self._conns: dict[str, list[int]] = {}  # key -> its connections, oldest first
         self.shut_total = 0
+        self.peak = 0
+        """The most connections one key has held at once."""
 
     def count(self, key: str) -> int:
         return len(self._conns.get(key, ()))
+
+    def most(self) -> int:
+        """The most connections any one key holds now."""
+        return max((len(c) for c in self._conns.values()), default=0)
 
     def key_of(self, conn: int) -> str | None:
         return self._key.get(conn)
@@ -346,6 +352,7 @@ class KeyConns:
         for c in shut:
             self.closed(c)
         self.shut_total += len(shut)
+        self.peak = max(self.peak, len(conns))
         return shut
 
     def closed(self, conn: int) -> None:

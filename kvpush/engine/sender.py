@@ -160,6 +160,11 @@ class Sender(EngineLoop):
                 "tombstones": self.rdv.tombstones(),
                 "staging_slots_in_use": self._slots.slots_in_use,
             }
+            server = getattr(self, "server", None)
+            gate = server.gate if server is not None else None
+            if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap
+                extra["key_connections_peak"] = gate.conns.peak
+                extra["key_connections_shut"] = gate.conns.shut_total
             pending = {**self.rdv.pending(), **self._parked_slots()}
             return {**self.counters, **pending, "queued": self.rdv.queued(), **extra}
 
