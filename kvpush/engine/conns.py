@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush import protocol
-from kvpush.fencing_actions import UNKNOWN_SENDER, ConnKey
+from kvpush.fencing_actions import UNKNOWN_SENDER
 from kvpush.layout import KVLayout, Region
 from kvpush.metrics import Count
+from kvpush.topology import ConnKey
 from kvpush.transport.side_channel import Client, peer_budgets
 
 if TYPE_CHECKING:

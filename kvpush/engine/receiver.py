@@ -29,12 +29,9 @@ from kvpush.errors import ProtocolError
 from kvpush.fencing import Fencing
 from kvpush.fencing_actions import (
     UNKNOWN_SENDER,
-    Action,
     AwaitUnpacks,
     Cancel,
-    ConnKey,
     Foreign,
-    FreeSlot,
     Overdue,
     Report,
     SendAbort,
@@ -43,14 +40,15 @@ from kvpush.fencing_actions import (
     StartUnpack,
     WaitUnpacks,
 )
-from kvpush.incoming import Asked, Incoming
+from kvpush.incoming import Action, Asked, Incoming
 from kvpush.layout import KVLayout
 from kvpush.limits import Throttle
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.plan import staged_bytes, unpack_pieces
 from kvpush.registration import guess_parts, register_message, unpack_choice
-from kvpush.topology import bystander_channels, writer_channels
+from kvpush.staging import FreeSlot
+from kvpush.topology import ConnKey, bystander_channels, writer_channels
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import client_keys
 

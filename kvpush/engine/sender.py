@@ -26,19 +26,19 @@ from kvpush.config import Config
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
-from kvpush.engine.types import Result
 from kvpush.engine.waiter import MarkerWaiter
 from kvpush.errors import KVPushError
 from kvpush.layout import KVLayout
 from kvpush.limits import Throttle, peer_limits
 from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, PushStats, PushTimes, Stage
-from kvpush.prepack import FreeSlot, Prepacks
+from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, PushStats, PushTimes, Result, Stage
+from kvpush.prepack import Prepacks
 from kvpush.push_job import (
     DKey,
     PushJob,
 )
 from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
+from kvpush.staging import FreeSlot
 from kvpush.transport.auth import LOG_EVERY_S, DeclaredRanks
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
@@ -242,7 +242,7 @@ class Sender(EngineLoop):
     def free_slots(self, frees: list[FreeSlot]) -> None:
         """Give staging slots back (packed at hand-over, no longer held)."""
         for f in frees:
-            self._slots.free(f.slot)
+            self._slots.free(f.offset)
 
     def _packs_ended(self) -> None:
         """Note packs at hand-over that have ended (their stage time) and free the set-aside slots among them."""
