@@ -91,3 +91,12 @@ def test_plain_directories_and_outside_imports(tmp_path: Path, capsys: pytest.Ca
     assert "cycle 1: helper -> user -> helper" in capsys.readouterr().out
     (flat / "helper.py").write_text("import os\nimport numpy\n")
     assert main([str(flat)]) == 0
+
+
+def test_the_project_has_no_import_cycle(capsys: pytest.CaptureFixture[str]) -> None:
+    """kvpush, its tools, backends and tests, as ``.ci/test`` checks them: an engine collaborator that imports
+    its owner back (even only for a type) fails here."""
+    root = Path(__file__).resolve().parent.parent
+    dirs = ["kvpush", "tools/kvpush_tools", "backends/cuda/kvpush_cuda", "backends/neuron/kvpush_neuron", "tests"]
+    dirs += ["backends/cuda/tests", "backends/neuron/tests"]
+    assert main([str(root / d) for d in dirs]) == 0, capsys.readouterr().out
