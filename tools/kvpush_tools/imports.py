@@ -65,7 +65,12 @@ def modules(roots: Iterable[Path]) -> dict[str, Path]:
                 continue  # a script in a directory whose name is no module's (``bench/ablation-x/``)
             if not package and len(parts) > 1 and not (path.parent / "__init__.py").is_file():
                 continue  # a loose file below a plain directory: not importable by that name
-            found[".".join(parts)] = path
+            name = ".".join(parts)
+            if parts[-1] == "conftest":  # pytest loads each by its path, and nothing imports one: keep them apart
+                name = f"{path.parent}/{name}"
+            elif name in found and found[name] != path:
+                print(f"imports: {name} is both {found[name]} and {path}; the second is read", file=sys.stderr)
+            found[name] = path
     return found
 
 
