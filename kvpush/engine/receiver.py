@@ -153,9 +153,17 @@ class Receiver(EngineLoop):
     def setup(self) -> None:
         keys = client_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("d")
-        dialer = Dialer(self.ctx, self.poller, keys, self.cfg)
-        unload, bump = self.agent.remove_peer, self.bump
-        self.conns = Conns(self.name, self.cfg, self.engine_id, self.rank, self.book, dialer, self._hello, unload, bump)
+        self.conns = Conns(
+            self.name,
+            self.cfg,
+            self.engine_id,
+            self.rank,
+            fences=self.book,
+            dialer=Dialer(self.ctx, self.poller, keys, self.cfg),
+            hello=self._hello,
+            unload=self.agent.remove_peer,
+            bump=self.bump,
+        )
 
     def _hello(self, epoch: int) -> protocol.Hello:
         """This D rank's hello: who it is, its NIXL agent, its KV layout and staging region."""

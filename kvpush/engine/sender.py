@@ -192,21 +192,34 @@ class Sender(EngineLoop):
             self.cfg.peer_max_ranks,
         )
         declared = DeclaredRanks(keys.decoders_dir) if keys is not None else lambda key: None
-        who = (self.name, self.cfg, self.engine_id, self.rank)
-        self.peers = PeerTable(*who, self.tp_size, self.layout, self.server, self.agent, self.rdv, self, declared)
+        self.peers = PeerTable(
+            self.name,
+            self.cfg,
+            self.engine_id,
+            self.rank,
+            self.tp_size,
+            self.layout,
+            server=self.server,
+            agent=self.agent,
+            rdv=self.rdv,
+            port=self,
+            declared_ranks=declared,
+        )
         self.runner = PushRunner(
-            *who,
+            self.name,
+            self.cfg,
+            self.rank,
             self.layout,
             self.region_bases,
-            self._layer_ends,
-            self.backend,
-            self.copy,
-            self.agent,
-            self._staging,
-            self._slots,
-            self.prepacks,
-            self.peers,
-            self,
+            layer_ends=self._layer_ends,
+            backend=self.backend,
+            copy=self.copy,
+            agent=self.agent,
+            staging=self._staging,
+            slots=self._slots,
+            prepacks=self.prepacks,
+            peers=self.peers,
+            port=self,
         )
         self.poller.register(self.server.sock, 1)
         self.address = (self.server.host, self.server.port)
