@@ -17,21 +17,11 @@ from typing import Any
 
 from kvpush import protocol
 from kvpush.allow import Allowed
-from kvpush.fencing_actions import (
-    Action,
-    Cancel,
-    ConnKey,
-    Foreign,
-    Overdue,
-    Report,
-    SendAbort,
-    SendRegister,
-    Stale,
-    StartUnpack,
-)
-from kvpush.incoming import Asked, Incoming, Writer
+from kvpush.fencing_actions import Cancel, Foreign, Overdue, Report, SendAbort, SendRegister, Stale, StartUnpack
+from kvpush.incoming import Action, Asked, Incoming, Writer
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PrefillState, Stage
+from kvpush.topology import ConnKey
 
 
 class Fencing:

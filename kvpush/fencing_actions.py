@@ -4,39 +4,44 @@
 thread does what they say (send, unpack, wait, free, report) and feeds the
 answer back. Kept apart so the per-attempt machine and the book of all
 attempts share one vocabulary.
+
+An action about one attempt carries that attempt (the ``Incoming`` that made
+it), so the receiver can feed the answer back to it. Its type is a parameter
+(``A``): this vocabulary names no machine, the machines import it
+(``kvpush.incoming.Action`` is ``Action[Incoming]``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
 from kvpush import protocol
 from kvpush.outcome import Result
+from kvpush.staging import FreeSlot
+from kvpush.topology import ConnKey
 
-if TYPE_CHECKING:
-    from kvpush.incoming import Incoming
+A = TypeVar("A")
+"""The attempt an action is about: ``kvpush.incoming.Incoming``."""
 
-ConnKey = tuple[str, int]
-"""A P rank's side channel: (host, port)."""
 UNKNOWN_SENDER: ConnKey = ("", 0)
 """The sender of a notification from a NIXL agent no P rank's hello reply named."""
 
 
 @dataclass(frozen=True)
-class SendRegister:
+class SendRegister(Generic[A]):
     """Register with this writer once its connection is ready (answer ``register_sent``/``register_failed``;
     a refused connection answers ``conn_refused``)."""
 
-    incoming: Incoming
+    incoming: A
     p_rank: int
 
 
 @dataclass(frozen=True)
-class SendAbort:
+class SendAbort(Generic[A]):
     """Tell this writer D gave up (answer ``unreachable`` if its connection is not ready)."""
 
-    incoming: Incoming
+    incoming: A
     p_rank: int
     reason: str
 
@@ -53,10 +58,10 @@ class Cancel:
 
 
 @dataclass(frozen=True)
-class StartUnpack:
+class StartUnpack(Generic[A]):
     """Scatter this part from the writer's staging slot (answer ``unpack_started`` or ``unpack_failed``)."""
 
-    incoming: Incoming
+    incoming: A
     p_rank: int
     part: protocol.Completion
     r0: int
@@ -64,11 +69,11 @@ class StartUnpack:
 
 
 @dataclass(frozen=True)
-class AwaitUnpacks:
+class AwaitUnpacks(Generic[A]):
     """Report this writer's finished unpacks, oldest first (``unpacked``/``unpack_failed``); ``block``: its
     parts are all here, so its unpacks are the critical path: wait for them rather than poll."""
 
-    incoming: Incoming
+    incoming: A
     p_rank: int
     block: bool
 
@@ -78,13 +83,6 @@ class WaitUnpacks:
     """A writer ended while unpacks still write into its blocks: wait for them before the blocks go back."""
 
     markers: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class FreeSlot:
-    """Give back a staging slot of D's region."""
-
-    offset: int
 
 
 @dataclass(frozen=True)
@@ -106,24 +104,36 @@ class Foreign:
 
 
 @dataclass(frozen=True)
-class Overdue:
+class Overdue(Generic[A]):
     """A quarantined writer is still unfenced ``quarantine_s`` after it was given up on: warn and count it.
     Its blocks stay withheld (a frozen P may still write them) until fencing, P's answer or its last part."""
 
-    incoming: Incoming
+    incoming: A
     p_rank: int
     held_s: float
 
 
 @dataclass(frozen=True)
-class Report:
+class Report(Generic[A]):
     """The transfer ended on D: no writer can still write into its blocks (``result.fenced``), or it failed
     while a quarantined writer still might (``fenced`` False: a second Report gives the blocks back)."""
 
-    incoming: Incoming
+    incoming: A
     result: Result
 
 
 Action = (
-    SendRegister | SendAbort | Cancel | StartUnpack | AwaitUnpacks | WaitUnpacks | FreeSlot | Stale | Overdue | Report
+    SendRegister[A]
+    | SendAbort[A]
+    | Cancel
+    | StartUnpack[A]
+    | AwaitUnpacks[A]
+    | WaitUnpacks
+    | FreeSlot
+    | Stale
+    | Foreign
+    | Overdue[A]
+    | Report[A]
 )
+"""What D's fencing asks for, about attempts of type ``A`` (a staging slot goes back with
+``kvpush.staging.FreeSlot``, the same action as on P)."""

@@ -33,20 +33,11 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvpush import protocol
-from kvpush.fencing_actions import (
-    Action,
-    AwaitUnpacks,
-    ConnKey,
-    FreeSlot,
-    Overdue,
-    Report,
-    SendAbort,
-    SendRegister,
-    StartUnpack,
-    WaitUnpacks,
-)
+from kvpush import fencing_actions, protocol
+from kvpush.fencing_actions import AwaitUnpacks, Overdue, Report, SendAbort, SendRegister, StartUnpack, WaitUnpacks
 from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, ReceiveStats, ReceiveTimes, Result, Stage
+from kvpush.staging import FreeSlot
+from kvpush.topology import ConnKey
 
 
 @dataclass(frozen=True)
@@ -323,3 +314,7 @@ class Incoming:
             return Result(self.transfer_id, self.request_id, True, stats=self.stats, times=self.times)
         r = Result(self.transfer_id, self.request_id, False, why.reason, why.cause, why.stage, self.stats, self.times)
         return r
+
+
+Action = fencing_actions.Action[Incoming]
+"""What an attempt's events answer with (``kvpush.fencing_actions``, about ``Incoming``s)."""

@@ -34,6 +34,7 @@ from kvpush.layout import KVLayout
 from kvpush.outcome import PlanKind
 from kvpush.payload import block_runs
 from kvpush.plan import estimate
+from kvpush.staging import FreeSlot
 
 PARKED_SHARE = 0.5
 """Most of P's staging bytes that slots held by parked prefills may take."""
@@ -49,13 +50,6 @@ class Prepack:
     after: Any
     marker: Any
     reached: bool = False  # the pack is known to have ended (a synchronous pack: at once)
-
-
-@dataclass(frozen=True)
-class FreeSlot:
-    """Give this staging slot back to the allocator."""
-
-    slot: int
 
 
 class Prepacks:

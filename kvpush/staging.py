@@ -8,8 +8,17 @@ than waiting, so a burst of large requests degrades speed, never liveness.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class FreeSlot:
+    """Give the slot at ``offset`` back to its staging region's allocator (``SlotAllocator.free``): the action
+    P's packs at hand-over (``kvpush.prepack``) and D's fencing (``kvpush.fencing_actions``) both ask for."""
+
+    offset: int
 
 
 class SlotAllocator:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpush.engine.types import Result
+    from kvpush.outcome import Result
 
 LOGGER = logging.getLogger("kvpush.timeline")
 MARKER = "kvpush.timeline "

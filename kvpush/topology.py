@@ -9,6 +9,10 @@ compute the same answer without asking each other.
 
 from __future__ import annotations
 
+ConnKey = tuple[str, int]
+"""A P rank's side channel, (host, port): what D keys its link to that rank by (rank r of a P instance
+listens on the instance's port + r)."""
+
 
 def head_range(rank: int, tp: int, num_heads: int) -> tuple[int, int]:
     local = max(1, num_heads // tp)
@@ -32,14 +36,12 @@ def targets_for(p_rank: int, p_tp: int, d_tp: int, num_heads: int) -> list[int]:
     return [d for d in range(d_tp) if p_rank in writers_for(d, d_tp, p_tp, num_heads)]
 
 
-def writer_channels(
-    host: str, port: int, p_tp: int, d_rank: int, d_tp: int, num_heads: int
-) -> dict[int, tuple[str, int]]:
+def writer_channels(host: str, port: int, p_tp: int, d_rank: int, d_tp: int, num_heads: int) -> dict[int, ConnKey]:
     """The P ranks that write into D rank ``d_rank`` and their side channels (rank r listens on ``port + r``)."""
     return {p: (host, port + p) for p in writers_for(d_rank, d_tp, p_tp, num_heads)}
 
 
-def bystander_channels(host: str, port: int, p_tp: int, d_tp: int, num_heads: int) -> dict[int, tuple[str, int]]:
+def bystander_channels(host: str, port: int, p_tp: int, d_tp: int, num_heads: int) -> dict[int, ConnKey]:
     """The P ranks that write into no D rank (they hold replicated KV other P ranks write) and their side
     channels: D tells them at once that their copy is not needed, so each frees its prefill without a lease."""
     idle = [p for p in range(p_tp) if not targets_for(p, p_tp, d_tp, num_heads)]

@@ -18,7 +18,8 @@ import numpy as np
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
-from kvpush.engine import PeerAddress, Receiver, Result, Sender
+from kvpush.engine import PeerAddress, Receiver, Sender
+from kvpush.outcome import Result
 from kvpush.transport import auth
 
 SPEC = CacheSpec(block_size=16, num_heads=4, head_dim=64, dtype="float16")

@@ -203,7 +203,7 @@ class Worker(conformance.Worker):
 
     def op_mute_posting(self, key: str) -> None:
         """P stops telling D that a push starts: as if every ``Posting`` were lost on the way."""
-        self.ranks[key].engine._tell_posting = lambda job, peer: None
+        self.ranks[key].engine.send_postings = False
 
     def op_forge_notif(self, key: str, agent: str, msg: bytes) -> None:
         """This P rank's NIXL agent (a real P of the fleet's key, which has D's metadata because D said hello

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 from kvpush_tools.bench import idle, loadgen, plot_serve
+from kvpush_tools.bench.client import request_body, run_load, send_one
 from kvpush_tools.bench.loadgen import DEFAULT_MODES, RequestOutput
-from kvpush_tools.bench.serve import request_body, run_load, send_one, sweep_plan
+from kvpush_tools.bench.serve import sweep_plan
 
 # --------------------------------------------------------------------------- #
 # Load schedule

@@ -37,7 +37,6 @@ from kvpush.fencing_actions import (
     AwaitUnpacks,
     Cancel,
     Foreign,
-    FreeSlot,
     Overdue,
     Report,
     SendAbort,
@@ -48,6 +47,7 @@ from kvpush.fencing_actions import (
 )
 from kvpush.incoming import Asked, Incoming
 from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, Stage
+from kvpush.staging import FreeSlot
 
 NREGIONS = 4
 TIDS = ("t0", "t1")

@@ -17,7 +17,6 @@ import msgspec
 import pytest
 from helpers_local_pair import TOKEN_BYTES, local_pair
 
-from kvpush.engine.types import Result
 from kvpush.metrics import (
     CAUSES,
     D_STAGES,
@@ -29,7 +28,7 @@ from kvpush.metrics import (
     take_engine,
     transfer_latency,
 )
-from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes
+from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result
 from kvpush.prometheus import METRICS, PromFeed, TextExposition, parse_samples, sample_sum
 
 

@@ -25,8 +25,8 @@ from kvpush.layout import heads_overlap
 from kvpush.outcome import PlanKind
 from kvpush.payload import pack_pieces
 from kvpush.plan import build_plan
-from kvpush.prepack import FreeSlot, Prepack, Prepacks, packs_at_hand_over, staged_on_p_alone
-from kvpush.staging import ALIGN, SlotAllocator
+from kvpush.prepack import Prepack, Prepacks, packs_at_hand_over, staged_on_p_alone
+from kvpush.staging import ALIGN, FreeSlot, SlotAllocator
 
 
 @dataclass(eq=False)
@@ -53,13 +53,13 @@ class PrepackMachine(RuleBasedStateMachine):
     # -- the shell ----------------------------------------------------------------
     def _free(self, frees: list[FreeSlot]) -> None:
         for f in frees:
-            writing = [p.marker for _, p in self.ledger.held() if p.slot == f.slot] + [
-                m for s, m in self.jobs.values() if s == f.slot
+            writing = [p.marker for _, p in self.ledger.held() if p.slot == f.offset] + [
+                m for s, m in self.jobs.values() if s == f.offset
             ]
             assert not writing, "a slot freed while the ledger or a job still has it"
-            assert _reached(self.writer.pop(f.slot, None)), "a slot freed while its pack may still write it"
-            self.slots.free(f.slot)
-            self.sizes.pop(f.slot)
+            assert _reached(self.writer.pop(f.offset, None)), "a slot freed while its pack may still write it"
+            self.slots.free(f.offset)
+            self.sizes.pop(f.offset)
 
     def _alloc(self, size: int) -> int | None:
         slot = self.slots.alloc(size)

@@ -25,8 +25,8 @@ from procs import SENTINEL, Geom, Node, assert_same, dealer, make_cache
 
 from kvpush import protocol
 from kvpush.conformance.model import Req, apply_push, make_requests
-from kvpush.engine.types import Result
 from kvpush.layout import KVLayout
+from kvpush.outcome import Result
 from kvpush.transport import auth
 from kvpush.transport.backends import traits
 

@@ -15,8 +15,7 @@ import pytest
 from helpers_local_pair import local_pair
 
 from kvpush import timeline
-from kvpush.engine.types import Result
-from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Stage
+from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result, Stage
 
 P_OFF = 1_700_000_000.0  # P's wall clock minus its monotonic clock
 D_OFF = 1_700_000_000.0 - 3000.0  # D's monotonic clock started 3000 s later (another process, another boot)

@@ -2,6 +2,6 @@
 
 from kvpush.engine.receiver import Receiver
 from kvpush.engine.sender import Sender
-from kvpush.engine.types import PeerAddress, Result
+from kvpush.engine.types import PeerAddress
 
-__all__ = ["PeerAddress", "Receiver", "Result", "Sender"]
+__all__ = ["PeerAddress", "Receiver", "Sender"]

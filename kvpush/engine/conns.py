@@ -12,6 +12,9 @@ While writers of a P rank declared dead are quarantined, that rank is said
 hello to again every ``heartbeat_s``: P answers ok only once nothing of
 D's earlier session is in flight (until then it answers *busy*, which fails
 nothing), and that answer fences them.
+
+The links know nothing of the receiver that owns them: it hands them narrow
+ports (``Conns``' arguments), so they can be read and tested alone.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import zmq
 
 from kvpush import protocol
-from kvpush.fencing_actions import UNKNOWN_SENDER, ConnKey
-from kvpush.layout import KVLayout, Region
+from kvpush.config import Config
+from kvpush.engine.ports import Fences
+from kvpush.fencing_actions import UNKNOWN_SENDER
+from kvpush.layout import KVLayout
 from kvpush.metrics import Count
+from kvpush.topology import ConnKey
+from kvpush.transport.auth import ClientKeys
 from kvpush.transport.side_channel import Client, peer_budgets
-
-if TYPE_CHECKING:
-    from kvpush.engine.receiver import Receiver
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +70,47 @@ class Conn:
     fencing: bool = False  # a hello only to fence quarantined writers: nobody's registration waits on it
 
 
-class Conns:
-    """The P ranks one D rank talks to, keyed by their side channel's (host, port)."""
+@dataclass(frozen=True)
+class Dialer:
+    """Sockets to P ranks, each registered with the engine's poller (its thread sleeps on them)."""
 
-    def __init__(self, receiver: Receiver) -> None:
-        self.r = receiver
+    ctx: zmq.Context
+    poller: zmq.Poller
+    keys: ClientKeys | None
+    cfg: Config
+
+    def dial(self, key: ConnKey) -> Client:
+        client = Client(self.ctx, *key, self.keys, peer_budgets(self.cfg))
+        self.poller.register(client.sock, 1)
+        return client
+
+    def hang_up(self, client: Client) -> None:
+        client.close()
+        self.poller.unregister(client.sock)
+
+
+class Conns:
+    """The P ranks one D rank talks to, keyed by their side channel's (host, port).
+
+    ``name``: the engine's, for logs; ``engine_id``, ``rank``: this D rank's, in heartbeats; ``fences``: D's
+    fencing, asked who waits on a link; ``dialer``: its sockets; ``hello``: this D rank's hello of an epoch;
+    ``unload``: forget a P rank's NIXL agent (declared dead); ``bump``: count an event.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cfg: Config,
+        engine_id: str,
+        rank: int,
+        fences: Fences,
+        dialer: Dialer,
+        hello: Callable[[int], protocol.Hello],
+        unload: Callable[[str], None],
+        bump: Callable[[Count], None],
+    ) -> None:
+        self.name, self.cfg, self.engine_id, self.rank = name, cfg, engine_id, rank
+        self.fences, self.dialer, self.hello, self.unload, self.bump = fences, dialer, hello, unload, bump
         self._conns: dict[ConnKey, Conn] = {}
         self._by_agent: dict[str, ConnKey] = {}
         self._epochs: dict[ConnKey, int] = {}
@@ -118,50 +160,30 @@ class Conns:
             or (conn.state is ConnState.HELLO_SENT and conn.fencing)
             or (conn.state is ConnState.REFUSED and now - conn.since >= REFUSED_RETRY_S)
             # P stopped answering heartbeats (it restarted and does not know us): say hello again
-            or (conn.state is ConnState.READY and now - conn.last_seen > self.r.cfg.peer_dead_s)
+            or (conn.state is ConnState.READY and now - conn.last_seen > self.cfg.peer_dead_s)
         )
         if conn is not None and conn.state is not ConnState.DEAD and not stale:
             return conn
-        r = self.r
         if conn is not None:
-            conn.client.close()
-            r.poller.unregister(conn.client.sock)
-        client = Client(r.ctx, *key, r.client_keys, peer_budgets(r.cfg))
-        r.poller.register(client.sock, 1)
+            self.dialer.hang_up(conn.client)
+        client = self.dialer.dial(key)
         epoch = self._epochs[key] = self._epochs.get(key, 0) + 1
-        fencing = again and not r.book.writes_on(key)
+        fencing = again and not self.fences.writes_on(key)
         conn = Conn(client, ConnState.HELLO_SENT, now, now, epoch=epoch, fencing=fencing)
         self._conns[key] = conn
-        staging = None
-        if r._staging is not None:
-            staging = Region(r._staging.addr, r._staging.size, r._staging.device_id)
-        hello = protocol.Hello(
-            engine_id=r.engine_id,
-            rank=r.rank,
-            tp_size=r.tp_size,
-            agent_name=r.agent.name,
-            agent_metadata=r.agent.metadata(),
-            layout=r.layout,
-            model=r.cfg.model,
-            staging=staging,
-            epoch=epoch,
-            staging_mem=r._staging.mem if r._staging is not None else None,
-            nixl_version=r.agent.nixl_version,
-            nixl_backends=r.agent.backends,
-        )
-        client.send(hello)
+        client.send(self.hello(epoch))
         return conn
 
     def on_hello_reply(self, key: ConnKey, conn: Conn, msg: protocol.HelloReply, now: float) -> bool:
         """Take P's answer; False for an answer to an older hello (another epoch), which changes nothing."""
         if msg.epoch != conn.epoch or conn.state is not ConnState.HELLO_SENT:
-            name, epoch = self.r.name, conn.epoch
+            name, epoch = self.name, conn.epoch
             log.warning("%s: stale hello reply from P %s:%s (epoch %d, expected %d)", name, *key, msg.epoch, epoch)
             return False
         if not msg.ok or msg.layout is None:
             conn.state, conn.reason = ConnState.REFUSED, f"P {key[0]}:{key[1]} refused the handshake: {msg.reason}"
             conn.since, conn.busy = now, msg.busy
-            (log.info if msg.busy else log.error)("%s: %s", self.r.name, conn.reason)
+            (log.info if msg.busy else log.error)("%s: %s", self.name, conn.reason)
         else:
             conn.state, conn.p_rank, conn.agent, conn.layout = ConnState.READY, msg.rank, msg.agent_name, msg.layout
             self._by_agent[msg.agent_name] = key
@@ -170,33 +192,33 @@ class Conns:
     def tick(self, now: float) -> list[tuple[ConnKey, str, int]]:
         """Heartbeats out, fencing hellos; returns the links just declared dead, with why and their epoch."""
         dead: list[tuple[ConnKey, str, int]] = []
-        cfg = self.r.cfg
+        cfg = self.cfg
         for key, conn in list(self._conns.items()):
-            busy = conn.state is ConnState.REFUSED and conn.busy and self.r.book.writes_on(key)
+            busy = conn.state is ConnState.REFUSED and conn.busy and self.fences.writes_on(key)
             unanswered = conn.state is ConnState.HELLO_SENT and conn.fencing and now - conn.since >= cfg.peer_dead_s
             if unanswered or (
                 conn.state in (ConnState.DEAD, ConnState.REFUSED)
                 and now - conn.since >= cfg.heartbeat_s
-                and (self.r.book.quarantined_on(key) or busy)
+                and (self.fences.quarantined_on(key) or busy)
             ):
                 conn = self.open(key, now, again=True)  # a fencing hello, or P said "not yet"
             if conn.state is ConnState.READY and now - conn.last_hb >= cfg.heartbeat_s:
                 conn.last_hb = now
                 conn.hb_seq += 1
-                conn.client.send(protocol.Heartbeat(self.r.engine_id, self.r.rank, conn.hb_seq, time.time()))
+                conn.client.send(protocol.Heartbeat(self.engine_id, self.rank, conn.hb_seq, time.time()))
             silent = now - conn.last_seen > cfg.peer_dead_s
             # A READY link nobody waits on is said hello to again at the next registration instead.
             waited_on = (conn.state is ConnState.HELLO_SENT and not conn.fencing) or (
-                conn.state is ConnState.READY and self.r.book.writes_on(key)
+                conn.state is ConnState.READY and self.fences.writes_on(key)
             )
             if silent and waited_on:
                 conn.state, conn.since = ConnState.DEAD, now
                 conn.reason = f"P {key[0]}:{key[1]} silent for {now - conn.last_seen:.1f}s: declared dead"
                 if conn.client.failure:
                     conn.reason += f" ({conn.client.failure})"
-                log.error("%s: %s", self.r.name, conn.reason)
-                self.r.bump(Count.DEAD_PEERS)
+                log.error("%s: %s", self.name, conn.reason)
+                self.bump(Count.DEAD_PEERS)
                 if conn.agent:
-                    self.r.agent.remove_peer(conn.agent)
+                    self.unload(conn.agent)
                 dead.append((key, conn.reason, conn.epoch))
         return dead

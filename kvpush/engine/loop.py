@@ -24,10 +24,10 @@ from kvpush import timeline
 from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
 from kvpush.backends.copy import copier
 from kvpush.config import Config
-from kvpush.engine.types import Result
 from kvpush.errors import ConfigError
 from kvpush.layout import KVLayout
 from kvpush.metrics import Count, Recorder
+from kvpush.outcome import Result
 from kvpush.staging import SlotAllocator
 from kvpush.transport.nixl_agent import Agent
 

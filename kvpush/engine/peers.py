@@ -23,24 +23,26 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvpush import protocol
 from kvpush.admission import Admission, KeyLimits, block_ceiling, metadata_problem
+from kvpush.config import Config
+from kvpush.engine.ports import PeerPort
 from kvpush.errors import LayoutError
 from kvpush.layout import KVLayout, MemKind, check_compatible
 from kvpush.limits import Throttle
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.push_job import DKey
+from kvpush.rendezvous import Rendezvous
 from kvpush.topology import targets_for
 from kvpush.transport.auth import LOG_EVERY_S, short
 from kvpush.transport.interop import peer_problem
-
-if TYPE_CHECKING:
-    from kvpush.engine.sender import Sender
+from kvpush.transport.nixl_agent import Agent
+from kvpush.transport.side_channel import Server
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +69,35 @@ class Peer:
 
 
 class PeerTable:
-    """The D ranks one P rank knows, keyed by (engine id, rank)."""
+    """The D ranks one P rank knows, keyed by (engine id, rank).
+
+    Made with the engine's agent and side channel (``Sender.setup``): ``name``, ``engine_id``, ``rank``,
+    ``tp_size``, ``layout``: this P rank's; ``server``: its side channel; ``agent``: its NIXL agent, which
+    loads each D rank's; ``rdv``: the rendezvous, asked what a key holds and who may abort; ``port``: what the
+    table tells the engine; ``declared_ranks``: the ranks a D key's key set declares.
+    """
 
     def __init__(
-        self, sender: Sender, layout: KVLayout, declared_ranks: Callable[[str], int | None] = lambda key: None
+        self,
+        name: str,
+        cfg: Config,
+        engine_id: str,
+        rank: int,
+        tp_size: int,
+        layout: KVLayout,
+        server: Server,
+        agent: Agent,
+        rdv: Rendezvous,
+        port: PeerPort,
+        declared_ranks: Callable[[str], int | None] = lambda key: None,
     ) -> None:
-        self.sender = sender
+        self.name, self.cfg, self.engine_id, self.rank, self.tp_size = name, cfg, engine_id, rank, tp_size
+        self.server, self.agent, self.rdv, self.port = server, agent, rdv, port
         self.layout = layout
         self.groups = 1 + max(r.group for r in layout.regions)
         """KV-cache groups of this P's layout (once: every registration is checked against it)."""
         self._peers: dict[DKey, Peer] = {}
         self._throttle = Throttle(LOG_EVERY_S)
-        cfg = sender.cfg
         self.admission = Admission(KeyLimits(cfg.peer_key_bytes, cfg.peer_max_ranks))
         """What each D key makes this P rank hold, as a whole (``kvpush.admission``)."""
         self.declared = declared_ranks
@@ -98,24 +117,21 @@ class PeerTable:
         """Whether this P rank writes into any D rank of ``peer``'s instance (unknown peer: assume so)."""
         if peer is None:
             return True
-        s = self.sender
-        return bool(targets_for(s.rank, s.tp_size, peer.tp_size, self.layout.num_heads))
+        return bool(targets_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads))
 
     def expected(self, reg: protocol.Register) -> int:
         """How many D ranks of the registering instance this P rank writes to."""
         peer = self._peers[(reg.engine_id, reg.rank)]
-        s = self.sender
-        return max(1, len(targets_for(s.rank, s.tp_size, peer.tp_size, self.layout.num_heads)))
+        return max(1, len(targets_for(self.rank, self.tp_size, peer.tp_size, self.layout.num_heads)))
 
     def on_message(self, ident: bytes, key: str, msg: Any, now: float) -> None:
         """One message from the connection ``ident``, which proved the D key ``key``."""
-        s = self.sender
         if isinstance(msg, protocol.Hello):
             self._on_hello(ident, key, msg, now)
             return
         if isinstance(msg, protocol.TimeQuery):
             # Any authenticated peer may ask the time (``kvpush doctor --peer``): it reveals nothing else.
-            s.server.send(ident, protocol.TimeReply(msg.seq, msg.sent_at, time.time()))
+            self.server.send(ident, protocol.TimeReply(msg.seq, msg.sent_at, time.time()))
             return
         peer = next((p for p in self._peers.values() if p.ident == ident), None)
         if peer is not None:
@@ -124,19 +140,19 @@ class PeerTable:
             # Only known peers get an answer: a D rank whose hello this P never
             # saw (P restarted) then sees P fall silent and says hello again.
             if peer is not None:
-                s.server.send(ident, protocol.Heartbeat(s.engine_id, s.rank, msg.seq, time.time()))
+                self.server.send(ident, protocol.Heartbeat(self.engine_id, self.rank, msg.seq, time.time()))
         elif isinstance(msg, protocol.Register):
-            s.bump(Count.REGISTRATIONS)
+            self.port.bump(Count.REGISTRATIONS)
             problem = self._check_register(peer, msg) or self._over_budget(peer, msg)
             if problem is not None:
-                s.fail(ident, msg, problem)
+                self.port.fail(ident, msg, problem)
             else:
                 assert peer is not None
-                s.on_register(ident, msg, now, peer.key, self.block_cap(peer))
+                self.port.on_register(ident, msg, now, peer.key, self.block_cap(peer))
         elif isinstance(msg, protocol.Abort):
             self._on_abort(peer, msg, now)
         else:
-            log.warning("%s: unexpected %s on the side channel", s.name, type(msg).__name__)
+            log.warning("%s: unexpected %s on the side channel", self.name, type(msg).__name__)
 
     def admits(self, ident: bytes, key: str, frame: memoryview) -> bool:
         """Whether to decode this frame: a registration listing more block ids than its D rank has blocks
@@ -150,8 +166,7 @@ class PeerTable:
         groups = self.groups
         if len(counts) <= groups and max(counts, default=0) <= most:
             return True
-        s = self.sender
-        s.bump(Count.REJECTED_MESSAGES)
+        self.port.bump(Count.REJECTED_MESSAGES)
         held = self._throttle.note(("oversized", key), time.monotonic())
         if held is not None:
             who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "a D rank that said no hello"
@@ -159,7 +174,7 @@ class PeerTable:
             log.warning(
                 "%s: dropped a registration from %s unread: %s block ids per group, at most %d per group "
                 "(%d group%s)%s",
-                s.name,
+                self.name,
                 who,
                 list(counts),
                 most,
@@ -184,54 +199,52 @@ class PeerTable:
 
     def holdings(self, key: str) -> list[tuple[int, int]]:
         """(open registrations, block ids) of each D rank name of ``key``."""
-        held = self.sender.rdv.holdings.held
+        held = self.rdv.holdings.held
         return [held(dkey) for dkey, p in self._peers.items() if p.key == key]
 
     def _on_abort(self, peer: Peer | None, msg: protocol.Abort, now: float) -> None:
         """An abort counts only from the key that registered the transfer (``Rendezvous.may_abort``); others
         are counted, logged once per interval per peer, and leave nothing behind."""
-        s = self.sender
         if peer is None:
             why = "from a connection that never said hello"
         else:
-            why = s.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank), msg.capability)
+            why = self.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank), msg.capability)
         if not why:
             assert peer is not None
-            s.on_remote_abort(msg, (peer.engine_id, peer.rank), self.writes_to(peer))
+            self.port.on_remote_abort(msg, (peer.engine_id, peer.rank), self.writes_to(peer))
             return
-        s.bump(Count.ABORTS_IGNORED)
+        self.port.bump(Count.ABORTS_IGNORED)
         who = f"D {peer.engine_id} rank {peer.rank}" if peer is not None else "an unknown D rank"
         held = self._throttle.note(("abort", peer.key if peer is not None else ""), now)
         if held is not None:
             more = f" ({held} more ignored since the last line)" if held else ""
-            log.warning("%s: ignored an abort of %s from %s: %s%s", s.name, msg.transfer_id, who, why, more)
+            log.warning("%s: ignored an abort of %s from %s: %s%s", self.name, msg.transfer_id, who, why, more)
 
     def check(self, now: float) -> None:
         """Forget D ranks silent for ``peer_dead_s``."""
         for key, peer in list(self._peers.items()):
-            if now - peer.last_seen > self.sender.cfg.peer_dead_s:
-                self.sender.bump(Count.DEAD_PEERS)
+            if now - peer.last_seen > self.cfg.peer_dead_s:
+                self.port.bump(Count.DEAD_PEERS)
                 self._drop(key, f"silent for {now - peer.last_seen:.1f}s: declared dead", now)
 
     def _drop(self, key: DKey, why: str, now: float) -> None:
         """Forget a D rank: abort the transfers it registered for and unload its NIXL agent."""
         peer = self._peers.pop(key)
         self.admission.remove(peer.key, key)
-        log.warning("%s: D %s rank %d %s", self.sender.name, key[0], key[1], why)
-        self.sender.drop_peer(key, f"D {key[0]} rank {key[1]} {why}", now)
+        log.warning("%s: D %s rank %d %s", self.name, key[0], key[1], why)
+        self.port.drop_peer(key, f"D {key[0]} rank {key[1]} {why}", now)
         if not any(p.agent == peer.agent for p in self._peers.values()):
-            self.sender.agent.remove_peer(peer.agent)
+            self.agent.remove_peer(peer.agent)
 
     def _on_hello(self, ident: bytes, key: str, msg: protocol.Hello, now: float) -> None:
-        s = self.sender
         reason = self._hello_problem(msg)
         if reason:
             held = self._throttle.note(("refused", key), now)
             if held is not None:
                 more = f" ({held} more since the last line)" if held else ""
                 who = f" (D key {short(key)})" if key else ""
-                log.warning("%s: refused D %s rank %d%s: %s%s", s.name, msg.engine_id, msg.rank, who, reason, more)
-            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
+                log.warning("%s: refused D %s rank %d%s: %s%s", self.name, msg.engine_id, msg.rank, who, reason, more)
+            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         dkey = (msg.engine_id, msg.rank)
         known = self._peers.get(dkey)
@@ -240,14 +253,14 @@ class PeerTable:
             held = self._throttle.note(("hello", key), now)
             if held is not None:
                 more = f" ({held} more since the last line)" if held else ""
-                log.warning("%s: refused a hello: %s%s", s.name, reason, more)
-            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
+                log.warning("%s: refused a hello: %s%s", self.name, reason, more)
+            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         # A hello answered ok fences the D rank's earlier session (D releases blocks it quarantined): so no
         # WRITE of it may still fly, whether P still knows the rank or already forgot it.
-        if s.writing_to(dkey):
+        if self.port.writing_to(dkey):
             reason = "an earlier session of this D rank still has WRITEs in flight; say hello again shortly"
-            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch, busy=True))
+            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch, busy=True))
             return
         if known is not None:
             # The same D rank says hello again: it restarted (or declared this P
@@ -255,11 +268,11 @@ class PeerTable:
             # previous session, and NIXL refuses to load an agent name twice.
             self._drop(dkey, "said hello again (restarted?)", now)
         try:
-            greeting = protocol.encode(protocol.Heartbeat(s.engine_id, s.rank, 0, time.time()))
-            agent_name = s.agent.add_peer(msg.agent_metadata, msg.agent_name, greeting)
+            greeting = protocol.encode(protocol.Heartbeat(self.engine_id, self.rank, 0, time.time()))
+            agent_name = self.agent.add_peer(msg.agent_metadata, msg.agent_name, greeting)
         except Exception as exc:
             reason = f"cannot load D's NIXL metadata: {exc}"
-            s.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
+            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         self.admission.add(key, dkey, len(msg.agent_metadata))
         self._peers[dkey] = Peer(
@@ -274,7 +287,7 @@ class PeerTable:
             now,
             msg.staging_mem or msg.layout.mem,
         )
-        s.server.send(ident, self._welcome(msg.epoch))
+        self.server.send(ident, self._welcome(msg.epoch))
 
     def _hello_problem(self, msg: protocol.Hello) -> str:
         """Why D's hello cannot be accepted on what it declares ("" when it can): a different model, a NIXL
@@ -286,10 +299,10 @@ class PeerTable:
         meta = metadata_problem(msg.agent_metadata, regions)
         if meta:
             return meta
-        model = self.sender.cfg.model
+        model = self.cfg.model
         if model and msg.model and msg.model != model:
             return f"model differs: P serves {model!r}, D serves {msg.model!r}"
-        agent = self.sender.agent
+        agent = self.agent
         nixl = peer_problem(agent.nixl_version, agent.backends, msg.nixl_version, msg.nixl_backends)
         if nixl:
             return nixl
@@ -302,14 +315,13 @@ class PeerTable:
 
     def _welcome(self, epoch: int) -> protocol.HelloReply:
         """The ok answer to a hello: who this P rank is, its NIXL agent and its KV layout."""
-        s = self.sender
         return protocol.HelloReply(
             ok=True,
-            engine_id=s.engine_id,
-            rank=s.rank,
-            tp_size=s.tp_size,
-            agent_name=s.agent.name,
-            agent_metadata=s.agent.metadata(),
+            engine_id=self.engine_id,
+            rank=self.rank,
+            tp_size=self.tp_size,
+            agent_name=self.agent.name,
+            agent_metadata=self.agent.metadata(),
             layout=self.layout,
             epoch=epoch,
         )
@@ -318,12 +330,11 @@ class PeerTable:
         """Why a hello under the D rank name ``dkey`` is refused ("" if it is not): the name belongs to another
         key; the connection said hello under another name; the key is known under as many names as it may be,
         or one more would put it over its bytes (``kvpush.admission``)."""
-        s = self.sender
         if known is not None and known.key != key:
             # Another key claims a D rank's name: refused, or it could drop that rank and its transfers.
             return (
                 f"D {dkey[0]} rank {dkey[1]} is connected under another D key; a D rank's name belongs to "
-                f"the key that said hello with it until it is silent for peer_dead_s ({s.cfg.peer_dead_s:g} s)"
+                f"the key that said hello with it until it is silent for peer_dead_s ({self.cfg.peer_dead_s:g} s)"
             )
         other = next((p for p in self._peers.values() if p.ident == ident), None)
         if other is not None and (other.engine_id, other.rank) != dkey:

@@ -11,33 +11,62 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvpush import protocol
+from kvpush.backends.base import Backend, StagingBuffer
+from kvpush.backends.copy import Copier
+from kvpush.config import Config
+from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.errors import KVPushError
-from kvpush.layout import heads_overlap
+from kvpush.layout import KVLayout, heads_overlap
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.payload import pack_pieces
 from kvpush.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
-from kvpush.prepack import Prepack, packs_at_hand_over
+from kvpush.prepack import Prepack, Prepacks, packs_at_hand_over
 from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, Prepacked, PushJob, ReleaseMade, StartPack
 from kvpush.rendezvous import Prefill
+from kvpush.staging import FreeSlot, SlotAllocator
 from kvpush.transfer import PackAhead, Transfer
-
-if TYPE_CHECKING:
-    from kvpush.engine.sender import Sender
+from kvpush.transport.nixl_agent import Agent
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
 class PushRunner:
-    """The I/O half of one P rank's push jobs."""
+    """The I/O half of one P rank's push jobs, made with the engine's agent (``Sender.setup``).
 
-    def __init__(self, sender: Sender) -> None:
-        self.s = sender
+    ``layer_ends``: the regions written through each layer; ``staging``, ``slots``: P's staging region and
+    its allocator; ``prepacks``: the slots packed at hand-over; ``peers``: the D ranks that said hello;
+    ``port``: what the jobs tell the engine.
+    """
+
+    name: str
+    cfg: Config
+    rank: int
+    layout: KVLayout
+    region_bases: list[int]
+    layer_ends: tuple[int, ...]
+    backend: Backend
+    copy: Copier
+    agent: Agent
+    staging: StagingBuffer | None
+    slots: SlotAllocator
+    prepacks: Prepacks
+    peers: PeerLookup
+    port: PushPort
+    last_staging_plan: PlanKind | None = None
+    """The kind of the last plan made with a staging slot on both sides (``prepack.packs_at_hand_over``)."""
+
+    def free_slots(self, frees: list[FreeSlot]) -> None:
+        """Give staging slots back (packed at hand-over, no longer held)."""
+        for f in frees:
+            self.slots.free(f.offset)
 
     def drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
         """Feed the job what happened (readiness, packs, WRITEs) and carry out what it asks for."""
@@ -45,22 +74,22 @@ class PushRunner:
             self._drive(tid, rec, job)
         except Exception as exc:
             # A bug or a backend failure must end this push (D is told), not wedge the loop.
-            log.exception("%s: push %s failed", self.s.name, tid)
+            log.exception("%s: push %s failed", self.name, tid)
             job.failed(Failed(Stage.POST, Cause.OTHER, f"push failed: {exc}"))
             self._carry_out(tid, rec, job)
 
     def _drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
         chain = job.plan.chain
         if not chain and not job.stopped:
-            while (m := rec.unconfirmed()) is not None and self.s.backend.poll_ready(m.marker):
+            while (m := rec.unconfirmed()) is not None and self.backend.poll_ready(m.marker):
                 rec.confirm()
         job.ready(*rec.readiness(job.sent, chain), time.monotonic())
         job.check_packs()
         self._carry_out(tid, rec, job)
         for handle in list(job.flying):
-            state = self.s.agent.state(handle)
+            state = self.agent.state(handle)
             if state is not XferState.PROC:
-                self.s.agent.release(handle)
+                self.agent.release(handle)
                 job.written(handle, state, time.monotonic())
         self._carry_out(tid, rec, job)
 
@@ -74,34 +103,34 @@ class PushRunner:
             elif isinstance(a, Post):
                 self._post(job, a)
             elif isinstance(a, Notify):
-                peer = self.s.peers.get(job.key)
+                peer = self.peers.get(job.key)
                 if peer is not None:
-                    self.s._tell_posting(job, peer)
+                    self.port.tell_posting(job, peer)
             elif isinstance(a, ReleaseMade):
                 for handle in a.handles:
-                    self.s.agent.release(handle)
+                    self.agent.release(handle)
             elif isinstance(a, Fail):
-                ident = self.s.peers.ident_of(job.key)
+                ident = self.peers.ident_of(job.key)
                 if ident is not None:
-                    self.s.fail(ident, job.reg, a.failed)
+                    self.port.fail(ident, job.reg, a.failed)
             elif isinstance(a, Done):
                 if job.slot is not None:
-                    self.s._slots.free(job.slot)
+                    self.slots.free(job.slot)
                 rec.end_job(job, a.failed, time.monotonic())
-                self.s._apply(self.s.rdv.push_ended(tid, job.key, a.failed))
+                self.port.push_ended(tid, job.key, a.failed)
 
     def _start_pack(self, job: PushJob, a: StartPack) -> None:
         """Start packing a part; asynchronous where the backend can, so several parts pack back to back."""
         plan = job.plan.plan
-        assert plan.pack is not None and self.s._staging is not None and job.slot is not None
+        assert plan.pack is not None and self.staging is not None and job.slot is not None
         t0 = time.monotonic()
         try:
-            staging = self.s._staging.addr + job.slot + a.r0 * plan.region_bytes
+            staging = self.staging.addr + job.slot + a.r0 * plan.region_bytes
             # ``after`` only for backends that chain: others may implement start_pack without it.
             if a.after is not None:
-                marker = self.s.copy.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging, after=a.after)
+                marker = self.copy.start_pack(self.region_bases[a.r0 : a.r1], plan.pack, staging, after=a.after)
             else:
-                marker = self.s.copy.start_pack(self.s.region_bases[a.r0 : a.r1], plan.pack, staging)
+                marker = self.copy.start_pack(self.region_bases[a.r0 : a.r1], plan.pack, staging)
         except Exception as exc:
             job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
             return
@@ -109,11 +138,11 @@ class PushRunner:
 
     def _check_pack(self, job: PushJob, a: CheckPack) -> None:
         try:
-            if a.block and (a.after is None or self.s.backend.poll_ready(a.after)):
-                self.s.backend.wait_ready(a.marker)  # our own short kernel, never a layer still computing
+            if a.block and (a.after is None or self.backend.poll_ready(a.after)):
+                self.backend.wait_ready(a.marker)  # our own short kernel, never a layer still computing
                 done = True
             else:
-                done = self.s.backend.poll_ready(a.marker)
+                done = self.backend.poll_ready(a.marker)
         except Exception as exc:
             job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
             return
@@ -123,40 +152,40 @@ class PushRunner:
             job.pack_pending()
 
     def _post(self, job: PushJob, a: Post) -> None:
-        peer = self.s.peers.get(job.key)
+        peer = self.peers.get(job.key)
         t1 = time.monotonic()
         handle, ndesc, state = None, 0, XferState.DONE
         try:
             if peer is None:
                 raise KVPushError(f"D {job.key[0]} rank {job.key[1]} is gone")
             if job.plan.kind is PlanKind.EMPTY:
-                self.s.agent.send_notif(peer.agent, self._completion(job, a.r0, a.r1, 0))
+                self.agent.send_notif(peer.agent, self._completion(job, a.r0, a.r1, 0))
             else:
                 handle, ndesc = a.made if a.made is not None else self._build_part(job, peer, a.r0, a.r1)
-                state = self.s.agent.post(handle)
+                state = self.agent.post(handle)
                 job.heard(peer.last_seen, time.monotonic())  # a post may return after a freeze
         except Exception as exc:
             job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
             return
         t2 = time.monotonic()
         if handle is not None:
-            self.s.bump(Count.PARTS)
-            self.s.bump(Count.BYTES, job.plan.plan.bytes_of(a.r0, a.r1))
-            self.s.bump(Count.DESCRIPTORS, ndesc)
+            self.port.bump(Count.PARTS)
+            self.port.bump(Count.BYTES, job.plan.plan.bytes_of(a.r0, a.r1))
+            self.port.bump(Count.DESCRIPTORS, ndesc)
             if a.made is not None:
-                self.s.bump(Count.PARTS_PREBUILT)
+                self.port.bump(Count.PARTS_PREBUILT)
             if state is not XferState.PROC:
-                self.s.agent.release(handle)
+                self.agent.release(handle)
         job.posted(handle, ndesc, state, t1, t2)
 
     def start_job(self, tid: str, rec: Transfer, prefill: Prefill, reg: protocol.Register) -> None:
         """Pair made: plan now (often before the KV exists); the job posts parts as regions become ready."""
         t0 = time.monotonic()
         key = (reg.engine_id, reg.rank)
-        peer = self.s.peers.get(key)
+        peer = self.peers.get(key)
         if peer is None:
             gone = Failed(Stage.RENDEZVOUS, Cause.DEAD_PEER, f"D {reg.engine_id} rank {reg.rank} is gone")
-            self.s._apply(self.s.rdv.push_ended(tid, key, gone))
+            self.port.push_ended(tid, key, gone)
             return
         try:
             if reg.num_tokens > prefill.num_tokens:
@@ -165,14 +194,14 @@ class PushRunner:
             plan, slot, prepacked = self._plan(prefill, reg, peer, rec)
         except Exception as exc:
             cause = Cause.BAD_REGISTRATION if isinstance(exc, _BadRegistration) else Cause.POST_ERROR
-            self.s.fail(peer.ident, reg, Failed(Stage.PLAN, cause, str(exc)))
-            self.s._apply(self.s.rdv.push_ended(tid, key, Failed(Stage.PLAN, cause, f"planning failed: {exc}")))
+            self.port.fail(peer.ident, reg, Failed(Stage.PLAN, cause, str(exc)))
+            self.port.push_ended(tid, key, Failed(Stage.PLAN, cause, f"planning failed: {exc}"))
             return
-        cfg = self.s.cfg
+        cfg = self.cfg
         sched = PartSchedule(
-            self.s._layer_ends, plan.region_bytes, cfg.layerwise_min_part_bytes, cfg.layerwise_lead_layers
+            self.layer_ends, plan.region_bytes, cfg.layerwise_min_part_bytes, cfg.layerwise_lead_layers
         )
-        chain = plan.kind is PlanKind.STAGED and self.s.backend.capabilities.chained_ready
+        chain = plan.kind is PlanKind.STAGED and self.backend.capabilities.chained_ready
         jp = JobPlan(plan, sched, cfg.push_parts, chain)
         made = {}
         if plan.kind is PlanKind.STAGED and prepacked is None:
@@ -185,7 +214,7 @@ class PushRunner:
         rec.times.first("planned", t_plan)
         log.debug(
             "%s: push %s -> %s/%d plan=%s bytes=%d pieces=%d descs<=%d est=%s",
-            self.s.name,
+            self.name,
             tid,
             reg.engine_id,
             reg.rank,
@@ -195,7 +224,7 @@ class PushRunner:
             plan.descriptors,
             plan.estimate,
         )
-        self.s.bump(Count.plan(plan.kind))
+        self.port.bump(Count.plan(plan.kind))
 
     def _prepare(
         self, jp: JobPlan, prefill: Prefill, rec: Transfer, peer: Any, reg: protocol.Register, slot: int | None
@@ -208,24 +237,24 @@ class PushRunner:
         ahead = bool(prefill.num_tokens) and not rec.milestones
         cut = split_regions(0, plan.nregions, jp.parts(plan.nregions)) if ahead else []
         parts = []
-        if self.s._staging is not None and slot is not None:
-            base = self.s._staging.addr + slot
+        if self.staging is not None and slot is not None:
+            base = self.staging.addr + slot
             parts = [(r0, r1, base + r0 * plan.region_bytes) for r0, r1 in cut]
         # A list built at hand-over was handed to prepare_pack then; without parts to add, again is only work.
         prepared = rec.pack_ahead is not None and plan.pack is rec.pack_ahead.pack
         try:
             if parts or not prepared:
-                self.s.copy.prepare_pack(self.s.region_bases, plan.pack, parts=parts)
+                self.copy.prepare_pack(self.region_bases, plan.pack, parts=parts)
         except Exception:
-            log.exception("%s: prepare_pack failed (pack will do it)", self.s.name)
+            log.exception("%s: prepare_pack failed (pack will do it)", self.name)
         made: dict[tuple[int, int], tuple[Any, int]] = {}
         try:
             for r0, r1 in cut:
                 made[(r0, r1)] = self._build_part_of(plan, reg, peer, r0, r1)
         except Exception:
-            log.exception("%s: building %s's WRITEs ahead failed (built when posted)", self.s.name, reg.transfer_id)
+            log.exception("%s: building %s's WRITEs ahead failed (built when posted)", self.name, reg.transfer_id)
             for handle, _ in made.values():
-                self.s.agent.release(handle)
+                self.agent.release(handle)
             made = {}
         return made
 
@@ -234,16 +263,16 @@ class PushRunner:
 
     def _build_part_of(self, plan: Plan, reg: protocol.Register, peer: Any, r0: int, r1: int) -> tuple[Any, int]:
         """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count."""
-        local, remote = part_descriptors(plan, self.s.layout, peer.layout, r0, r1)
-        notif = _completion(plan, reg, self.s.rank, r0, r1, local.shape[0])
-        lmem, rmem = self.s.layout.mem, peer.layout.mem
-        if plan.kind is PlanKind.STAGED and self.s._staging is not None:  # staging may live elsewhere than the KV
-            lmem, rmem = self.s._staging.mem, peer.staging_mem
-        handle = self.s.agent.prepare_write(local, str(lmem), remote, str(rmem), peer.agent, notif)
+        local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
+        notif = _completion(plan, reg, self.rank, r0, r1, local.shape[0])
+        lmem, rmem = self.layout.mem, peer.layout.mem
+        if plan.kind is PlanKind.STAGED and self.staging is not None:  # staging may live elsewhere than the KV
+            lmem, rmem = self.staging.mem, peer.staging_mem
+        handle = self.agent.prepare_write(local, str(lmem), remote, str(rmem), peer.agent, notif)
         return handle, local.shape[0]
 
     def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:
-        return _completion(job.plan.plan, job.reg, self.s.rank, r0, r1, ndesc)
+        return _completion(job.plan.plan, job.reg, self.rank, r0, r1, ndesc)
 
     def prepare_prefill(self, prefill: Prefill, rec: Transfer, ready: Any = None, parked: bool = False) -> None:
         """Build a prefill's pack list as it is handed over, and give it to the backend (``prepare_pack``).
@@ -256,23 +285,22 @@ class PushRunner:
         A finished prefill ``parked`` (no registration waiting) is also packed
         now where that pays whatever D's blocks are (``_pack_at_hand_over``).
         """
-        s = self.s
         rec.pack_ahead = None
-        if s._staging is None or s.cfg.plan == "direct" or prefill.num_tokens <= 0 or not prefill.block_ids:
+        if self.staging is None or self.cfg.plan == "direct" or prefill.num_tokens <= 0 or not prefill.block_ids:
             return
-        heads = (s.layout.head_start, s.layout.head_end)
+        heads = (self.layout.head_start, self.layout.head_end)
         try:
-            blocks = np.asarray(prefill.block_ids[s.layout.token_group], dtype=np.int64)
-            pack = pack_pieces(s.layout, heads, blocks, prefill.num_tokens, 0)
+            blocks = np.asarray(prefill.block_ids[self.layout.token_group], dtype=np.int64)
+            pack = pack_pieces(self.layout, heads, blocks, prefill.num_tokens, 0)
         except Exception as exc:  # the registration's planning will say what is wrong
-            log.debug("%s: no pack list ahead for %s: %s", s.name, prefill.transfer_id, exc)
+            log.debug("%s: no pack list ahead for %s: %s", self.name, prefill.transfer_id, exc)
             return
         rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack, blocks)
-        s.bump(Count.PACKS_AHEAD)
+        self.port.bump(Count.PACKS_AHEAD)
         try:
-            s.copy.prepare_pack(s.region_bases, pack)
+            self.copy.prepare_pack(self.region_bases, pack)
         except Exception:
-            log.exception("%s: prepare_pack failed (pack will do it)", s.name)
+            log.exception("%s: prepare_pack failed (pack will do it)", self.name)
         if parked:
             self._pack_at_hand_over(prefill, rec, rec.pack_ahead, ready)
 
@@ -284,28 +312,27 @@ class PushRunner:
         queues it behind the ready marker on the device; another packs only
         KV already written (else the push packs at pairing, as without this).
         """
-        s = self.s
-        if not s.cfg.pack_at_hand_over or s._staging is None or s.layout.hybrid:
+        if not self.cfg.pack_at_hand_over or self.staging is None or self.layout.hybrid:
             return
-        bw = s.backend.pack_bandwidth()
-        if not packs_at_hand_over(s.cfg, s.layout, pa.blocks, pa.num_tokens, pa.pack, bw, s.last_staging_plan):
+        bw = self.backend.pack_bandwidth()
+        if not packs_at_hand_over(self.cfg, self.layout, pa.blocks, pa.num_tokens, pa.pack, bw, self.last_staging_plan):
             return
-        chain = s.backend.capabilities.chained_ready
-        if ready is not None and not chain and not s.backend.poll_ready(ready):
+        chain = self.backend.capabilities.chained_ready
+        if ready is not None and not chain and not self.backend.poll_ready(ready):
             return
-        size = int(pa.pack[:, 1].sum()) * len(s.region_bases)
-        if not s.prepacks.admits(size) or (slot := s._slots.alloc(size)) is None:
+        size = int(pa.pack[:, 1].sum()) * len(self.region_bases)
+        if not self.prepacks.admits(size) or (slot := self.slots.alloc(size)) is None:
             return
         t0 = time.monotonic()
         try:
             after = ready if chain else None
-            marker = s.copy.start_pack(s.region_bases, pa.pack, s._staging.addr + slot, after=after)
+            marker = self.copy.start_pack(self.region_bases, pa.pack, self.staging.addr + slot, after=after)
         except Exception:
-            log.exception("%s: pack at hand-over of %s failed (the push packs)", s.name, prefill.transfer_id)
-            s._slots.free(slot)
+            log.exception("%s: pack at hand-over of %s failed (the push packs)", self.name, prefill.transfer_id)
+            self.slots.free(slot)
             return
-        s.free_slots(s.prepacks.hold(prefill.transfer_id, Prepack(slot, size, pa.pack, after, marker)))
-        s.bump(Count.PACKS_AT_HAND_OVER)
+        self.free_slots(self.prepacks.hold(prefill.transfer_id, Prepack(slot, size, pa.pack, after, marker)))
+        self.port.bump(Count.PACKS_AT_HAND_OVER)
         rec.times.first("ready", t0)
         if marker is None:
             rec.times.first("packed", time.monotonic())
@@ -321,22 +348,22 @@ class PushRunner:
         slot = None
         local = remote = None
         ahead = self._pack_ahead(prefill, reg, peer, rec)
-        held = self.s.prepacks.get(tid)
-        staging = reg.staging is not None and peer.staging is not None and self.s._staging is not None
+        held = self.prepacks.get(tid)
+        staging = reg.staging is not None and peer.staging is not None and self.staging is not None
         if held is not None and not (staging and ahead is held.pack and held.size <= reg.staging.size):
-            self.s.free_slots(self.s.prepacks.drop(tid))  # packed for a push this is not
+            self.free_slots(self.prepacks.drop(tid))  # packed for a push this is not
             held = None
         if staging:
             slot = held.slot if held is not None else self._alloc(reg.staging.size)
             if slot is not None:
-                local = (self.s._staging.addr + slot, self.s._staging.device_id)
+                local = (self.staging.addr + slot, self.staging.device_id)
                 remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
-        src_blocks = prefill.block_ids[self.s.layout.token_group]
+        src_blocks = prefill.block_ids[self.layout.token_group]
         if ahead is not None and rec.pack_ahead is not None and rec.pack_ahead.blocks is not None:
             src_blocks = rec.pack_ahead.blocks
         plan = build_plan(
-            self.s.cfg,
-            self.s.layout,
+            self.cfg,
+            self.layout,
             peer.layout,
             src_blocks,
             reg.block_ids[peer.layout.token_group],
@@ -344,42 +371,41 @@ class PushRunner:
             reg.start_token,
             staging_local=local,
             staging_remote=remote,
-            pack_bw=self.s.backend.pack_bandwidth(),
+            pack_bw=self.backend.pack_bandwidth(),
             groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
             pack=ahead,
         )
         if local is not None:
-            self.s.last_staging_plan = plan.kind  # what the next parked prefill's pack at hand-over goes by
-        took = self.s.prepacks.claim(tid, plan.pack) if plan.kind is PlanKind.STAGED else None
+            self.last_staging_plan = plan.kind  # what the next parked prefill's pack at hand-over goes by
+        took = self.prepacks.claim(tid, plan.pack) if plan.kind is PlanKind.STAGED else None
         if held is not None and took is None:
             slot = None  # the plan did not take the packed slot: it stays the prefill's until dropped here
-            self.s.free_slots(self.s.prepacks.drop(tid))
+            self.free_slots(self.prepacks.drop(tid))
         if plan.kind is not PlanKind.STAGED and slot is not None:
-            self.s._slots.free(slot)
+            self.slots.free(slot)
             slot = None
         if plan.kind is PlanKind.STAGED and ahead is not None:
-            self.s.bump(Count.PACKS_AHEAD_USED)
+            self.port.bump(Count.PACKS_AHEAD_USED)
         if took is None:
             return plan, slot, None
-        self.s.bump(Count.PACKS_AT_HAND_OVER_USED)
+        self.port.bump(Count.PACKS_AT_HAND_OVER_USED)
         return plan, slot, Prepacked(took.marker if not took.reached else None, took.after)
 
     def _alloc(self, size: int) -> int | None:
         """A slot for a push whose D registered: parked prefills' packed slots are taken back, the oldest
         first, before it goes without (``kvpush.prepack``)."""
-        s = self.s
-        while (slot := s._slots.alloc(size)) is None and size <= s._slots.capacity:
-            victim = s.prepacks.evictable()
+        while (slot := self.slots.alloc(size)) is None and size <= self.slots.capacity:
+            victim = self.prepacks.evictable()
             if victim is None:
                 return None
-            s.free_slots(s.prepacks.drop(victim))
-            s.bump(Count.PACKS_AT_HAND_OVER_EVICTED)
+            self.free_slots(self.prepacks.drop(victim))
+            self.port.bump(Count.PACKS_AT_HAND_OVER_EVICTED)
         return slot
 
     def _pack_ahead(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> Any:
         if rec.pack_ahead is None:
             return None
-        return rec.pack_ahead.fits(prefill, heads_overlap(self.s.layout, peer.layout), reg.num_tokens, reg.start_token)
+        return rec.pack_ahead.fits(prefill, heads_overlap(self.layout, peer.layout), reg.num_tokens, reg.start_token)
 
 
 class _BadRegistration(KVPushError):

@@ -22,19 +22,16 @@ from kvpush import protocol
 from kvpush.allow import Allowed
 from kvpush.backends.base import Backend
 from kvpush.config import Config
-from kvpush.engine.conns import Conn, Conns, ConnState
+from kvpush.engine.conns import Conn, Conns, ConnState, Dialer
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress
 from kvpush.errors import ProtocolError
 from kvpush.fencing import Fencing
 from kvpush.fencing_actions import (
     UNKNOWN_SENDER,
-    Action,
     AwaitUnpacks,
     Cancel,
-    ConnKey,
     Foreign,
-    FreeSlot,
     Overdue,
     Report,
     SendAbort,
@@ -43,14 +40,15 @@ from kvpush.fencing_actions import (
     StartUnpack,
     WaitUnpacks,
 )
-from kvpush.incoming import Asked, Incoming
-from kvpush.layout import KVLayout
+from kvpush.incoming import Action, Asked, Incoming
+from kvpush.layout import KVLayout, Region
 from kvpush.limits import Throttle
 from kvpush.metrics import Count
 from kvpush.outcome import Cause, Failed, Stage
 from kvpush.plan import staged_bytes, unpack_pieces
 from kvpush.registration import guess_parts, register_message, unpack_choice
-from kvpush.topology import bystander_channels, writer_channels
+from kvpush.staging import FreeSlot
+from kvpush.topology import ConnKey, bystander_channels, writer_channels
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import client_keys
 
@@ -88,7 +86,7 @@ class Receiver(EngineLoop):
         )
         self._foreign_log = Throttle(LOG_EVERY_S)
         self.counters = self.book.counters
-        self.conns = Conns(self)
+        self.conns: Conns  # made with the agent (``setup``), before any call reaches the thread
         self._next_timer = 0.0
         self.start()
 
@@ -153,8 +151,39 @@ class Receiver(EngineLoop):
 
     # -- engine thread -----------------------------------------------------
     def setup(self) -> None:
-        self.client_keys = client_keys(self.cfg)  # before the agent: missing keys are a start-up error
+        keys = client_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("d")
+        self.conns = Conns(
+            self.name,
+            self.cfg,
+            self.engine_id,
+            self.rank,
+            fences=self.book,
+            dialer=Dialer(self.ctx, self.poller, keys, self.cfg),
+            hello=self._hello,
+            unload=self.agent.remove_peer,
+            bump=self.bump,
+        )
+
+    def _hello(self, epoch: int) -> protocol.Hello:
+        """This D rank's hello: who it is, its NIXL agent, its KV layout and staging region."""
+        staging = None
+        if self._staging is not None:
+            staging = Region(self._staging.addr, self._staging.size, self._staging.device_id)
+        return protocol.Hello(
+            engine_id=self.engine_id,
+            rank=self.rank,
+            tp_size=self.tp_size,
+            agent_name=self.agent.name,
+            agent_metadata=self.agent.metadata(),
+            layout=self.layout,
+            model=self.cfg.model,
+            staging=staging,
+            epoch=epoch,
+            staging_mem=self._staging.mem if self._staging is not None else None,
+            nixl_version=self.agent.nixl_version,
+            nixl_backends=self.agent.backends,
+        )
 
     def teardown(self) -> None:
         self.conns.close()

@@ -26,14 +26,13 @@ from kvpush.config import Config
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
-from kvpush.engine.types import Result
 from kvpush.engine.waiter import MarkerWaiter
 from kvpush.errors import KVPushError
 from kvpush.layout import KVLayout
 from kvpush.limits import Throttle, peer_limits
 from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, PushStats, PushTimes, Stage
-from kvpush.prepack import FreeSlot, Prepacks
+from kvpush.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Result, Stage
+from kvpush.prepack import Prepacks
 from kvpush.push_job import (
     DKey,
     PushJob,
@@ -67,11 +66,14 @@ class Sender(EngineLoop):
         super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
         self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s, limits=peer_limits(config))
         self._fail_log = Throttle(LOG_EVERY_S)
-        self.peers = PeerTable(self, layout)
-        self.runner = PushRunner(self)
-        self.prepacks = Prepacks(0)  # slots packed at hand-over; sized with the staging region (``setup``)
-        self.last_staging_plan: PlanKind | None = None
-        """The kind of the last plan made with a staging slot on both sides (``prepack.packs_at_hand_over``)."""
+        # Made with the agent, the staging region and the side channel (``setup``), before any call reaches the
+        # thread: the D ranks that said hello, the pushes' I/O half, the slots packed at hand-over.
+        self.peers: PeerTable
+        self.runner: PushRunner
+        self.prepacks: Prepacks
+        self.send_postings = True
+        """Tell D when a push starts writing (``protocol.Posting``; D then polls that transfer busily). Tests
+        turn it off to see D's fallback for a Posting lost on the way."""
         self._layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
         self._waiter: MarkerWaiter | None = None  # created at the first device marker to wait for
         self.quiet_reports = 0  # layer reports that did not wake the push thread (written by the caller)
@@ -194,8 +196,36 @@ class Sender(EngineLoop):
             self.cfg.preauth_per_address,
             self.cfg.peer_max_ranks,
         )
-        if keys is not None:
-            self.peers.declared = DeclaredRanks(keys.decoders_dir)
+        declared = DeclaredRanks(keys.decoders_dir) if keys is not None else lambda key: None
+        self.peers = PeerTable(
+            self.name,
+            self.cfg,
+            self.engine_id,
+            self.rank,
+            self.tp_size,
+            self.layout,
+            server=self.server,
+            agent=self.agent,
+            rdv=self.rdv,
+            port=self,
+            declared_ranks=declared,
+        )
+        self.runner = PushRunner(
+            self.name,
+            self.cfg,
+            self.rank,
+            self.layout,
+            self.region_bases,
+            layer_ends=self._layer_ends,
+            backend=self.backend,
+            copy=self.copy,
+            agent=self.agent,
+            staging=self._staging,
+            slots=self._slots,
+            prepacks=self.prepacks,
+            peers=self.peers,
+            port=self,
+        )
         self.poller.register(self.server.sock, 1)
         self.address = (self.server.host, self.server.port)
         log.info("%s: side channel on %s:%d", self.name, *self.address)
@@ -208,7 +238,7 @@ class Sender(EngineLoop):
                 self.backend.wait_ready(marker)
             except Exception:
                 log.exception("%s: waiting for a pack at hand-over failed", self.name)
-        self.free_slots(self.prepacks.drop_all())
+        self.runner.free_slots(self.prepacks.drop_all())
         for _, rec in self.rdv.pushing():
             for job in rec.jobs.values():
                 for handle in job.flying:
@@ -244,15 +274,10 @@ class Sender(EngineLoop):
     def _parked_slots(self) -> dict[str, int]:
         return {"parked_staging_slots": len(self.prepacks), "parked_staging_bytes": self.prepacks.held_bytes}
 
-    def free_slots(self, frees: list[FreeSlot]) -> None:
-        """Give staging slots back (packed at hand-over, no longer held)."""
-        for f in frees:
-            self._slots.free(f.slot)
-
     def _packs_ended(self) -> None:
         """Note packs at hand-over that have ended (their stage time) and free the set-aside slots among them."""
         before = {tid for tid, p in self.prepacks.held() if not p.reached}
-        self.free_slots(self.prepacks.reached(self.backend.poll_ready))
+        self.runner.free_slots(self.prepacks.reached(self.backend.poll_ready))
         t = time.monotonic()
         for tid in before:
             p, rec = self.prepacks.get(tid), self.rdv.record(tid)
@@ -391,7 +416,7 @@ class Sender(EngineLoop):
 
     def _released(self, d: Release) -> None:
         if d.record is not None:  # the prefill's own end (not a refused re-issue): its parked slot goes too
-            self.free_slots(self.prepacks.drop(d.prefill.transfer_id))
+            self.runner.free_slots(self.prepacks.drop(d.prefill.transfer_id))
         stats, times, failed = d.record.take_outcome() if d.record is not None else (PushStats(), PushTimes(), None)
         times.released = time.monotonic()
         self.bump(Count.RELEASED)
@@ -418,5 +443,11 @@ class Sender(EngineLoop):
                 self.runner.drive(tid, rec, job)
             rec.refresh_wake_at()
 
-    def _tell_posting(self, job: PushJob, peer: Any) -> None:
-        self.server.send(peer.ident, protocol.Posting(job.reg.transfer_id, self.rank, job.reg.attempt))
+    def push_ended(self, transfer_id: str, key: DKey, failed: Failed | None) -> None:
+        """A push ended (``failed`` None: written): carry out what the rendezvous decides."""
+        self._apply(self.rdv.push_ended(transfer_id, key, failed))
+
+    def tell_posting(self, job: PushJob, peer: Any) -> None:
+        """Tell the push's D rank that it starts writing (unless ``send_postings`` is off)."""
+        if self.send_postings:
+            self.server.send(peer.ident, protocol.Posting(job.reg.transfer_id, self.rank, job.reg.attempt))

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush.outcome import Result
-
-__all__ = ["PeerAddress", "Result"]
-
 
 @dataclass(frozen=True)
 class PeerAddress:

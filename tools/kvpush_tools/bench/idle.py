@@ -178,7 +178,7 @@ def measure(groups: Mapping[str, int], window_s: float, top: int = 4) -> dict[st
 
 
 def _burst(stack: Stack, n: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
-    from kvpush_tools.bench.serve import run_load
+    from kvpush_tools.bench.client import run_load
     from kvpush_tools.demo.tiny_model import prompt_words
 
     prompts = [prompt_words(input_len, seed=seed + i) for i in range(n)]
@@ -195,7 +195,7 @@ def _burst(stack: Stack, n: int, input_len: int, output_len: int, seed: int) -> 
 
 def measure_mode(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     """The three phases of one (resumed) stack."""
-    from kvpush_tools.bench.serve import warm_up
+    from kvpush_tools.bench.client import warm_up
 
     groups = {"prefill": stack.prefill, "decode": stack.decode, "router": stack.router}
     roots = {k: s.proc.pid for k, s in groups.items() if s is not None and s.proc is not None}

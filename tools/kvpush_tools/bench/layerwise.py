@@ -483,7 +483,7 @@ def plot(doc: Mapping[str, Any], path: Path) -> Path:
 def measure_one(stack: Stack, prompt: str, length: int, max_tokens: int) -> dict[str, Any]:
     """One streamed request through ``stack``, with the kvpush and vLLM
     histograms of P and D scraped around it."""
-    from kvpush_tools.bench.serve import request_body, run_load, wait_drained
+    from kvpush_tools.bench.client import request_body, run_load, wait_drained
 
     p_url = stack.prefill.url if stack.prefill is not None else None
     d_url = stack.d_url if stack.decode is not None else None
@@ -521,7 +521,7 @@ def _scrape_until(
 def run_visits(args: argparse.Namespace, stacks: Mapping[str, Stack]) -> list[dict[str, Any]]:
     """Every request of :func:`visit_plan`; the stack measured is resumed (the
     others paused) and warmed up before each."""
-    from kvpush_tools.bench.serve import warm_up
+    from kvpush_tools.bench.client import warm_up
     from kvpush_tools.demo.tiny_model import prompt_words
 
     records: list[dict[str, Any]] = []
@@ -588,7 +588,7 @@ def build(
 
 
 def source_state() -> dict[str, Any]:
-    from kvpush_tools.bench.serve import source_state as state
+    from kvpush_tools.bench.client import source_state as state
 
     return state()
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush_tools.bench import loadgen
+from kvpush_tools.bench.client import run_load, wait_drained, warm_up
 from kvpush_tools.bench.loadgen import RequestOutput
 from kvpush_tools.bench.stacks import Stack, activate, prompt_token_sources
 
@@ -114,7 +115,6 @@ def measure(outs: Sequence[RequestOutput]) -> dict[str, Any]:
 
 
 def _load(stack: Stack, inp: int, q: float, seed: int, output: int) -> list[RequestOutput]:
-    from kvpush_tools.bench.serve import run_load
     from kvpush_tools.demo.tiny_model import prompt_words
 
     arrivals = loadgen.poisson_arrivals(REQUESTS, q, seed)
@@ -124,8 +124,6 @@ def _load(stack: Stack, inp: int, q: float, seed: int, output: int) -> list[Requ
 
 def run(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path, say: Any) -> list[dict[str, Any]]:
     """Light-load baselines, then every (iteration, heavy point, mode) followed by its recovery point."""
-    from kvpush_tools.bench.serve import wait_drained, warm_up
-
     light: dict[str, float | None] = {}
     for mode, stack in stacks.items():
         activate(stacks, stack)
