@@ -25,7 +25,15 @@ import numpy as np
 from kvpush import state
 from kvpush.config import Config
 from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, heads_overlap, map_pieces, merge_descriptors
+from kvpush.layout import (
+    KVLayout,
+    TokenOrder,
+    coalesce_in_dst_order,
+    descriptors,
+    heads_overlap,
+    map_pieces,
+    merge_descriptors,
+)
 from kvpush.outcome import PlanKind
 from kvpush.payload import block_runs, pack_pieces
 from kvpush.payload import unpack_pieces as unpack_pieces
@@ -75,10 +83,6 @@ class Plan:
             return (r1 - r0) * self.region_bytes
         per = [int(m[:, 2].sum()) for m in self.group_merged]
         return sum(per[g] for g in self.region_group[r0:r1])
-
-
-def _dst_order(pieces: np.ndarray) -> np.ndarray:
-    return pieces[np.argsort(pieces[:, 1], kind="stable")] if pieces.shape[0] > 1 else pieces
 
 
 def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int) -> int:
@@ -145,7 +149,7 @@ def _hybrid_plan(
     if not (src.direct and dst.direct):
         raise LayoutError("a hybrid model's KV (several KV-cache groups) is pushed directly; a side cannot be")
     region_group = tuple(r.group for r in src.regions)
-    merged = tuple(coalesce(_dst_order(_group_pieces(src, dst, gt, g, num_tokens))) for g, gt in enumerate(groups))
+    merged = tuple(coalesce_in_dst_order(_group_pieces(src, dst, gt, g, num_tokens)) for g, gt in enumerate(groups))
     count = [region_group.count(g) for g in range(len(groups))]
     nbytes = sum(int(m[:, 2].sum()) * c for m, c in zip(merged, count, strict=True))
     nregions = len(src.regions)
@@ -252,7 +256,7 @@ def _one_group_plan(
             early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
         if early is not None:
             return early
-    merged = coalesce(_dst_order(pieces))
+    merged = coalesce_in_dst_order(pieces)
     nbytes = int(merged[:, 2].sum()) * nregions
     can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
     if pack is None and can_stage:

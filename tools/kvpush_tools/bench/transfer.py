@@ -271,7 +271,8 @@ class _Side:
         c0 = time.perf_counter()
         local, remote = per_block_descriptors(self.layout, self.peer_layout, sblocks, dblocks, self.shape.tokens)
         c1 = time.perf_counter()
-        handle, state = self.agent.write(local, "DRAM", remote, "DRAM", self.peer, tag.encode())
+        handle = self.agent.prepare_write(local, "DRAM", remote, "DRAM", self.peer, tag.encode())
+        state = self.agent.post(handle)
         c2 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while state is XferState.PROC:

@@ -606,7 +606,8 @@ class PDriver:
         return best
 
     def _write(self, local: np.ndarray, remote: np.ndarray, tag: bytes, t0: float) -> dict[str, float]:
-        h, _ = self.s.agent.write(local, self.s.mem, remote, str(self.d_layout.mem), self.peer, tag)
+        h = self.s.agent.prepare_write(local, self.s.mem, remote, str(self.d_layout.mem), self.peer, tag)
+        self.s.agent.post(h)
         _wait_xfers(self.s.agent, [h], self.s.opts.timeout_s)
         return {}
 
@@ -710,7 +711,8 @@ class PDriver:
         t_plan = time.perf_counter()
         if strategy in ("per_block", "coalesced"):
             case.descriptors = int(local.shape[0])
-            h, _ = s.agent.write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+            h = s.agent.prepare_write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+            s.agent.post(h)
             t_post = time.perf_counter()
             _wait_xfers(s.agent, [h], o.timeout_s)
             return {"plan_ms": _ms(t_plan - t0), "post_ms": _ms(t_post - t_plan)}
@@ -722,7 +724,8 @@ class PDriver:
             if not _prepared(strategy):
                 local = np.array([[s.staging.addr + a, n, s.idx] for a, n in spans], dtype=np.int64)
                 remote = np.array([[self.d_staging + a, n, dev_d] for a, n in spans], dtype=np.int64)
-                h, _ = s.agent.write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+                h = s.agent.prepare_write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+                s.agent.post(h)
             else:
                 h = self._post_prepped(spans, list(range(len(spans))), tag)
             t_post = time.perf_counter()
