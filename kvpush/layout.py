@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from kvpush.errors import LayoutError
-from kvpush.state import StateGroup, check_states_compatible
+from kvpush.recurrent import StateGroup, check_states_compatible
 
 
 class MemKind(enum.StrEnum):
@@ -96,7 +96,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     memory) means every transfer to or from this rank goes through staging. Peers learn it from the layout."""
     states: tuple[StateGroup, ...] = ()
     """KV-cache groups of recurrent-state layers (Mamba, GDN): their regions hold one state per block
-    (``kvpush.state``), not ``block_size`` tokens; the geometry above is the attention groups'."""
+    (``kvpush.recurrent``), not ``block_size`` tokens; the geometry above is the attention groups'."""
 
     @property
     def hybrid(self) -> bool:

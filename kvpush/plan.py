@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush import state
+from kvpush import recurrent
 from kvpush.config import Config
 from kvpush.errors import LayoutError
 from kvpush.layout import (
@@ -94,7 +94,7 @@ def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int
     return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
 
 
-HOLE = state.HOLE
+HOLE = recurrent.HOLE
 """A block id P no longer holds (its sliding window moved past it): never to be read."""
 
 
@@ -130,7 +130,7 @@ def _group_pieces(src: KVLayout, dst: KVLayout, gt: GroupTokens, g: int, num_tok
         wanted = dst.state_of(g)
         if wanted is None:
             raise LayoutError(f"KV-cache group {g} holds recurrent state on P and attention KV on D")
-        return state.state_pieces(held_state, wanted, gt.src_blocks, gt.dst_blocks, src.num_blocks, dst.num_blocks)
+        return recurrent.state_pieces(held_state, wanted, gt.src_blocks, gt.dst_blocks, src.num_blocks, dst.num_blocks)
     if gt.start_token < num_tokens:
         first = gt.start_token // src.block_size
         held = gt.src_blocks[first : -(-num_tokens // src.block_size)]
