@@ -68,7 +68,12 @@ RUN = 16
 
 @dataclass(frozen=True)
 class Shape:
-    """One rank's KV geometry and the request length; elements are ``dtype_bytes`` wide."""
+    """One rank's KV geometry and the request length; elements are ``dtype_bytes`` wide.
+
+    Not ``kvpush.geometry.KVGeometry``, on purpose: a shape is sent to the side processes, which with
+    ``--tree`` import another checkout's ``kvpush`` (an old commit's, for an A/B), where that type may not
+    exist; so the shape is this module's own, and nothing of ``kvpush`` is imported here at module level.
+    """
 
     tokens: int = 4096
     layers: int = 64
