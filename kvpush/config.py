@@ -45,9 +45,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """kvpush settings; durations in seconds, sizes in bytes."""
 
     backend: str = "auto"
-    """kvpush backend (entry point in ``kvpush.backends``); "auto" follows vLLM's platform."""
+    """The device backend: where the KV lives and how it is described, registered and packed (an entry point of
+    ``kvpush.backends``); "auto" follows vLLM's platform. Not the NIXL backends: ``nixl_backends``."""
     nixl_backends: tuple[str, ...] = ("UCX",)
-    """NIXL transport plugins, in order of preference: UCX here, LIBFABRIC on EFA hosts."""
+    """NIXL transport plugins, in order of preference: UCX here, LIBFABRIC on EFA hosts. ``backends`` (vLLM's
+    connectors' key for this list) is accepted as an alias; ``nixl_backends`` is the name."""
     side_channel_host: str = msgspec.field(default_factory=_env_host)
     """Address P's side channel binds to and tells D in its answer; default ``$VLLM_NIXL_SIDE_CHANNEL_HOST``,
     else 127.0.0.1."""

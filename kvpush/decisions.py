@@ -16,14 +16,11 @@ from kvpush.transfer import Transfer
 
 
 class TransferState(enum.StrEnum):
-    """Per-transfer state on P, visible in logs and metrics."""
+    """Where a transfer stands on P (``Rendezvous.stage``); one P no longer knows has none."""
 
     WAITING_FOR_PREFILL = "waiting_for_prefill"
     WAITING_FOR_REGISTRATION = "waiting_for_registration"
     TRANSFERRING = "transferring"
-    DONE = "done"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,6 @@ class LayoutError(KVPushError, ValueError):
     """A KV layout that is inconsistent, or two that cannot exchange KV."""
 
 
-class IncompatiblePeerError(KVPushError):
-    """The peer's handshake shows it cannot exchange KV with us."""
-
-
 class BackendError(KVPushError):
     """A backend cannot describe, register or order the given memory."""
 

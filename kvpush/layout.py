@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import bisect
 import enum
-import hashlib
 
 import msgspec
 import numpy as np
 
 from kvpush.errors import LayoutError
-from kvpush.state import StateGroup, check_states_compatible
+from kvpush.recurrent import StateGroup, check_states_compatible
 
 
 class MemKind(enum.StrEnum):
@@ -97,7 +96,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     memory) means every transfer to or from this rank goes through staging. Peers learn it from the layout."""
     states: tuple[StateGroup, ...] = ()
     """KV-cache groups of recurrent-state layers (Mamba, GDN): their regions hold one state per block
-    (``kvpush.state``), not ``block_size`` tokens; the geometry above is the attention groups'."""
+    (``kvpush.recurrent``), not ``block_size`` tokens; the geometry above is the attention groups'."""
 
     @property
     def hybrid(self) -> bool:
@@ -174,15 +173,6 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if r.base <= 0:
                 raise LayoutError(f"region {i} has invalid base address {r.base}")
         return self
-
-    def fingerprint(self) -> str:
-        """What must agree between peers: model geometry, not addresses or sizes."""
-        key = (
-            f"{self.head_bytes}|{self.num_heads}|{self.dtype}|{len(self.regions)}|"
-            + ",".join(f"{r.group}:{r.layer}" for r in self.regions)
-            + "".join(f"|state {s.group}:{s.nbytes}" for s in self.states)
-        )
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
@@ -397,11 +387,14 @@ def coalesce(pieces: np.ndarray) -> np.ndarray:
     return np.stack([so[starts], do[starts], lengths], axis=1)
 
 
-def sort_coalesce(pieces: np.ndarray) -> np.ndarray:
-    """Coalesce after ordering by source offset, which finds merges that token order hides."""
+def coalesce_in_dst_order(pieces: np.ndarray) -> np.ndarray:
+    """Coalesce after ordering by destination offset, which finds merges that token order hides.
+
+    Each D byte is written once, so a piece contiguous with another on D is its neighbour in this order:
+    every merge of ``coalesce`` is still found, and the descriptors walk D's memory forward."""
     if pieces.shape[0] <= 1:
         return pieces.copy()
-    return coalesce(pieces[np.argsort(pieces[:, 0], kind="stable")])
+    return coalesce(pieces[np.argsort(pieces[:, 1], kind="stable")])
 
 
 def descriptors(

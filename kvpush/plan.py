@@ -22,10 +22,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush import state
+from kvpush import recurrent
 from kvpush.config import Config
 from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, TokenOrder, coalesce, descriptors, heads_overlap, map_pieces, merge_descriptors
+from kvpush.layout import (
+    KVLayout,
+    TokenOrder,
+    coalesce_in_dst_order,
+    descriptors,
+    heads_overlap,
+    map_pieces,
+    merge_descriptors,
+)
 from kvpush.outcome import PlanKind
 from kvpush.payload import block_runs, pack_pieces
 from kvpush.payload import unpack_pieces as unpack_pieces
@@ -77,10 +85,6 @@ class Plan:
         return sum(per[g] for g in self.region_group[r0:r1])
 
 
-def _dst_order(pieces: np.ndarray) -> np.ndarray:
-    return pieces[np.argsort(pieces[:, 1], kind="stable")] if pieces.shape[0] > 1 else pieces
-
-
 def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int) -> int:
     """Payload size of a staged transfer, computable on either side (opaque layouts move whole blocks)."""
     lo, hi = max(src.head_start, dst.head_start), min(src.head_end, dst.head_end)
@@ -90,7 +94,7 @@ def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int
     return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
 
 
-HOLE = state.HOLE
+HOLE = recurrent.HOLE
 """A block id P no longer holds (its sliding window moved past it): never to be read."""
 
 
@@ -126,7 +130,7 @@ def _group_pieces(src: KVLayout, dst: KVLayout, gt: GroupTokens, g: int, num_tok
         wanted = dst.state_of(g)
         if wanted is None:
             raise LayoutError(f"KV-cache group {g} holds recurrent state on P and attention KV on D")
-        return state.state_pieces(held_state, wanted, gt.src_blocks, gt.dst_blocks, src.num_blocks, dst.num_blocks)
+        return recurrent.state_pieces(held_state, wanted, gt.src_blocks, gt.dst_blocks, src.num_blocks, dst.num_blocks)
     if gt.start_token < num_tokens:
         first = gt.start_token // src.block_size
         held = gt.src_blocks[first : -(-num_tokens // src.block_size)]
@@ -145,7 +149,7 @@ def _hybrid_plan(
     if not (src.direct and dst.direct):
         raise LayoutError("a hybrid model's KV (several KV-cache groups) is pushed directly; a side cannot be")
     region_group = tuple(r.group for r in src.regions)
-    merged = tuple(coalesce(_dst_order(_group_pieces(src, dst, gt, g, num_tokens))) for g, gt in enumerate(groups))
+    merged = tuple(coalesce_in_dst_order(_group_pieces(src, dst, gt, g, num_tokens)) for g, gt in enumerate(groups))
     count = [region_group.count(g) for g in range(len(groups))]
     nbytes = sum(int(m[:, 2].sum()) * c for m, c in zip(merged, count, strict=True))
     nregions = len(src.regions)
@@ -252,7 +256,7 @@ def _one_group_plan(
             early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
         if early is not None:
             return early
-    merged = coalesce(_dst_order(pieces))
+    merged = coalesce_in_dst_order(pieces)
     nbytes = int(merged[:, 2].sum()) * nregions
     can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
     if pack is None and can_stage:

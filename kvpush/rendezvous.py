@@ -470,10 +470,6 @@ class Rendezvous:
             return []
         return [(r, k in e.in_flight) for k, r in e.regs.items() if k not in e.done]
 
-    def transfers_of(self, engine_id: str) -> list[str]:
-        """Transfers with a registration from D engine ``engine_id`` (for dead-peer handling)."""
-        return [tid for tid, e in self._entries.items() if any(k[0] == engine_id for k in e.regs)]
-
     def pending(self) -> dict[str, int]:
         """Counts for metrics: parked prefills, waiting registrations, transfers in flight."""
         parked = sum(1 for e in self._entries.values() if e.prefill is not None and not e.in_flight)
@@ -488,10 +484,6 @@ class Rendezvous:
     def queued(self) -> int:
         """Prefills P's scheduler holds queued (not running yet)."""
         return sum(1 for state, _ in self._queue.values() if state is PrefillState.QUEUED)
-
-    def prefill_state(self, transfer_id: str) -> tuple[PrefillState, int]:
-        """What P's scheduler last said of this transfer's prefill (``UNKNOWN``: nothing, or it finished)."""
-        return self._queue.get(transfer_id, (PrefillState.UNKNOWN, 0))
 
     def __len__(self) -> int:
         return len(self._entries)

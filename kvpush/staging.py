@@ -60,9 +60,5 @@ class SlotAllocator:
             del self._free[i]
 
     @property
-    def used_bytes(self) -> int:
-        return sum(self._used.values())
-
-    @property
     def slots_in_use(self) -> int:
         return len(self._used)

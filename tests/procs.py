@@ -263,7 +263,8 @@ class Worker(conformance.Worker):
         name = p.add_peer(d.metadata(), d.name)
         for value in (1, 2):
             src[:] = value
-            handle, state = p.write(local, "DRAM", remote, "DRAM", name, b"w%d" % value)
+            handle = p.prepare_write(local, "DRAM", remote, "DRAM", name, b"w%d" % value)
+            state = p.post(handle)
             while state.name == "PROC":
                 state = p.state(handle)
             p.release(handle)

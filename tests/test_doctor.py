@@ -25,8 +25,9 @@ from helpers_local_pair import local_pair
 
 from kvpush.doctor import (
     LIBFABRIC_VERSION_NODE,
+    SELF_TEST_GEOMETRY,
+    SELF_TEST_TOKENS,
     Check,
-    SelfTestGeometry,
     apply_requirements,
     check_clock,
     check_port,
@@ -96,10 +97,10 @@ def test_doctor_on_this_host(tmp_path: Path) -> None:
         if name in f and f[name]["status"] != "ok":
             assert f[name]["why"] and f[name]["fix"], f[name]
     st = f["selftest:host"]
-    g = SelfTestGeometry()
+    g, tokens = SELF_TEST_GEOMETRY, SELF_TEST_TOKENS
     assert st["status"] == "ok", st
     assert st["details"]["verified"] is True
-    assert st["details"]["bytes"] == g.tokens * g.layers * 2 * g.num_heads * g.head_dim * 2  # fp16 K and V
+    assert st["details"]["bytes"] == tokens * g.layers * 2 * g.num_heads * g.head_dim * 2  # fp16 K and V
     assert st["details"]["best_GBps"] > 0.01
     assert "verified byte for byte" in text
     assert f["port"]["status"] == "ok"

@@ -5,12 +5,15 @@ free) by a state machine that plays the shell: prefills handed over (packed
 synchronously or on the device), packs ending, pushes claiming a packed slot
 or planning without it, registered pushes taking parked slots back, every end
 of a parked prefill, and shutdown. Invariants: every allocated slot is held,
-set aside, a job's or a registered push's (no leak, no double free); no slot
-is freed while a pack may still write it; parked slots keep to the share.
+set aside, a job's or a registered push's (no leak, no double free), no two
+slots share a byte, and once all are freed the whole region is one free slot
+again; no slot is freed while a pack may still write it; parked slots keep to
+the share.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -152,7 +155,9 @@ class PrepackMachine(RuleBasedStateMachine):
         owned = held + [s for s, _ in self.jobs.values()] + self.pushes
         assert len(owned) == len(set(owned)), "a slot owned twice"
         assert self.ledger.draining + len(owned) == self.slots.slots_in_use, "a slot leaked"
-        assert self.slots.used_bytes == sum(-(-s // ALIGN) * ALIGN for s in self.sizes.values())
+        spans = sorted((s, s + -(-n // ALIGN) * ALIGN) for s, n in self.sizes.items())
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "two slots share bytes"
+        assert not spans or spans[-1][1] <= self.slots.capacity
 
     @invariant()
     def parked_slots_keep_to_the_share(self) -> None:
@@ -167,6 +172,9 @@ class PrepackMachine(RuleBasedStateMachine):
         self._free(self.ledger.drop_all())
         assert len(self.ledger) == 0 and self.ledger.draining == 0 and self.ledger.held_bytes == 0
         assert self.slots.slots_in_use == len(self.jobs) + len(self.pushes)
+        for slot in [s for s, _ in self.jobs.values()] + self.pushes:
+            self.slots.free(slot)
+        assert self.slots.alloc(self.slots.capacity) == 0, "bytes of a freed slot never came back"
 
 
 PrepackMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

@@ -15,49 +15,23 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.backends.base import CacheSpec
-
-DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
+from kvpush.geometry import KVGeometry
 
 
 @dataclass(frozen=True)
-class Geom:
-    """One rank's test cache: geometry, in-block order and the heads this rank holds."""
+class Geom(KVGeometry):
+    """One rank's test cache (``KVGeometry``) with the model's own view of it: its logical shape and the heads
+    this rank holds.
 
-    layers: int = 2
-    num_blocks: int = 32
-    block_size: int = 16
-    num_heads: int = 4
-    head_dim: int = 8
-    order: str = "NHD"
-    dtype: str = "float16"
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    @property
-    def local_heads(self) -> int:
-        return max(1, self.num_heads // self.tp_size)
+    The fields, sizes and the engine's ``spec`` are the shared type's; the
+    logical shape and ``head_start`` are defined here again on purpose, by the
+    model's own rule, and not taken from ``CacheSpec`` or ``kvpush.layout``: the
+    suite checks those, so it must not compute what it expects with them.
+    """
 
     @property
     def head_start(self) -> int:
         return (self.tp_rank * self.local_heads) % self.num_heads
-
-    @property
-    def head_bytes(self) -> int:
-        return self.head_dim * DTYPE_BYTES[self.dtype]
-
-    def spec(self) -> CacheSpec:
-        """The cache as an engine declares it: a leading K/V axis, then blocks, in-block axes in ``order``."""
-        axes = "KBNHC" if self.order == "NHD" else "KBHNC"
-        return CacheSpec(self.block_size, self.num_heads, self.head_dim, self.dtype, self.tp_rank, self.tp_size, axes)
 
     def layer_shape(self) -> tuple[int, ...]:
         """One layer's logical bytes: ``(2, blocks, *block)`` with head bytes last."""
@@ -70,10 +44,6 @@ class Geom:
 
     def shape(self) -> tuple[int, ...]:
         return (self.layers, *self.layer_shape())
-
-    @property
-    def layer_bytes(self) -> int:
-        return math.prod(self.layer_shape())
 
 
 def payload(geom: Geom, seed: int) -> np.ndarray:

@@ -32,14 +32,15 @@ from kvpush.doctor.libfabric import LIBFABRIC_VERSION_NODE, has_version_node
 from kvpush.doctor.nixl import check_libfabric, check_nixl, check_plugins, explain_plugin, plugin_dir
 from kvpush.doctor.port import check_port
 from kvpush.doctor.report import Check, apply_requirements, render
-from kvpush.doctor.selftest import SelfTestGeometry, self_test
+from kvpush.doctor.selftest import SELF_TEST_GEOMETRY, SELF_TEST_TOKENS, self_test
 
 __all__ = [
     "DEFAULT_PLUGINS",
     "LIBFABRIC_VERSION_NODE",
+    "SELF_TEST_GEOMETRY",
     "SELF_TEST_PLUGINS",
+    "SELF_TEST_TOKENS",
     "Check",
-    "SelfTestGeometry",
     "apply_requirements",
     "build_parser",
     "check_backends",

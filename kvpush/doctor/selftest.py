@@ -20,22 +20,12 @@ import numpy as np
 
 from kvpush.doctor.report import Check
 from kvpush.errors import MemoryKindError
+from kvpush.geometry import KVGeometry
 
-
-@dataclass(frozen=True)
-class SelfTestGeometry:
-    """The KV cache both sides of the self-test allocate (float16, NHD)."""
-
-    layers: int = 8
-    num_blocks: int = 160
-    block_size: int = 16
-    num_heads: int = 8
-    head_dim: int = 128
-    tokens: int = 1024
-
-    @property
-    def request_blocks(self) -> int:
-        return -(-self.tokens // self.block_size)
+SELF_TEST_GEOMETRY = KVGeometry(layers=8, num_blocks=160, block_size=16, num_heads=8, head_dim=128)
+"""The KV cache both sides of the self-test allocate (float16, NHD)."""
+SELF_TEST_TOKENS = 1024
+"""Tokens of each self-test push."""
 
 
 @dataclass
@@ -65,7 +55,7 @@ def _np_cache(spec: Any, layers: int, num_blocks: int) -> dict[str, np.ndarray]:
     return {f"layer{i}": np.zeros(shape, dtype=np.float16) for i in range(layers)}
 
 
-def _sides(name: str, backend_factory: Callable[[], Any], spec: Any, geom: SelfTestGeometry) -> tuple[_Side, _Side]:
+def _sides(name: str, backend_factory: Callable[[], Any], spec: Any, geom: KVGeometry) -> tuple[_Side, _Side]:
     """P's and D's backend with a test cache each; the host backend falls back to numpy arrays.
 
     Raises ``NotImplementedError`` for another backend without test support."""
@@ -132,9 +122,10 @@ def _push_rounds(
     capability_key: bytes,
     p: _Side,
     d: _Side,
-    geom: SelfTestGeometry,
+    geom: KVGeometry,
     rng: np.random.Generator,
     rounds: int,
+    tokens: int,
     timeout: float,
 ) -> list[dict[str, float]]:
     """``rounds + 1`` pushes of random blocks, each verified; the first pays the handshake and is not timed."""
@@ -142,15 +133,15 @@ def _push_rounds(
     from kvpush.engine import PeerAddress
 
     peer = PeerAddress(sender.address[0], sender.address[1], 1)
-    n = geom.request_blocks
+    n = geom.blocks_for(tokens)
     results: list[dict[str, float]] = []
     for r in range(rounds + 1):
         pblocks = [int(b) for b in rng.choice(geom.num_blocks, n, replace=False)]
         dblocks = [int(b) for b in rng.choice(geom.num_blocks, n, replace=False)]
         tid = f"doctor-{r}"
         t0 = time.perf_counter()
-        receiver.register(tid, f"d{r}", peer, [dblocks], geom.tokens, capability=mint(capability_key, tid))
-        sender.prefill_finished(tid, f"p{r}", [pblocks], geom.tokens, p.be.record_ready())
+        receiver.register(tid, f"d{r}", peer, [dblocks], tokens, capability=mint(capability_key, tid))
+        sender.prefill_finished(tid, f"p{r}", [pblocks], tokens, p.be.record_ready())
         d_res = _wait(receiver, timeout)
         elapsed = time.perf_counter() - t0
         _wait(sender, timeout)
@@ -166,19 +157,18 @@ def self_test(
     name: str,
     backend_factory: Callable[[], Any],
     nixl_backend: str = "UCX",
-    geom: SelfTestGeometry = SelfTestGeometry(),
+    geom: KVGeometry = SELF_TEST_GEOMETRY,
+    tokens: int = SELF_TEST_TOKENS,
     rounds: int = 3,
     timeout: float = 60.0,
     key: str = "",
 ) -> Check:
-    """Push ``geom.tokens`` tokens P -> D through a real Sender/Receiver pair in this process, verify, time it.
+    """Push ``tokens`` tokens P -> D through a real Sender/Receiver pair in this process, verify, time it.
 
     ``key``: the check's name for ``--require`` (default ``selftest:<backend>``)."""
-    from kvpush.backends.base import CacheSpec
-
     title = f"self-test push ({name} over {nixl_backend})"
     key = key or f"selftest:{name}"
-    spec = CacheSpec(geom.block_size, geom.num_heads, geom.head_dim, "float16")
+    spec = geom.spec()
     try:
         p, d = _sides(name, backend_factory, spec, geom)
     except NotImplementedError:
@@ -193,7 +183,7 @@ def self_test(
     _fill(p, d, rng)
     try:
         with engine_pair(nixl_backend, p, d, spec) as (sender, receiver, capability_key):
-            results = _push_rounds(sender, receiver, capability_key, p, d, geom, rng, rounds, timeout)
+            results = _push_rounds(sender, receiver, capability_key, p, d, geom, rng, rounds, tokens, timeout)
     except MemoryKindError as exc:  # the transport takes none of this backend's memory: a setting, not a fault
         return Check(
             key,
@@ -249,7 +239,7 @@ def _wait(engine: Any, timeout: float) -> Any:
     raise TimeoutError(f"{engine.name}: no result within {timeout:g}s")
 
 
-def _verify(p: _Side, d: _Side, pblocks: list[int], dblocks: list[int], geom: SelfTestGeometry) -> None:
+def _verify(p: _Side, d: _Side, pblocks: list[int], dblocks: list[int], geom: KVGeometry) -> None:
     """D's registered blocks must hold P's bytes exactly (logical ``[2, blocks, ...]`` order on both)."""
     for (name, pt), dt in zip(p.kv.items(), d.kv.values(), strict=True):
         got_p = p.read(pt).reshape(2, geom.num_blocks, -1)[:, pblocks]

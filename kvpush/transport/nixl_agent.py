@@ -272,22 +272,6 @@ class Agent:
         except Exception as exc:  # pragma: no cover
             log.debug("remove_remote_agent(%s): %s", name, exc)
 
-    def write(
-        self,
-        local: np.ndarray,
-        local_mem: str,
-        remote: np.ndarray,
-        remote_mem: str,
-        peer: str,
-        notif: bytes,
-    ) -> tuple[Any, XferState]:
-        """Create and post one WRITE of ``local`` rows into ``remote`` rows, notifying ``peer``.
-
-        Returns the handle and the post state.
-        """
-        handle = self.prepare_write(local, local_mem, remote, remote_mem, peer, notif)
-        return handle, self.post(handle)
-
     def prepare_write(
         self,
         local: np.ndarray,

@@ -88,6 +88,13 @@ def _rows(addr: int, count: int, size: int) -> np.ndarray:
     return np.array([(addr + i * size, size, 0) for i in range(count)], dtype=np.int64)
 
 
+def _write(agent: Agent, *args: Any) -> Any:
+    """Create and post one WRITE, as the engine does (``prepare_write``, then ``post``); returns its handle."""
+    handle = agent.prepare_write(*args)
+    agent.post(handle)
+    return handle
+
+
 def _wait(agent: Agent, handle: Any, limit_s: float = 60.0) -> tuple[XferState, int]:
     polls, deadline = 0, time.monotonic() + limit_s
     while time.monotonic() < deadline:
@@ -118,8 +125,8 @@ def drain(descs: int = 1024, desc_size: int = 32 << 10) -> dict[str, Any]:
         src[:] = 7
         peer = p.add_peer(meta)
         t0 = time.monotonic()
-        handle, _ = p.write(
-            _rows(src.ctypes.data, descs, desc_size), "DRAM", _rows(raddr, descs, desc_size), "DRAM", peer, b"w"
+        handle = _write(
+            p, _rows(src.ctypes.data, descs, desc_size), "DRAM", _rows(raddr, descs, desc_size), "DRAM", peer, b"w"
         )
         state, p_polls = _wait(p, handle)
         p_s = time.monotonic() - t0
@@ -139,7 +146,7 @@ def _reload_child(meta: bytes, raddr: int, out: Any) -> None:
     for step in ("first", "reloaded"):
         peer = p.add_peer(meta)
         t0 = time.monotonic()
-        handle, _ = p.write(_rows(src.ctypes.data, 1, 1 << 16), "DRAM", _rows(raddr, 1, 1 << 16), "DRAM", peer, b"r")
+        handle = _write(p, _rows(src.ctypes.data, 1, 1 << 16), "DRAM", _rows(raddr, 1, 1 << 16), "DRAM", peer, b"r")
         state, _ = _wait(p, handle, RELOAD_WAIT_S)
         res[step] = {"state": state.value, "s": round(time.monotonic() - t0, 3)}
         out.put(dict(res))
@@ -185,7 +192,7 @@ def isolation(runs: int = 3) -> dict[str, Any]:
             for i in range(3):
                 rows = _rows(src.ctypes.data + i * size, descs, size // descs)
                 rrows = _rows(raddr + i * size, descs, size // descs)
-                handles[key].append(p.write(rows, "DRAM", rrows, "DRAM", peer, f"{key}{i}".encode())[0])
+                handles[key].append(_write(p, rows, "DRAM", rrows, "DRAM", peer, f"{key}{i}".encode()))
         time.sleep(0.02)
         d1[0].kill()
         states = [_wait(p, h, 30.0)[0].value for h in handles["D2"]]
@@ -208,14 +215,15 @@ def dead(settle: bool = True) -> dict[str, Any]:
     src = _buffer(p, 3 * size)
     peer = p.add_peer(meta)
     handles = [
-        p.write(
+        _write(
+            p,
             _rows(src.ctypes.data + i * size, descs, size // descs),
             "DRAM",
             _rows(raddr + i * size, descs, size // descs),
             "DRAM",
             peer,
             b"d",
-        )[0]
+        )
         for i in range(3)
     ]
     time.sleep(0.02)
@@ -249,7 +257,7 @@ def _first_child(meta: bytes, raddr: int, greet: bool, poll_s: float, peer_pid: 
         time.sleep(POLL_S)
     t0 = time.monotonic()
     try:
-        handle, _ = p.write(_rows(src.ctypes.data, 1, 1 << 16), "DRAM", _rows(raddr, 1, 1 << 16), "DRAM", peer, b"f")
+        handle = _write(p, _rows(src.ctypes.data, 1, 1 << 16), "DRAM", _rows(raddr, 1, 1 << 16), "DRAM", peer, b"f")
         state = _wait(p, handle, FIRST_WAIT_S)[0].value
     except Exception as exc:  # the post itself failed: it ended
         state = f"post raised {exc}"

@@ -71,7 +71,8 @@ def p_main(backend, to_p, from_p):
     local = np.array([(src.ctypes.data + i * N // ROWS, N // ROWS, 0) for i in range(ROWS)], np.int64)
     remote = np.array([(base + i * N // ROWS, N // ROWS, 0) for i in range(ROWS)], np.int64)
     src[:] = 1
-    h, st = p.write(local, "DRAM", remote, "DRAM", name, b"w1")
+    h = p.prepare_write(local, "DRAM", remote, "DRAM", name, b"w1")
+    st = p.post(h)
     while st.name == "PROC":
         st = p.state(h)
     p.release(h)

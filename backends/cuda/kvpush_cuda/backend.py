@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 # Gather or scatter speed of the Triton kernel on H200 (bytes/s, read + write
 # counted once): measured by kvpush_tools.cuda.bench, see docs/cuda.md.
 DEFAULT_PACK_BANDWIDTH = 1.0e12
-# Test support: GPU cycles (~25 ms on an H200) that write_bytes keeps the stream busy before its copy, like
-# a long prefill, so the conformance suite's ordering test fails when record_ready does not order the write
-# (checked on 2x H200: with the copy alone a marker of None went unnoticed).
+# Test support: GPU cycles that write_bytes keeps the stream busy before its copy, like a long prefill, so the
+# conformance suite's ordering test fails when record_ready does not order the write (with the copy alone a
+# marker of None went unnoticed; docs/cuda.md, Tests).
 TEST_WRITE_DELAY_CYCLES = 50_000_000
 ATTENTION = {
     "": "token-addressable caches named by CacheSpec.axes (engines other than vLLM, tests)",

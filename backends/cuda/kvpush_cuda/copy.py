@@ -1,7 +1,7 @@
 """Device gather/scatter of byte pieces: the CUDA side of ``pack`` and ``unpack``.
 
 A fragmented request is ~131k pieces of 4 KiB spread over 128 regions
-(separate allocations). NIXL pays ~7 us per descriptor, so the pieces are
+(separate allocations). NIXL pays per descriptor (docs/cuda.md), so the pieces are
 gathered into one contiguous buffer on the device instead, which costs a
 read and a write of the bytes at HBM speed. Two implementations:
 - ``triton``: one kernel launch for all regions, addresses as raw integers.
@@ -113,9 +113,9 @@ def _spec(arg: Any) -> tuple[Any, ...]:
 class DirectLauncher:
     """Launches a Triton kernel through its compiled handle, skipping the JIT's per-call dispatch.
 
-    Measured on H200 with Triton 3.6: the JIT path costs ~18 us warm and
-    ~0.1 ms on an engine thread that just woke up (cold caches); the compiled
-    kernel's ``run`` is ~8 us warm. The first launch of each specialization
+    The JIT's dispatch costs more than the compiled kernel's ``run``, most on
+    an engine thread that just woke up (cold caches; docs/cuda.md has the
+    numbers). The first launch of each specialization
     goes through the JIT (which compiles and returns the compiled kernel); later
     ones with the same specialization key call it directly. Falls back to the
     JIT path for good if this Triton's compiled kernels look different.
@@ -294,7 +294,7 @@ class PieceCopier:
         High priority (the default, -1): a layer-wise pack is queued while the
         forward's next GEMM fills every SM; at normal priority its blocks can
         wait for the GEMM's to drain, which puts that wait on the transfer's
-        tail (docs/cuda.md, "Fifth round").
+        tail (measured in docs/cuda.md, ``stream_priority``).
         """
         if self._stream is None and self.device.type == "cuda":
             self._stream = self._torch.cuda.Stream(device=self.device, priority=self.stream_priority)

@@ -148,10 +148,6 @@ class Runtime:
                 self._fn["nrt_close"]()
                 self._initialized = False
 
-    @property
-    def initialized(self) -> bool:
-        return self._initialized
-
     def visible_vnc_count(self) -> int:
         n = ctypes.c_uint32(0)
         self._check("nrt_get_visible_vnc_count", self._fn["nrt_get_visible_vnc_count"](ctypes.byref(n)))

@@ -90,11 +90,6 @@ def select_backend(platform: Any) -> str:
     return "cuda" if str(name).lower() in ("cuda", "rocm") else "host"
 
 
-def default_mode(nixl_backends: Sequence[str]) -> Mode:
-    """Direct device registration needs NIXL's LIBFABRIC backend (EFA, FI_HMEM_NEURON); UCX cannot register HBM."""
-    return Mode.DIRECT if "LIBFABRIC" in nixl_backends else Mode.HOST_STAGING
-
-
 def backend_options(nixl_backends: Sequence[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Options for ``load_backend("neuron", **options)`` under vLLM-Neuron.
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvpush.backends.tensors import describe_strided
 from kvpush.errors import LayoutError
-from kvpush.layout import MemKind, TokenOrder, coalesce, descriptors, map_pieces, sort_coalesce
+from kvpush.layout import MemKind, TokenOrder, coalesce, coalesce_in_dst_order, descriptors, map_pieces
 from kvpush_neuron import NeuronTensor
 from kvpush_neuron.layout import nxdi_kv_caches, slot_of, virtual_blocks
 
@@ -68,7 +68,7 @@ def sides(draw: st.DrawFn) -> tuple[Side, list[int], Side, list[int], int, int]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=sides(), seed=st.integers(0, 2**32 - 1), merge=st.sampled_from(["none", "coalesce", "sort"]))
+@given(case=sides(), seed=st.integers(0, 2**32 - 1), merge=st.sampled_from(["none", "coalesce", "dst_order"]))
 def test_push_between_any_neuron_layouts_moves_exactly_the_requested_tokens(case, seed, merge) -> None:
     src, src_blocks, dst, dst_blocks, num_tokens, start = case
     src_arrays = random_arrays(src, seed)
@@ -78,7 +78,7 @@ def test_push_between_any_neuron_layouts_moves_exactly_the_requested_tokens(case
     src_layout, dst_layout = describe_host(src, src_arrays), describe_host(dst, dst_arrays)
 
     pieces = map_pieces(src_layout, dst_layout, src_blocks, dst_blocks, num_tokens, start)
-    pieces = {"none": pieces, "coalesce": coalesce(pieces), "sort": sort_coalesce(pieces)}[merge]
+    pieces = {"none": pieces, "coalesce": coalesce(pieces), "dst_order": coalesce_in_dst_order(pieces)}[merge]
     apply(pieces, src_layout, dst_layout)
 
     assert same_bytes(dst_arrays, want)

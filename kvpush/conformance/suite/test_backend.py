@@ -15,10 +15,11 @@ import pytest
 
 from kvpush.backends.base import Backend
 from kvpush.config import Config
-from kvpush.conformance.model import DTYPE_BYTES, Geom, apply_push, assert_same, make_requests, payload
+from kvpush.conformance.model import Geom, apply_push, assert_same, make_requests, payload
 from kvpush.conformance.target import Target
 from kvpush.conformance.worker import Pair
 from kvpush.errors import BackendError
+from kvpush.geometry import DTYPE_BYTES
 from kvpush.layout import KVLayout, MemKind, check_compatible
 from kvpush.plan import build_plan, unpack_pieces
 

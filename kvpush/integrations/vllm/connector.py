@@ -48,7 +48,7 @@ from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 from kvpush.layout import KVLayout
-from kvpush.state import loaded_tokens, prefill_backoff
+from kvpush.recurrent import loaded_tokens, prefill_backoff
 from kvpush.transport import auth
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
 
 
 def drop_prompt_tail(request: Request, drop: int) -> None:
-    """Remove the last ``drop`` prompt tokens of a request vLLM has not scheduled yet (``kvpush.state``'s backoff).
+    """Remove the last ``drop`` prompt tokens of a request vLLM has not scheduled yet (``kvpush.recurrent``'s backoff).
 
     The request then ends after one token (its answer is computed from the
     shorter prompt; routers discard it). Prompt embeddings are shortened alike.
@@ -297,7 +297,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             blocks.get_block_ids(),
             # request.num_computed_tokens is not updated yet at this hook: the
             # local prefix hit is whatever the remote part does not cover of
-            # the tokens D loads (all but the backoff's, ``kvpush.state``).
+            # the tokens D loads (all but the backoff's, ``kvpush.recurrent``).
             loaded_tokens(request.num_prompt_tokens, self.sched.backoff) - num_external_tokens,
             num_external_tokens,
         )

@@ -31,7 +31,7 @@ from msgspec.structs import replace
 from kvpush.backends.base import CacheSpec
 from kvpush.errors import BackendError, ConfigError
 from kvpush.layout import KVLayout, Region
-from kvpush.state import StateGroup
+from kvpush.recurrent import StateGroup
 
 VLLM_AXES = "BHNC"
 """vLLM 0.29 and later: each layer's cache is a ``[blocks, heads, tokens, content]`` view (vLLM RFC #42082); the

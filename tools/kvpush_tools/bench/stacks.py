@@ -127,10 +127,6 @@ class Stack:
     def servers(self) -> list[srv.ServerProcess]:
         return [s for s in (self.prefill, self.decode) if s is not None]
 
-    def group_pids(self) -> list[int]:
-        """Process-group leaders (the launcher's guards) of P, D and router."""
-        return [s.proc.pid for s in (*self.servers, self.router) if s is not None and s.proc is not None]
-
     def pause(self) -> None:
         """SIGSTOP the router, then P and D (whole process groups).
 

@@ -68,7 +68,12 @@ RUN = 16
 
 @dataclass(frozen=True)
 class Shape:
-    """One rank's KV geometry and the request length; elements are ``dtype_bytes`` wide."""
+    """One rank's KV geometry and the request length; elements are ``dtype_bytes`` wide.
+
+    Not ``kvpush.geometry.KVGeometry``, on purpose: a shape is sent to the side processes, which with
+    ``--tree`` import another checkout's ``kvpush`` (an old commit's, for an A/B), where that type may not
+    exist; so the shape is this module's own, and nothing of ``kvpush`` is imported here at module level.
+    """
 
     tokens: int = 4096
     layers: int = 64
@@ -271,7 +276,8 @@ class _Side:
         c0 = time.perf_counter()
         local, remote = per_block_descriptors(self.layout, self.peer_layout, sblocks, dblocks, self.shape.tokens)
         c1 = time.perf_counter()
-        handle, state = self.agent.write(local, "DRAM", remote, "DRAM", self.peer, tag.encode())
+        handle = self.agent.prepare_write(local, "DRAM", remote, "DRAM", self.peer, tag.encode())
+        state = self.agent.post(handle)
         c2 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while state is XferState.PROC:

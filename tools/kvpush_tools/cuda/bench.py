@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.geometry import KVGeometry
 from kvpush.outcome import XferState
 from kvpush.transport.auth import session_capability
 from kvpush_tools.cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
@@ -156,6 +157,12 @@ class Options:
     seed: int = 0
     timeout_s: float = 120.0
 
+    def geometry(self, role: str) -> KVGeometry:
+        """One side's KV cache in bf16 (each variant of ``kvpush_cuda.variants`` lays it out its own way): P's pool
+        holds the request and ``p_extra_blocks`` more, D's ``d_blocks_factor`` requests."""
+        nb = self.p_blocks if role == "P" else self.d_blocks
+        return KVGeometry(self.layers, nb, self.block_size, self.heads, self.head_dim, dtype="bfloat16")
+
     @property
     def req_blocks(self) -> int:
         return -(-self.tokens // self.block_size)
@@ -170,7 +177,7 @@ class Options:
 
     @property
     def block_bytes(self) -> int:
-        return self.block_size * self.heads * self.head_dim * 2  # bf16
+        return self.geometry("P").block_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -229,6 +236,15 @@ def _fill_layer(torch: Any, t: Any, i: int, device: Any) -> None:
     w.copy_(pattern_words(torch, w.numel(), i, device).view(w.shape))
 
 
+def _make_kv(torch: Any, variant: str, g: KVGeometry, device: Any) -> dict[str, Any]:
+    """A side's KV cache as vLLM's ``variant`` allocates it (bf16)."""
+    from kvpush_cuda.variants import make_kv
+
+    return make_kv(
+        torch, variant, g.layers, g.num_blocks, g.block_size, g.num_heads, g.head_dim, torch.bfloat16, device
+    )
+
+
 class Side:
     """One process's KV cache, backend, staging buffer and NIXL agent."""
 
@@ -237,7 +253,7 @@ class Side:
 
         from kvpush.backends.base import CacheSpec, MemRegistration
         from kvpush.transport.nixl_agent import Agent
-        from kvpush_cuda.variants import axes, content, make_kv
+        from kvpush_cuda.variants import axes, content
 
         self.torch, self.role, self.opts = torch, role, opts
         self.cuda = opts.backend == "cuda"
@@ -256,10 +272,7 @@ class Side:
             self.backend = HostBackend()
         variant = opts.p_variant if role == "P" else opts.d_variant
         self.variant = variant
-        nb = opts.p_blocks if role == "P" else opts.d_blocks
-        self.kv = make_kv(
-            torch, variant, opts.layers, nb, opts.block_size, opts.heads, opts.head_dim, torch.bfloat16, self.device
-        )
+        self.kv = _make_kv(torch, variant, opts.geometry(role), self.device)
         heads = 1 if variant.endswith("mla") else opts.heads
         self.spec = CacheSpec(opts.block_size, heads, content(variant, opts.head_dim), "bfloat16", axes=axes(variant))
         self.layout = self.backend.describe(self.kv, self.spec)
@@ -365,14 +378,11 @@ class DServer:
     """D's side: poison, wait for the data, unpack, verify, report times."""
 
     def __init__(self, side: Side, conn: Any) -> None:
-        from kvpush_cuda.variants import make_kv
 
         self.s, self.conn = side, conn
         torch, o = side.torch, side.opts
         # A replica of P's KV on D, built by the same formula: the reference for torch.equal.
-        self.ref = make_kv(
-            torch, o.p_variant, o.layers, o.p_blocks, o.block_size, o.heads, o.head_dim, torch.bfloat16, side.device
-        )
+        self.ref = _make_kv(torch, o.p_variant, o.geometry("P"), side.device)
         fill_kv(torch, self.ref, side.device)
         self.p_layout: Any = None
         self.peer = ""
@@ -606,7 +616,8 @@ class PDriver:
         return best
 
     def _write(self, local: np.ndarray, remote: np.ndarray, tag: bytes, t0: float) -> dict[str, float]:
-        h, _ = self.s.agent.write(local, self.s.mem, remote, str(self.d_layout.mem), self.peer, tag)
+        h = self.s.agent.prepare_write(local, self.s.mem, remote, str(self.d_layout.mem), self.peer, tag)
+        self.s.agent.post(h)
         _wait_xfers(self.s.agent, [h], self.s.opts.timeout_s)
         return {}
 
@@ -710,7 +721,8 @@ class PDriver:
         t_plan = time.perf_counter()
         if strategy in ("per_block", "coalesced"):
             case.descriptors = int(local.shape[0])
-            h, _ = s.agent.write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+            h = s.agent.prepare_write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+            s.agent.post(h)
             t_post = time.perf_counter()
             _wait_xfers(s.agent, [h], o.timeout_s)
             return {"plan_ms": _ms(t_plan - t0), "post_ms": _ms(t_post - t_plan)}
@@ -722,7 +734,8 @@ class PDriver:
             if not _prepared(strategy):
                 local = np.array([[s.staging.addr + a, n, s.idx] for a, n in spans], dtype=np.int64)
                 remote = np.array([[self.d_staging + a, n, dev_d] for a, n in spans], dtype=np.int64)
-                h, _ = s.agent.write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+                h = s.agent.prepare_write(local, s.mem, remote, str(dl.mem), self.peer, tag)
+                s.agent.post(h)
             else:
                 h = self._post_prepped(spans, list(range(len(spans))), tag)
             t_post = time.perf_counter()

@@ -5,7 +5,7 @@ machine over the scheduler's hooks (P's arrivals, repeated ones, D's
 matched tokens): P's computed prompt and D's loaded prompt always agree,
 and a model without state layers is untouched. The state piece is checked
 against a reference that copies a page by numpy indexing of the block
-arrays, never ``kvpush.state``'s offsets.
+arrays, never ``kvpush.recurrent``'s offsets.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvpush.errors import LayoutError
 from kvpush.integrations.vllm.scheduler_side import TRUNCATED, SchedulerSide
 from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
 from kvpush.plan import build_plan, group_tokens, part_descriptors
-from kvpush.state import (
+from kvpush.recurrent import (
     HOLE,
     StateGroup,
     check_states_compatible,
