@@ -334,10 +334,6 @@ class KeyConns:
     def count(self, key: str) -> int:
         return len(self._conns.get(key, ()))
 
-    def most(self) -> int:
-        """The most connections any one key holds now."""
-        return max((len(c) for c in self._conns.values()), default=0)
-
     def key_of(self, conn: int) -> str | None:
         return self._key.get(conn)
 

@@ -25,7 +25,7 @@ DTYPE_BYTES = {
     "int8": 1,
     "uint8": 1,
 }
-"""Bytes of one element of each KV dtype a test or benchmark cache may have."""
+"""Bytes of one element of each KV dtype a cache may have here: tests, benchmarks, the Neuron backend's tensors."""
 
 
 @dataclass(frozen=True)

@@ -162,8 +162,7 @@ class Sender(EngineLoop):
                 "tombstones": self.rdv.tombstones(),
                 "staging_slots_in_use": self._slots.slots_in_use,
             }
-            server = getattr(self, "server", None)
-            gate = server.gate if server is not None else None
+            gate = self.server.gate
             if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap
                 extra["key_connections_peak"] = gate.conns.peak
                 extra["key_connections_shut"] = gate.conns.shut_total

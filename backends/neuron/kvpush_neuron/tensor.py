@@ -18,19 +18,10 @@ from typing import Any
 import numpy as np
 
 from kvpush.errors import BackendError
+from kvpush.geometry import DTYPE_BYTES
 from kvpush_neuron.runtime import Placement, Runtime
 
 DEVICE_TYPE = "neuron"
-
-ITEMSIZE = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -57,7 +48,7 @@ class _Shaped:
     vnc: int
 
     def element_size(self) -> int:
-        return ITEMSIZE[self.dtype]
+        return DTYPE_BYTES[self.dtype]
 
     def stride(self) -> tuple[int, ...]:
         return _contiguous_strides(self.shape)
@@ -87,8 +78,8 @@ class NeuronTensor(_Shaped):
         placement: Placement = Placement.DEVICE,
         name: str = "kvpush",
     ) -> None:
-        if dtype not in ITEMSIZE:
-            raise BackendError(f"unsupported dtype {dtype!r}; known: {', '.join(ITEMSIZE)}")
+        if dtype not in DTYPE_BYTES:
+            raise BackendError(f"unsupported dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
         self.runtime = runtime
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype

@@ -25,8 +25,9 @@ import numpy as np
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.testing import TestSupport, cache_shape
 from kvpush.errors import BackendError
+from kvpush.geometry import DTYPE_BYTES
 from kvpush_neuron.runtime import ENV_LIB, Placement, Runtime
-from kvpush_neuron.tensor import ITEMSIZE, NeuronTensor
+from kvpush_neuron.tensor import NeuronTensor
 
 ENV_MEM = "KVPUSH_NEURON_MEM"  # the backend's own constant, repeated: backend.py imports this module
 STANDIN_HELPER = Path(__file__).resolve().parent.parent / "tests" / "_standin.py"
@@ -94,9 +95,9 @@ class NeuronTestSupport(TestSupport):
     def foreign_test_tensors(self, spec: CacheSpec, num_blocks: int, device: int = 0) -> dict[str, dict[str, Any]]:
         """Host numpy arrays, and runtime tensors in host placement: right shape, not Neuron device memory."""
         shape = cache_shape(spec, num_blocks)
-        if spec.dtype not in ITEMSIZE:
+        if spec.dtype not in DTYPE_BYTES:
             raise BackendError(f"unsupported dtype {spec.dtype!r}")
-        np_dtype = np.dtype(f"u{ITEMSIZE[spec.dtype]}")
+        np_dtype = np.dtype(f"u{DTYPE_BYTES[spec.dtype]}")
         host: dict[str, Any] = {f"layers.{i}": np.zeros(shape, np_dtype) for i in range(2)}
         pinned: dict[str, Any] = {}
         try:
