@@ -456,8 +456,8 @@ def test_one_key_holding_many_authenticated_connections(nodes: tuple[Node, Node]
     """A key declaring 2 ranks opens 48 authenticated connections, each sending 8 MiB frames (ZeroMQ holds
     up to ``RCVHWM`` + 1 of them per connection before P's engine drains them): P keeps at most the key's
     cap (4, twice its ranks) of them, shutting its oldest, logs it, stays within its memory bound, and the
-    deployment's D pushes byte-exact meanwhile. Without the cap P held every connection and their frames
-    (issue 28: 1.5 GB with 192 connections)."""
+    deployment's D pushes byte-exact meanwhile. Without the cap P holds every connection and the frames
+    ZeroMQ buffers for each (measurements: docs/security.md, "Connections per key")."""
     p, d = nodes
     g = Geom(num_blocks=32)
     k = "conns"
@@ -483,6 +483,6 @@ def test_one_key_holding_many_authenticated_connections(nodes: tuple[Node, Node]
     p.wait_logged([f"shut the oldest connection of D key {auth.short(keys.public)[:8]}"])
     assert pushed >= 2
     assert most <= 4 and shut > 0, st  # without the cap: all 48 at once, none shut
-    # Without the cap: 82 -> 415 MB (ZeroMQ holding frames of 48 connections); with it: 83 -> 116 MB.
+    # Without the cap ZeroMQ holds frames of all 48 connections, several times this bound (docs/security.md).
     assert peak - base < GROWTH_MB, (base, peak)
     _close(p, d, k)

@@ -211,7 +211,7 @@ def _stop_early() -> Iterator[None]:
 
 HEAVY = ("mla-tp2-to-tp1",)
 """Families run on purpose (``-m heavy``), not in CI: MLA's latent from a TP 2 P is the slowest family to
-start (a TP 2 P and its plain server, about two minutes here), and its rule (one P rank writes the latent,
+start (a TP 2 P and its plain server; times in docs/compat.md), and its rule (one P rank writes the latent,
 the other lets its prefill go) is checked through real NIXL agents in ``test_replicated_kv_nixl``, with
 ``mla`` and ``tp2-to-tp1`` covering MLA and a TP 2 P end to end; CI stays under 45 minutes."""
 
