@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 from kvpush.transport.backends import traits
 
 Pos = Annotated[float, msgspec.Meta(gt=0)]
@@ -64,7 +64,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """D reserves staging only for transfers with at least this many descriptors."""
     pack_at_hand_over: bool = True
     """P packs a finished prefill into a staging slot as it is handed over, before D registers, when staging
-    wins whatever D's blocks are and a slot is free (``kvpush.prepack``); False: P packs at pairing."""
+    wins whatever D's blocks are and a slot is free (``kvpush.prefill.prepack``); False: P packs at pairing."""
     descriptor_cost_us: Pos | None = None
     """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
     measured default of the first NIXL backend (``kvpush.transport.backends``; see
@@ -162,12 +162,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     nobody)."""
     peer_key_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
     """Bytes one D key may make a P rank hold, as a whole: its D rank names with their NIXL metadata, its
-    open registrations and their block ids (``kvpush.admission`` counts them); a hello or a registration
+    open registrations and their block ids (``kvpush.prefill.admission`` counts them); a hello or a registration
     that would go over it is refused (cause ``over_limit``), the reason naming the key. docs/security.md
     states what this means for P's memory. Not applied with ``"auth": "none"`` (there are no keys)."""
     preauth_per_address: Annotated[int, msgspec.Meta(ge=1)] = 64
     """Connections from one source address P keeps open before they prove a D key; when one more comes,
-    the oldest of that address still before its handshake is shut (``kvpush.admission.PreAuth``): a
+    the oldest of that address still before its handshake is shut (``kvpush.prefill.admission.PreAuth``): a
     client without a key cannot fill P's descriptor table, and a real D behind the same address still
     gets through. Only with authentication (``"auth": "none"`` has no handshake to wait for)."""
     auth: Literal["curve", "none"] = "curve"
@@ -178,7 +178,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Key set directory (``kvpush keys DIR`` makes one); empty: ``$KVPUSH_AUTH_KEYS_DIR``, else the
     ``KVPUSH_AUTH_*`` key variables. Missing keys with ``auth`` on are a start-up error naming what is missing."""
     capability: Literal["required", "optional"] = "required"
-    """P: a registration or abort must carry the transfer's capability (``kvpush.capability``: P's answer
+    """P: a registration or abort must carry the transfer's capability (``kvpush.core.capability``: P's answer
     or the router gives it; docs/security.md). "optional" also accepts them without one, for routers that
     cannot pass it (vLLM's push proxies, which send P and D at once in vLLM's own conventions); a
     registration with the capability then still takes the transfer from one without. Not applied with
@@ -186,7 +186,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     allowed_prefills: tuple[str, ...] = ()
     """D: the P side channels it may dial, as ``ADDR``, ``ADDR:PORT`` or ``ADDR:PORT-PORT`` where ADDR is a
     host name, an IP address or a network (``10.0.0.0/8``; IPv6 in brackets); empty: any (the router names
-    P). A request naming another P fails before any connection, saying why (``kvpush.allow``)."""
+    P). A request naming another P fails before any connection, saying why (``kvpush.decode.allow``)."""
     proxy_ip: str = ""
     """Router service discovery (vLLM's name): announce this instance to ``proxy_ip:proxy_ping_port``
     (vllm-router ``--vllm-discovery-address``) so the router sends P and D their requests at once;

@@ -146,7 +146,7 @@ def check_outputs_and_counters(
     equal the reference up to the reference's first near tie
     (``decisive_prefix``), and the prompts together must be decisive for at
     least one step each on average. ``backoff``: the trailing prompt tokens D
-    computes itself (1 for models with recurrent state, ``kvpush.recurrent``).
+    computes itself (1 for models with recurrent state, ``kvpush.core.recurrent``).
     """
     prompts = [prompt_words(n, seed=seed * 1000 + i) for i, n in enumerate(lengths)]  # no shared prefixes
     if near_tie > 0:

@@ -25,7 +25,7 @@ import numpy as np
 from kvpush_minimal import MinimalBackend
 
 from kvpush.backends.base import CacheSpec
-from kvpush.layout import KVLayout
+from kvpush.core.layout import KVLayout
 
 BUGS = {"swap_kv", "accept_foreign", "late_write", "leak_thread"}
 LATE_S = 0.3

@@ -1,11 +1,11 @@
-"""Simulated KV memory for layout tests, and a reference that does not use ``kvpush.layout``.
+"""Simulated KV memory for layout tests, and a reference that does not use ``kvpush.core.layout``.
 
 Each side (P or D) owns one numpy byte *arena*; its regions live inside it at
 real addresses, so descriptors (absolute addresses) can be applied with plain
 numpy copies. The reference computes where a (region, token, head) lives by
 viewing a block's bytes as the tensor it is (``[block_size, heads, head]`` for
 NHD, ``[heads, block_size, head]`` for HND) with numpy reshapes, which is a
-different route from the offset arithmetic in ``kvpush.layout``: a bug there
+different route from the offset arithmetic in ``kvpush.core.layout``: a bug there
 does not repeat itself here.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 
 BLOCK_SIZES = (8, 16, 32, 64)
 GUARD = 16  # bytes before and after the regions of an arena, to catch stray writes

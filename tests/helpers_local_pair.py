@@ -18,15 +18,15 @@ import numpy as np
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
+from kvpush.core.outcome import Result
 from kvpush.engine import PeerAddress, Receiver, Sender
-from kvpush.outcome import Result
 from kvpush.transport import auth
 
 SPEC = CacheSpec(block_size=16, num_heads=4, head_dim=64, dtype="float16")
 LAYERS = 2
 NUM_BLOCKS = 64
 TOKEN_BYTES = LAYERS * 2 * SPEC.num_heads * SPEC.head_dim * 2
-"""Bytes of one token over all layers, K and V (float16), computed here, not from kvpush.layout."""
+"""Bytes of one token over all layers, K and V (float16), computed here, not from kvpush.core.layout."""
 
 
 @dataclass

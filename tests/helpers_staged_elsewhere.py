@@ -13,7 +13,7 @@ import msgspec
 
 from kvpush.backends.base import CacheSpec, Capabilities, MemRegistration
 from kvpush.backends.host import HostBackend
-from kvpush.layout import KVLayout, MemKind
+from kvpush.core.layout import KVLayout, MemKind
 
 
 class StagedElsewhereBackend(HostBackend):

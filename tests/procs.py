@@ -151,7 +151,7 @@ class Worker(conformance.Worker):
 
     def op_min_part_bytes(self, nbytes: int) -> int:
         """Lower the size under which staged pushes are not split (test caches are small); returns the old one."""
-        from kvpush import plan
+        from kvpush.core import plan
 
         old, plan.MIN_PART_BYTES = plan.MIN_PART_BYTES, nbytes
         return old

@@ -1,4 +1,4 @@
-"""The per-D-key budget of P (``kvpush.admission``), without NIXL: names per key, bytes per key, the block
+"""The per-D-key budget of P (``kvpush.prefill.admission``), without NIXL: names per key, bytes per key, the block
 ceiling from P's own cache, and NIXL metadata held to what NIXL makes for the declared regions."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush import admission
-from kvpush.admission import (
+from kvpush.prefill import admission
+from kvpush.prefill.admission import (
     BLOCK_ID_BYTES,
     NAME_BYTES,
     REGISTRATION_BYTES,

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvpush import protocol
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.cli import main as cli
 from kvpush.config import Config
+from kvpush.core import protocol
+from kvpush.core.errors import ConfigError
 from kvpush.engine import Receiver, Sender
-from kvpush.errors import ConfigError
 from kvpush.transport import auth
 from kvpush.transport.side_channel import Client, Server, server_keys
 

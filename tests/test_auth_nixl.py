@@ -24,9 +24,9 @@ import zmq
 from helpers_proxy import Proxy
 from procs import Geom, Node, assert_same, dealer, make_cache
 
-from kvpush import protocol
 from kvpush.conformance.model import Req, apply_push
-from kvpush.layout import KVLayout
+from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
 from kvpush.transport import auth
 
 FAST = {"heartbeat_s": 0.2, "peer_dead_s": 2.0, "staging_bytes": 1 << 20}

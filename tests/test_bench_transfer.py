@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 from kvpush_tools.bench.transfer import PATTERNS, Shape, block_ids, main, per_block_descriptors
 
 

@@ -1,6 +1,6 @@
-"""Transfers bound to the D the router chose (sans-I/O): P's capability rule (``kvpush.capability``,
+"""Transfers bound to the D the router chose (sans-I/O): P's capability rule (``kvpush.core.capability``,
 ``Rendezvous`` with a ``Binding``), D's rule that only the P ranks it registered with complete or fail a
-transfer (``Fencing``), and D's allow-list of P side channels (``kvpush.allow``). Exhaustive over the
+transfer (``Fencing``), and D's allow-list of P side channels (``kvpush.decode.allow``). Exhaustive over the
 verdicts, and driven by hypothesis over every interleaving of honest D ranks (holding the capabilities
 the router gave them), an intruder with a key of its own (no capability, a wrong one, or one of its own
 transfer only), prefills, WRITEs ending, aborts, dead peers and time."""
@@ -14,18 +14,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpush import capability as capmod
-from kvpush import protocol
-from kvpush.allow import Allowed, parse_entry
-from kvpush.capability import Binding, derive_key, mint, valid
-from kvpush.errors import ConfigError
-from kvpush.fencing import Fencing
-from kvpush.fencing_actions import UNKNOWN_SENDER, Cancel, Foreign, Report, SendRegister, Stale
-from kvpush.incoming import Asked
-from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, Stage
-from kvpush.protocol import Register
-from kvpush.rendezvous import Prefill, Push, Refuse, Rendezvous, _holding
+from kvpush.core import capability as capmod
+from kvpush.core import protocol
+from kvpush.core.capability import Binding, derive_key, mint, valid
+from kvpush.core.errors import ConfigError
+from kvpush.core.outcome import Cause, Failed, Stage
+from kvpush.core.protocol import Register
+from kvpush.decode.allow import Allowed, parse_entry
+from kvpush.decode.fencing import Fencing
+from kvpush.decode.fencing_actions import UNKNOWN_SENDER, Cancel, Foreign, Report, SendRegister, Stale
+from kvpush.decode.incoming import Asked
+from kvpush.observability.metrics import Count
+from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Rendezvous, _holding
 
 KEY = derive_key(b"P" * 40)
 OTHER = derive_key(b"Q" * 40)

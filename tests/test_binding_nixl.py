@@ -27,9 +27,9 @@ import zmq
 from procs import Geom, Node, assert_same, dealer, make_cache
 from test_auth_nixl import FAST, _attack, _check_pushed, _ids, pair
 
-from kvpush import protocol
 from kvpush.conformance.model import Req, apply_push
-from kvpush.outcome import Cause, Stage
+from kvpush.core import protocol
+from kvpush.core.outcome import Cause, Stage
 from kvpush.transport import auth
 
 

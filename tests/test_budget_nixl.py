@@ -32,11 +32,11 @@ import zmq
 from procs import Geom, Node, dealer
 from test_flood_nixl import Sampler, _push_exact, rss_mb
 
-from kvpush import keys as keys_cli
-from kvpush import protocol
-from kvpush.admission import block_ceiling
-from kvpush.layout import KVLayout
-from kvpush.outcome import Cause
+from kvpush.cli import keys as keys_cli
+from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
+from kvpush.core.outcome import Cause
+from kvpush.prefill.admission import block_ceiling
 from kvpush.transport import auth
 
 GROWTH_MB = 150

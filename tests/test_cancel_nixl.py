@@ -51,7 +51,7 @@ def test_cancel_frees_a_parked_prefill_long_before_the_lease(nodes: tuple[Node, 
 
 def test_prefills_released_at_the_lease_are_counted_on_their_own() -> None:
     """A P request whose D never comes is released at the lease, and shows as such in the metrics."""
-    from kvpush.metrics import Recorder
+    from kvpush.observability.metrics import Recorder
 
     rec = Recorder("prefill")
     counters = {"expired_prefills_total": 2, "expired_registrations_total": 1, "registrations_total": 3}

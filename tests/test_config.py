@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvpush.config import Config
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

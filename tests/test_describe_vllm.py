@@ -5,7 +5,7 @@ vLLM's ``compute_layout_strides`` (every ``KVCacheLayout``), written and read
 through the views vLLM's attention backends use (FlashAttention, FlashInfer,
 Triton: ``kv_cache.transpose(1, 2).split(head_size, -1)``; CPU attention: its
 own C++ writer ``cpu_attn_reshape_and_cache``; CPU MLA: its writer), and a
-push is simulated by copying the byte ranges ``kvpush.layout`` maps. After
+push is simulated by copying the byte ranges ``kvpush.core.layout`` maps. After
 it, every block D's attention reads holds what vLLM would have written there
 had D computed the prompt itself: same tokens, same heads, any block sizes,
 in-block orders and TP head slices the layouts allow.
@@ -32,8 +32,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from kvpush.backends.base import CacheSpec  # noqa: E402
 from kvpush.backends.host import HostBackend  # noqa: E402
 from kvpush.backends.tensors import describe_strided  # noqa: E402
-from kvpush.errors import BackendError, LayoutError  # noqa: E402
-from kvpush.layout import KVLayout, MemKind, TokenOrder, coalesce, map_pieces  # noqa: E402
+from kvpush.core.errors import BackendError, LayoutError  # noqa: E402
+from kvpush.core.layout import KVLayout, MemKind, TokenOrder, coalesce, map_pieces  # noqa: E402
 
 DENSE = [lay for lay in KVCacheLayout if lay.name in ("LBNHC", "LBHNC", "BLNHC", "BLHNC")]
 NOT_DENSE = [lay for lay in KVCacheLayout if lay.name in ("LHBNC", "BHLNC")]

@@ -43,7 +43,7 @@ import pytest
 from e2e_cluster import AnnouncingPair, E2EServers
 from test_e2e_vllm import _get, _metric, _post, _stream_text
 
-from kvpush.timeline import parse_lines
+from kvpush.observability.timeline import parse_lines
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 

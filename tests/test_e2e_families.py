@@ -13,7 +13,7 @@ Families (``FAMILIES``), one server start each (but the two TP 2 ones, below):
 * ``gdn``: a tiny Qwen3-Next-shaped model in bf16, Gated DeltaNet (linear
   attention, a recurrent state per request) and full attention: P stops one
   prompt token short, D loads ``n - 1`` tokens' KV and the state after them
-  and computes the last token (``kvpush.recurrent``); checked also behind a
+  and computes the last token (``kvpush.core.recurrent``); checked also behind a
   sequential router (P's returned params alone) and with a one-token prompt;
 * ``tp2-to-tp1`` and ``tp1-to-tp2``: the session's tiny Qwen3 with P (or D) at
   TP 2 against the session's D (or P) at TP 1; vLLM's CPU cache is moved in
@@ -75,7 +75,7 @@ class Family:
     near_tie: float = 0.0  # > 0: outputs compared up to the reference's first step with a lead below this
     dtype: str = "float32"  # the tiny model's and the servers' dtype
     args: tuple[str, ...] = ()  # extra vLLM arguments of the family's own servers
-    backoff: int = 0  # trailing prompt tokens D computes itself (1 for recurrent-state models, kvpush.recurrent)
+    backoff: int = 0  # trailing prompt tokens D computes itself (1 for recurrent-state models, kvpush.core.recurrent)
     swap_words: tuple[int, ...] = (150,)  # prompt lengths of the swap test
     # Families whose own servers start with this one's, in parallel (each waits for its turn, started): a
     # server start is most of a family's time, and two on different cores take about as long as one.
@@ -377,7 +377,7 @@ def test_state_model_backs_off_one_token_behind_a_sequential_router(family: tupl
 
 
 def test_state_model_computes_a_one_token_prompt_on_d(family: tuple[str, Target]) -> None:
-    """GDN: a one-token prompt cannot stop short (``kvpush.recurrent.loaded_tokens`` is 0): D computes it and
+    """GDN: a one-token prompt cannot stop short (``kvpush.core.recurrent.loaded_tokens`` is 0): D computes it and
     cancels P's prefill, so the answer is the plain server's and both pools are empty at once after."""
     name, t = family
     if name != "gdn":

@@ -28,9 +28,10 @@ from typing import Any
 import pytest
 from e2e_cluster import E2EServers
 
-from kvpush import timeline
-from kvpush.metrics import P_STAGES
-from kvpush.prometheus import sample_sum
+from kvpush.cli import timeline as timeline_cli
+from kvpush.observability import timeline
+from kvpush.observability.metrics import P_STAGES
+from kvpush.observability.prometheus import sample_sum
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 
@@ -192,7 +193,7 @@ def test_server_logs_join_into_timelines(pair: Pair, tmp_path: Path, capsys: pyt
     p_ours.write_text("\n".join(ours(p_log)) + "\n")
     d_ours.write_text("\n".join(ours(d_log)) + "\n")
     png = tmp_path / "waterfall.png"
-    assert timeline.main([str(p_ours), str(d_ours), "--png", str(png)]) == 0
+    assert timeline_cli.main([str(p_ours), str(d_ours), "--png", str(png)]) == 0
     out = capsys.readouterr().out
     print(out)  # the table, for whoever runs this with -s
     assert f"{len(tids)} transfers joined (0 failed); 0 only in P's log, 0 only in D's log" in out

@@ -27,11 +27,12 @@ import pytest
 import zmq
 from procs import Geom, Node, assert_same, dealer
 
-from kvpush import PROTOCOL_VERSION, protocol
+from kvpush import PROTOCOL_VERSION
 from kvpush.conformance.model import Req, apply_push
-from kvpush.layout import KVLayout
-from kvpush.limits import PeerLimits
-from kvpush.outcome import Cause, Stage
+from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
+from kvpush.core.limits import PeerLimits
+from kvpush.core.outcome import Cause, Stage
 from kvpush.transport import auth
 
 GROWTH_DURING_MB = 200

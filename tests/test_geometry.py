@@ -1,4 +1,4 @@
-"""The shared KV geometry (``kvpush.geometry``): its sizes and its engine spec agree with the conformance model's
+"""The shared KV geometry (``kvpush.core.geometry``): its sizes and its engine spec agree with the conformance model's
 logical cache and with ``CacheSpec``'s heads, for every geometry the tests and benchmarks build."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpush.conformance.model import Geom
-from kvpush.geometry import DTYPE_BYTES
+from kvpush.core.geometry import DTYPE_BYTES
 
 geometries = st.builds(
     Geom,

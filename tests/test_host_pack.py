@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend, gather, scatter
-from kvpush.errors import BackendError
-from kvpush.layout import MemKind, TokenOrder, coalesce, descriptors, map_pieces
+from kvpush.core.errors import BackendError
+from kvpush.core.layout import MemKind, TokenOrder, coalesce, descriptors, map_pieces
 
 # -- pack / unpack --------------------------------------------------------------------
 

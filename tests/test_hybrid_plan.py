@@ -4,7 +4,7 @@ A Gemma 3-like layout alternates a sliding-window group and a full-attention
 group by layer, and the two groups' layers alias the same memory (vLLM gives
 the groups of one pool disjoint blocks). The reference is a token-by-token
 copy through numpy indexing of each layer's own block table, never
-``kvpush.layout``'s offsets: after copying the planned descriptors, D holds
+``kvpush.core.layout``'s offsets: after copying the planned descriptors, D holds
 exactly each group's tokens from that group's first pushed token, and the
 sliding group's dropped blocks are neither read nor written.
 """
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from kvpush.config import Config
-from kvpush.errors import LayoutError
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.core.outcome import PlanKind
+from kvpush.core.plan import HOLE, build_plan, group_tokens, part_descriptors, wants_staging
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide
-from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
-from kvpush.outcome import PlanKind
-from kvpush.plan import HOLE, build_plan, group_tokens, part_descriptors, wants_staging
 
 BS, HEADS, HEAD, NB = 4, 2, 8, 16  # block size, local heads, head bytes, blocks
 

@@ -1,4 +1,4 @@
-"""D's fencing (``kvpush.fencing``, ``kvpush.incoming``): when D may report a transfer, over every interleaving.
+"""D's fencing (``kvpush.decode.fencing``, ``.incoming``): when D may report a transfer, over every interleaving.
 
 The state machine plays the receiver thread, the network and an honest P
 around a real ``Fencing``: D registers (and re-registers, a new attempt),
@@ -31,9 +31,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpush import protocol
-from kvpush.fencing import Fencing
-from kvpush.fencing_actions import (
+from kvpush.core import protocol
+from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage
+from kvpush.core.staging import FreeSlot
+from kvpush.decode.fencing import Fencing
+from kvpush.decode.fencing_actions import (
     AwaitUnpacks,
     Cancel,
     Foreign,
@@ -45,9 +47,7 @@ from kvpush.fencing_actions import (
     StartUnpack,
     WaitUnpacks,
 )
-from kvpush.incoming import Asked, Incoming
-from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, Stage
-from kvpush.staging import FreeSlot
+from kvpush.decode.incoming import Asked, Incoming
 
 NREGIONS = 4
 TIDS = ("t0", "t1")

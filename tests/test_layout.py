@@ -27,8 +27,8 @@ from helpers_layout import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.errors import LayoutError
-from kvpush.layout import (
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import (
     KVLayout,
     MemKind,
     Region,

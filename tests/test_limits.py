@@ -1,4 +1,4 @@
-"""Per-peer read budgets (``kvpush.limits``), driven by hypothesis: no peer gets more than its rate plus
+"""Per-peer read budgets (``kvpush.core.limits``), driven by hypothesis: no peer gets more than its rate plus
 one burst in any window, a peer that waits gets in again, drops are all reported, peers tracked are bounded."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.limits import Budgets, Throttle, Verdict
+from kvpush.core.limits import Budgets, Throttle, Verdict
 
 RATE_BYTES, RATE_MSGS, MIN_BURST = 1000.0, 10.0, 1500
 

@@ -1,4 +1,4 @@
-"""kvpush.metrics: stage arithmetic, failure causes, merging, Prometheus names and export.
+"""kvpush.observability.metrics: stage arithmetic, failure causes, merging, Prometheus names and export.
 
 The pure part is driven with hand-built Results whose numbers are known; the
 last tests push real transfers through an in-process P/D pair over NIXL and
@@ -17,7 +17,8 @@ import msgspec
 import pytest
 from helpers_local_pair import TOKEN_BYTES, local_pair
 
-from kvpush.metrics import (
+from kvpush.core.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result
+from kvpush.observability.metrics import (
     CAUSES,
     D_STAGES,
     P_STAGES,
@@ -28,8 +29,7 @@ from kvpush.metrics import (
     take_engine,
     transfer_latency,
 )
-from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result
-from kvpush.prometheus import METRICS, PromFeed, TextExposition, parse_samples, sample_sum
+from kvpush.observability.prometheus import METRICS, PromFeed, TextExposition, parse_samples, sample_sum
 
 
 def p_result(tid: str = "t", *, prefill_done: float = 100.0, registered: float = 100.05, ok: bool = True) -> Result:

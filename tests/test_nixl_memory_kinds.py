@@ -16,8 +16,8 @@ CHILD = """
 import sys
 import numpy as np
 from kvpush.backends.base import MemRegistration
-from kvpush.errors import ConfigError
-from kvpush.layout import MemKind
+from kvpush.core.errors import ConfigError
+from kvpush.core.layout import MemKind
 from kvpush.transport.nixl_agent import Agent
 
 agent = Agent("kinds", [sys.argv[1]])

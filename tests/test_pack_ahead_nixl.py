@@ -1,6 +1,6 @@
 """P's pack list built ahead, when the prefill is handed over, through real NIXL agents in two processes.
 
-A staged payload follows P's in-block order (``kvpush/payload.py``), so P
+A staged payload follows P's in-block order (``kvpush/core/payload.py``), so P
 builds its pack list from its own block ids as soon as a prefill is handed
 over; a registration that arrives afterwards (what a sequential router always
 does) takes that list instead of mapping the request again. The list fits only
@@ -160,7 +160,7 @@ def test_reissued_prefill_pushes_from_its_own_blocks(nodes: tuple[Node, Node]) -
         assert_idle(p, k + "p")
 
 
-# -- the pack itself at hand-over (``kvpush.prepack``) ----------------------------------------------
+# -- the pack itself at hand-over (``kvpush.prefill.prepack``) ----------------------------------------------
 
 
 def _parked_slots(p: Node, key: str) -> tuple[int, int]:

@@ -1,8 +1,8 @@
 """The staged payload (pure): P packs from its own block ids, D unpacks from its own, and every byte lands in place.
 
-P's pack list and D's unpack list are derived independently (``kvpush.payload``);
+P's pack list and D's unpack list are derived independently (``kvpush.core.payload``);
 these tests pack P's simulated memory into a payload, unpack it into D's,
-and compare with the reference that does not use ``kvpush.layout`` (numpy
+and compare with the reference that does not use ``kvpush.core.layout`` (numpy
 views of each block as the tensor it is), for random block sizes, TP head
 slices, in-block orders, strides, placements and prefix-cached starts.
 """
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.errors import LayoutError
-from kvpush.layout import TokenOrder, coalesce, heads_overlap, map_pieces
-from kvpush.payload import (
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import TokenOrder, coalesce, heads_overlap, map_pieces
+from kvpush.core.payload import (
     PayloadOrder,
     block_runs,
     check_unpack,
@@ -27,7 +27,7 @@ from kvpush.payload import (
     side_pieces,
     unpack_pieces,
 )
-from kvpush.plan import build_plan, staged_bytes, staging_decided, wants_staging
+from kvpush.core.plan import build_plan, staged_bytes, staging_decided, wants_staging
 
 PROPERTY = settings(max_examples=200, deadline=None)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.plan import MIN_PART_BYTES, PartSchedule, build_plan, part_count, part_descriptors, split_regions
+from kvpush.core.plan import MIN_PART_BYTES, PartSchedule, build_plan, part_count, part_descriptors, split_regions
 
 
 @settings(max_examples=200, deadline=None)

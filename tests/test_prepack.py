@@ -1,4 +1,4 @@
-"""P's pack at hand-over without NIXL: the slots' ledger (``kvpush.prepack``) and the rule that allows the pack.
+"""P's pack at hand-over without NIXL: the slots' ledger (``kvpush.prefill.prepack``) and the rule that allows the pack.
 
 The ledger is driven against a real ``SlotAllocator`` (it raises on a double
 free) by a state machine that plays the shell: prefills handed over (packed
@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpush.config import Config
-from kvpush.layout import heads_overlap
-from kvpush.outcome import PlanKind
-from kvpush.payload import pack_pieces
-from kvpush.plan import build_plan
-from kvpush.prepack import Prepack, Prepacks, packs_at_hand_over, staged_on_p_alone
-from kvpush.staging import ALIGN, FreeSlot, SlotAllocator
+from kvpush.core.layout import heads_overlap
+from kvpush.core.outcome import PlanKind
+from kvpush.core.payload import pack_pieces
+from kvpush.core.plan import build_plan
+from kvpush.core.staging import ALIGN, FreeSlot, SlotAllocator
+from kvpush.prefill.prepack import Prepack, Prepacks, packs_at_hand_over, staged_on_p_alone
 
 
 @dataclass(eq=False)

@@ -13,11 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush import PROTOCOL_VERSION, protocol
-from kvpush.errors import ProtocolError
-from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
-from kvpush.outcome import Cause, PlanKind, PrefillState, Stage
-from kvpush.protocol import (
+from kvpush import PROTOCOL_VERSION
+from kvpush.core import protocol
+from kvpush.core.errors import ProtocolError
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.core.outcome import Cause, PlanKind, PrefillState, Stage
+from kvpush.core.protocol import (
     MAX_BLOCKS,
     MAX_FRAME_BYTES,
     MAX_GROUPS,
@@ -199,7 +200,7 @@ def test_round_trip_keeps_enum_types() -> None:
 
 def test_every_message_type_is_covered() -> None:
     """A new message type must get a round-trip case here."""
-    from kvpush.protocol import Message
+    from kvpush.core.protocol import Message
 
     assert {type(m) for m in MESSAGES + MORE_MESSAGES} == set(Message.__args__)
 

@@ -1,4 +1,4 @@
-"""P's push job (``kvpush.push_job``): the sans-I/O rules of posting one transfer to one D rank.
+"""P's push job (``kvpush.prefill.push_job``): the sans-I/O rules of posting one transfer to one D rank.
 
 The state machine plays the engine thread and the device around a real
 ``Transfer`` record and ``PushJob``: the forward reports layers under
@@ -24,10 +24,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
-from kvpush.plan import MIN_PART_BYTES, PartSchedule, Plan
-from kvpush.protocol import Register
-from kvpush.push_job import (
+from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.core.plan import MIN_PART_BYTES, PartSchedule, Plan
+from kvpush.core.protocol import Register
+from kvpush.prefill.push_job import (
     CheckPack,
     Done,
     Fail,
@@ -39,7 +39,7 @@ from kvpush.push_job import (
     ReleaseMade,
     StartPack,
 )
-from kvpush.transfer import Transfer
+from kvpush.prefill.transfer import Transfer
 
 
 @dataclass(eq=False)
@@ -86,7 +86,7 @@ def _job(
     jp = JobPlan(plan, sched, parts, chain and kind is PlanKind.STAGED)
     made = {}
     if ahead and kind is PlanKind.STAGED:
-        from kvpush.plan import split_regions
+        from kvpush.core.plan import split_regions
 
         made = {(a, b): (Handle(a, b), 1) for a, b in split_regions(0, n, jp.parts(n))}
     rec = Transfer() if rec is None else rec
@@ -113,7 +113,7 @@ class PushJobMachine(RuleBasedStateMachine):
         self.reported = 0  # regions reported by the forward
         self.markers: list[tuple[int, Marker]] = []  # (regions, marker) per report
         self.packs: list[tuple[StartPack, Marker]] = []  # packs started, in order
-        # Packed at hand-over (``kvpush.prepack``): a finished prefill, its whole KV reported under one marker
+        # Packed at hand-over (``kvpush.prefill.prepack``): a finished prefill, its whole KV reported under one marker
         # that the pack is queued behind (chain) or that was reached before the pack started (not chain).
         self.prepacked = prepacked and kind is PlanKind.STAGED
         rec, pre = None, None

@@ -4,7 +4,7 @@ P and D live in two long-lived worker processes (``procs.py``); every case
 creates fresh ``Sender``/``Receiver`` engines inside them, drives requests over
 the command queues and then checks D's whole KV cache against the conformance
 suite's reference model (``kvpush.conformance.model``), built token by token
-and head by head without ``kvpush.layout``: a wrong offset in the mapping
+and head by head without ``kvpush.core.layout``: a wrong offset in the mapping
 would otherwise be checked by the code that made it. Blocks D did not
 register must still hold the sentinel byte.
 """
@@ -23,10 +23,10 @@ import pytest
 import zmq
 from procs import SENTINEL, Geom, Node, assert_same, dealer, make_cache
 
-from kvpush import protocol
 from kvpush.conformance.model import Req, apply_push, make_requests
-from kvpush.layout import KVLayout
-from kvpush.outcome import Result
+from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
+from kvpush.core.outcome import Result
 from kvpush.transport import auth
 from kvpush.transport.backends import traits
 

@@ -5,7 +5,7 @@ machine over the scheduler's hooks (P's arrivals, repeated ones, D's
 matched tokens): P's computed prompt and D's loaded prompt always agree,
 and a model without state layers is untouched. The state piece is checked
 against a reference that copies a page by numpy indexing of the block
-arrays, never ``kvpush.recurrent``'s offsets.
+arrays, never ``kvpush.core.recurrent``'s offsets.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvpush.config import Config
-from kvpush.errors import LayoutError
-from kvpush.integrations.vllm.scheduler_side import TRUNCATED, SchedulerSide
-from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
-from kvpush.plan import build_plan, group_tokens, part_descriptors
-from kvpush.recurrent import (
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.core.plan import build_plan, group_tokens, part_descriptors
+from kvpush.core.recurrent import (
     HOLE,
     StateGroup,
     check_states_compatible,
@@ -31,6 +30,7 @@ from kvpush.recurrent import (
     state_block,
     state_pieces,
 )
+from kvpush.integrations.vllm.scheduler_side import TRUNCATED, SchedulerSide
 
 
 def test_the_backoff_agrees_on_both_sides_for_every_prompt_length() -> None:

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.incoming import Asked
-from kvpush.layout import LayoutError
-from kvpush.plan import MIN_PART_BYTES, part_count, unpack_pieces, wants_staging
-from kvpush.registration import guess_parts, unpack_choice
-from kvpush.topology import bystander_channels, writer_channels
+from kvpush.core.layout import LayoutError
+from kvpush.core.plan import MIN_PART_BYTES, part_count, unpack_pieces, wants_staging
+from kvpush.core.topology import bystander_channels, writer_channels
+from kvpush.decode.incoming import Asked
+from kvpush.decode.registration import guess_parts, unpack_choice
 
 
 def _asked(scn: Scenario, num_tokens: int | None = None) -> Asked:

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from msgspec.structs import replace as msgspec_replace
 
-from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, Stage, XferState
-from kvpush.plan import PartSchedule, Plan
-from kvpush.protocol import Register
-from kvpush.push_job import Done, JobPlan, Post, PushJob
-from kvpush.rendezvous import Acknowledge, Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
+from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage, XferState
+from kvpush.core.plan import PartSchedule, Plan
+from kvpush.core.protocol import Register
+from kvpush.prefill.push_job import Done, JobPlan, Post, PushJob
+from kvpush.prefill.rendezvous import Acknowledge, Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
 
 LEASE_S = 10.0
 
@@ -539,8 +539,8 @@ def test_all_arrival_orders_two_ranks(order) -> None:
 
 def test_prefill_finishing_after_an_abort_is_released_at_once() -> None:
     """A transfer D aborted before P's prefill finished must not hold P's blocks for a lease."""
-    from kvpush.protocol import Register
-    from kvpush.rendezvous import Prefill, Release, Rendezvous
+    from kvpush.core.protocol import Register
+    from kvpush.prefill.rendezvous import Prefill, Release, Rendezvous
 
     r = Rendezvous(prefill_lease_s=60)
     reg = Register(transfer_id="t", request_id="d", engine_id="D", rank=0, block_ids=((1,),), num_tokens=8)

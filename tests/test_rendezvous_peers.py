@@ -11,10 +11,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpush.limits import PeerLimits
-from kvpush.outcome import Cause, Failed, Stage
-from kvpush.protocol import Register
-from kvpush.rendezvous import Prefill, Push, Refuse, Release, Rendezvous, _holding
+from kvpush.core.limits import PeerLimits
+from kvpush.core.outcome import Cause, Failed, Stage
+from kvpush.core.protocol import Register
+from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Release, Rendezvous, _holding
 
 TIDS = ("t0", "t1", "t2")
 EXPECTED = {"t0": 1, "t1": 2, "t2": 1}  # t1 waits for two D ranks: a lease can run out with one pushed

@@ -1,6 +1,6 @@
 """Replicated KV (MLA's latent, more TP ranks than KV heads), the pure rules on both sides.
 
-Every P rank holds the KV; ``kvpush.topology`` picks one writer per D rank
+Every P rank holds the KV; ``kvpush.core.topology`` picks one writer per D rank
 (spread over P ranks), so some P ranks write into no D rank of an instance.
 D registers with its writers and tells those idle ranks at once that their
 copy is not needed; P releases a prefill nobody will take as a success,
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush import protocol
-from kvpush.fencing import Fencing
-from kvpush.fencing_actions import Cancel, Report, SendRegister
-from kvpush.incoming import Asked
-from kvpush.outcome import Cause, Failed, Stage
-from kvpush.rendezvous import Prefill, Release, Rendezvous
-from kvpush.topology import targets_for, writers_for
+from kvpush.core import protocol
+from kvpush.core.outcome import Cause, Failed, Stage
+from kvpush.core.topology import targets_for, writers_for
+from kvpush.decode.fencing import Fencing
+from kvpush.decode.fencing_actions import Cancel, Report, SendRegister
+from kvpush.decode.incoming import Asked
+from kvpush.prefill.rendezvous import Prefill, Release, Rendezvous
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 1), (4, 2), (1, 2), (2, 2), (8, 3)])

@@ -1,7 +1,7 @@
 """KV held whole by every TP rank (MLA's latent cache: one head slot), through real NIXL agents.
 
 P at TP 2 into D at TP 1: the latent is the same on both P ranks, so D takes
-it from one (``kvpush.topology``: D rank ``d`` from P rank ``d % p_tp``) and
+it from one (``kvpush.core.topology``: D rank ``d`` from P rank ``d % p_tp``) and
 expects exactly that rank's completion. The other P rank writes nothing and
 must not hold its finished prefill for a lease: D tells it at registration
 that its copy is not needed, and it releases the prefill at once, as a
@@ -17,7 +17,7 @@ from procs import Geom, Node, assert_same, make_cache
 from test_push_nixl import _cfg, _key, by_rid, engines, free_port_base
 
 from kvpush.conformance.model import apply_push, make_requests
-from kvpush.outcome import Cause
+from kvpush.core.outcome import Cause
 
 LEASE_S = 60.0
 

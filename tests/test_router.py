@@ -1156,7 +1156,7 @@ def test_tiny_model_prompts_have_exactly_n_tokens() -> None:
 
 
 def test_with_a_capability_key_d_gets_the_transfers_capability_in_every_mode() -> None:
-    from kvpush.capability import derive_key, mint
+    from kvpush.core.capability import derive_key, mint
 
     key = derive_key(b"k" * 40)
     p = Instance("http://p", "prefill", "10.1.1.1", 5600, 2, "eng-7")
@@ -1185,9 +1185,9 @@ def test_with_a_capability_key_d_gets_the_transfers_capability_in_every_mode() -
 
 
 def test_the_router_reads_its_capability_key_from_kvpush_keys(tmp_path: Path) -> None:
-    from kvpush.capability import derive_key
-    from kvpush.errors import ConfigError
-    from kvpush.keys import main as keys_main
+    from kvpush.cli.keys import main as keys_main
+    from kvpush.core.capability import derive_key
+    from kvpush.core.errors import ConfigError
     from kvpush.transport import auth
 
     assert keys_main([str(tmp_path)]) == 0

@@ -1,4 +1,4 @@
-"""kvpush.timeline: records, parsing real-looking logs, joining P with D, the table and the PNG.
+"""kvpush.observability.timeline: records, parsing real-looking logs, joining P with D, the table and the PNG.
 
 Synthetic logs carry known stage lengths and deliberately different clock
 offsets per process; the last test joins the lines a real in-process P/D pair
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from helpers_local_pair import local_pair
 
-from kvpush import timeline
-from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result, Stage
+from kvpush.cli import timeline as timeline_cli
+from kvpush.core.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result, Stage
+from kvpush.observability import timeline
 
 P_OFF = 1_700_000_000.0  # P's wall clock minus its monotonic clock
 D_OFF = 1_700_000_000.0 - 3000.0  # D's monotonic clock started 3000 s later (another process, another boot)
@@ -106,7 +107,7 @@ def test_parse_and_join(logs: tuple[Path, Path]) -> None:
 
 def test_command_prints_table_and_draws_png(logs: tuple[Path, Path], tmp_path: Path, capsys) -> None:
     png, js = tmp_path / "w.png", tmp_path / "t.json"
-    assert timeline.main([str(logs[0]), str(logs[1]), "--png", str(png), "--json", str(js), "--sample", "4"]) == 0
+    assert timeline_cli.main([str(logs[0]), str(logs[1]), "--png", str(png), "--json", str(js), "--sample", "4"]) == 0
     out = capsys.readouterr().out
     assert "10 transfers joined (0 failed); 1 only in P's log, 1 only in D's log" in out
     for name in ("registration_wait", "rendezvous_wait", "completion", "total"):
@@ -122,9 +123,9 @@ def test_command_prints_table_and_draws_png(logs: tuple[Path, Path], tmp_path: P
 def test_command_fails_without_joinable_lines(tmp_path: Path, capsys) -> None:
     log = tmp_path / "plain.log"
     log.write_text("INFO nothing here\n")
-    assert timeline.main([str(log)]) == 1
+    assert timeline_cli.main([str(log)]) == 1
     assert "KVPUSH_LOG_LEVEL=DEBUG" in capsys.readouterr().err
-    assert timeline.main([str(tmp_path / "missing.log")]) == 2
+    assert timeline_cli.main([str(tmp_path / "missing.log")]) == 2
 
 
 def test_lines_only_at_debug(caplog: pytest.LogCaptureFixture) -> None:

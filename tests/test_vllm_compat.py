@@ -18,12 +18,12 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
+from kvpush.core.outcome import Result
 from kvpush.integrations.vllm import compat
 from kvpush.integrations.vllm.connector import KVPushConnector
 from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
-from kvpush.outcome import Result
 
 # What each lane's vLLM offers (tests may name versions; the connector never does).
 OLD = dict(
@@ -238,8 +238,8 @@ def test_p_lists_every_block_but_only_the_prompts_tokens_move() -> None:
     the blocks of its computed tokens: the push carries the prompt's tokens, so D needs the prompt's blocks."""
     from helpers_layout import make_side
 
+    from kvpush.core.layout import TokenOrder, map_pieces
     from kvpush.integrations.vllm.scheduler_side import SchedulerSide
-    from kvpush.layout import TokenOrder, map_pieces
 
     s = SchedulerSide()
     # 32-token prompt of 16-token blocks, plus the block vLLM allocated for the sampled token.

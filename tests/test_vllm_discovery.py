@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from kvpush.config import Config
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 from kvpush.integrations.vllm.discovery import Announcer, announcement
 
 

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvpush.errors import BackendError, ConfigError  # noqa: E402
+from kvpush.core.errors import BackendError, ConfigError  # noqa: E402
 from kvpush.integrations.vllm import layout as vl  # noqa: E402
 
 

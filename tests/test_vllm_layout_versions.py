@@ -48,9 +48,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from kvpush.backends.base import CacheSpec  # noqa: E402
 from kvpush.backends.host import HostBackend  # noqa: E402
 from kvpush.backends.tensors import describe_strided  # noqa: E402
-from kvpush.errors import BackendError  # noqa: E402
+from kvpush.core.errors import BackendError  # noqa: E402
+from kvpush.core.layout import KVLayout, MemKind, TokenOrder  # noqa: E402
 from kvpush.integrations.vllm import layout as vl  # noqa: E402
-from kvpush.layout import KVLayout, MemKind, TokenOrder  # noqa: E402
 
 try:
     from vllm.v1.worker.utils import allocate_kv_cache

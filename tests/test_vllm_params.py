@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvpush.core.errors import ConfigError
 from kvpush.engine.types import PeerAddress
-from kvpush.errors import ConfigError
 from kvpush.integrations.vllm.params import (
     DecodeSide,
     PrefillAdvert,
@@ -160,7 +160,7 @@ def test_d_reads_the_capability_and_a_bad_one_is_refused_without_echoing_it() ->
 
 
 def test_ps_answer_carries_the_capability_of_the_shared_id_which_covers_sub_requests() -> None:
-    from kvpush.capability import derive_key, mint, valid
+    from kvpush.core.capability import derive_key, mint, valid
 
     key = derive_key(b"s" * 40)
     advert = PrefillAdvert("eng", "10.0.0.7", 5600, 1, key)

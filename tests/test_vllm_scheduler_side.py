@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from kvpush.backends.base import Backend, CacheSpec, StagingBuffer
 from kvpush.backends.testing import TestSupport
-from kvpush.errors import BackendError
-from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.core.errors import BackendError
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "uint8": np.uint8}
 

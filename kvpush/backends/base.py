@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.layout import KVLayout, MemKind
+from kvpush.core.layout import KVLayout, MemKind
 
 
 @dataclass(frozen=True)

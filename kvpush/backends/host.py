@@ -19,8 +19,8 @@ import numpy as np
 from kvpush.backends.base import Backend, CacheSpec, MemRegistration, StagingBuffer
 from kvpush.backends.tensors import allocation_registrations, describe_strided, tensor_info
 from kvpush.backends.testing import TestSupport, cache_shape
-from kvpush.errors import BackendError
-from kvpush.layout import KVLayout, MemKind
+from kvpush.core.errors import BackendError
+from kvpush.core.layout import KVLayout, MemKind
 
 ATTENTION = {
     "": "token-addressable caches named by CacheSpec.axes (engines other than vLLM, tests)",

@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from kvpush.backends.base import Backend
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 
 GROUP = "kvpush.backends"
 

@@ -12,7 +12,7 @@ sizes against what the engine said, and reads from the strides:
 - the in-block order (``NHD`` or ``HND``), requiring every block dense,
 - the K/V offset (two regions per layer) when there is a K/V axis.
 So every variant becomes regions of equally spaced dense blocks: what
-``kvpush.layout`` maps and coalesces. Duck typing (torch tensors, numpy
+``kvpush.core.layout`` maps and coalesces. Duck typing (torch tensors, numpy
 arrays, anything with the same attributes) keeps the core free of torch.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.backends.base import CacheSpec, MemRegistration
-from kvpush.errors import BackendError
-from kvpush.layout import KVLayout, MemKind, Region, TokenOrder
+from kvpush.core.errors import BackendError
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 
 AXES = "BHNCK"
 """Axis names ``CacheSpec.axes`` may use: blocks, heads, tokens, content, K/V. ``B``, ``N`` and ``C`` are

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     from kvpush.conformance.target import parse_devices, parse_options, resolve_backend_class
-    from kvpush.errors import ConfigError
+    from kvpush.core.errors import ConfigError
 
     try:  # one clear message now rather than the same error from every test
         resolve_backend_class(args.backend)

@@ -2,7 +2,7 @@
 
 What D must hold after a push is computed here token by token and head by
 head, from the *logical* shape every test cache has (``[layers, K/V, blocks,
-*block, head bytes]``), never from ``kvpush.layout``'s byte offsets or from the
+*block, head bytes]``), never from ``kvpush.core.layout``'s byte offsets or from the
 backend's ``describe``: a wrong address in either would otherwise be checked
 by the code that produced it. Nothing here touches a device or NIXL.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.geometry import KVGeometry
+from kvpush.core.geometry import KVGeometry
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Geom(KVGeometry):
 
     The fields, sizes and the engine's ``spec`` are the shared type's; the
     logical shape and ``head_start`` are defined here again on purpose, by the
-    model's own rule, and not taken from ``CacheSpec`` or ``kvpush.layout``: the
+    model's own rule, and not taken from ``CacheSpec`` or ``kvpush.core.layout``: the
     suite checks those, so it must not compute what it expects with them.
     """
 

@@ -18,7 +18,7 @@ from typing import Any
 from kvpush.backends.base import Backend
 from kvpush.backends.registry import available_backends
 from kvpush.backends.testing import TestSupport
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 
 
 def resolve_backend_class(spec: str) -> type[Backend]:

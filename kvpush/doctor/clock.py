@@ -21,7 +21,7 @@ def measure_clock(host: str, port: int, keys: Any = None, samples: int = 8, time
     """
     import zmq
 
-    from kvpush import protocol
+    from kvpush.core import protocol
     from kvpush.transport.side_channel import Client
 
     client = Client(zmq.Context.instance(), host, port, keys)

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.core.errors import MemoryKindError
+from kvpush.core.geometry import KVGeometry
 from kvpush.doctor.report import Check
-from kvpush.errors import MemoryKindError
-from kvpush.geometry import KVGeometry
 
 SELF_TEST_GEOMETRY = KVGeometry(layers=8, num_blocks=160, block_size=16, num_heads=8, head_dim=128)
 """The KV cache both sides of the self-test allocate (float16, NHD)."""
@@ -129,7 +129,7 @@ def _push_rounds(
     timeout: float,
 ) -> list[dict[str, float]]:
     """``rounds + 1`` pushes of random blocks, each verified; the first pays the handshake and is not timed."""
-    from kvpush.capability import mint
+    from kvpush.core.capability import mint
     from kvpush.engine import PeerAddress
 
     peer = PeerAddress(sender.address[0], sender.address[1], 1)

@@ -28,13 +28,13 @@ from typing import Any
 
 import zmq
 
-from kvpush import protocol
 from kvpush.config import Config
+from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
+from kvpush.core.topology import ConnKey
+from kvpush.decode.fencing_actions import UNKNOWN_SENDER
 from kvpush.engine.ports import Fences
-from kvpush.fencing_actions import UNKNOWN_SENDER
-from kvpush.layout import KVLayout
-from kvpush.metrics import Count
-from kvpush.topology import ConnKey
+from kvpush.observability.metrics import Count
 from kvpush.transport.auth import ClientKeys
 from kvpush.transport.side_channel import Client, peer_budgets
 

@@ -20,15 +20,15 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvpush import timeline
 from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
 from kvpush.backends.copy import copier
 from kvpush.config import Config
-from kvpush.errors import ConfigError
-from kvpush.layout import KVLayout
-from kvpush.metrics import Count, Recorder
-from kvpush.outcome import Result
-from kvpush.staging import SlotAllocator
+from kvpush.core.errors import ConfigError
+from kvpush.core.layout import KVLayout
+from kvpush.core.outcome import Result
+from kvpush.core.staging import SlotAllocator
+from kvpush.observability import timeline
+from kvpush.observability.metrics import Count, Recorder
 from kvpush.transport.nixl_agent import Agent
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,8 @@ class EngineLoop:
         self._start_error: BaseException | None = None
         self.wakeups = 0
         self.loops = 0
-        # Observability: every Result feeds the recorder (kvpush.metrics) and,
-        # with debug logging on, one kvpush.timeline line. ``gauges`` is a
+        # Observability: every Result feeds the recorder (kvpush.observability.metrics) and,
+        # with debug logging on, one kvpush.timeline log line. ``gauges`` is a
         # snapshot the engine thread replaces (never mutates), so other threads
         # read it without a call into the engine.
         self.recorder = Recorder(self.SIDE)

@@ -27,18 +27,18 @@ from typing import Any
 
 import numpy as np
 
-from kvpush import protocol
-from kvpush.admission import Admission, KeyLimits, block_ceiling, metadata_problem
 from kvpush.config import Config
+from kvpush.core import protocol
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import KVLayout, MemKind, check_compatible
+from kvpush.core.limits import Throttle
+from kvpush.core.outcome import Cause, Failed, Stage
+from kvpush.core.topology import targets_for
 from kvpush.engine.ports import PeerPort
-from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, MemKind, check_compatible
-from kvpush.limits import Throttle
-from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, Stage
-from kvpush.push_job import DKey
-from kvpush.rendezvous import Rendezvous
-from kvpush.topology import targets_for
+from kvpush.observability.metrics import Count
+from kvpush.prefill.admission import Admission, KeyLimits, block_ceiling, metadata_problem
+from kvpush.prefill.push_job import DKey
+from kvpush.prefill.rendezvous import Rendezvous
 from kvpush.transport.auth import LOG_EVERY_S, short
 from kvpush.transport.interop import peer_problem
 from kvpush.transport.nixl_agent import Agent
@@ -99,7 +99,7 @@ class PeerTable:
         self._peers: dict[DKey, Peer] = {}
         self._throttle = Throttle(LOG_EVERY_S)
         self.admission = Admission(KeyLimits(cfg.peer_key_bytes, cfg.peer_max_ranks))
-        """What each D key makes this P rank hold, as a whole (``kvpush.admission``)."""
+        """What each D key makes this P rank hold, as a whole (``kvpush.prefill.admission``)."""
         self.declared = declared_ranks
         """The ranks a D key's key set declares (None: it declares none); ``kvpush.transport.auth``."""
 
@@ -329,7 +329,7 @@ class PeerTable:
     def _name_problem(self, ident: bytes, key: str, dkey: DKey, known: Peer | None, meta: bytes) -> str:
         """Why a hello under the D rank name ``dkey`` is refused ("" if it is not): the name belongs to another
         key; the connection said hello under another name; the key is known under as many names as it may be,
-        or one more would put it over its bytes (``kvpush.admission``)."""
+        or one more would put it over its bytes (``kvpush.prefill.admission``)."""
         if known is not None and known.key != key:
             # Another key claims a D rank's name: refused, or it could drop that rank and its transfers.
             return (

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvpush import protocol
-from kvpush.metrics import Count
-from kvpush.outcome import Failed
-from kvpush.push_job import DKey, PushJob
-from kvpush.topology import ConnKey
+from kvpush.core import protocol
+from kvpush.core.outcome import Failed
+from kvpush.core.topology import ConnKey
+from kvpush.observability.metrics import Count
+from kvpush.prefill.push_job import DKey, PushJob
 
 
 class PeerPort(Protocol):
@@ -72,7 +72,7 @@ class PeerLookup(Protocol):
 
 
 class Fences(Protocol):
-    """What the links ask of D's fencing (``kvpush.fencing.Fencing``)."""
+    """What the links ask of D's fencing (``kvpush.decode.fencing.Fencing``)."""
 
     def writes_on(self, conn: ConnKey) -> bool:
         """Some writer on ``conn`` is waited for."""

@@ -2,7 +2,7 @@
 
 The sender's engine thread calls ``start_job`` for each push the rendezvous
 decided and ``drive`` for each job on every step; the rules of what to do
-when are ``kvpush.push_job.PushJob``'s. Here is only I/O: confirm device
+when are ``kvpush.prefill.push_job.PushJob``'s. Here is only I/O: confirm device
 markers, start and check packs, build and post WRITEs, and answer each of the
 job's actions with what happened.
 """
@@ -16,22 +16,33 @@ from typing import Any
 
 import numpy as np
 
-from kvpush import protocol
 from kvpush.backends.base import Backend, StagingBuffer
 from kvpush.backends.copy import Copier
 from kvpush.config import Config
+from kvpush.core import protocol
+from kvpush.core.errors import KVPushError
+from kvpush.core.layout import KVLayout, heads_overlap
+from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.core.payload import pack_pieces
+from kvpush.core.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
+from kvpush.core.staging import FreeSlot, SlotAllocator
 from kvpush.engine.ports import PeerLookup, PushPort
-from kvpush.errors import KVPushError
-from kvpush.layout import KVLayout, heads_overlap
-from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, PlanKind, Stage, XferState
-from kvpush.payload import pack_pieces
-from kvpush.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
-from kvpush.prepack import Prepack, Prepacks, packs_at_hand_over
-from kvpush.push_job import CheckPack, Done, Fail, JobPlan, Notify, Post, Prepacked, PushJob, ReleaseMade, StartPack
-from kvpush.rendezvous import Prefill
-from kvpush.staging import FreeSlot, SlotAllocator
-from kvpush.transfer import PackAhead, Transfer
+from kvpush.observability.metrics import Count
+from kvpush.prefill.prepack import Prepack, Prepacks, packs_at_hand_over
+from kvpush.prefill.push_job import (
+    CheckPack,
+    Done,
+    Fail,
+    JobPlan,
+    Notify,
+    Post,
+    Prepacked,
+    PushJob,
+    ReleaseMade,
+    StartPack,
+)
+from kvpush.prefill.rendezvous import Prefill
+from kvpush.prefill.transfer import PackAhead, Transfer
 from kvpush.transport.nixl_agent import Agent
 
 log = logging.getLogger(__name__)
@@ -307,7 +318,7 @@ class PushRunner:
     def _pack_at_hand_over(self, prefill: Prefill, rec: Transfer, pa: PackAhead, ready: Any) -> None:
         """Pack a finished prefill into a staging slot now, when staging should win (``prepack.packs_at_hand_over``).
 
-        Only when a slot within the parked share (``kvpush.prepack``) is free
+        Only when a slot within the parked share (``kvpush.prefill.prepack``) is free
         at once, and the pack can be ordered after the KV: a chaining backend
         queues it behind the ready marker on the device; another packs only
         KV already written (else the push packs at pairing, as without this).
@@ -393,7 +404,7 @@ class PushRunner:
 
     def _alloc(self, size: int) -> int | None:
         """A slot for a push whose D registered: parked prefills' packed slots are taken back, the oldest
-        first, before it goes without (``kvpush.prepack``)."""
+        first, before it goes without (``kvpush.prefill.prepack``)."""
         while (slot := self.slots.alloc(size)) is None and size <= self.slots.capacity:
             victim = self.prepacks.evictable()
             if victim is None:

@@ -6,7 +6,7 @@ this D rank (once per rank), sends the registration, and counts what each
 writing P rank's parts cover. ``poll`` reports each transfer once, when no P
 rank will write into its blocks any more (fencing).
 
-The rules are ``kvpush.fencing.Fencing``'s; this thread feeds it messages,
+The rules are ``kvpush.decode.fencing.Fencing``'s; this thread feeds it messages,
 notifications and unpack markers, and carries out its actions.
 """
 
@@ -18,16 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from kvpush import protocol
-from kvpush.allow import Allowed
 from kvpush.backends.base import Backend
 from kvpush.config import Config
-from kvpush.engine.conns import Conn, Conns, ConnState, Dialer
-from kvpush.engine.loop import EngineLoop
-from kvpush.engine.types import PeerAddress
-from kvpush.errors import ProtocolError
-from kvpush.fencing import Fencing
-from kvpush.fencing_actions import (
+from kvpush.core import protocol
+from kvpush.core.errors import ProtocolError
+from kvpush.core.layout import KVLayout, Region
+from kvpush.core.limits import Throttle
+from kvpush.core.outcome import Cause, Failed, Stage
+from kvpush.core.plan import staged_bytes, unpack_pieces
+from kvpush.core.staging import FreeSlot
+from kvpush.core.topology import ConnKey, bystander_channels, writer_channels
+from kvpush.decode.allow import Allowed
+from kvpush.decode.fencing import Fencing
+from kvpush.decode.fencing_actions import (
     UNKNOWN_SENDER,
     AwaitUnpacks,
     Cancel,
@@ -40,15 +43,12 @@ from kvpush.fencing_actions import (
     StartUnpack,
     WaitUnpacks,
 )
-from kvpush.incoming import Action, Asked, Incoming
-from kvpush.layout import KVLayout, Region
-from kvpush.limits import Throttle
-from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, Stage
-from kvpush.plan import staged_bytes, unpack_pieces
-from kvpush.registration import guess_parts, register_message, unpack_choice
-from kvpush.staging import FreeSlot
-from kvpush.topology import ConnKey, bystander_channels, writer_channels
+from kvpush.decode.incoming import Action, Asked, Incoming
+from kvpush.decode.registration import guess_parts, register_message, unpack_choice
+from kvpush.engine.conns import Conn, Conns, ConnState, Dialer
+from kvpush.engine.loop import EngineLoop
+from kvpush.engine.types import PeerAddress
+from kvpush.observability.metrics import Count
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import client_keys
 
@@ -104,7 +104,7 @@ class Receiver(EngineLoop):
     ) -> None:
         """Ask P to write tokens ``[start_token, num_tokens)`` into these blocks (``skip_blocks[g]``: leading
         blocks of group ``g`` D does not hold, as a sliding window's). ``capability``: the transfer's
-        (``kvpush.capability``), from P's answer or the router."""
+        (``kvpush.core.capability``), from P's answer or the router."""
         # On the caller's thread, on the request's path: one copy into uint32 arrays, the wire's form (the
         # message is their bytes; the checks and D's unpack list take them as they are); a bad id raises
         # here, naming it.

@@ -19,25 +19,25 @@ import logging
 import time
 from typing import Any
 
-from kvpush import protocol
 from kvpush.backends.base import Backend
-from kvpush.capability import Binding, derive_key
 from kvpush.config import Config
+from kvpush.core import protocol
+from kvpush.core.capability import Binding, derive_key
+from kvpush.core.errors import KVPushError
+from kvpush.core.layout import KVLayout
+from kvpush.core.limits import Throttle, peer_limits
+from kvpush.core.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Result, Stage
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
 from kvpush.engine.waiter import MarkerWaiter
-from kvpush.errors import KVPushError
-from kvpush.layout import KVLayout
-from kvpush.limits import Throttle, peer_limits
-from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Result, Stage
-from kvpush.prepack import Prepacks
-from kvpush.push_job import (
+from kvpush.observability.metrics import Count
+from kvpush.prefill.prepack import Prepacks
+from kvpush.prefill.push_job import (
     DKey,
     PushJob,
 )
-from kvpush.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
+from kvpush.prefill.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.transport.auth import LOG_EVERY_S, DeclaredRanks
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 

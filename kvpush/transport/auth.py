@@ -33,10 +33,10 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from kvpush.admission import CURVE_CLIENT_HANDSHAKE_BYTES, KeyConns, KeyLimits, PreAuth, names_cap
-from kvpush.capability import derive_key, mint
-from kvpush.errors import ConfigError
-from kvpush.limits import Throttle
+from kvpush.core.capability import derive_key, mint
+from kvpush.core.errors import ConfigError
+from kvpush.core.limits import Throttle
+from kvpush.prefill.admission import CURVE_CLIENT_HANDSHAKE_BYTES, KeyConns, KeyLimits, PreAuth, names_cap
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ PREFILL_PUBLIC = "prefill.key"
 PREFILL_SECRET = "prefill.key_secret"
 DECODE_SECRET = "decode.key_secret"
 RANKS = "ranks"
-"""Metadata of a D public key file: the ranks (TP size times DP) that D has (``kvpush.admission``)."""
+"""Metadata of a D public key file: the ranks (TP size times DP) that D has (``kvpush.prefill.admission``)."""
 DECODERS = "decoders"
 """A key set: P reads ``prefill.key_secret`` and the D public keys in ``decoders/*.key``;
 D reads ``prefill.key`` (whom to trust) and ``decode.key_secret`` (who it is)."""
@@ -61,7 +61,7 @@ ENV_DECODE_PUBLIC = "KVPUSH_AUTH_DECODE_PUBLIC"
 ENV_DECODE_SECRET = "KVPUSH_AUTH_DECODE_SECRET"
 ENV_DECODERS = "KVPUSH_AUTH_DECODERS"
 ROUTER_KEY = "router/capability.key"
-"""The router's file in a key set: the P fleet's capability key (``kvpush.capability``), hex, and nothing
+"""The router's file in a key set: the P fleet's capability key (``kvpush.core.capability``), hex, and nothing
 else; ``kvpush keys`` writes it, derived from P's secret key (it does not reveal that key)."""
 """The same keys as environment variables (Z85 text, 40 characters; ``KVPUSH_AUTH_DECODERS`` lists
 allowed D public keys separated by commas or white space), for secrets injected as variables."""
@@ -421,13 +421,13 @@ class Gate:
         self.keys = keys
         self.label = label
         self.preauth = PreAuth(per_address)
-        """Connections not yet past the handshake, per source address (``kvpush.admission.PreAuth``)."""
+        """Connections not yet past the handshake, per source address (``kvpush.prefill.admission.PreAuth``)."""
         self._remote: dict[int, tuple[str, int]] = {}  # descriptor -> the (host, port) it was accepted from
         self._tied: set[int] = set()  # connections whose ZAP request was answered (accepted or refused)
         self._declared = DeclaredRanks(keys.decoders_dir)
         limits = KeyLimits(default_ranks=default_ranks)
         self.conns = KeyConns(lambda key: names_cap(limits, self._declared(key)))
-        """Authenticated connections per key (``kvpush.admission.KeyConns``)."""
+        """Authenticated connections per key (``kvpush.prefill.admission.KeyConns``)."""
         self.allowed = keys.allowed
         self._dir_stamp = _stamp(keys.decoders_dir)
         self.refused = 0

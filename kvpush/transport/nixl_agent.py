@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import MemRegistration
-from kvpush.errors import ConfigError, KVPushError, MemoryKindError
-from kvpush.outcome import XferState
+from kvpush.core.errors import ConfigError, KVPushError, MemoryKindError
+from kvpush.core.outcome import XferState
 from kvpush.transport.backends import traits
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 P binds a ROUTER per rank; each D rank connects one DEALER per P rank it
 talks to. Only the engine thread touches these sockets. Frames are
-``kvpush.protocol`` messages; a frame that fails to decode is logged with the
+``kvpush.core.protocol`` messages; a frame that fails to decode is logged with the
 sender and dropped, never raised into the loop.
 
 Authentication (``kvpush.transport.auth``): with keys, P's socket is a CURVE
@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvpush import protocol
-from kvpush.errors import ConfigError, ProtocolError
-from kvpush.limits import Budgets, Throttle, Verdict
+from kvpush.core import protocol
+from kvpush.core.errors import ConfigError, ProtocolError
+from kvpush.core.limits import Budgets, Throttle, Verdict
 from kvpush.transport import auth
 from kvpush.transport.auth import LOG_EVERY_S, ClientKeys, Gate, ServerKeys, describe_client_failure
 

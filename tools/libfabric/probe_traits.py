@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import MemKind, MemRegistration
-from kvpush.outcome import XferState
+from kvpush.core.outcome import XferState
 from kvpush.transport.backends import LIBFABRIC, UCX
 from kvpush.transport.nixl_agent import Agent, nixl_version
 

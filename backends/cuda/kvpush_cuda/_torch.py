@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from kvpush.errors import BackendError
+from kvpush.core.errors import BackendError
 
 
 def import_torch() -> ModuleType:

@@ -30,8 +30,8 @@ import numpy as np
 from kvpush.backends.base import Backend, CacheSpec, Capabilities, MemRegistration, StagingBuffer
 from kvpush.backends.tensors import allocation_registrations, describe_strided
 from kvpush.backends.testing import TestSupport, cache_shape
-from kvpush.errors import BackendError
-from kvpush.layout import KVLayout, MemKind
+from kvpush.core.errors import BackendError
+from kvpush.core.layout import KVLayout, MemKind
 from kvpush_cuda._torch import cuda_torch
 from kvpush_cuda.copy import Kernel, PieceCopier
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvpush.errors import BackendError
+from kvpush.core.errors import BackendError
 
 log = logging.getLogger(__name__)
 

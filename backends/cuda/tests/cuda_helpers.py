@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpush.backends.base import CacheSpec  # noqa: E402
-from kvpush.layout import KVLayout, TokenOrder  # noqa: E402
+from kvpush.core.layout import KVLayout, TokenOrder  # noqa: E402
 from kvpush_cuda.variants import axes, canonical, content, is_mla  # noqa: E402
 
 

@@ -18,8 +18,8 @@ import pytest
 from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
 
 from kvpush.backends.tensors import allocation_registrations, describe_strided
-from kvpush.errors import BackendError
-from kvpush.layout import MemKind, TokenOrder, coalesce, map_pieces
+from kvpush.core.errors import BackendError
+from kvpush.core.layout import MemKind, TokenOrder, coalesce, map_pieces
 from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
 from kvpush_cuda.variants import REFUSED, VARIANTS, is_mla, make_kv, regions_per_layer, shared_allocation
 
@@ -57,7 +57,7 @@ def test_clear_error_without_cuda() -> None:
     r = _py(
         """
         from kvpush.backends import load_backend
-        from kvpush.errors import BackendError
+        from kvpush.core.errors import BackendError
         try:
             load_backend("cuda")
         except BackendError as e:

@@ -50,8 +50,8 @@ import numpy as np
 from kvpush.backends.base import Backend, CacheSpec, Capabilities, MemRegistration, StagingBuffer
 from kvpush.backends.host import gather as host_gather
 from kvpush.backends.tensors import describe_strided
-from kvpush.errors import BackendError, ConfigError
-from kvpush.layout import KVLayout, MemKind
+from kvpush.core.errors import BackendError, ConfigError
+from kvpush.core.layout import KVLayout, MemKind
 from kvpush_neuron.runs import DEFAULT_GAP, read_runs
 from kvpush_neuron.runtime import Placement, Runtime, load_runtime
 from kvpush_neuron.tensor import DEVICE_TYPE, ForeignTensor, NeuronTensor, torch_device

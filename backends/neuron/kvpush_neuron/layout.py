@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpush.backends.base import CacheSpec
-from kvpush.errors import LayoutError
+from kvpush.core.errors import LayoutError
 
 
 def paged_spec(

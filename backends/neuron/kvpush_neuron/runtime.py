@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any
 
-from kvpush.errors import BackendError
+from kvpush.core.errors import BackendError
 
 ENV_LIB = "KVPUSH_NRT_LIB"
 DEFAULT_NAMES = ("libnrt.so.1", "/opt/aws/neuron/lib/libnrt.so.1")

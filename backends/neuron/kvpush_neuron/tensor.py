@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.errors import BackendError
-from kvpush.geometry import DTYPE_BYTES
+from kvpush.core.errors import BackendError
+from kvpush.core.geometry import DTYPE_BYTES
 from kvpush_neuron.runtime import Placement, Runtime
 
 DEVICE_TYPE = "neuron"

@@ -24,8 +24,8 @@ import numpy as np
 
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.testing import TestSupport, cache_shape
-from kvpush.errors import BackendError
-from kvpush.geometry import DTYPE_BYTES
+from kvpush.core.errors import BackendError
+from kvpush.core.geometry import DTYPE_BYTES
 from kvpush_neuron.runtime import ENV_LIB, Placement, Runtime
 from kvpush_neuron.tensor import NeuronTensor
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpush.backends.base import CacheSpec
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 from kvpush_neuron.backend import ENV_MEM, ENV_MODE, Mode
 from kvpush_neuron.layout import nxdi_bhsd_spec, nxdi_block_spec, paged_spec
 

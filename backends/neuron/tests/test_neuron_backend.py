@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.backends import load_backend
-from kvpush.errors import BackendError, ConfigError
-from kvpush.layout import MemKind
+from kvpush.core.errors import BackendError, ConfigError
+from kvpush.core.layout import MemKind
 from kvpush_neuron import Mode, NeuronBackend, NeuronTensor, ReadyMarker
 from kvpush_neuron import vllm_neuron as hooks
 from kvpush_neuron.runtime import Placement

@@ -10,7 +10,7 @@ import pytest
 from _standin import compile_standin
 
 from kvpush.backends import load_backend
-from kvpush.errors import BackendError, ConfigError
+from kvpush.core.errors import BackendError, ConfigError
 from kvpush_neuron import NeuronBackend, NeuronTensor, paged_spec
 from kvpush_neuron.runtime import NrtError, Placement, Status, load_runtime
 

@@ -22,10 +22,10 @@ from test_neuron_backend import NeuronPlatformLike, NxdiPlatformLike
 pytest.importorskip("vllm")
 
 from kvpush.config import Config
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
+from kvpush.core.layout import TokenOrder
 from kvpush.integrations.vllm import connector as conn
 from kvpush.integrations.vllm.worker_side import WorkerSide
-from kvpush.layout import TokenOrder
 from kvpush_neuron import NeuronBackend
 from kvpush_neuron import vllm_neuron as hooks
 from kvpush_neuron.tensor import NeuronTensor

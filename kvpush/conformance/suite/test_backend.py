@@ -18,10 +18,10 @@ from kvpush.config import Config
 from kvpush.conformance.model import Geom, apply_push, assert_same, make_requests, payload
 from kvpush.conformance.target import Target
 from kvpush.conformance.worker import Pair
-from kvpush.errors import BackendError
-from kvpush.geometry import DTYPE_BYTES
-from kvpush.layout import KVLayout, MemKind, check_compatible
-from kvpush.plan import build_plan, unpack_pieces
+from kvpush.core.errors import BackendError
+from kvpush.core.geometry import DTYPE_BYTES
+from kvpush.core.layout import KVLayout, MemKind, check_compatible
+from kvpush.core.plan import build_plan, unpack_pieces
 
 GEOMS = {
     "nhd": Geom(),

@@ -23,7 +23,7 @@ import pytest
 from kvpush.conformance.model import Geom, Req, apply_push, assert_same, make_requests, payload
 from kvpush.conformance.target import Target
 from kvpush.conformance.worker import Node, Pair
-from kvpush.outcome import Result
+from kvpush.core.outcome import Result
 
 STAGING = 4 << 20
 RESULT_TIMEOUT_S = 30.0

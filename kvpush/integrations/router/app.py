@@ -73,7 +73,7 @@ from kvpush.integrations.router.upstream import (
     forward_headers,
     loop_time,
 )
-from kvpush.prometheus import TextExposition
+from kvpush.observability.prometheus import TextExposition
 
 log = logging.getLogger("kvpush.router")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 from kvpush.integrations.router.app import Router
 from kvpush.integrations.router.config import (
     DEFAULT_HEALTH_TIMEOUT,

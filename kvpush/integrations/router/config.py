@@ -42,7 +42,7 @@ class RouterConfig:
     max_prefill_queue: int = 0
     # Seconds between reads of each P's queue depth from its /metrics (0: off; then only this router's count).
     queue_interval: float = 1.0
-    # The P fleet's capability key (kvpush.capability): concurrent dispatch mints each transfer's capability
+    # The P fleet's capability key (kvpush.core.capability): concurrent dispatch mints each transfer's capability
     # with it and sends it to D. None: D gets none (P then must accept registrations without: "optional").
     capability_key: bytes | None = field(default=None, repr=False)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpush.integrations.router.pool import Instance
-from kvpush.prometheus import LATENCY_BUCKETS, MetricSpec
+from kvpush.observability.prometheus import LATENCY_BUCKETS, MetricSpec
 
 ROUTER_METRICS = (
     MetricSpec(

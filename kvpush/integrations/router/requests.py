@@ -23,7 +23,7 @@ Modes (``--mode``), i.e. which KV connector the vLLM instances run:
     either order), later requests are concurrent. kvpush's connector speaks
     these conventions too, so this mode drives kvpush servers unchanged.
 
-Capabilities (``kvpush.capability``): with the P fleet's capability key
+Capabilities (``kvpush.core.capability``): with the P fleet's capability key
 (``--capability-key``), the router mints each transfer's capability and
 sends it to D with the transfer id (kvpush, and vllm-push where it then also
 sends both sides ``transfer_id``, which vLLM's connectors ignore); in
@@ -41,7 +41,7 @@ import copy
 import uuid
 from typing import Any
 
-from kvpush.capability import mint
+from kvpush.core.capability import mint
 from kvpush.integrations.router.pool import Instance
 
 MODES = ("kvpush", "vllm-pull", "vllm-push")

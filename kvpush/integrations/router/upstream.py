@@ -14,7 +14,7 @@ from kvpush.integrations.router.config import RouterConfig
 from kvpush.integrations.router.dp import dp_headers
 from kvpush.integrations.router.health import mark_down
 from kvpush.integrations.router.pool import Instance
-from kvpush.prometheus import TextExposition
+from kvpush.observability.prometheus import TextExposition
 
 
 class UpstreamError(Exception):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import Any
 
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 
 SUPPORTED_VLLM = ((0, 24), (0, 34))
 """vLLM versions the connector supports, ``[0.24, 0.34)``: the one declaration, checked at start."""

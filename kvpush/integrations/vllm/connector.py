@@ -37,9 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.backends import CacheSpec, load_backend
-from kvpush.capability import derive_key
 from kvpush.config import Config
-from kvpush.errors import BackendError, ConfigError
+from kvpush.core.capability import derive_key
+from kvpush.core.errors import BackendError, ConfigError
+from kvpush.core.layout import KVLayout
+from kvpush.core.recurrent import loaded_tokens, prefill_backoff
 from kvpush.integrations.vllm import compat
 from kvpush.integrations.vllm import layout as vllm_layout
 from kvpush.integrations.vllm.discovery import Announcer, start_announcer
@@ -47,8 +49,6 @@ from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMet
 from kvpush.integrations.vllm.params import PrefillAdvert
 from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
-from kvpush.layout import KVLayout
-from kvpush.recurrent import loaded_tokens, prefill_backoff
 from kvpush.transport import auth
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
 
 
 def drop_prompt_tail(request: Request, drop: int) -> None:
-    """Remove the last ``drop`` prompt tokens of a request vLLM has not scheduled yet (``kvpush.recurrent``'s backoff).
+    """Remove the last ``drop`` prompt tokens of a request vLLM has not scheduled yet (``core.recurrent``'s backoff).
 
     The request then ends after one token (its answer is computed from the
     shorter prompt; routers discard it). Prompt embeddings are shortened alike.
@@ -297,7 +297,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             blocks.get_block_ids(),
             # request.num_computed_tokens is not updated yet at this hook: the
             # local prefix hit is whatever the remote part does not cover of
-            # the tokens D loads (all but the backoff's, ``kvpush.recurrent``).
+            # the tokens D loads (all but the backoff's, ``kvpush.core.recurrent``).
             loaded_tokens(request.num_prompt_tokens, self.sched.backoff) - num_external_tokens,
             num_external_tokens,
         )
@@ -460,7 +460,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         if self.announcer is not None:
             self.announcer.close()
 
-    # ---------------- metrics (kvpush.metrics through vLLM's stats hooks) ----------------
+    # ---------------- metrics (kvpush.observability.metrics through vLLM's stats hooks) ----------------
     def get_kv_connector_stats(self) -> KVPushConnectorStats | None:
         stats = self.worker.take_stats() if self.worker is not None else None
         return None if stats is None else KVPushConnectorStats(data=stats.data)

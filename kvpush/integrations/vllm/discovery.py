@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from kvpush.config import Config
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvpush.backends.base import CacheSpec
-from kvpush.errors import BackendError, ConfigError
-from kvpush.layout import KVLayout, Region
-from kvpush.recurrent import StateGroup
+from kvpush.core.errors import BackendError, ConfigError
+from kvpush.core.layout import KVLayout, Region
+from kvpush.core.recurrent import StateGroup
 
 VLLM_AXES = "BHNC"
 """vLLM 0.29 and later: each layer's cache is a ``[blocks, heads, tokens, content]`` view (vLLM RFC #42082); the

@@ -4,8 +4,8 @@ vLLM collects ``get_kv_connector_stats()`` from every worker each step, adds
 them with ``aggregate``, ships the ``to_dict()`` payload to the API server
 process, and there hands it to ``build_kv_connector_stats`` (for its periodic
 log line) and to the connector's ``build_prom_metrics`` object (for
-``/metrics``). These two classes adapt ``kvpush.metrics`` and
-``kvpush.prometheus`` to that: all logic stays in the pure modules, here is
+``/metrics``). These two classes adapt ``kvpush.observability.metrics`` and
+``kvpush.observability.prometheus`` to that: all logic stays in the pure modules, here is
 only vLLM's class surface.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvpush.metrics import TransferStats
-from kvpush.prometheus import METRIC_BY_NAME, METRICS, PromFeed
+from kvpush.observability.metrics import TransferStats
+from kvpush.observability.prometheus import METRIC_BY_NAME, METRICS, PromFeed
 
 
 @dataclass
@@ -45,8 +45,8 @@ class KVPushConnectorStats(KVConnectorStats):
 
 
 class KVPushPromMetrics(KVConnectorPromMetrics):
-    """Registers every metric of ``kvpush.prometheus.METRICS`` with vLLM's Prometheus classes, under each of
-    its exported names (``vllm:kvpush_*`` and the ``kvpush_*`` alias).
+    """Registers every metric of ``kvpush.observability.prometheus.METRICS`` with vLLM's Prometheus classes,
+    under each of its exported names (``vllm:kvpush_*`` and the ``kvpush_*`` alias).
 
     vLLM's own labels (model name, engine index) come first; kvpush's (side,
     stage, …) follow. One ``PromFeed`` per engine index keeps gauges per rank.

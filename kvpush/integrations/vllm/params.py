@@ -12,7 +12,7 @@ kvpush with only the connector name changed:
   transfer id as ``transfer_id``. vLLM's own fields (``remote_engine_id``,
   ``remote_request_id``, ``remote_block_ids``, ``transfer_mode``, ...) are
   accepted and not needed: push pairs by transfer id, not by P's blocks.
-* ``capability``: the transfer's capability (``kvpush.capability``), from P's
+* ``capability``: the transfer's capability (``kvpush.core.capability``), from P's
   answer (a sequential router passes it on untouched) or from the router
   (concurrent dispatch). D sends it with its registration; P refuses a
   registration or abort without it unless P's ``capability`` is "optional".
@@ -42,9 +42,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.capability import CAPABILITY_CHARS, mint
+from kvpush.core.capability import CAPABILITY_CHARS, mint
+from kvpush.core.errors import ConfigError
 from kvpush.engine.types import PeerAddress
-from kvpush.errors import ConfigError
 
 MAX_TRANSFER_ID = 256
 """Longest transfer id the wire protocol carries."""
@@ -214,7 +214,7 @@ class PrefillAdvert:
     port: int
     tp_size: int = 1
     capability_key: bytes | None = field(default=None, repr=False)
-    """The P fleet's capability key (``kvpush.capability``); None: P's answer carries no capability."""
+    """The P fleet's capability key (``kvpush.core.capability``); None: P's answer carries no capability."""
 
 
 def prefill_answer(advert: PrefillAdvert, role: PrefillSide, request_id: str) -> dict[str, Any]:

@@ -32,10 +32,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.core.outcome import PrefillState
+from kvpush.core.plan import HOLE
+from kvpush.core.recurrent import dropped_tokens, loaded_tokens
 from kvpush.integrations.vllm.params import DecodeSide, PrefillAdvert, PrefillSide, parse, prefill_answer
-from kvpush.outcome import PrefillState
-from kvpush.plan import HOLE
-from kvpush.recurrent import dropped_tokens, loaded_tokens
 
 log = logging.getLogger(__name__)
 TRUNCATED = "_kvpush_backed_off"
@@ -142,7 +142,7 @@ class SchedulerSide:
     ) -> None:
         self.layerwise = layerwise
         self.backoff = backoff
-        """Trailing prompt tokens P leaves to D (``kvpush.recurrent``): 1 for models with recurrent-state layers."""
+        """Trailing prompt tokens P leaves to D (``core.recurrent``): 1 for models with recurrent-state layers."""
         self.max_waiting = max_waiting_registrations  # D: registrations waiting on one P (0: no bound)
         self._peer_of: dict[str, tuple[str, int]] = {}  # D request registered -> its P's side channel
         self._queued: dict[str, tuple[str, int]] = {}  # P request not yet scheduled -> (transfer id, tokens)
@@ -241,7 +241,7 @@ class SchedulerSide:
     def prefill_drop(
         self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, whole: bool = False
     ) -> int:
-        """Trailing prompt tokens P must not compute for this request (``kvpush.recurrent.dropped_tokens``).
+        """Trailing prompt tokens P must not compute for this request (``kvpush.core.recurrent.dropped_tokens``).
 
         A P request (``do_remote_decode``) of a model with state layers drops
         its last prompt token once; the params remember it (``TRUNCATED``), so

@@ -14,11 +14,11 @@ from typing import Any
 
 from kvpush.backends.base import Backend, CacheSpec
 from kvpush.config import Config
+from kvpush.core.layout import KVLayout, map_pieces
 from kvpush.engine import PeerAddress, Receiver, Sender
 from kvpush.integrations.vllm.compat import load_error_blocks
 from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders
-from kvpush.layout import KVLayout, map_pieces
-from kvpush.metrics import TransferStats, layout_gauges, take_engine
+from kvpush.observability.metrics import TransferStats, layout_gauges, take_engine
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 1.0

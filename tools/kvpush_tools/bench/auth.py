@@ -36,7 +36,7 @@ def _pair(mode: str, keys_dir: str) -> tuple[Any, Any]:
 
 
 def _round_trip(server: Any, client: Any, msg: Any, timeout_s: float = 10.0) -> float:
-    from kvpush import protocol
+    from kvpush.core import protocol
 
     t0 = time.perf_counter()
     client.send(msg)
@@ -56,7 +56,7 @@ def _round_trip(server: Any, client: Any, msg: Any, timeout_s: float = 10.0) -> 
 
 
 def _message(size: int) -> Any:
-    from kvpush import protocol
+    from kvpush.core import protocol
 
     n = max(1, size // 3)  # block ids of 2-3 bytes each in msgpack
     return protocol.Register("t", "r", "d", 0, (tuple(range(300, 300 + n)),), 16)

@@ -560,7 +560,7 @@ def check_layer_config(extra: Mapping[str, Any]) -> str | None:
     Servers import this same kvpush, so an unknown key fails here in
     milliseconds instead of after minutes of server startup."""
     from kvpush.config import Config
-    from kvpush.errors import ConfigError
+    from kvpush.core.errors import ConfigError
 
     try:
         Config.from_dict(dict(extra))

@@ -8,7 +8,7 @@ the trees taking turns round by round:
 
 - ``plan``: ``build_plan`` of a staged push as pairing calls it, with the
   pack list built ahead when the tree builds one at hand-over
-  (``kvpush.payload``), else building it;
+  (``kvpush.core.payload``), else building it;
 - ``plan_no_ahead``: the same plan building the pack list itself (a
   registration the list built ahead does not fit);
 - ``pack_ahead``: building the list at hand-over (off the path).
@@ -39,10 +39,10 @@ import kvpush
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
-from kvpush.layout import heads_overlap
-from kvpush.plan import build_plan, staged_bytes
+from kvpush.core.layout import heads_overlap
+from kvpush.core.plan import build_plan, staged_bytes
 try:
-    from kvpush.payload import pack_pieces
+    from kvpush.core.payload import pack_pieces
 except ImportError:
     pack_pieces = None
 tokens, layers, bs, hd, seed = (int(x) for x in sys.argv[1:6])
@@ -57,7 +57,7 @@ rng = np.random.default_rng(seed)
 # Block ids as the engine holds them: tuples of ints (the prefill's, and the Register's off the wire).
 sb, db = (tuple(int(b) for b in rng.permutation(pool)[:blocks]) for _ in range(2))
 try:  # a tree whose pack list at hand-over keeps P's block ids as an array plans from that array
-    from kvpush.transfer import PackAhead
+    from kvpush.prefill.transfer import PackAhead
     keeps_array = "blocks" in PackAhead.__dataclass_fields__
 except ImportError:
     keeps_array = False

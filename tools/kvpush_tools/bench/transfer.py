@@ -70,7 +70,7 @@ RUN = 16
 class Shape:
     """One rank's KV geometry and the request length; elements are ``dtype_bytes`` wide.
 
-    Not ``kvpush.geometry.KVGeometry``, on purpose: a shape is sent to the side processes, which with
+    Not ``kvpush.core.geometry.KVGeometry``, on purpose: a shape is sent to the side processes, which with
     ``--tree`` import another checkout's ``kvpush`` (an old commit's, for an A/B), where that type may not
     exist; so the shape is this module's own, and nothing of ``kvpush`` is imported here at module level.
     """
@@ -154,14 +154,14 @@ class _Side:
     def __init__(
         self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...], knobs: dict[str, int]
     ) -> None:
-        import kvpush.plan
+        import kvpush.core.plan
         from kvpush.backends.base import CacheSpec
         from kvpush.backends.host import HostBackend
 
         self.role, self.shape, self.nixl_backends, self.knobs = role, shape, nixl_backends, knobs
         if knobs.get("min_part_bytes") is not None:
             # A bench knob: lets small payloads be cut into parts, so per-part costs show without big copies.
-            kvpush.plan.MIN_PART_BYTES = knobs["min_part_bytes"]
+            kvpush.core.plan.MIN_PART_BYTES = knobs["min_part_bytes"]
         self.cache = _cache(shape, seed)
         self.backend = HostBackend()
         spec = CacheSpec(shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes, "bfloat16")
@@ -201,7 +201,7 @@ class _Side:
         self.engines, self.agent = {}, None
 
     def op_raw_peer(self, metadata: bytes, layout: bytes) -> None:
-        from kvpush.layout import KVLayout
+        from kvpush.core.layout import KVLayout
 
         self.peer = self.agent.add_peer(metadata)
         self.peer_layout = _dec(layout, KVLayout)
@@ -270,7 +270,7 @@ class _Side:
             time.sleep(0.0002)
 
     def op_raw_push(self, tag: str, sblocks: list[int], dblocks: list[int], timeout: float) -> dict[str, Any]:
-        from kvpush.outcome import XferState
+        from kvpush.core.outcome import XferState
 
         t0 = time.monotonic()
         c0 = time.perf_counter()
@@ -854,7 +854,8 @@ def parser() -> argparse.ArgumentParser:
         "--min-part-bytes",
         type=int,
         default=None,
-        help="smallest part of a staged push (kvpush.plan.MIN_PART_BYTES; lower it to cut small payloads into parts)",
+        help="smallest part of a staged push (kvpush.core.plan.MIN_PART_BYTES; lower it to cut small payloads "
+        "into parts)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
     ap.add_argument("--no-plot", action="store_true")

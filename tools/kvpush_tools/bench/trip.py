@@ -54,7 +54,7 @@ def register_frame(blocks: int, seed: int = 0) -> bytes:
     """The encoded Register of ``blocks`` shuffled block ids (out of twice as many), as D sends it."""
     import numpy as np
 
-    from kvpush import protocol
+    from kvpush.core import protocol
 
     ids = tuple(int(b) for b in np.random.default_rng(seed).permutation(2 * blocks)[:blocks])
     grant = protocol.StagingGrant(0, 1 << 20)
@@ -101,7 +101,7 @@ def _receiver(conn: Any, case: str, keys_dir: str, main_poll_s: float) -> None:
     """P's side: sleep in a poller (socket + wake-up pipe), stamp each stage, answer the stamps."""
     import zmq
 
-    from kvpush import protocol
+    from kvpush.core import protocol
 
     _KEYS.update(conn.recv())
     ctx = zmq.Context()
@@ -201,7 +201,7 @@ def measure(blocks: int, pings: int, gap_s: float, main_poll_s: float) -> dict[s
     auth.make_key_set(keys_dir)
     keys = {"server": zmq.curve_keypair(), "client": zmq.curve_keypair()}
     _KEYS.update(keys)
-    from kvpush import protocol
+    from kvpush.core import protocol
 
     frames = {
         "Heartbeat": protocol.encode(protocol.Heartbeat("decode-engine", 0, 1, 0.0)),
@@ -251,15 +251,15 @@ import json, sys, time
 import msgspec
 import numpy as np
 import kvpush
-from kvpush import protocol
+from kvpush.core import protocol
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
 from kvpush.engine.peers import registration_problem
-from kvpush.incoming import Asked
-from kvpush.layout import KVLayout
-from kvpush.plan import group_tokens
-from kvpush.registration import unpack_choice
+from kvpush.decode.incoming import Asked
+from kvpush.core.layout import KVLayout
+from kvpush.core.plan import group_tokens
+from kvpush.decode.registration import unpack_choice
 blocks, layers, gap = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 spec = CacheSpec(16, 1, 2, "bfloat16")
 arrs = [np.zeros((layers, 2, 2 * blocks, 16, 1, 2), dtype=np.uint8) for _ in range(2)]

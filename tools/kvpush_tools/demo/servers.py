@@ -493,7 +493,7 @@ def kvpush_transfer_config(
 def capability(keys: str | os.PathLike[str], transfer_id: str) -> str:
     """The capability a router holding key set ``keys``'s capability key gives D for ``transfer_id`` (a test
     that sends D its ``kv_transfer_params`` by hand plays the router)."""
-    from kvpush.capability import mint
+    from kvpush.core.capability import mint
     from kvpush.transport.auth import router_capability_key
 
     key = router_capability_key(keys)

@@ -8,7 +8,7 @@ attempts share one vocabulary.
 An action about one attempt carries that attempt (the ``Incoming`` that made
 it), so the receiver can feed the answer back to it. Its type is a parameter
 (``A``): this vocabulary names no machine, the machines import it
-(``kvpush.incoming.Action`` is ``Action[Incoming]``).
+(``kvpush.decode.incoming.Action`` is ``Action[Incoming]``).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from kvpush import protocol
-from kvpush.outcome import Result
-from kvpush.staging import FreeSlot
-from kvpush.topology import ConnKey
+from kvpush.core import protocol
+from kvpush.core.outcome import Result
+from kvpush.core.staging import FreeSlot
+from kvpush.core.topology import ConnKey
 
 A = TypeVar("A")
-"""The attempt an action is about: ``kvpush.incoming.Incoming``."""
+"""The attempt an action is about: ``kvpush.decode.incoming.Incoming``."""
 
 UNKNOWN_SENDER: ConnKey = ("", 0)
 """The sender of a notification from a NIXL agent no P rank's hello reply named."""
@@ -136,4 +136,4 @@ Action = (
     | Report[A]
 )
 """What D's fencing asks for, about attempts of type ``A`` (a staging slot goes back with
-``kvpush.staging.FreeSlot``, the same action as on P)."""
+``kvpush.core.staging.FreeSlot``, the same action as on P)."""

@@ -24,8 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvpush.integrations.router", "run the P/D router in front of vLLM servers"),
     "demo": ("kvpush_tools.demo.run", "run the end-to-end demo"),
     "doctor": ("kvpush.doctor", "check this host: NIXL plugins, devices, backends"),
-    "keys": ("kvpush.keys", "make the side channel's key set (P's pair, allowed D keys)"),
-    "timeline": ("kvpush.timeline", "render a transfer timeline"),
+    "keys": ("kvpush.cli.keys", "make the side channel's key set (P's pair, allowed D keys)"),
+    "timeline": ("kvpush.cli.timeline", "render a transfer timeline"),
 }
 BENCH: dict[str, tuple[str, str]] = {
     "transfer": ("kvpush_tools.bench.transfer", "benchmark pushes between two processes"),
@@ -79,7 +79,3 @@ def main(argv: list[str] | None = None) -> int:
         sub = _parser("kvpush bench", BENCH).parse_args(args.args)
         return _run(BENCH[sub.command][0], f"bench {sub.command}", sub.args)
     return _run(COMMANDS[args.command][0], args.command, args.args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """P's pack at hand-over: a parked prefill packed into a staging slot before any registration (pure).
 
 Behind a sequential router D registers only after P's prefill finished, and
-the staged payload follows P's own block order (``kvpush.payload``), so P can
+the staged payload follows P's own block order (``kvpush.core.payload``), so P can
 pack it while the prefill is parked; the push at pairing then only plans D's
 side and posts. This ledger keeps the rules about the slots such packs hold:
 
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from kvpush.config import Config
-from kvpush.layout import KVLayout
-from kvpush.outcome import PlanKind
-from kvpush.payload import block_runs
-from kvpush.plan import estimate
-from kvpush.staging import FreeSlot
+from kvpush.core.layout import KVLayout
+from kvpush.core.outcome import PlanKind
+from kvpush.core.payload import block_runs
+from kvpush.core.plan import estimate
+from kvpush.core.staging import FreeSlot
 
 PARKED_SHARE = 0.5
 """Most of P's staging bytes that slots held by parked prefills may take."""

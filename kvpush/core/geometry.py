@@ -6,7 +6,7 @@ A cache is ``layers`` layers of ``[K/V, num_blocks, block]``; a block holds
 ``dtype``, token-major (``NHD``) or head-major (``HND``); the rank is
 ``tp_rank`` of ``tp_size``, holding ``local_heads`` of the model's
 ``num_heads`` KV heads. Only sizes are derived here: where a byte lives is
-the backend's ``describe`` and ``kvpush.layout``'s to say, and a test model
+the backend's ``describe`` and ``kvpush.core.layout``'s to say, and a test model
 that checks them keeps its own rule (``kvpush.conformance.model``).
 """
 

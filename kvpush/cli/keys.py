@@ -13,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 from kvpush.transport import auth
 
 

@@ -25,8 +25,8 @@ import enum
 
 import numpy as np
 
-from kvpush.errors import LayoutError
-from kvpush.layout import KVLayout, TokenOrder, check_compatible, heads_overlap
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import KVLayout, TokenOrder, check_compatible, heads_overlap
 
 
 class PayloadOrder(enum.StrEnum):

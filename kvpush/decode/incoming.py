@@ -3,7 +3,7 @@
 D registers its blocks with every P rank that writes them (a *writer*), then
 counts the regions each writer's parts cover. ``Incoming`` turns what
 happens to one attempt (a completion, a failure, an abort, an unpack done, a
-writer declared dead, time passing) into actions (``kvpush.fencing_actions``).
+writer declared dead, time passing) into actions (``kvpush.decode.fencing_actions``).
 
 The one rule everything here serves: **D gives a transfer's blocks back
 only when no writer can still write into them** — every writer completed,
@@ -33,11 +33,20 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvpush import fencing_actions, protocol
-from kvpush.fencing_actions import AwaitUnpacks, Overdue, Report, SendAbort, SendRegister, StartUnpack, WaitUnpacks
-from kvpush.outcome import Cause, Failed, PlanKind, PrefillState, ReceiveStats, ReceiveTimes, Result, Stage
-from kvpush.staging import FreeSlot
-from kvpush.topology import ConnKey
+from kvpush.core import protocol
+from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, ReceiveStats, ReceiveTimes, Result, Stage
+from kvpush.core.staging import FreeSlot
+from kvpush.core.topology import ConnKey
+from kvpush.decode import fencing_actions
+from kvpush.decode.fencing_actions import (
+    AwaitUnpacks,
+    Overdue,
+    Report,
+    SendAbort,
+    SendRegister,
+    StartUnpack,
+    WaitUnpacks,
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,7 @@ class Asked:
     start_token: int = 0
     skip_blocks: tuple[int, ...] = ()  # per group: leading blocks D does not hold (a sliding window's)
     capability: str = field(default="", repr=False)
-    """The transfer's capability (``kvpush.capability``), sent with the registration and any abort; never
+    """The transfer's capability (``kvpush.core.capability``), sent with the registration and any abort; never
     shown."""
 
 
@@ -317,4 +326,4 @@ class Incoming:
 
 
 Action = fencing_actions.Action[Incoming]
-"""What an attempt's events answer with (``kvpush.fencing_actions``, about ``Incoming``s)."""
+"""What an attempt's events answer with (``kvpush.decode.fencing_actions``, about ``Incoming``s)."""

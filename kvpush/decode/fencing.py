@@ -1,10 +1,10 @@
 """D's fencing: every transfer D registered and not yet reported, and when it may report each (sans-I/O).
 
-``Fencing`` keeps every attempt D made (``kvpush.incoming.Incoming``),
+``Fencing`` keeps every attempt D made (``kvpush.decode.incoming.Incoming``),
 current and superseded, routes each event to the attempts it concerns (a
 completion, P's failure, an Ack, a connection ready, refused or declared
 dead, a fencing hello answered, time passing) and settles their actions
-(``kvpush.fencing_actions``): a transfer is forgotten once a fenced Report
+(``kvpush.decode.fencing_actions``): a transfer is forgotten once a fenced Report
 gives its blocks back. A re-issued registration gets a new *attempt*; the
 older attempt stays (superseded) until P answers it or a completion of a
 newer attempt proves P no longer writes it (P pushes a new attempt only
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpush import protocol
-from kvpush.allow import Allowed
-from kvpush.fencing_actions import Cancel, Foreign, Overdue, Report, SendAbort, SendRegister, Stale, StartUnpack
-from kvpush.incoming import Action, Asked, Incoming, Writer
-from kvpush.metrics import Count
-from kvpush.outcome import Cause, Failed, PrefillState, Stage
-from kvpush.topology import ConnKey
+from kvpush.core import protocol
+from kvpush.core.outcome import Cause, Failed, PrefillState, Stage
+from kvpush.core.topology import ConnKey
+from kvpush.decode.allow import Allowed
+from kvpush.decode.fencing_actions import Cancel, Foreign, Overdue, Report, SendAbort, SendRegister, Stale, StartUnpack
+from kvpush.decode.incoming import Action, Asked, Incoming, Writer
+from kvpush.observability.metrics import Count
 
 
 class Fencing:

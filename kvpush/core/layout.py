@@ -24,8 +24,8 @@ import enum
 import msgspec
 import numpy as np
 
-from kvpush.errors import LayoutError
-from kvpush.recurrent import StateGroup, check_states_compatible
+from kvpush.core.errors import LayoutError
+from kvpush.core.recurrent import StateGroup, check_states_compatible
 
 
 class MemKind(enum.StrEnum):
@@ -96,7 +96,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     memory) means every transfer to or from this rank goes through staging. Peers learn it from the layout."""
     states: tuple[StateGroup, ...] = ()
     """KV-cache groups of recurrent-state layers (Mamba, GDN): their regions hold one state per block
-    (``kvpush.recurrent``), not ``block_size`` tokens; the geometry above is the attention groups'."""
+    (``kvpush.core.recurrent``), not ``block_size`` tokens; the geometry above is the attention groups'."""
 
     @property
     def hybrid(self) -> bool:

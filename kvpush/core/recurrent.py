@@ -23,10 +23,10 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from kvpush.errors import LayoutError
+from kvpush.core.errors import LayoutError
 
 HOLE = -1
-"""A block id a side no longer holds (``kvpush.plan.HOLE``)."""
+"""A block id a side no longer holds (``kvpush.core.plan.HOLE``)."""
 
 
 class StateGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -112,7 +112,7 @@ def state_pieces(
 ) -> np.ndarray:
     """The one piece ``(src offset, dst offset, length)`` moving a request's state from P's block to D's.
 
-    Offsets are relative to each region's base, as ``kvpush.layout.map_pieces``
+    Offsets are relative to each region's base, as ``kvpush.core.layout.map_pieces``
     gives them; the same piece serves every region of the group.
     """
     check_state_compatible(src, dst)

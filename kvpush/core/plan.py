@@ -9,7 +9,7 @@ docs/benchmarks.md, "Descriptor cost"). The plan is either
 - ``staged``: P packs the pieces into a contiguous staging slot, one WRITE
   moves it into a slot D reserved in its staging region, D unpacks.
 
-Staging payload format: ``kvpush.payload`` (each side derives its half from
+Staging payload format: ``kvpush.core.payload`` (each side derives its half from
 its own block ids, so P's pack list can be built before D registers).
 """
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush import recurrent
 from kvpush.config import Config
-from kvpush.errors import LayoutError
-from kvpush.layout import (
+from kvpush.core import recurrent
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import (
     KVLayout,
     TokenOrder,
     coalesce_in_dst_order,
@@ -34,9 +34,9 @@ from kvpush.layout import (
     map_pieces,
     merge_descriptors,
 )
-from kvpush.outcome import PlanKind
-from kvpush.payload import block_runs, pack_pieces
-from kvpush.payload import unpack_pieces as unpack_pieces
+from kvpush.core.outcome import PlanKind
+from kvpush.core.payload import block_runs, pack_pieces
+from kvpush.core.payload import unpack_pieces as unpack_pieces
 
 
 @dataclass(frozen=True)

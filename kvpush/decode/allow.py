@@ -20,7 +20,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from kvpush.errors import ConfigError
+from kvpush.core.errors import ConfigError
 
 _BRACKETED = re.compile(r"^\[(?P<addr>[^\]]+)\](?::(?P<lo>\d+)(?:-(?P<hi>\d+))?)?$")
 _PLAIN = re.compile(r"^(?P<addr>[^:\[\]\s]+)(?::(?P<lo>\d+)(?:-(?P<hi>\d+))?)?$")

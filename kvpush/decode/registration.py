@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush import protocol
 from kvpush.config import Config
-from kvpush.incoming import Asked, Incoming
-from kvpush.layout import KVLayout
-from kvpush.payload import check_unpack
-from kvpush.plan import part_count, split_regions, staging_decided, unpack_pieces, wants_staging
+from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
+from kvpush.core.payload import check_unpack
+from kvpush.core.plan import part_count, split_regions, staging_decided, unpack_pieces, wants_staging
+from kvpush.decode.incoming import Asked, Incoming
 
 
 def unpack_choice(

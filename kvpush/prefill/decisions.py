@@ -10,9 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpush.outcome import Cause, Failed, PrefillState, Stage
-from kvpush.protocol import Register
-from kvpush.transfer import Transfer
+from kvpush.core.outcome import Cause, Failed, PrefillState, Stage
+from kvpush.core.protocol import Register
+from kvpush.prefill.transfer import Transfer
 
 
 class TransferState(enum.StrEnum):

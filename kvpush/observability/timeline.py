@@ -14,18 +14,16 @@ no monotonic clock. Cross-process differences (D sent → P received, P done →
 D notified) therefore include the clock offset between the hosts; ``kvpush
 doctor --peer`` measures it.
 
-``kvpush timeline P.log D.log [--png out.png]`` joins the lines by transfer
+``kvpush timeline P.log D.log [--png out.png]`` (``kvpush.cli.timeline``) joins the lines by transfer
 id and prints, per stage, the median and p90 and, per request, where its time
 went; ``--png`` draws a waterfall of a sample of requests.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpush.outcome import Result
+    from kvpush.core.outcome import Result
 
 LOGGER = logging.getLogger("kvpush.timeline")
 MARKER = "kvpush.timeline "
@@ -47,7 +45,7 @@ VERSION = 1
 
 def record(side: str, engine: str, result: Result, wall_offset: float | None = None) -> dict[str, Any]:
     """The timeline record of one ended transfer, times in wall-clock seconds."""
-    from kvpush.metrics import plan_of
+    from kvpush.observability.metrics import plan_of
 
     off = (time.time() - time.monotonic()) if wall_offset is None else wall_offset
     return {
@@ -67,7 +65,7 @@ def record(side: str, engine: str, result: Result, wall_offset: float | None = N
 
 
 def log_result(side: str, engine: str, result: Result) -> None:
-    """Log one ``kvpush.timeline`` line for ``result`` if debug logging is on for it (cheap otherwise)."""
+    """Log one ``kvpush.timeline`` log line for ``result`` if debug logging is on for it (cheap otherwise)."""
     if LOGGER.isEnabledFor(logging.DEBUG):
         LOGGER.debug("%s%s", MARKER, json.dumps(record(side, engine, result), separators=(",", ":")))
 
@@ -189,7 +187,7 @@ def join(records: Iterable[dict[str, Any]]) -> tuple[list[Joined], int, int]:
 
 
 def _q(values: Sequence[float], q: float) -> float:
-    from kvpush.metrics import quantile
+    from kvpush.observability.metrics import quantile
 
     return quantile(sorted(values), q)
 
@@ -326,55 +324,3 @@ def draw_waterfall(joined: Sequence[Joined], path: str | Path, sample: int = 20)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return len(rows)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``kvpush timeline LOG [LOG...] [--png out.png]``: 0 when at least one transfer joined."""
-    ap = argparse.ArgumentParser(
-        prog="kvpush timeline",
-        description="Join P's and D's kvpush.timeline log lines (KVPUSH_LOG_LEVEL=DEBUG) and show where time went.",
-    )
-    ap.add_argument("logs", nargs="+", type=Path, help="server logs (P's and D's; any order, any number)")
-    ap.add_argument("--png", type=Path, help="write a waterfall of a sample of requests here")
-    ap.add_argument("--sample", type=int, default=20, help="requests in the waterfall (default 20)")
-    ap.add_argument("--top", type=int, default=20, help="slowest requests listed (default 20)")
-    ap.add_argument("--json", type=Path, help="write the per-stage summary and joined transfers as JSON")
-    a = ap.parse_args(argv)
-    records: list[dict[str, Any]] = []
-    bad = 0
-    for path in a.logs:
-        try:
-            with open(path, errors="replace") as f:
-                recs, b = parse_lines(f)
-        except OSError as exc:
-            print(f"kvpush timeline: cannot read {path}: {exc}", file=sys.stderr)
-            return 2
-        records += recs
-        bad += b
-    joined, only_p, only_d = join(records)
-    if bad:
-        print(f"({bad} unreadable timeline lines skipped)")
-    print(render_table(joined, only_p, only_d, a.top))
-    if not joined:
-        print(
-            "no transfer appears in both P's and D's logs: start both servers with KVPUSH_LOG_LEVEL=DEBUG "
-            "and give both logs",
-            file=sys.stderr,
-        )
-        return 1
-    if a.png is not None:
-        n = draw_waterfall(joined, a.png, a.sample)
-        print(f"waterfall of {n} transfers: {a.png}")
-    if a.json is not None:
-        payload = {
-            "summary": summarize(joined),
-            "transfers": [j.__dict__ for j in joined],
-            "only_p": only_p,
-            "only_d": only_d,
-        }
-        a.json.write_text(json.dumps(payload, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

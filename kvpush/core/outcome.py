@@ -68,7 +68,7 @@ class PrefillState(enum.StrEnum):
 
 
 class PlanKind(enum.StrEnum):
-    """How a push moves its bytes (``kvpush.plan``)."""
+    """How a push moves its bytes (``kvpush.core.plan``)."""
 
     DIRECT = "direct"
     STAGED = "staged"
@@ -203,7 +203,7 @@ class Result:
     ``PushTimes`` on P, summed over this rank's pushes of the transfer;
     ``ReceiveStats`` and ``ReceiveTimes`` on D). Times are
     ``time.monotonic()`` values, subtracted from each other here;
-    ``kvpush.timeline`` turns them into wall-clock time when it logs them, so
+    ``kvpush.observability.timeline`` turns them into wall-clock time when it logs them, so
     P's and D's lines from two processes can be joined.
     """
 

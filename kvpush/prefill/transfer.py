@@ -1,6 +1,6 @@
 """P's record of one transfer: what the forward reported written, its push jobs, and what its Result will say.
 
-The record is owned by the transfer's rendezvous entry (``kvpush.rendezvous``)
+The record is owned by the transfer's rendezvous entry (``kvpush.prefill.rendezvous``)
 and goes with it, so nothing P knows of a transfer outlives it.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.outcome import Failed, PushStats, PushTimes
-from kvpush.push_job import DKey, PushJob
+from kvpush.core.outcome import Failed, PushStats, PushTimes
+from kvpush.prefill.push_job import DKey, PushJob
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Milestone:
 class PackAhead:
     """P's pack list of a prefill, built when it was handed over, before any registration.
 
-    The staged payload needs only P's own block ids (``kvpush.payload``), so
+    The staged payload needs only P's own block ids (``kvpush.core.payload``), so
     a registration arriving later finds its pack list made and uploaded. It
     was built for the whole prompt and P's own heads: it fits a registration
     of exactly that prefill (the same object), tokens and shared heads.

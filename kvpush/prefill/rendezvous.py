@@ -25,7 +25,7 @@ reports, and P keeps the registration while the prefill is on its way.
 Each entry owns the transfer's whole record on P (``push_job.Transfer``:
 readiness, its push jobs, stats, stage times), so everything P knows of a
 transfer is created with its entry and goes with it. The decision types
-live in ``kvpush.decisions`` and are importable from here too.
+live in ``kvpush.prefill.decisions`` and are importable from here too.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvpush.capability import Binding
-from kvpush.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, TransferState
-from kvpush.limits import Holdings, PeerLimits
-from kvpush.outcome import Cause, Failed, PrefillState
-from kvpush.protocol import Register
-from kvpush.push_job import DKey
-from kvpush.transfer import Transfer
+from kvpush.core.capability import Binding
+from kvpush.core.limits import Holdings, PeerLimits
+from kvpush.core.outcome import Cause, Failed, PrefillState
+from kvpush.core.protocol import Register
+from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, TransferState
+from kvpush.prefill.push_job import DKey
+from kvpush.prefill.transfer import Transfer
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Rendezvous:
         self.prefill_lease_s = prefill_lease_s
         self.limits = limits or PeerLimits()
         self.binding = binding
-        """The capability rule (``kvpush.capability``); None: none checked (``"auth": "none"``, where every
+        """The capability rule (``kvpush.core.capability``); None: none checked (``"auth": "none"``, where every
         peer is the same nobody anyway)."""
         self.holdings = Holdings(self.limits)
         """What each D rank holds in the entries (registrations and their block ids), kept equal to

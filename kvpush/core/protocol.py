@@ -18,11 +18,12 @@ from typing import Annotated, Any, Union
 import msgspec
 import numpy as np
 
-from kvpush import PROTOCOL_VERSION
-from kvpush.errors import LayoutError, ProtocolError
-from kvpush.layout import KVLayout, MemKind, Region
-from kvpush.outcome import Cause, PlanKind, PrefillState, Stage
+from kvpush.core.errors import LayoutError, ProtocolError
+from kvpush.core.layout import KVLayout, MemKind, Region
+from kvpush.core.outcome import Cause, PlanKind, PrefillState, Stage
 
+PROTOCOL_VERSION = 9
+"""The wire version both sides must speak; raised on any change to a message's fields or meaning."""
 MAX_FRAME_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
 MAX_GROUPS = 16
@@ -32,7 +33,7 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=4096)]
 Capability = Annotated[str, msgspec.Meta(max_length=64)]
-"""A transfer's capability (``kvpush.capability``); empty: none given."""
+"""A transfer's capability (``kvpush.core.capability``); empty: none given."""
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 WIRE_BLOCK_ID = np.dtype("<u4")
 """A block id on the wire: each group's ids travel as one msgpack bin of little-endian uint32s. Neither
@@ -163,7 +164,7 @@ class Register(_Msg, tag="register"):
     attempt: NonNeg = 0
     skip_blocks: Annotated[tuple[NonNeg, ...], msgspec.Meta(max_length=64)] = ()
     capability: Capability = ""
-    """The transfer's capability (``kvpush.capability``): P accepts the registration only with it."""
+    """The transfer's capability (``kvpush.core.capability``): P accepts the registration only with it."""
 
     def __repr__(self) -> str:  # a registration logged must not show its capability
         return f"Register({self.transfer_id!r}, {self.engine_id!r}, rank={self.rank}, attempt={self.attempt})"

@@ -1,6 +1,6 @@
 """P's push of one transfer to one D rank, as a sans-I/O state machine.
 
-A *job* starts when a registration meets its prefill (``kvpush.rendezvous``
+A *job* starts when a registration meets its prefill (``kvpush.prefill.rendezvous``
 decides that), is planned once, and then posts *parts*: WRITEs of a range of
 regions, each with its own completion, as the KV becomes ready. The job never
 touches NIXL, the backend or a socket: the engine thread feeds it events
@@ -41,9 +41,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.outcome import Cause, Failed, PlanKind, PushStats, PushTimes, Stage, XferState
-from kvpush.plan import PartSchedule, Plan, part_count, split_regions
-from kvpush.protocol import Register
+from kvpush.core.outcome import Cause, Failed, PlanKind, PushStats, PushTimes, Stage, XferState
+from kvpush.core.plan import PartSchedule, Plan, part_count, split_regions
+from kvpush.core.protocol import Register
 
 DKey = tuple[str, int]
 """A D rank: (engine id, rank)."""
@@ -121,7 +121,7 @@ Action = Notify | StartPack | CheckPack | Post | ReleaseMade | Fail | Done
 
 @dataclass(frozen=True)
 class Prepacked:
-    """The job's slot was packed at hand-over (``kvpush.prepack``): ``marker`` ends that pack, queued behind
+    """The job's slot was packed at hand-over (``kvpush.prefill.prepack``): ``marker`` ends that pack, queued behind
     the KV's ``after`` (None: reached). Every part of the job comes from it; the job starts no pack."""
 
     marker: Any

@@ -17,8 +17,8 @@ then and gets the interval's ``TransferStats``: the Results since the last
 call, the engine counters' increments and the engine's current gauges.
 
 Engines count events by ``Count`` member and report failures by
-``kvpush.outcome.Cause``; nothing here reads a reason's text. The Prometheus
-names these stats are exported under are ``kvpush.prometheus``'s. Nothing
+``kvpush.core.outcome.Cause``; nothing here reads a reason's text. The Prometheus
+names these stats are exported under are ``kvpush.observability.prometheus``'s. Nothing
 here imports vLLM, NIXL or prometheus_client.
 """
 
@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpush.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result
+from kvpush.core.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result
 
 SIDES = ("prefill", "decode")
 
@@ -118,7 +118,7 @@ D_STAGES = ("handshake", "transfer", "unpack")
 ``transfer``: Register sent to the last P rank's completion notification; ``unpack``: scatter from staging."""
 
 CAUSES = tuple(c.value for c in Cause)
-"""Failure causes (``kvpush.outcome.Cause``), a small fixed set so that a label never explodes into one series."""
+"""Failure causes (``kvpush.core.outcome.Cause``), a small fixed set so that a label never explodes into one series."""
 
 
 def stage_durations(side: str, result: Result) -> dict[str, float]:

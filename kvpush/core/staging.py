@@ -16,7 +16,8 @@ ALIGN = 4096
 @dataclass(frozen=True)
 class FreeSlot:
     """Give the slot at ``offset`` back to its staging region's allocator (``SlotAllocator.free``): the action
-    P's packs at hand-over (``kvpush.prepack``) and D's fencing (``kvpush.fencing_actions``) both ask for."""
+    P's packs at hand-over (``kvpush.prefill.prepack``) and D's fencing
+    (``kvpush.decode.fencing_actions``) both ask for."""
 
     offset: int
 
