@@ -36,7 +36,7 @@ def e2e_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
     The plain server is started with the pair (in parallel, which is what
     saves time) when any selected test uses ``e2e_single``; a session that
-    has none, e.g. ``pytest tests/test_e2e_metrics.py``, never starts it.
+    has none, e.g. ``pytest tests/e2e/test_e2e_metrics.py``, never starts it.
     """
     want_single = any(SINGLE in item.fixturenames for item in request.session.items)
     want_announcing = any(ANNOUNCING in item.fixturenames for item in request.session.items)

@@ -249,7 +249,7 @@ def worker_main(
 ) -> None:
     """Entry point of a worker process (spawn target); returns after ``exit``.
 
-    ``worker_cls`` lets another harness (``tests/procs.py``) run a subclass
+    ``worker_cls`` lets another harness (``tests/helpers/procs.py``) run a subclass
     with ops of its own over the same command protocol.
     """
     logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(name)s: %(message)s")

@@ -23,7 +23,7 @@ from typing import Any
 LIBFABRIC_VERSION_NODE = b"FABRIC_1.10"
 """The newest libfabric symbol version a NIXL LIBFABRIC plugin links (1.5's); older plugins link older ones."""
 STANDIN_MARK = b"kvpush_cuda_standin\0"
-"""Exported by kvpush's CPU stand-in for ``libcuda.so.1`` (tests/native/cuda_standin.c)."""
+"""Exported by kvpush's CPU stand-in for ``libcuda.so.1`` (tests/helpers/native/cuda_standin.c)."""
 PLUGIN_ORDER = ("cxi", "efa", "tcp", "sockets")
 """Providers NIXL's LIBFABRIC plugin uses, in its order of preference (src/utils/libfabric)."""
 FI_MSG, FI_RMA, FI_HMEM = 1 << 1, 1 << 2, 1 << 47

@@ -201,7 +201,7 @@ def self_test(
             "fail",
             "the loopback push failed",
             why=f"{type(exc).__name__}: {exc}",
-            fix="run `pytest tests/test_push_nixl.py` for a detailed account; check the NIXL plugin above",
+            fix="run `pytest tests/nixl/test_push_nixl.py` for a detailed account; check the NIXL plugin above",
         )
     return _measured(key, title, rounds, results, p.fallback)
 

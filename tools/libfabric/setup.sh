@@ -3,7 +3,7 @@
 # from the vendored upstream snapshot into a prefix cached under the tarball's
 # sha256, plus what NIXL's LIBFABRIC plugin links besides it (libhwloc.so.15, and on
 # hosts without an NVIDIA driver a CPU stand-in for libcuda.so.1, built from
-# tests/native/cuda_standin.c). On EFA hosts libfabric comes from the EFA installer
+# tests/helpers/native/cuda_standin.c). On EFA hosts libfabric comes from the EFA installer
 # and none of this runs.
 #
 #   tools/libfabric/setup.sh                build (or reuse) and say what is there
@@ -33,7 +33,7 @@ if [ -z "${KVPUSH_LIBFABRIC_TARBALL:-}" ] && [ ! -f "$TARBALL" ]; then
 fi
 CACHE=${KVPUSH_CACHE:-$HOME/.cache/kvpush}
 JOBS=${JOBS:-$(nproc)}
-STANDIN_SRC=$ROOT/tests/native/cuda_standin.c
+STANDIN_SRC=$ROOT/tests/helpers/native/cuda_standin.c
 MODE=report
 CARRY=""
 case "${1:-}" in

@@ -132,7 +132,7 @@ class Worker(conformance.Worker):
 
     def _cache(self, backend: Any, geom: model.Geom, device: int, seed: int | None) -> dict[str, Any]:
         """Layers of one uint8 array (no backend ``make_test_cache``: the dtype is a label here)."""
-        assert isinstance(geom, Geom), "the engine tests' workers take tests/procs.py's Geom"
+        assert isinstance(geom, Geom), "the engine tests' workers take tests/helpers/procs.py's Geom"
         arr = make_cache(geom, seed)
         return {f"layer{i}": arr[i] for i in range(geom.layers)}
 

@@ -206,7 +206,7 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
         s = dealer(addr, keys, ctx)
         try:
             hello, register, abort, _, _ = _attack(d, k, victim.tid, g)
-            # Even with the victim's capability (leaked: tests/test_binding_nixl.py covers the intruder
+            # Even with the victim's capability (leaked: tests/nixl/test_binding_nixl.py covers the intruder
             # without it), the key rule holds: the transfer belongs to the key that registered it.
             register = msgspec.structs.replace(register, capability=auth.session_capability(victim.tid))
             abort = msgspec.structs.replace(abort, capability=auth.session_capability(victim.tid))

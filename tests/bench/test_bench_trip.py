@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvpush_tools.bench.trip import CASES, PATH_STEPS, STAGES, main, register_frame
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_trip_reaches_a_sleeping_receiver_in_every_case(tmp_path: Path) -> None:

@@ -88,7 +88,7 @@ def test_trees_side_by_side_with_parts_and_stage_times(tmp_path: Path) -> None:
     """``--tree`` runs each tree's engine in its own processes (a lane each), ``--push-parts`` with
     ``--min-part-bytes`` cuts a small staged push into parts, and each row carries stage times after
     the order's start and the engine threads' CPU time."""
-    tree = str(Path(__file__).resolve().parents[1])
+    tree = str(Path(__file__).resolve().parents[2])
     argv = ["--tokens", "64", "--layers", "2", "--iters", "1", "--warmup", "0", "--quiet", "--no-plot"]
     argv += ["--patterns", "shuffled", "--plans", "staged", "--orders", "ahead", "--out", str(tmp_path)]
     argv += ["--tree", tree, "--push-parts", "2", "--min-part-bytes", "1"]

@@ -18,7 +18,7 @@ The servers are configured for both files at once:
 * every server is a ``fast_start`` one (one process import fewer per start);
 * the plain, non-disaggregated server that ``test_e2e_vllm`` compares
   outputs with starts only when a collected test asks for it, so
-  ``pytest tests/test_e2e_metrics.py`` alone starts two servers, not three;
+  ``pytest tests/e2e/test_e2e_metrics.py`` alone starts two servers, not three;
 * likewise the announcing P and D (``AnnouncingPair``: vllm-router's
   concurrent mode, then the second P and D of the fleet fault tests, both in
   ``test_e2e_concurrent_router``): started with the others when a collected
@@ -45,7 +45,7 @@ from kvpush.transport.auth import ENV_DIR
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import make_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 P_ENGINE_ID = "kvpush-e2e-prefill"
 
 

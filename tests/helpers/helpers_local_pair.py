@@ -2,7 +2,7 @@
 
 For tests that need real transfers but not two processes (metrics, timeline):
 the engines, agents and side channel are the production ones; only the
-process boundary is missing. ``tests/test_push_nixl.py`` covers two processes.
+process boundary is missing. ``tests/nixl/test_push_nixl.py`` covers two processes.
 """
 
 from __future__ import annotations

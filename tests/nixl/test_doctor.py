@@ -38,7 +38,7 @@ from kvpush.doctor import (
 from kvpush.doctor.libfabric import explain_deps, is_cuda_standin, nvidia_present, required_node
 from kvpush.transport.backends import verified
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def doctor(
@@ -284,7 +284,7 @@ def test_cuda_standin_is_recognised(tmp_path: Path) -> None:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     standin, other = tmp_path / "libcuda.so.1", tmp_path / "libother.so"
-    src = ROOT / "tests" / "native" / "cuda_standin.c"
+    src = ROOT / "tests" / "helpers" / "native" / "cuda_standin.c"
     subprocess.run(["cc", "-shared", "-fPIC", "-DKVPUSH_STANDIN_DRIVER", "-o", str(standin), str(src)], check=True)
     _cc(tmp_path, "other", STUBS["libcuda.so.1"][0], other)
     assert is_cuda_standin(standin) and not is_cuda_standin(other) and not is_cuda_standin(None)

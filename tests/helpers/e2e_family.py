@@ -30,7 +30,7 @@ from typing import Any
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import make_tiny_model, prompt_words
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8
 _tids = itertools.count()
 

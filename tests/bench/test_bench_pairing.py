@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvpush_tools.bench.pairing import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_run_writes_report_and_plot(tmp_path: Path) -> None:

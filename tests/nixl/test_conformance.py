@@ -21,9 +21,9 @@ from pathlib import Path
 import helpers_libfabric as lf
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = ROOT / "examples" / "minimal_backend"
-TESTS = Path(__file__).resolve().parent
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 SUITE_TIMEOUT_S = 300
 
 
@@ -111,7 +111,7 @@ def test_suite_catches_a_broken_backend(tmp_path: Path) -> None:
     by the test named for that contract, and by no other."""
     bugs = ",".join(sorted(set(EXPECTED_FAILURES.values())))
     rc, outcomes, out = run_suite(
-        tmp_path, "helpers_broken_backend:BrokenBackend", f"bug={bugs}", pythonpath=(MINIMAL, TESTS)
+        tmp_path, "helpers_broken_backend:BrokenBackend", f"bug={bugs}", pythonpath=(MINIMAL, HELPERS)
     )
     failed = {k for k, v in outcomes.items() if v in ("failure", "error")}
     assert rc != 0, out[-6000:]
