@@ -24,9 +24,9 @@ clock offset to a P side channel (``--peer``, ``clock``). ``report`` holds
 ``Check`` and the printing, ``command`` the flags and the order of the checks.
 """
 
-from kvpush.doctor.backends import check_backends
 from kvpush.doctor.clock import check_clock, measure_clock
 from kvpush.doctor.command import DEFAULT_PLUGINS, SELF_TEST_PLUGINS, build_parser, main, run
+from kvpush.doctor.device_backends import check_backends
 from kvpush.doctor.efa import check_efa, efa_devices
 from kvpush.doctor.libfabric import LIBFABRIC_VERSION_NODE, has_version_node
 from kvpush.doctor.nixl import check_libfabric, check_nixl, check_plugins, explain_plugin, plugin_dir

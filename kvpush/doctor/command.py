@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.doctor.backends import check_backends
 from kvpush.doctor.clock import check_clock
+from kvpush.doctor.device_backends import check_backends
 from kvpush.doctor.efa import check_efa
 from kvpush.doctor.nixl import check_libfabric, check_nixl, check_plugins, plugin_dir
 from kvpush.doctor.port import check_port

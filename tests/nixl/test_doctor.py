@@ -36,7 +36,7 @@ from kvpush.doctor import (
     has_version_node,
 )
 from kvpush.doctor.libfabric import explain_deps, is_cuda_standin, nvidia_present, required_node
-from kvpush.transport.backends import verified
+from kvpush.transport.nixl_backends import verified
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Result
 from kvpush.transport import auth
-from kvpush.transport.backends import traits
+from kvpush.transport.nixl_backends import traits
 
 STAGING = 4 << 20
 

@@ -1,4 +1,4 @@
-"""kvpush backends: which are installed, and whether each is usable on this host (and if not, what it needs).
+"""Device backends (``kvpush.backends``): which are installed, and whether each is usable on this host.
 
 A backend that is installed but cannot start here (CUDA on a CPU host) is
 ``missing``, not a failure: the same install serves hosts of every kind.
