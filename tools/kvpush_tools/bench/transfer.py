@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import math
 import multiprocessing as mp
@@ -55,6 +56,7 @@ import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -148,20 +150,28 @@ def per_block_descriptors(src: Any, dst: Any, sblocks: list[int], dblocks: list[
     return local, remote
 
 
+def _core(name: str) -> ModuleType:
+    """``kvpush.core.NAME`` in the side's tree, or ``kvpush.NAME`` in a tree from before the package layout
+    (``--tree`` A/B against an older commit: its modules lay flat in ``kvpush/``)."""
+    try:
+        return importlib.import_module(f"kvpush.core.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"kvpush.{name}")
+
+
 class _Side:
     """State of the P or D process: its cache, the engine or raw agent of the current plan."""
 
     def __init__(
         self, role: str, shape: Shape, seed: int | None, nixl_backends: tuple[str, ...], knobs: dict[str, int]
     ) -> None:
-        import kvpush.core.plan
         from kvpush.backends.base import CacheSpec
         from kvpush.backends.host import HostBackend
 
         self.role, self.shape, self.nixl_backends, self.knobs = role, shape, nixl_backends, knobs
         if knobs.get("min_part_bytes") is not None:
             # A bench knob: lets small payloads be cut into parts, so per-part costs show without big copies.
-            kvpush.core.plan.MIN_PART_BYTES = knobs["min_part_bytes"]
+            _core("plan").MIN_PART_BYTES = knobs["min_part_bytes"]
         self.cache = _cache(shape, seed)
         self.backend = HostBackend()
         spec = CacheSpec(shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes, "bfloat16")
@@ -179,7 +189,14 @@ class _Side:
         extra: dict[str, Any] = {"staged_min_descriptors": 1} if mode == "staged" else {}
         if self.knobs.get("push_parts") is not None:
             extra["push_parts"] = self.knobs["push_parts"]
-        return Config(plan=mode, staging_bytes=staging, nixl_backends=self.nixl_backends, side_channel_port=0, **extra)
+        # Flat keys through ``from_dict``: what every tree's config takes (``--tree`` A/B across config changes).
+        flat = {
+            "plan": mode,
+            "staging_bytes": staging,
+            "nixl_backends": list(self.nixl_backends),
+            "side_channel_port": 0,
+        }
+        return Config.from_dict({**flat, **extra})
 
     def op_start(self, plan: str) -> Any:
         from kvpush.engine import Receiver, Sender
@@ -201,7 +218,7 @@ class _Side:
         self.engines, self.agent = {}, None
 
     def op_raw_peer(self, metadata: bytes, layout: bytes) -> None:
-        from kvpush.core.layout import KVLayout
+        KVLayout = _core("layout").KVLayout
 
         self.peer = self.agent.add_peer(metadata)
         self.peer_layout = _dec(layout, KVLayout)
@@ -270,7 +287,7 @@ class _Side:
             time.sleep(0.0002)
 
     def op_raw_push(self, tag: str, sblocks: list[int], dblocks: list[int], timeout: float) -> dict[str, Any]:
-        from kvpush.core.outcome import XferState
+        XferState = _core("outcome").XferState
 
         t0 = time.monotonic()
         c0 = time.perf_counter()
