@@ -25,18 +25,11 @@ import numpy as np
 from kvpush.config import Config
 from kvpush.core import recurrent
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import (
-    KVLayout,
-    TokenOrder,
-    coalesce_in_dst_order,
-    descriptors,
-    heads_overlap,
-    map_pieces,
-    merge_descriptors,
-)
+from kvpush.core.layout import KVLayout, TokenOrder, heads_overlap
 from kvpush.core.outcome import PlanKind
 from kvpush.core.payload import block_runs, pack_pieces
 from kvpush.core.payload import unpack_pieces as unpack_pieces
+from kvpush.core.pieces import coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def state_pieces(
 ) -> np.ndarray:
     """The one piece ``(src offset, dst offset, length)`` moving a request's state from P's block to D's.
 
-    Offsets are relative to each region's base, as ``kvpush.core.layout.map_pieces``
+    Offsets are relative to each region's base, as ``kvpush.core.pieces.map_pieces``
     gives them; the same piece serves every region of the group.
     """
     check_state_compatible(src, dst)

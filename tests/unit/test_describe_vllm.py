@@ -33,7 +33,8 @@ from kvpush.backends.base import CacheSpec  # noqa: E402
 from kvpush.backends.host import HostBackend  # noqa: E402
 from kvpush.backends.tensors import describe_strided  # noqa: E402
 from kvpush.core.errors import BackendError, LayoutError  # noqa: E402
-from kvpush.core.layout import KVLayout, MemKind, TokenOrder, coalesce, map_pieces  # noqa: E402
+from kvpush.core.layout import KVLayout, MemKind, TokenOrder  # noqa: E402
+from kvpush.core.pieces import coalesce, map_pieces  # noqa: E402
 
 DENSE = [lay for lay in KVCacheLayout if lay.name in ("LBNHC", "LBHNC", "BLNHC", "BLHNC")]
 NOT_DENSE = [lay for lay in KVCacheLayout if lay.name in ("LHBNC", "BHLNC")]

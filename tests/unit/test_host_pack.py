@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend, gather, scatter
 from kvpush.core.errors import BackendError
-from kvpush.core.layout import MemKind, TokenOrder, coalesce, descriptors, map_pieces
+from kvpush.core.layout import MemKind, TokenOrder
+from kvpush.core.pieces import coalesce, descriptors, map_pieces
 
 # -- pack / unpack --------------------------------------------------------------------
 

@@ -28,19 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import (
-    KVLayout,
-    MemKind,
-    Region,
-    TokenOrder,
-    check_compatible,
-    coalesce,
-    coalesce_in_dst_order,
-    descriptors,
-    heads_overlap,
-    map_pieces,
-    merge_descriptors,
-)
+from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder, check_compatible, heads_overlap
+from kvpush.core.pieces import coalesce, coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
 
 PROPERTY = settings(max_examples=120, deadline=None)
 

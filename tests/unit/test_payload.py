@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvpush.config import Config
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import TokenOrder, coalesce, heads_overlap, map_pieces
+from kvpush.core.layout import TokenOrder, heads_overlap
 from kvpush.core.payload import (
     PayloadOrder,
     block_runs,
@@ -27,6 +27,7 @@ from kvpush.core.payload import (
     side_pieces,
     unpack_pieces,
 )
+from kvpush.core.pieces import coalesce, map_pieces
 from kvpush.core.plan import build_plan, staged_bytes, staging_decided, wants_staging
 
 PROPERTY = settings(max_examples=200, deadline=None)

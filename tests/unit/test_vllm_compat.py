@@ -238,7 +238,8 @@ def test_p_lists_every_block_but_only_the_prompts_tokens_move() -> None:
     the blocks of its computed tokens: the push carries the prompt's tokens, so D needs the prompt's blocks."""
     from helpers_layout import make_side
 
-    from kvpush.core.layout import TokenOrder, map_pieces
+    from kvpush.core.layout import TokenOrder
+    from kvpush.core.pieces import map_pieces
     from kvpush.integrations.vllm.scheduler_side import SchedulerSide
 
     s = SchedulerSide()

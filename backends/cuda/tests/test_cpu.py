@@ -19,7 +19,8 @@ from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
 
 from kvpush.backends.tensors import allocation_registrations, describe_strided
 from kvpush.core.errors import BackendError
-from kvpush.core.layout import MemKind, TokenOrder, coalesce, map_pieces
+from kvpush.core.layout import MemKind, TokenOrder
+from kvpush.core.pieces import coalesce, map_pieces
 from kvpush_cuda.copy import PieceCopier, split_pieces, unit_width
 from kvpush_cuda.variants import REFUSED, VARIANTS, is_mla, make_kv, regions_per_layer, shared_allocation
 

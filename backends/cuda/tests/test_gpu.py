@@ -16,7 +16,8 @@ from cuda_helpers import blocks_equal, check_addresses, fill_random, spec_for
 
 from kvpush.backends.base import CacheSpec
 from kvpush.core.errors import BackendError
-from kvpush.core.layout import MemKind, coalesce, map_pieces
+from kvpush.core.layout import MemKind
+from kvpush.core.pieces import coalesce, map_pieces
 from kvpush_cuda import CudaBackend
 from kvpush_cuda.variants import VARIANTS, canonical, is_mla, make_kv
 

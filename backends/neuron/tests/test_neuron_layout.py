@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from kvpush.backends.tensors import describe_strided
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import MemKind, TokenOrder, coalesce, coalesce_in_dst_order, descriptors, map_pieces
+from kvpush.core.layout import MemKind, TokenOrder
+from kvpush.core.pieces import coalesce, coalesce_in_dst_order, descriptors, map_pieces
 from kvpush_neuron import NeuronTensor
 from kvpush_neuron.layout import nxdi_kv_caches, slot_of, virtual_blocks
 

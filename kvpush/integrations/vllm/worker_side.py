@@ -14,7 +14,8 @@ from typing import Any
 
 from kvpush.backends.base import Backend, CacheSpec
 from kvpush.config import Config
-from kvpush.core.layout import KVLayout, map_pieces
+from kvpush.core.layout import KVLayout
+from kvpush.core.pieces import map_pieces
 from kvpush.engine import PeerAddress, Receiver, Sender
 from kvpush.integrations.vllm.compat import load_error_blocks
 from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders

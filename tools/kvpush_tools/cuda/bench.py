@@ -413,7 +413,7 @@ class DServer:
         return True, ""
 
     def serve(self) -> None:
-        from kvpush.core.layout import coalesce, map_pieces
+        from kvpush.core.pieces import coalesce, map_pieces
 
         s, o = self.s, self.s.opts
         self.conn.send(("hello", s.agent.metadata(), s.layout, s.staging.addr))
@@ -698,7 +698,7 @@ class PDriver:
         piece table uploaded by the first pack); ``staged_prepped`` and
         ``pipelined:N`` use prepared NIXL lists and upload the table while planning.
         """
-        from kvpush.core.layout import coalesce, descriptors, map_pieces, merge_descriptors
+        from kvpush.core.pieces import coalesce, descriptors, map_pieces, merge_descriptors
 
         s, o, dl = self.s, self.s.opts, self.d_layout
         dev_d = dl.regions[0].device_id
@@ -1100,7 +1100,7 @@ class PDriver:
             out["peer_copy_ms"] = timed(lambda: y.copy_(x))
             out["local_copy_ms"] = out["peer_copy_ms"]
         # Kernels alone on the shuffled request: pack, then unpack of the same bytes back (identity).
-        from kvpush.core.layout import coalesce, map_pieces
+        from kvpush.core.pieces import coalesce, map_pieces
 
         src, dst = block_ids("shuffled", o, np.random.default_rng(o.seed))
         pieces = coalesce(map_pieces(s.layout, self.d_layout, src, dst, o.tokens))[:, [0, 2]]
