@@ -15,8 +15,6 @@ its own block ids, so P's pack list can be built before D registers).
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +26,6 @@ from kvpush.core.errors import LayoutError
 from kvpush.core.layout import KVLayout, TokenOrder, heads_overlap
 from kvpush.core.outcome import PlanKind
 from kvpush.core.payload import block_runs, pack_pieces
-from kvpush.core.payload import unpack_pieces as unpack_pieces
 from kvpush.core.pieces import coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
 
 
@@ -327,140 +324,3 @@ def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int)
         parts = [descriptors(plan.group_merged[plan.region_group[a]], src, dst, a, b) for a, b in runs]
         return merge_descriptors(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     return merge_descriptors(*descriptors(plan.merged, src, dst, r0, r1))
-
-
-MIN_PART_BYTES = 16 << 20
-"""A staged push is pipelined only in parts at least this large."""
-
-
-def part_count(push_parts: int, nbytes: int) -> int:
-    """How many WRITEs a staged push of ``nbytes`` is cut into: at most ``push_parts``, each >= ``MIN_PART_BYTES``.
-
-    A staged push is pipelined (P packs part k+1 and D unpacks part k while
-    part k flies); a part is kept large enough that its fixed costs (a pack
-    launch, a post, a notification) stay small next to its bytes. D uses the
-    same rule to guess P's cut when it prepares its unpacks.
-    """
-    return max(1, min(push_parts, nbytes // max(1, MIN_PART_BYTES)))
-
-
-@dataclass(frozen=True)
-class PartSchedule:
-    """When a push whose layers become ready one by one posts its parts, and with which layers.
-
-    Ready layers are held back until at most ``lead_layers`` layers are left
-    to compute: KV leaving P while the forward runs slows the forward when it
-    is sent layer by layer, but not when sent in one burst during the last
-    layers, so the push starts as late as still lets it finish with the
-    forward (measurements: docs/cuda.md, "Engine defaults"). From then on, layers
-    are grouped until a part holds ``min_part_bytes`` (a part's fixed host
-    costs stay small next to its bytes). The group is also posted when one
-    layer is left: then the last part, the only one whose pack, WRITE and
-    unpack are not hidden behind the forward, is a single layer. A whole
-    request reported ready at once is one part.
-
-    ``layer_ends[i]`` is how many leading regions hold layers ``0..i``
-    (``KVLayout.regions_through``); positions are counted in regions.
-    """
-
-    layer_ends: tuple[int, ...]
-    region_bytes: int
-    min_part_bytes: int
-    lead_layers: int
-
-    @classmethod
-    def of(cls, layout: KVLayout, region_bytes: int, min_part_bytes: int, lead_layers: int) -> PartSchedule:
-        ends = tuple(layout.regions_through(i) for i in range(layout.num_layers))
-        return cls(ends, region_bytes, min_part_bytes, lead_layers)
-
-    @property
-    def total(self) -> int:
-        return self.layer_ends[-1] if self.layer_ends else 0
-
-    def layers_left(self, ready: int) -> int:
-        """Layers not completely among the first ``ready`` regions."""
-        return len(self.layer_ends) - bisect.bisect_right(self.layer_ends, ready)
-
-    def part_end(self, sent: int, ready: int) -> int:
-        """Where a part posted now ends, regions ``[0, ready)`` being ready; ``sent`` means: hold them back."""
-        if ready <= sent:
-            return sent
-        left = self.layers_left(ready)
-        if left <= 1:
-            return ready
-        if left <= self.lead_layers and (ready - sent) * self.region_bytes >= self.min_part_bytes:
-            return ready
-        return sent
-
-    def wake_at(self, sent: int) -> int:
-        """The fewest ready regions (a layer end) with which ``part_end`` posts a part after ``sent``.
-
-        The forward reports every layer; only these reports can start a part,
-        so only they need to wake the push thread (a wake-up takes the GIL
-        from the forward's launches: ``Sender.layer_written``).
-        """
-        ends, n = self.layer_ends, len(self.layer_ends)
-        if not n:
-            return 0
-        first = bisect.bisect_right(ends, sent)
-        if self.min_part_bytes <= 0:
-            by_bytes = first
-        elif self.region_bytes <= 0:
-            by_bytes = n  # no part ever holds enough bytes: only the one-layer-left rule posts
-        else:
-            by_bytes = bisect.bisect_left(ends, sent + -(-self.min_part_bytes // self.region_bytes))
-        i = max(first, min(n - 2, max(by_bytes, n - 1 - self.lead_layers)))
-        return ends[min(i, n - 1)]
-
-
-def split_regions(r0: int, r1: int, parts: int) -> list[tuple[int, int]]:
-    """Cut ``[r0, r1)`` into at most ``parts`` contiguous ranges, the first and last half as large.
-
-    In a pipelined staged push the first part's pack and the last part's
-    unpack are not overlapped by anything (the wire waits for the first, D's
-    result for the last), so they are made small; the middle parts hide
-    behind the wire.
-    """
-    n = r1 - r0
-    k = max(1, min(parts, n))
-    weights = [1.0] * k if k <= 2 else [1.0] + [2.0] * (k - 2) + [1.0]
-    total = sum(weights)
-    cuts = [r0 + round(n * sum(weights[:i]) / total) for i in range(k + 1)]
-    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
-
-
-def staging_decided(
-    cfg: Config, dst: KVLayout, dst_blocks: np.ndarray | list[int], num_tokens: int, start_token: int
-) -> bool | None:
-    """D's side of the choice where it can be made without D's unpack list, else None (``wants_staging``).
-
-    D's unpack list has at least ``block_runs`` pieces per region, so when
-    that bound already asks for a slot, D grants one, sends its Register and
-    builds the list afterwards, while P pairs, plans and packs.
-    """
-    if cfg.plan == "direct" or cfg.staging_bytes == 0:
-        return False
-    if cfg.plan == "staged":
-        return True
-    if block_runs(dst, dst_blocks, num_tokens, start_token) * len(dst.regions) >= cfg.staged_min_descriptors:
-        return True
-    return None
-
-
-def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndarray) -> bool:
-    """D's side of the choice: reserve a slot only when direct would post many descriptors.
-
-    D sees only its own fragmentation (``dst_pieces`` from ``unpack_pieces``),
-    a lower bound on the direct plan's descriptor count. When either side
-    cannot be accessed in place, the push can only be staged: always reserve.
-    A hybrid model's push (several KV-cache groups, or recurrent state) is direct: never reserve.
-    """
-    if dst.hybrid:
-        return False
-    if not (src.direct and dst.direct):
-        return cfg.staging_bytes > 0
-    if cfg.plan == "direct" or cfg.staging_bytes == 0:
-        return False
-    if cfg.plan == "staged":
-        return True
-    return dst_pieces.shape[0] * len(dst.regions) >= cfg.staged_min_descriptors

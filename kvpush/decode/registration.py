@@ -13,8 +13,8 @@ import numpy as np
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
-from kvpush.core.payload import check_unpack
-from kvpush.core.plan import part_count, split_regions, staging_decided, unpack_pieces, wants_staging
+from kvpush.core.parts import part_count, split_regions
+from kvpush.core.payload import block_runs, check_unpack, unpack_pieces
 from kvpush.decode.incoming import Asked, Incoming
 
 
@@ -63,3 +63,40 @@ def guess_parts(cfg: Config, num_regions: int, pieces: np.ndarray, base: int) ->
     region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
     k = part_count(cfg.push_parts, num_regions * region_bytes)
     return [(r0, r1, base + r0 * region_bytes) for r0, r1 in split_regions(0, num_regions, k)]
+
+
+def staging_decided(
+    cfg: Config, dst: KVLayout, dst_blocks: np.ndarray | list[int], num_tokens: int, start_token: int
+) -> bool | None:
+    """D's side of the choice where it can be made without D's unpack list, else None (``wants_staging``).
+
+    D's unpack list has at least ``block_runs`` pieces per region, so when
+    that bound already asks for a slot, D grants one, sends its Register and
+    builds the list afterwards, while P pairs, plans and packs.
+    """
+    if cfg.plan == "direct" or cfg.staging_bytes == 0:
+        return False
+    if cfg.plan == "staged":
+        return True
+    if block_runs(dst, dst_blocks, num_tokens, start_token) * len(dst.regions) >= cfg.staged_min_descriptors:
+        return True
+    return None
+
+
+def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndarray) -> bool:
+    """D's side of the choice: reserve a slot only when direct would post many descriptors.
+
+    D sees only its own fragmentation (``dst_pieces`` from ``unpack_pieces``),
+    a lower bound on the direct plan's descriptor count. When either side
+    cannot be accessed in place, the push can only be staged: always reserve.
+    A hybrid model's push (several KV-cache groups, or recurrent state) is direct: never reserve.
+    """
+    if dst.hybrid:
+        return False
+    if not (src.direct and dst.direct):
+        return cfg.staging_bytes > 0
+    if cfg.plan == "direct" or cfg.staging_bytes == 0:
+        return False
+    if cfg.plan == "staged":
+        return True
+    return dst_pieces.shape[0] * len(dst.regions) >= cfg.staged_min_descriptors

@@ -23,8 +23,9 @@ from kvpush.core import protocol
 from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout, heads_overlap
 from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.core.parts import PartSchedule, split_regions
 from kvpush.core.payload import pack_pieces
-from kvpush.core.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
+from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
 from kvpush.core.staging import FreeSlot, SlotAllocator
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count

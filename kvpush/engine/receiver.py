@@ -25,7 +25,8 @@ from kvpush.core.errors import ProtocolError
 from kvpush.core.layout import KVLayout, Region
 from kvpush.core.limits import Throttle
 from kvpush.core.outcome import Cause, Failed, Stage
-from kvpush.core.plan import staged_bytes, unpack_pieces
+from kvpush.core.payload import unpack_pieces
+from kvpush.core.plan import staged_bytes
 from kvpush.core.staging import FreeSlot
 from kvpush.core.topology import ConnKey, bystander_channels, writer_channels
 from kvpush.decode.allow import Allowed

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.core.outcome import Cause, Failed, PlanKind, PushStats, PushTimes, Stage, XferState
-from kvpush.core.plan import PartSchedule, Plan, part_count, split_regions
+from kvpush.core.parts import PartSchedule, part_count, split_regions
+from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
 
 DKey = tuple[str, int]
@@ -136,7 +137,7 @@ class JobPlan:
     """A job's plan and how its parts are cut and scheduled.
 
     ``push_parts``: most parts a staged run of ready regions is cut into
-    (``plan.part_count``); ``chain``: the backend queues packs behind the KV's
+    (``parts.part_count``); ``chain``: the backend queues packs behind the KV's
     marker on the device, so a staged job need not see the marker reached.
     """
 

@@ -151,9 +151,9 @@ class Worker(conformance.Worker):
 
     def op_min_part_bytes(self, nbytes: int) -> int:
         """Lower the size under which staged pushes are not split (test caches are small); returns the old one."""
-        from kvpush.core import plan
+        from kvpush.core import parts
 
-        old, plan.MIN_PART_BYTES = plan.MIN_PART_BYTES, nbytes
+        old, parts.MIN_PART_BYTES = parts.MIN_PART_BYTES, nbytes
         return old
 
     def op_receiver(

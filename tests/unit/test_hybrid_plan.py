@@ -20,7 +20,8 @@ from kvpush.config import Config
 from kvpush.core.errors import LayoutError
 from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 from kvpush.core.outcome import PlanKind
-from kvpush.core.plan import HOLE, build_plan, group_tokens, part_descriptors, wants_staging
+from kvpush.core.plan import HOLE, build_plan, group_tokens, part_descriptors
+from kvpush.decode.registration import wants_staging
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide
 
 BS, HEADS, HEAD, NB = 4, 2, 8, 16  # block size, local heads, head bytes, blocks

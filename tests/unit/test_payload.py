@@ -28,7 +28,8 @@ from kvpush.core.payload import (
     unpack_pieces,
 )
 from kvpush.core.pieces import coalesce, map_pieces
-from kvpush.core.plan import build_plan, staged_bytes, staging_decided, wants_staging
+from kvpush.core.plan import build_plan, staged_bytes
+from kvpush.decode.registration import staging_decided, wants_staging
 
 PROPERTY = settings(max_examples=200, deadline=None)
 

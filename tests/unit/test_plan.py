@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.core.plan import MIN_PART_BYTES, PartSchedule, build_plan, part_count, part_descriptors, split_regions
+from kvpush.core.parts import MIN_PART_BYTES, PartSchedule, part_count, split_regions
+from kvpush.core.plan import build_plan, part_descriptors
 
 
 @settings(max_examples=200, deadline=None)

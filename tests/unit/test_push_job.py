@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
-from kvpush.core.plan import MIN_PART_BYTES, PartSchedule, Plan
+from kvpush.core.parts import MIN_PART_BYTES, PartSchedule
+from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
 from kvpush.prefill.push_job import (
     CheckPack,
@@ -86,7 +87,7 @@ def _job(
     jp = JobPlan(plan, sched, parts, chain and kind is PlanKind.STAGED)
     made = {}
     if ahead and kind is PlanKind.STAGED:
-        from kvpush.core.plan import split_regions
+        from kvpush.core.parts import split_regions
 
         made = {(a, b): (Handle(a, b), 1) for a, b in split_regions(0, n, jp.parts(n))}
     rec = Transfer() if rec is None else rec

@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 
 from kvpush.config import Config
 from kvpush.core.layout import LayoutError
-from kvpush.core.plan import MIN_PART_BYTES, part_count, unpack_pieces, wants_staging
+from kvpush.core.parts import MIN_PART_BYTES, part_count
+from kvpush.core.payload import unpack_pieces
 from kvpush.core.topology import bystander_channels, writer_channels
 from kvpush.decode.incoming import Asked
-from kvpush.decode.registration import guess_parts, unpack_choice
+from kvpush.decode.registration import guess_parts, unpack_choice, wants_staging
 
 
 def _asked(scn: Scenario, num_tokens: int | None = None) -> Asked:

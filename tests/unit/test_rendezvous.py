@@ -20,7 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from msgspec.structs import replace as msgspec_replace
 
 from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage, XferState
-from kvpush.core.plan import PartSchedule, Plan
+from kvpush.core.parts import PartSchedule
+from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
 from kvpush.prefill.push_job import Done, JobPlan, Post, PushJob
 from kvpush.prefill.rendezvous import Acknowledge, Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState

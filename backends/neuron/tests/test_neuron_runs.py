@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from kvpush.backends.tensors import describe_strided
 from kvpush.core.layout import MemKind
+from kvpush.core.payload import unpack_pieces
 from kvpush.core.pieces import map_pieces
-from kvpush.core.plan import unpack_pieces
 from kvpush_neuron import NeuronBackend, NeuronTensor
 from kvpush_neuron.runs import read_runs
 

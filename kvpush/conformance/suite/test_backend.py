@@ -21,7 +21,8 @@ from kvpush.conformance.worker import Pair
 from kvpush.core.errors import BackendError
 from kvpush.core.geometry import DTYPE_BYTES
 from kvpush.core.layout import KVLayout, MemKind, check_compatible
-from kvpush.core.plan import build_plan, unpack_pieces
+from kvpush.core.payload import unpack_pieces
+from kvpush.core.plan import build_plan
 
 GEOMS = {
     "nhd": Geom(),

@@ -171,7 +171,11 @@ class _Side:
         self.role, self.shape, self.nixl_backends, self.knobs = role, shape, nixl_backends, knobs
         if knobs.get("min_part_bytes") is not None:
             # A bench knob: lets small payloads be cut into parts, so per-part costs show without big copies.
-            _core("plan").MIN_PART_BYTES = knobs["min_part_bytes"]
+            # kvpush.core.parts holds it; trees before that module, kvpush.core.plan or kvpush.plan.
+            try:
+                _core("parts").MIN_PART_BYTES = knobs["min_part_bytes"]
+            except ModuleNotFoundError:
+                _core("plan").MIN_PART_BYTES = knobs["min_part_bytes"]
         self.cache = _cache(shape, seed)
         self.backend = HostBackend()
         spec = CacheSpec(shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes, "bfloat16")
@@ -871,7 +875,7 @@ def parser() -> argparse.ArgumentParser:
         "--min-part-bytes",
         type=int,
         default=None,
-        help="smallest part of a staged push (kvpush.core.plan.MIN_PART_BYTES; lower it to cut small payloads "
+        help="smallest part of a staged push (kvpush.core.parts.MIN_PART_BYTES; lower it to cut small payloads "
         "into parts)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
