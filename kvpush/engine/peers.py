@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.config import Config
-from kvpush.core import protocol
+from kvpush.core import peek, protocol
 from kvpush.core.errors import LayoutError
 from kvpush.core.layout import KVLayout, MemKind, check_compatible
 from kvpush.core.limits import Throttle
@@ -158,7 +158,7 @@ class PeerTable:
         """Whether to decode this frame: a registration listing more block ids than its D rank has blocks
         (or more groups than there are) is dropped unread, logged once per interval per peer. Decoded,
         each id is a Python int: such a frame would cost hundreds of MB before it could be refused."""
-        counts = protocol.block_id_counts(frame)
+        counts = peek.block_id_counts(frame)
         if counts is None:
             return True
         peer = next((p for p in self._peers.values() if p.ident == ident), None)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush import PROTOCOL_VERSION
-from kvpush.core import protocol
+from kvpush.core import peek, protocol
 from kvpush.core.errors import ProtocolError
 from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 from kvpush.core.outcome import Cause, PlanKind, PrefillState, Stage
@@ -468,17 +468,17 @@ def test_block_id_counts_reads_a_registration_without_decoding_its_ids() -> None
     for sizes in [(0,), (3,), (15, 16), (65_535, 65_536, 70_000)]:
         reg = protocol.Register("t", "r", "d", 0, tuple(tuple(range(n)) for n in sizes), 0)
         data = protocol.encode(reg)
-        assert protocol.block_id_counts(data) == sizes
-        assert protocol.block_id_counts(memoryview(data)) == sizes
-    assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))) is None
+        assert peek.block_id_counts(data) == sizes
+        assert peek.block_id_counts(memoryview(data)) == sizes
+    assert peek.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))) is None
     # more groups than any layout has: counted no further than one past the limit, from the header
     many = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "register", "block_ids": [b""] * 100_000}])
-    assert protocol.block_id_counts(many) == (0,) * (protocol.MAX_GROUPS + 1)
+    assert peek.block_id_counts(many) == (0,) * (protocol.MAX_GROUPS + 1)
     # fields before the tag and unknown fields are skipped, not built
     late = {"x": [1] * 1000, "type": "register", "block_ids": [_ids(1, 2)]}
-    assert protocol.block_id_counts(msgspec.msgpack.encode([PROTOCOL_VERSION, late])) == (2,)
+    assert peek.block_id_counts(msgspec.msgpack.encode([PROTOCOL_VERSION, late])) == (2,)
     # ids not as bytes (a v7 frame): no count (-1), so the frame is decoded and refused with the reason
     ints = msgspec.msgpack.encode([PROTOCOL_VERSION, {"type": "register", "block_ids": [[1, 2]]}])
-    assert protocol.block_id_counts(ints) == (-1,)
-    assert protocol.block_id_counts(b"\xc1 not msgpack") is None
-    assert protocol.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))[:-3]) is None
+    assert peek.block_id_counts(ints) == (-1,)
+    assert peek.block_id_counts(b"\xc1 not msgpack") is None
+    assert peek.block_id_counts(protocol.encode(protocol.TimeQuery(1, 0.0))[:-3]) is None

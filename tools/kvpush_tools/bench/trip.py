@@ -101,7 +101,7 @@ def _receiver(conn: Any, case: str, keys_dir: str, main_poll_s: float) -> None:
     """P's side: sleep in a poller (socket + wake-up pipe), stamp each stage, answer the stamps."""
     import zmq
 
-    from kvpush.core import protocol
+    from kvpush.core import peek, protocol
 
     _KEYS.update(conn.recv())
     ctx = zmq.Context()
@@ -140,7 +140,7 @@ def _receiver(conn: Any, case: str, keys_dir: str, main_poll_s: float) -> None:
 
             def precheck(ident: bytes, key: str, frame: memoryview, read: list[float] = read) -> bool:
                 read.append(time.monotonic())
-                protocol.block_id_counts(frame)
+                peek.block_id_counts(frame)
                 return True
 
             server.deliver(handle, precheck)
@@ -149,7 +149,7 @@ def _receiver(conn: Any, case: str, keys_dir: str, main_poll_s: float) -> None:
         else:
             ident, data = sock.recv_multipart()
             t_read = time.monotonic()
-            protocol.block_id_counts(data)
+            peek.block_id_counts(data)
             protocol.decode(data)
             decoded = time.monotonic()
         sock.send_multipart([ident, json.dumps([woke, t_read, decoded]).encode()])
@@ -251,7 +251,7 @@ import json, sys, time
 import msgspec
 import numpy as np
 import kvpush
-from kvpush.core import protocol
+from kvpush.core import peek, protocol
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
@@ -288,7 +288,7 @@ for line in sys.stdin:
     t.append(time.perf_counter())
     frame = protocol.encode(protocol.Register("t" * 36, "r" * 36, "d", 0, ids, 16 * blocks, 0, staging=grant))
     t.append(time.perf_counter())
-    protocol.block_id_counts(frame)
+    peek.block_id_counts(frame)
     t.append(time.perf_counter())
     reg = protocol.decode(frame)
     t.append(time.perf_counter())
