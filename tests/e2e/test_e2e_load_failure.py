@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 from e2e_cluster import model_dir
+from helpers_prometheus import sample_sum
 
-from kvpush.observability.prometheus import sample_sum
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 from e2e_cluster import E2EServers
+from helpers_prometheus import sample_sum
 
 from kvpush.cli import timeline as timeline_cli
 from kvpush.observability import timeline
 from kvpush.observability.metrics import P_STAGES
-from kvpush.observability.prometheus import sample_sum
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from helpers_local_pair import TOKEN_BYTES, local_pair
+from helpers_prometheus import parse_samples, sample_sum
 
 from kvpush.core.outcome import Cause, PlanKind, PushStats, PushTimes, ReceiveStats, ReceiveTimes, Result
 from kvpush.observability.metrics import (
@@ -29,7 +30,7 @@ from kvpush.observability.metrics import (
     take_engine,
     transfer_latency,
 )
-from kvpush.observability.prometheus import METRICS, PromFeed, TextExposition, parse_samples, sample_sum
+from kvpush.observability.prometheus import METRICS, PromFeed, TextExposition
 
 
 def p_result(tid: str = "t", *, prefill_done: float = 100.0, registered: float = 100.05, ok: bool = True) -> Result:
