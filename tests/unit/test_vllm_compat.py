@@ -22,7 +22,7 @@ from kvpush.core.errors import ConfigError
 from kvpush.core.outcome import Result
 from kvpush.integrations.vllm import compat
 from kvpush.integrations.vllm.connector import KVPushConnector
-from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders
+from kvpush.integrations.vllm.orders import Registration, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 
 # What each lane's vLLM offers (tests may name versions; the connector never does).

@@ -87,7 +87,7 @@ P_PARAMS = {"do_remote_decode": True, "transfer_id": "tp"}
 
 
 def _chunk(rid, blocks, computed, scheduled, replace=False):
-    from kvpush.integrations.vllm.scheduler_side import ScheduledChunk
+    from kvpush.integrations.vllm.scheduler_inputs import ScheduledChunk
 
     return ScheduledChunk(rid, None if blocks is None else (tuple(blocks),), replace, computed, scheduled)
 

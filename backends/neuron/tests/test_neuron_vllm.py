@@ -25,6 +25,7 @@ from kvpush.config import Config
 from kvpush.core.errors import ConfigError
 from kvpush.core.layout import TokenOrder
 from kvpush.integrations.vllm import connector as conn
+from kvpush.integrations.vllm.startup import platform_backend
 from kvpush.integrations.vllm.worker_side import WorkerSide
 from kvpush_neuron import NeuronBackend
 from kvpush_neuron import vllm_neuron as hooks
@@ -72,12 +73,12 @@ def test_neuron_platform_gives_the_neuron_backend_and_its_options(on_platform, p
 
     cpu = vllm.platforms.current_platform  # this machine's: vLLM's CPU platform
     on_platform(platform())
-    name, options, neuron = conn.platform_backend(Config.from_dict({"nixl_backends": ["LIBFABRIC"]}))
+    name, options, neuron = platform_backend(Config.from_dict({"nixl_backends": ["LIBFABRIC"]}))
     assert (name, options, neuron) == ("neuron", {"mode": "direct", "mem": "VRAM"}, hooks)
     with pytest.raises(ConfigError, match="LIBFABRIC"):
-        conn.platform_backend(Config.from_dict({"nixl_backends": ["UCX"]}))
+        platform_backend(Config.from_dict({"nixl_backends": ["UCX"]}))
     on_platform(cpu)
-    assert conn.platform_backend(Config.from_dict({})) == ("host", {}, None)
+    assert platform_backend(Config.from_dict({})) == ("host", {}, None)
 
 
 def connector(backend: NeuronBackend, cfg: SimpleNamespace, kvc: Any = None) -> conn.KVPushConnector:

@@ -8,9 +8,12 @@ Load it with::
         "kv_connector_extra_config": {"side_channel_port": 5600}}'
 
 This class only translates vLLM's hooks: the scheduler half is
-``SchedulerSide`` (bookkeeping), the worker half is ``WorkerSide`` (hands
-work to the engine threads), what the backend is told about the KV cache
-comes from ``layout``. No protocol logic lives here.
+``SchedulerSide`` (bookkeeping, reading vLLM's objects through
+``scheduler_inputs``), the worker half is ``WorkerSide`` (hands work to the
+engine threads), the step's orders between them are ``orders``, what is
+decided at start from vLLM's config and platform is ``startup``, what the
+backend is told about the KV cache comes from ``layout``. No protocol logic
+lives here.
 
 Data parallelism: P's engine of DP index ``k`` listens on
 ``side_channel_port + k * tp_size + tp_rank`` (vLLM's NIXL connector offsets
@@ -24,7 +27,6 @@ in ``compat``: this one class serves every supported version.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.backends import CacheSpec, load_backend
 from kvpush.config import Config
-from kvpush.core.capability import derive_key
 from kvpush.core.errors import BackendError, ConfigError
 from kvpush.core.layout import KVLayout
 from kvpush.core.recurrent import loaded_tokens, prefill_backoff
@@ -46,10 +47,11 @@ from kvpush.integrations.vllm import compat
 from kvpush.integrations.vllm import layout as vllm_layout
 from kvpush.integrations.vllm.discovery import Announcer, start_announcer
 from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
-from kvpush.integrations.vllm.params import PrefillAdvert
-from kvpush.integrations.vllm.scheduler_side import ScheduledChunk, SchedulerSide, StepOrders
+from kvpush.integrations.vllm.orders import StepOrders
+from kvpush.integrations.vllm.scheduler_inputs import drop_prompt_tail, scheduled_chunks
+from kvpush.integrations.vllm.scheduler_side import SchedulerSide
+from kvpush.integrations.vllm.startup import attention_backends, platform_backend, prefill_advert, share_vllm_logging
 from kvpush.integrations.vllm.worker_side import WorkerSide
-from kvpush.transport import auth
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,117 +65,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _share_vllm_logging() -> None:
-    """Make kvpush's log records appear in the server log.
-
-    By default they go through vLLM's handlers (same format and level);
-    ``KVPUSH_LOG_LEVEL=DEBUG`` gives kvpush its own handler at that level, so
-    the per-transfer lines show without turning on vLLM's debug output.
-    """
-    ours, theirs = logging.getLogger("kvpush"), logging.getLogger("vllm")
-    if ours.handlers:
-        return
-    level = os.environ.get("KVPUSH_LOG_LEVEL")
-    if level:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(level.upper())
-    else:
-        for h in theirs.handlers:
-            ours.addHandler(h)
-        ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = False
-
-
 @dataclass
 class KVPushMetadata(KVConnectorMetadata):
     orders: StepOrders = field(default_factory=StepOrders)
-
-
-def platform_backend(cfg: Config) -> tuple[str, dict[str, Any], Any]:
-    """The kvpush backend (and its options) for vLLM's platform, and the Neuron hooks when on Neuron.
-
-    ``backend: "auto"`` follows the platform. vLLM-Neuron reports
-    ``device_type == "cpu"``, so Neuron is recognised by the Neuron backend's
-    own test of the platform object when it is installed; under Neuron the
-    backend's options and the cache layout come from its hooks
-    (``kvpush_neuron.vllm_neuron``, the third value).
-    """
-    from vllm.platforms import current_platform
-
-    try:
-        from kvpush_neuron import vllm_neuron
-    except ImportError:
-        vllm_neuron = None
-    neuron = vllm_neuron is not None and vllm_neuron.is_neuron_platform(current_platform)
-    name = cfg.backend
-    if name == "auto":
-        name = "neuron" if neuron else "cuda" if current_platform.is_cuda_alike() else "host"
-    if name == "neuron" and vllm_neuron is not None:
-        return name, dict(vllm_neuron.backend_options(cfg.nixl_backends)), vllm_neuron
-    return name, {}, None
-
-
-def attention_backends(vllm_config: VllmConfig, names: list[str]) -> dict[str, str]:
-    """Each KV-cache layer's attention backend name (``CPU_ATTN``, ``FLASH_ATTN``...), from vLLM's layers."""
-    context = vllm_config.compilation_config.static_forward_context
-    out: dict[str, str] = {}
-    for n in names:
-        layer = context.get(n)
-        get = getattr(layer, "get_attn_backend", None)
-        if get is not None:
-            out[n] = str(get().get_name())
-    return out
-
-
-def prefill_advert(cfg: Config, engine_id: str, vllm_config: VllmConfig) -> PrefillAdvert | None:
-    """What P's answers tell D (its side channel and TP size); ``None`` when the port is not fixed.
-
-    With ``side_channel_port`` 0 each rank binds a free port the scheduler
-    cannot know, so P returns no ``kv_transfer_params`` and only a router
-    that knows P's address (``kvpush router --prefill-kv``) can pair it.
-    """
-    if cfg.side_channel_port == 0:
-        log.warning(
-            "kvpush: side_channel_port is 0 (a free port per rank): P cannot tell D where it listens, so "
-            "routers that pass P's kv_transfer_params on to D (vllm-router) will not work; set a fixed port"
-        )
-        return None
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    keys = auth.server_keys(cfg.auth, cfg.auth_keys_dir)
-    key = derive_key(keys.secret) if keys is not None else None
-    return PrefillAdvert(engine_id, cfg.side_channel_host, cfg.side_channel_port, tp, key)
-
-
-def scheduled_chunks(out: SchedulerOutput) -> list[ScheduledChunk]:
-    """The step's scheduled requests as plain values (new, resumed and running ones)."""
-    n = out.num_scheduled_tokens
-    chunks = [
-        ScheduledChunk(r.req_id, tuple(tuple(g) for g in r.block_ids), True, r.num_computed_tokens, n.get(r.req_id, 0))
-        for r in out.scheduled_new_reqs
-    ]
-    c = out.scheduled_cached_reqs
-    for i, rid in enumerate(c.req_ids):
-        new = c.new_block_ids[i]
-        blocks = None if new is None else tuple(tuple(g) for g in new)
-        chunks.append(ScheduledChunk(rid, blocks, rid in c.resumed_req_ids, c.num_computed_tokens[i], n.get(rid, 0)))
-    return chunks
-
-
-def drop_prompt_tail(request: Request, drop: int) -> None:
-    """Remove the last ``drop`` prompt tokens of a request vLLM has not scheduled yet (``core.recurrent``'s backoff).
-
-    The request then ends after one token (its answer is computed from the
-    shorter prompt; routers discard it). Prompt embeddings are shortened alike.
-    """
-    if request.prompt_token_ids is not None:
-        del request.prompt_token_ids[-drop:]
-    elif request.prompt_embeds is not None:
-        request.prompt_embeds = request.prompt_embeds[:-drop]
-    del request._all_token_ids[-drop:]
-    request.num_prompt_tokens -= drop
-    request.max_tokens = 1
 
 
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -212,7 +106,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         )
         super().__init__(vllm_config, role, kv_cache_config)
         self._load_errors: set[int] = set()  # vLLM without failed_recving: blocks of failed pushes, this step
-        _share_vllm_logging()
+        share_vllm_logging()
         extra = dict(ktc.kv_connector_extra_config or {})
         try:
             cfg = Config.from_dict(extra)
@@ -232,34 +126,44 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._neuron: Any = None  # kvpush_neuron.vllm_neuron under the Neuron platform
         self.announcer: Announcer | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if kv_cache_config is not None:
-                vllm_layout.state_groups(kv_cache_config)  # refuses what kvpush cannot push, at start
-            tp = vllm_config.parallel_config.tensor_parallel_size
-            self.announcer = start_announcer(cfg, ktc.is_kv_producer, tp)
-            advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
-            self.sched = SchedulerSide(
-                backoff=prefill_backoff(vllm_layout.has_state_layers(kv_cache_config)),
-                layerwise=cfg.layerwise,
-                layerwise_min_tokens=cfg.layerwise_min_tokens,
-                advert=advert,
-                max_waiting_registrations=cfg.max_waiting_registrations if ktc.is_kv_consumer else 0,
-            )
+            self._start_scheduler(vllm_config, kv_cache_config)
         else:
-            from vllm.distributed.parallel_state import (
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
+            self._start_worker(vllm_config)
 
-            name, options, self._neuron = platform_backend(cfg)
-            self.worker = WorkerSide(
-                cfg,
-                load_backend(name, **options),
-                self.engine_id,
-                get_tensor_model_parallel_rank(),
-                get_tensor_model_parallel_world_size(),
-                producer=ktc.is_kv_producer,
-                consumer=ktc.is_kv_consumer,
-            )
+    def _start_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        """The scheduler half: refuse caches kvpush cannot push, announce the instance, build ``SchedulerSide``."""
+        cfg, ktc = self.cfg, vllm_config.kv_transfer_config
+        if kv_cache_config is not None:
+            vllm_layout.state_groups(kv_cache_config)  # refuses what kvpush cannot push, at start
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self.announcer = start_announcer(cfg, ktc.is_kv_producer, tp)
+        advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
+        self.sched = SchedulerSide(
+            backoff=prefill_backoff(vllm_layout.has_state_layers(kv_cache_config)),
+            layerwise=cfg.layerwise,
+            layerwise_min_tokens=cfg.layerwise_min_tokens,
+            advert=advert,
+            max_waiting_registrations=cfg.max_waiting_registrations if ktc.is_kv_consumer else 0,
+        )
+
+    def _start_worker(self, vllm_config: VllmConfig) -> None:
+        """The worker half: the platform's backend and a ``WorkerSide`` for this TP rank."""
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        ktc = vllm_config.kv_transfer_config
+        name, options, self._neuron = platform_backend(self.cfg)
+        self.worker = WorkerSide(
+            self.cfg,
+            load_backend(name, **options),
+            self.engine_id,
+            get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_world_size(),
+            producer=ktc.is_kv_producer,
+            consumer=ktc.is_kv_consumer,
+        )
 
     # ---------------- scheduler hooks ----------------
     def on_new_request(self, request: Request) -> None:

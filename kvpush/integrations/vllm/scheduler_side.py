@@ -1,8 +1,10 @@
 """Scheduler half of the connector: bookkeeping only, no I/O.
 
-It turns vLLM's scheduler hooks into a per-step ``KVPushMetadata`` for the
-workers and tracks which requests still hold blocks for a transfer. It takes
-plain values (ids, block lists, counts), so it is tested without an engine.
+It turns vLLM's scheduler hooks into a per-step ``KVPushMetadata`` (the
+``orders`` module's ``StepOrders``) for the workers and tracks which
+requests still hold blocks for a transfer. It takes plain values (ids, block
+lists, counts; ``scheduler_inputs`` reads them from vLLM's objects), so it is
+tested without an engine.
 
 Invariants:
 - a P request whose prefill finished normally keeps its blocks until every
@@ -35,91 +37,20 @@ from typing import Any
 from kvpush.core.outcome import PrefillState
 from kvpush.core.plan import HOLE
 from kvpush.core.recurrent import dropped_tokens, loaded_tokens
+from kvpush.integrations.vllm.orders import (
+    AbortOrder,
+    CancelOrder,
+    FinishedPrefill,
+    PrefillStateOrder,
+    Registration,
+    StepOrders,
+)
 from kvpush.integrations.vllm.params import DecodeSide, PrefillAdvert, PrefillSide, parse, prefill_answer
+from kvpush.integrations.vllm.scheduler_inputs import ScheduledChunk
 
 log = logging.getLogger(__name__)
 TRUNCATED = "_kvpush_backed_off"
 """Set in a P request's ``kv_transfer_params`` once its last prompt token was dropped (``prefill_drop``)."""
-
-
-@dataclass(frozen=True)
-class Registration:
-    request_id: str
-    transfer_id: str
-    host: str
-    port: int
-    tp_size: int
-    block_ids: tuple[tuple[int, ...], ...]
-    num_tokens: int
-    start_token: int
-    skip_blocks: tuple[int, ...] = ()  # per KV-cache group: leading blocks D does not hold (a sliding window's)
-    capability: str = field(default="", repr=False)  # the transfer's (never logged)
-
-
-@dataclass(frozen=True)
-class FinishedPrefill:
-    request_id: str
-    transfer_id: str
-    block_ids: tuple[tuple[int, ...], ...]
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class AbortOrder:
-    request_id: str
-    transfer_id: str
-    side: str  # "prefill" or "decode"
-
-
-@dataclass(frozen=True)
-class CancelOrder:
-    """A D request that ended before it got blocks: P's ranks are told, so a parked prefill is freed now."""
-
-    request_id: str
-    transfer_id: str
-    host: str
-    port: int
-    tp_size: int
-    capability: str = field(default="", repr=False)
-
-
-@dataclass(frozen=True)
-class PrefillStateOrder:
-    """Where P's scheduler holds a prefill: queued behind ``tokens_ahead`` prompt tokens, or running."""
-
-    transfer_id: str
-    state: PrefillState
-    tokens_ahead: int
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One request's part of a scheduler step, as read from vLLM's ``SchedulerOutput``.
-
-    ``block_ids`` are the request's new blocks (appended to what it had) or,
-    when ``replace``, all of them (a new or resumed request).
-    """
-
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...] | None
-    replace: bool
-    num_computed: int
-    num_scheduled: int
-
-
-@dataclass
-class StepOrders:
-    """What the scheduler tells the workers this step (wrapped in vLLM's metadata type)."""
-
-    registrations: list[Registration] = field(default_factory=list)
-    prefills: list[FinishedPrefill] = field(default_factory=list)
-    aborts: list[AbortOrder] = field(default_factory=list)
-    cancels: list[CancelOrder] = field(default_factory=list)
-    """D requests that never registered (aborted while waiting for blocks): tell P to drop the prefill."""
-    layer_prefills: list[FinishedPrefill] = field(default_factory=list)
-    """Prefills whose final chunk runs in this step's forward: pushed layer by layer as it goes."""
-    prefill_states: list[PrefillStateOrder] = field(default_factory=list)
-    """P: prefills whose place in P's scheduler changed (D's registrations are acknowledged with it)."""
 
 
 @dataclass

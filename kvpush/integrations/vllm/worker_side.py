@@ -18,7 +18,7 @@ from kvpush.core.layout import KVLayout
 from kvpush.core.pieces import map_pieces
 from kvpush.engine import PeerAddress, Receiver, Sender
 from kvpush.integrations.vllm.compat import load_error_blocks
-from kvpush.integrations.vllm.scheduler_side import Registration, StepOrders
+from kvpush.integrations.vllm.orders import Registration, StepOrders
 from kvpush.observability.metrics import TransferStats, layout_gauges, take_engine
 
 log = logging.getLogger(__name__)
