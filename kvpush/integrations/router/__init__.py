@@ -4,8 +4,11 @@ One module per job: ``pool`` (instances, least-loaded choice), ``requests``
 (what P and D are sent per mode; clients' ``kv_transfer_params``),
 ``config``, ``dp`` (a data-parallel server as one instance per DP rank),
 ``health`` (the health rule), ``upstream`` (HTTP calls to P and
-D, typed failures), ``app`` (the aiohttp application and the failure
-policy), ``metrics``, ``cli``.
+D, typed failures), ``app`` (the aiohttp application: endpoints and
+lifecycle), ``pairing`` (one request's P/D pairing, its retry and the
+failure policy), ``prefill_tasks`` (P's request as a task, raced against
+D), ``stream`` (D's stream forwarded whole events at a time), ``answers``
+(the router's own error answers), ``metrics``, ``cli``.
 """
 
 from kvpush.integrations.router.app import Router
