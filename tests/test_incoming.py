@@ -191,6 +191,7 @@ class FencingMachine(RuleBasedStateMachine):
     def _on_report(self, a: Report) -> None:
         inc = a.incoming
         assert id(inc) not in self.reported, f"{inc.transfer_id} attempt {inc.attempt} reported twice"
+        assert a.blocks == inc.quarantined_blocks(), "the report carries the blocks it withholds"
         if a.result.cause is Cause.EXPIRED and a.result.reason.startswith(("no KV", "P kept")):
             waited = TIMEOUT_S if id(inc) not in self.vouched else HARD_CAP_S
             assert self.now >= inc.times.registered + waited, f"gave up after {self.now} on {a.result}"

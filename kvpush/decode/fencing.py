@@ -2,16 +2,14 @@
 
 ``Fencing`` keeps every attempt D made (``kvpush.decode.incoming.Incoming``),
 current and superseded, routes each event to the attempts it concerns (a
-completion, P's failure, an Ack, a connection ready, refused or declared
-dead, a fencing hello answered, time passing) and settles their actions
-(``kvpush.decode.fencing_actions``): a transfer is forgotten once a fenced Report
-gives its blocks back. It is the receiver's one entry: every event, the answers
-to its own actions included (``register_sent``, ``unpacked``, ``writer_failed``,
-...), goes in here and comes back as a list of actions that carry what the
-receiver needs; the receiver never reads an ``Incoming``. A re-issued registration gets a new *attempt*; the
-older attempt stays (superseded) until P answers it or a completion of a
-newer attempt proves P no longer writes it (P pushes a new attempt only
-after the previous WRITE ended). Time is passed in.
+completion, P's failure, an Ack, a link ready, refused or declared dead, a
+fencing hello answered, time passing, the answer to one of its actions) and
+settles their actions (``kvpush.decode.fencing_actions``), which carry what the
+receiver needs: the receiver's one entry, it never reads an ``Incoming``. A
+transfer is forgotten once a fenced Report gives its blocks back. A re-issued
+registration gets a new *attempt*; the older attempt stays (superseded) until
+P answers it or a completion of a newer attempt proves P no longer writes it
+(P pushes a new attempt only after the previous WRITE ended). Time is passed in.
 """
 
 from __future__ import annotations
@@ -208,8 +206,7 @@ class Fencing:
         return sum(inc.quarantined_blocks() for inc in [*self.current.values(), *self.superseded])
 
     def posting(self, transfer_id: str, p_rank: int, attempt: int) -> list[Action]:
-        """P rank says it starts writing: poll this transfer busily (ignored unless a current writer). No action:
-        the receiver learns it from ``drains``."""
+        """P rank says it starts writing: poll this transfer busily (``drains``; unless not a current writer)."""
         inc = self.current.get(transfer_id)
         if inc is None or inc.attempt != attempt or p_rank not in inc.writers:
             return []
@@ -316,10 +313,6 @@ class Fencing:
     def listening(self) -> bool:
         """Some attempt, current or superseded, may still hear from P: its notifications are polled."""
         return bool(self.current or self.superseded)
-
-    def waiting(self) -> bool:
-        """Some registration waits for its KV (polled often, before P says it writes)."""
-        return bool(self.current)
 
     def drains(self) -> bool:
         """A P rank said it is writing some transfer: notifications are drained, not sampled."""

@@ -224,7 +224,7 @@ class Receiver(EngineLoop):
     def idle_wait_s(self) -> float:
         """Registrations waiting for P to start writing: their notifications are polled every
         ``WARM_POLL_S``, not every ``busy_poll_max_s`` (each poll takes the GIL from D's decode loop)."""
-        warm = self.fencing.waiting() or self.conns.handshaking()
+        warm = len(self.fencing) > 0 or self.conns.handshaking()
         return min(self.idle_poll_max_s, WARM_POLL_S) if warm else self.idle_poll_max_s
 
     def refresh_gauges(self) -> None:
