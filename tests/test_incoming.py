@@ -49,6 +49,7 @@ from kvpush.decode.fencing_actions import (
     WaitUnpacks,
 )
 from kvpush.decode.incoming import Asked, Incoming
+from kvpush.decode.link import Dead, Ready, Refused
 
 NREGIONS = 4
 TIDS = ("t0", "t1")
@@ -284,10 +285,9 @@ class FencingMachine(RuleBasedStateMachine):
             for s in self.sessions:
                 if s.p == p:
                     s.answered = True  # P dropped the older session's registrations: never written now
-            self._do(self.fencing.conn_ready(conn, self.now, self.epoch[p]))
-            self._do(self.fencing.fenced(conn, self.epoch[p], self.now))
+            self._do(self.fencing.on_link(Ready(conn, self.epoch[p]), self.now))
         else:
-            self._do(self.fencing.conn_refused(conn, "P refused the handshake", self.now))
+            self._do(self.fencing.on_link(Refused(conn, "P refused the handshake", busy=False), self.now))
 
     def _late_replies(self) -> list[int]:
         return sorted(k for k, v in self.conns.items() if v in ("dead", "pending") and k in self.answered_ok)
@@ -312,7 +312,7 @@ class FencingMachine(RuleBasedStateMachine):
         if self.conns[p] == "ready" and not self.fencing.writes_on(("p", p)):
             return  # D declares a silent P dead only while a writer waits on it
         self.conns[p] = "dead"
-        self._do(self.fencing.conn_dead(("p", p), f"P rank {p} declared dead", self.now, self.epoch[p]))
+        self._do(self.fencing.on_link(Dead(("p", p), f"P rank {p} declared dead", self.epoch[p], ""), self.now))
 
     @precondition(lambda self: any(v in ("dead", "refused") for v in self.conns.values()))
     @rule(data=st.data())
@@ -452,7 +452,8 @@ class FencingMachine(RuleBasedStateMachine):
                 if p in self.dead:
                     if v == "pending":
                         self.conns[p] = "dead"
-                        self._do(self.fencing.conn_dead(("p", p), "never answered the hello", self.now, self.epoch[p]))
+                        dead = Dead(("p", p), "never answered the hello", self.epoch[p], "")
+                        self._do(self.fencing.on_link(dead, self.now))
                     continue
                 if v in ("dead", "refused"):
                     self.fencing_hello(_Draws(p))
@@ -543,3 +544,15 @@ def test_only_a_completion_of_a_newer_attempt_fences_the_older() -> None:
     assert not m.fencing.superseded and len(m.reported) == 2, "the new attempt's completion fences the old one"
     m.deliver(_Draws(0))  # the old notification: stale
     assert not m.fencing.current and len(m.reported) == 2
+
+
+def test_a_busy_refusal_fails_nothing_and_a_refusal_fails_the_waiting_writers() -> None:
+    """What D's links say reaches the fencing through ``on_link``: P answering *busy* (an earlier session of
+    this D still writes) fails no writer, the link asks again; a refusal fails the writers waiting on it."""
+    fencing = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
+    conn = ("p", 0)
+    fencing.register(Asked("t0", "r-t0", ((1, 2),), 32), {0: conn}, 0.0)
+    assert fencing.on_link(Refused(conn, "an earlier session still writes", busy=True), 1.0) == []
+    assert len(fencing) == 1
+    [report] = [a for a in fencing.on_link(Refused(conn, "bad layout", busy=False), 2.0) if isinstance(a, Report)]
+    assert not report.result.ok and report.result.reason == "bad layout" and len(fencing) == 0

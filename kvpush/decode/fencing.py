@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpush.core import protocol
 from kvpush.core.outcome import Cause, Failed, PrefillState, Stage
+from kvpush.core.protocol import StagingGrant
 from kvpush.core.topology import ConnKey
 from kvpush.decode.allow import Allowed
 from kvpush.decode.fencing_actions import (
@@ -30,6 +31,7 @@ from kvpush.decode.fencing_actions import (
     StartUnpack,
 )
 from kvpush.decode.incoming import Action, Asked, Incoming, Writer
+from kvpush.decode.link import LinkNews, Ready, Refused
 from kvpush.observability.metrics import Count
 
 
@@ -106,14 +108,7 @@ class Fencing:
 
     # -- answers to the actions (the attempt is the action's ``incoming``) ---------
     def register_sent(
-        self,
-        inc: Incoming,
-        p: int,
-        grant: protocol.StagingGrant | None,
-        unpack: Any,
-        region_bytes: int,
-        ok: bool,
-        t: float,
+        self, inc: Incoming, p: int, grant: StagingGrant | None, unpack: Any, region_bytes: int, ok: bool, t: float
     ) -> list[Action]:
         """``SendRegister`` done: the registration left (``ok``), with this staging grant and unpack list."""
         return self._settle(inc.register_sent(p, grant, unpack, region_bytes, ok, t))
@@ -127,8 +122,7 @@ class Fencing:
         return self._settle(inc.writer_failed(p, why, now))
 
     def unreachable(self, inc: Incoming, p: int, reason: str, now: float) -> list[Action]:
-        """``SendAbort`` found writer ``p``'s link not ready: it ends with the attempt's abort (a dead link's
-        writer is quarantined already, and stays so)."""
+        """``SendAbort`` found writer ``p``'s link not ready: it ends with the abort (if not quarantined)."""
         why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, reason)
         return self._settle(inc.writer_failed(p, why, now))
 
@@ -139,7 +133,14 @@ class Fencing:
             return []
         return self._settle(inc.unpacked(p, now))
 
-    # -- events ----------------------------------------------------------------
+    def on_link(self, news: LinkNews, now: float) -> list[Action]:
+        """What D's links say: ready (writers quarantined before its epoch are fenced, then waiting ones register),
+        refused (a busy refusal fails nothing: an earlier session still writes; it asks again), or dead."""
+        if isinstance(news, Ready):
+            return self.fenced(news.key, news.epoch, now) + self.conn_ready(news.key, now, news.epoch)
+        if isinstance(news, Refused):
+            return [] if news.busy else self.conn_refused(news.key, news.reason, now)
+        return self.conn_dead(news.key, news.reason, now, news.epoch)
 
     def conn_ready(self, conn: ConnKey, now: float, epoch: int = 0) -> list[Action]:
         self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
@@ -309,7 +310,7 @@ class Fencing:
         self.unpacking = [(i, p) for i, p in self.unpacking if i.writers[p].unpacking and not i.writers[p].final]
         return [i.await_unpacks(p, block=False) for i, p in self.unpacking]
 
-    # -- queries (what the receiver's loop and gauges need) ---------------------------
+    # -- queries (the receiver's loop and gauges) -------------------------------------
     def listening(self) -> bool:
         """Some attempt, current or superseded, may still hear from P: its notifications are polled."""
         return bool(self.current or self.superseded)

@@ -144,6 +144,9 @@ class StaleReply:
     expected: int
 
 
+LinkNews = Ready | Refused | Dead
+"""What the links tell D's fencing (``Fencing.on_link``), through the shell."""
+
 LinkAction = Hello | Heartbeat | Ready | Refused | Dead | StaleReply
 """What the links ask of their shell (``Hello``, ``Heartbeat``, and the logging and unloading of the others)
 and, through it, of D's fencing (``Ready``, ``Refused``, ``Dead``)."""

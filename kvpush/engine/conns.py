@@ -5,8 +5,8 @@ declaring a silent P rank dead, fencing hellos, epochs) is
 ``kvpush.decode.link.Links``'; ``Conns`` is its shell: it feeds the links
 what arrives and the time, and carries out what they ask (dial, hang up,
 send a hello or a heartbeat, unload a dead P rank's NIXL agent, log and
-count). What concerns D's fencing (``Ready``, ``Refused``, ``Dead``) it
-hands back to the receiver, which feeds it to ``Fencing``.
+count). What concerns D's fencing (``LinkNews``: ``Ready``, ``Refused``,
+``Dead``) it hands back to the receiver, which feeds it to ``Fencing.on_link``.
 
 The links know nothing of the receiver that owns them: it hands them narrow
 ports (``Conns``' arguments), so they can be read and tested alone.
@@ -31,9 +31,9 @@ from kvpush.decode.link import (
     Heartbeat,
     Hello,
     LinkAction,
+    LinkNews,
     Links,
     LinkState,
-    Ready,
     Refused,
     StaleReply,
     Standing,
@@ -43,9 +43,6 @@ from kvpush.transport.auth import ClientKeys
 from kvpush.transport.side_channel import Client, peer_budgets
 
 log = logging.getLogger(__name__)
-
-News = Ready | Refused | Dead
-"""What the links tell D's fencing (through the receiver)."""
 
 
 @dataclass(frozen=True)
@@ -140,18 +137,18 @@ class Conns:
         assert link is not None
         return link
 
-    def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[News]:
+    def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkNews]:
         """P's answer to a hello; what it means for D's fencing."""
         return self._apply(self.links.hello_reply(key, msg, now))
 
-    def tick(self, now: float) -> list[News]:
+    def tick(self, now: float) -> list[LinkNews]:
         """Heartbeats out, fencing hellos, silent P ranks declared dead (what that means for D's fencing)."""
         failures = {key: c.failure for key, c in self._clients.items() if c.failure}
         return self._apply(self.links.tick(now, failures))
 
-    def _apply(self, actions: list[LinkAction]) -> list[News]:
+    def _apply(self, actions: list[LinkAction]) -> list[LinkNews]:
         """Carry out the links' actions; hand back those for D's fencing."""
-        news: list[News] = []
+        news: list[LinkNews] = []
         for a in actions:
             if isinstance(a, Hello):
                 old = self._clients.pop(a.key, None)

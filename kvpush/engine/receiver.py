@@ -48,9 +48,9 @@ from kvpush.decode.fencing_actions import (
     WaitUnpacks,
 )
 from kvpush.decode.incoming import Action, Asked
-from kvpush.decode.link import Dead, LinkState, Ready, Refused
+from kvpush.decode.link import Dead, LinkNews, LinkState, Ready, Refused
 from kvpush.decode.registration import register_message, unpack_choice
-from kvpush.engine.conns import Conns, Dialer, News
+from kvpush.engine.conns import Conns, Dialer
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress
 from kvpush.engine.unpacks import UnpackRunner
@@ -288,15 +288,15 @@ class Receiver(EngineLoop):
             self._do(self.fencing.completion(msg, time.monotonic(), sender=sender))
 
     # -- actions --------------------------------------------------------------------
-    def _do(self, actions: list[Action] | list[News]) -> None:
-        """Carry out the machines' actions in order, feeding each answer back to ``Fencing``."""
-        todo: list[Action | News] = list(actions)
+    def _do(self, actions: list[Action] | list[LinkNews]) -> None:
+        """Carry out the machines' actions in order, feeding each answer (and what the links say) to ``Fencing``."""
+        todo: list[Action | LinkNews] = list(actions)
         while todo:
             a = todo.pop(0)
             fed = self._act(a)
             todo[:0] = fed
 
-    def _act(self, a: Action | News) -> list[Action]:
+    def _act(self, a: Action | LinkNews) -> list[Action]:
         now = time.monotonic()
         if isinstance(a, SendRegister):
             return self._send_register(a)
@@ -319,13 +319,8 @@ class Receiver(EngineLoop):
             self.unpacks.wait(a)
         elif isinstance(a, FreeSlot):
             self._slots.free(a.offset)
-        elif isinstance(a, Ready):
-            self._do(self.fencing.fenced(a.key, a.epoch, now))
-            return self.fencing.conn_ready(a.key, time.monotonic(), a.epoch)
-        elif isinstance(a, Refused):
-            return [] if a.busy else self.fencing.conn_refused(a.key, a.reason, now)
-        elif isinstance(a, Dead):
-            return self.fencing.conn_dead(a.key, a.reason, now, a.epoch)
+        elif isinstance(a, Ready | Refused | Dead):
+            return self.fencing.on_link(a, now)
         else:
             self._log(a, now)
         return []
