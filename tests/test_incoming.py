@@ -116,28 +116,7 @@ class FencingMachine(RuleBasedStateMachine):
 
     def _act(self, a) -> list:
         if isinstance(a, SendRegister):
-            inc = a.incoming
-            if inc not in self.incomings:
-                self.incomings.append(inc)
-            if a.p_rank not in self.conns:
-                self.epoch[a.p_rank] = self.epoch.get(a.p_rank, 0) + 1
-            state = self.conns.setdefault(a.p_rank, "pending")
-            if state == "dead":  # the shell says hello again (a fencing hello: a new epoch)
-                state = self.conns[a.p_rank] = "pending"
-                self.epoch[a.p_rank] += 1
-            conn = ("p", a.p_rank)
-            assert (a.conn, a.asked, a.attempt) == (conn, inc.asked, inc.attempt), a
-            if state == "refused":
-                return self.fencing.refused(inc, conn, "P refused the handshake", self.now)
-            if state != "ready":
-                return []
-            staged, split = self.shape[id(inc)]
-            grant = protocol.StagingGrant(next(self.slots), 64) if staged else None
-            if grant is not None:
-                self.granted[grant.offset] = True
-            parts = [(0, 1), (1, NREGIONS)] if split else [(0, NREGIONS)]
-            self.sessions.append(Session(inc.transfer_id, inc.attempt, a.p_rank, staged, grant, parts))
-            return self.fencing.register_sent(inc, a.p_rank, grant, "pieces", 16, True, self.now)
+            return self._send_register(a)
         if isinstance(a, SendAbort):
             inc = a.incoming
             assert (a.conn, a.transfer_id, a.attempt) == (("p", a.p_rank), inc.transfer_id, inc.attempt), a
@@ -185,6 +164,30 @@ class FencingMachine(RuleBasedStateMachine):
         else:
             assert isinstance(a, Stale | Cancel | Acknowledged), a
         return []
+
+    def _send_register(self, a: SendRegister) -> list:
+        inc = a.incoming
+        if inc not in self.incomings:
+            self.incomings.append(inc)
+        if a.p_rank not in self.conns:
+            self.epoch[a.p_rank] = self.epoch.get(a.p_rank, 0) + 1
+        state = self.conns.setdefault(a.p_rank, "pending")
+        if state == "dead":  # the shell says hello again (a fencing hello: a new epoch)
+            state = self.conns[a.p_rank] = "pending"
+            self.epoch[a.p_rank] += 1
+        conn = ("p", a.p_rank)
+        assert (a.conn, a.asked, a.attempt) == (conn, inc.asked, inc.attempt), a
+        if state == "refused":
+            return self.fencing.refused(inc, conn, "P refused the handshake", self.now)
+        if state != "ready":
+            return []
+        staged, split = self.shape[id(inc)]
+        grant = protocol.StagingGrant(next(self.slots), 64) if staged else None
+        if grant is not None:
+            self.granted[grant.offset] = True
+        parts = [(0, 1), (1, NREGIONS)] if split else [(0, NREGIONS)]
+        self.sessions.append(Session(inc.transfer_id, inc.attempt, a.p_rank, staged, grant, parts))
+        return self.fencing.register_sent(inc, a.p_rank, grant, "pieces", 16, True, self.now)
 
     def _sessions_of(self, inc: Incoming, p: int) -> list[Session]:
         return [s for s in self.sessions if (s.tid, s.attempt, s.p) == (inc.transfer_id, inc.attempt, p)]
@@ -556,3 +559,24 @@ def test_a_busy_refusal_fails_nothing_and_a_refusal_fails_the_waiting_writers() 
     assert len(fencing) == 1
     [report] = [a for a in fencing.on_link(Refused(conn, "bad layout", busy=False), 2.0) if isinstance(a, Report)]
     assert not report.result.ok and report.result.reason == "bad layout" and len(fencing) == 0
+
+
+def test_unpacks_are_taken_oldest_first() -> None:
+    """The receiver reports a writer's unpacks as its ``AwaitUnpacks`` lists them; an answer naming any other
+    unpack than the oldest one running (a stale action's) changes nothing."""
+    fencing = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
+    [send] = fencing.register(Asked("t0", "r-t0", ((1, 2),), 32), {0: ("p", 0)}, 0.0)
+    grant = protocol.StagingGrant(4096, 64)
+    assert fencing.register_sent(send.incoming, 0, grant, "pieces", 16, True, 0.0) == []
+    markers = [Marker(), Marker()]
+    for (r0, r1), marker in zip([(0, 1), (1, NREGIONS)], markers, strict=True):
+        part = protocol.Completion("t0", "p", 0, PlanKind.STAGED, 16, 1, grant, 0, r0, r1)
+        [start] = fencing.completion(part, 1.0, sender=("p", 0))
+        [wait] = fencing.unpack_started(start, marker, 0.0, 1.0)
+        assert isinstance(wait, AwaitUnpacks) and wait.markers[-1] is marker
+    assert wait.markers == tuple(markers) and wait.block
+    w = send.incoming.writers[0]
+    assert fencing.unpacked(send.incoming, 0, markers[1], 2.0) == [] and len(w.unpacking) == 2
+    assert fencing.unpacked(send.incoming, 0, markers[0], 2.0) == [] and len(w.unpacking) == 1
+    [free, report] = fencing.unpacked(send.incoming, 0, markers[1], 2.0)
+    assert free == FreeSlot(4096) and isinstance(report, Report) and report.result.ok
