@@ -2,13 +2,14 @@
 
 ``Fencing`` keeps every attempt D made (``kvpush.decode.incoming.Incoming``),
 current and superseded, routes each event to the attempts it concerns (a
-completion, P's failure, an Ack, a connection ready, refused or declared
-dead, a fencing hello answered, time passing) and settles their actions
-(``kvpush.decode.fencing_actions``): a transfer is forgotten once a fenced Report
-gives its blocks back. A re-issued registration gets a new *attempt*; the
-older attempt stays (superseded) until P answers it or a completion of a
-newer attempt proves P no longer writes it (P pushes a new attempt only
-after the previous WRITE ended). Time is passed in.
+completion, P's failure, an Ack, a link ready, refused or declared dead, a
+fencing hello answered, time passing, the answer to one of its actions) and
+settles their actions (``kvpush.decode.fencing_actions``), which carry what the
+receiver needs: the receiver's one entry, it never reads an ``Incoming``. A
+transfer is forgotten once a fenced Report gives its blocks back. A re-issued
+registration gets a new *attempt*; the older attempt stays (superseded) until
+P answers it or a completion of a newer attempt proves P no longer writes it
+(P pushes a new attempt only after the previous WRITE ended). Time is passed in.
 """
 
 from __future__ import annotations
@@ -17,10 +18,20 @@ from typing import Any
 
 from kvpush.core import protocol
 from kvpush.core.outcome import Cause, Failed, PrefillState, Stage
+from kvpush.core.protocol import StagingGrant
 from kvpush.core.topology import ConnKey
 from kvpush.decode.allow import Allowed
-from kvpush.decode.fencing_actions import Cancel, Foreign, Overdue, Report, SendAbort, SendRegister, Stale, StartUnpack
+from kvpush.decode.fencing_actions import (
+    Acknowledged,
+    Cancel,
+    Foreign,
+    Overdue,
+    Report,
+    Stale,
+    StartUnpack,
+)
 from kvpush.decode.incoming import Action, Asked, Incoming, Writer
+from kvpush.decode.link import LinkNews, Ready, Refused
 from kvpush.observability.metrics import Count
 
 
@@ -93,11 +104,43 @@ class Fencing:
         spare = [
             Cancel(transfer_id, asked.request_id, conn, why, asked.capability) for conn in (bystanders or {}).values()
         ]
-        return out + [SendRegister(inc, p) for p in inc.writers] + spare
+        return out + [inc.send_register(p) for p in inc.writers] + spare
 
-    def on(self, inc: Incoming, actions: list[Action]) -> list[Action]:
-        """The actions of an event the receiver fed ``inc`` directly (an action's answer), settled here."""
-        return self._settle(actions)
+    # -- answers to the actions (the attempt is the action's ``incoming``) ---------
+    def register_sent(
+        self, inc: Incoming, p: int, grant: StagingGrant | None, unpack: Any, region_bytes: int, ok: bool, t: float
+    ) -> list[Action]:
+        """``SendRegister`` done: the registration left (``ok``), with this staging grant and unpack list."""
+        return self._settle(inc.register_sent(p, grant, unpack, region_bytes, ok, t))
+
+    def refused(self, inc: Incoming, conn: ConnKey, reason: str, now: float) -> list[Action]:
+        """``SendRegister`` found the link to ``conn`` refused: the attempt's writers there fail."""
+        return self._settle(inc.conn_refused(conn, reason, now))
+
+    def writer_failed(self, inc: Incoming, p: int, why: Failed, now: float) -> list[Action]:
+        """Writer ``p`` will not complete: a registration P cannot take, or an unpack that failed."""
+        return self._settle(inc.writer_failed(p, why, now))
+
+    def unreachable(self, inc: Incoming, p: int, reason: str, now: float) -> list[Action]:
+        """``SendAbort`` found writer ``p``'s link not ready: it ends with the abort (if not quarantined)."""
+        why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, reason)
+        return self._settle(inc.writer_failed(p, why, now))
+
+    def unpacked(self, inc: Incoming, p: int, marker: Any, now: float) -> list[Action]:
+        """Writer ``p``'s unpack of ``marker`` is done ([] unless it is the writer's oldest one running)."""
+        w = inc.writers.get(p)
+        if w is None or w.final or not w.unpacking or w.unpacking[0][2] is not marker:
+            return []
+        return self._settle(inc.unpacked(p, now))
+
+    def on_link(self, news: LinkNews, now: float) -> list[Action]:
+        """What D's links say: ready (writers quarantined before its epoch are fenced, then waiting ones register),
+        refused (a busy refusal fails nothing: an earlier session still writes; it asks again), or dead."""
+        if isinstance(news, Ready):
+            return self.fenced(news.key, news.epoch, now) + self.conn_ready(news.key, now, news.epoch)
+        if isinstance(news, Refused):
+            return [] if news.busy else self.conn_refused(news.key, news.reason, now)
+        return self.conn_dead(news.key, news.reason, now, news.epoch)
 
     def conn_ready(self, conn: ConnKey, now: float, epoch: int = 0) -> list[Action]:
         self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
@@ -115,15 +158,15 @@ class Fencing:
                     out += inc.release(w.p_rank, now)
         return self._settle(out)
 
-    def acknowledged(self, msg: protocol.Ack) -> bool:
-        """P says where a registration's prefill stands (False: not a current writer, or D already gave up
-        on it: an Ack that crossed D's abort does not extend a wait that ended)."""
+    def acknowledged(self, msg: protocol.Ack) -> list[Action]:
+        """P says where a registration's prefill stands ([]: not a current writer, or D already gave up on
+        it: an Ack that crossed D's abort does not extend a wait that ended)."""
         inc = self.current.get(msg.transfer_id)
         if inc is None or inc.attempt != msg.attempt or msg.rank not in inc.writers or inc.aborting is not None:
-            return False
+            return []
         self._bump(Count.ACKS)
         inc.acknowledged(msg.rank, msg.state, msg.tokens_ahead)
-        return True
+        return [Acknowledged(msg.transfer_id, msg.rank, msg.state, msg.tokens_ahead)]
 
     def conn_refused(self, conn: ConnKey, reason: str, now: float) -> list[Action]:
         return self._settle([a for inc in list(self.current.values()) for a in inc.conn_refused(conn, reason, now)])
@@ -139,7 +182,7 @@ class Fencing:
         for inc in [*self.current.values(), *self.superseded]:
             for w in inc.writers.values():
                 if w.conn == conn and not w.final and not w.quarantined:
-                    abort = [SendAbort(inc, w.p_rank, reason)] if w.sent else []
+                    abort = [inc.send_abort(w.p_rank, reason)] if w.sent else []
                     out += [*abort, *inc.quarantine(w.p_rank, dead, until, epoch, now)]
         return self._settle(out)
 
@@ -163,15 +206,15 @@ class Fencing:
         """Blocks withheld from vLLM by quarantines (the memory cost of fencing)."""
         return sum(inc.quarantined_blocks() for inc in [*self.current.values(), *self.superseded])
 
-    def posting(self, transfer_id: str, p_rank: int, attempt: int) -> bool:
-        """P rank says it starts writing: poll this transfer busily (False: not a current writer)."""
+    def posting(self, transfer_id: str, p_rank: int, attempt: int) -> list[Action]:
+        """P rank says it starts writing: poll this transfer busily (``drains``; unless not a current writer)."""
         inc = self.current.get(transfer_id)
         if inc is None or inc.attempt != attempt or p_rank not in inc.writers:
-            return False
+            return []
         self.hot.add(transfer_id)
         self._bump(Count.POSTINGS)
         inc.acknowledged(p_rank, PrefillState.PUSHING, 0)
-        return True
+        return []
 
     def completion(self, msg: protocol.Completion, now: float, sender: ConnKey | None = None) -> list[Action]:
         """A part of ``msg.rank``'s push arrived. ``sender``: the P rank the notification came from (None:
@@ -211,6 +254,7 @@ class Fencing:
         return self._settle(out + inc.writer_failed(w.p_rank, why, now))
 
     def unpack_started(self, a: StartUnpack, marker: Any, seconds: float, now: float) -> list[Action]:
+        """``StartUnpack`` done: its unpack runs (``marker``), it took ``seconds`` to start."""
         self._bump(Count.PARTS)
         w = a.incoming.writers[a.p_rank]
         if not w.unpacking:
@@ -260,10 +304,28 @@ class Fencing:
                 out += self._settle(acts)
         return out
 
-    def still_unpacking(self) -> list[tuple[Incoming, int]]:
-        """Writers whose unpacks are still running (the list is pruned as they end)."""
+    def poll_unpacks(self) -> list[Action]:
+        """Time to look at the unpacks still running: one ``AwaitUnpacks`` per writer with some (the list of
+        such writers is pruned as they end)."""
         self.unpacking = [(i, p) for i, p in self.unpacking if i.writers[p].unpacking and not i.writers[p].final]
-        return list(self.unpacking)
+        return [i.await_unpacks(p, block=False) for i, p in self.unpacking]
+
+    # -- queries (the receiver's loop and gauges) -------------------------------------
+    def listening(self) -> bool:
+        """Some attempt, current or superseded, may still hear from P: its notifications are polled."""
+        return bool(self.current or self.superseded)
+
+    def drains(self) -> bool:
+        """A P rank said it is writing some transfer: notifications are drained, not sampled."""
+        return bool(self.hot)
+
+    def busy(self) -> bool:
+        """Work that the loop must come back to at once: transfers being written, fencing, unpacks."""
+        return bool(self.hot or self.superseded or self.unpacking)
+
+    def superseded_count(self) -> int:
+        """Attempts replaced by a re-issued registration whose writers are not fenced yet."""
+        return len(self.superseded)
 
     # -- internals -----------------------------------------------------------
     def _not_allowed(self, conns: list[ConnKey]) -> str:

@@ -5,10 +5,14 @@ thread does what they say (send, unpack, wait, free, report) and feeds the
 answer back. Kept apart so the per-attempt machine and the book of all
 attempts share one vocabulary.
 
-An action about one attempt carries that attempt (the ``Incoming`` that made
-it), so the receiver can feed the answer back to it. Its type is a parameter
-(``A``): this vocabulary names no machine, the machines import it
-(``kvpush.decode.incoming.Action`` is ``Action[Incoming]``).
+An action carries the data the receiver needs to carry it out (the link, the
+messages' fields, the staging grant, the unpack list, the markers), so the
+receiver never reads a machine's insides. An action about one attempt also
+carries that attempt (the ``Incoming`` that made it) as an opaque handle: the
+receiver only hands it back with the answer (``Fencing.register_sent``,
+``Fencing.unpacked``, ...). Its type is a parameter (``A``): this vocabulary
+names no machine, the machines import it (``kvpush.decode.incoming.Action``
+is ``Action[Incoming]``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kvpush.core import protocol
-from kvpush.core.outcome import Result
+from kvpush.core.outcome import PrefillState, Result
 from kvpush.core.staging import FreeSlot
 from kvpush.core.topology import ConnKey
 
@@ -29,21 +33,47 @@ UNKNOWN_SENDER: ConnKey = ("", 0)
 
 
 @dataclass(frozen=True)
+class Asked:
+    """What D asks its writers for: tokens ``[start_token, num_tokens)`` of a request, into these blocks."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[Any, ...]
+    """Per group, D's block ids: uint32 arrays from ``Receiver.register`` (sequences of ints work too)."""
+    num_tokens: int
+    start_token: int = 0
+    skip_blocks: tuple[int, ...] = ()  # per group: leading blocks D does not hold (a sliding window's)
+    capability: str = field(default="", repr=False)
+    """The transfer's capability (``kvpush.core.capability``), sent with the registration and any abort; never
+    shown."""
+
+
+@dataclass(frozen=True)
 class SendRegister(Generic[A]):
-    """Register with this writer once its connection is ready (answer ``register_sent``/``register_failed``;
-    a refused connection answers ``conn_refused``)."""
+    """Register with this writer (P rank ``p_rank`` at ``conn``) once its link is ready: answer
+    ``Fencing.register_sent`` (or ``writer_failed`` for a registration P's layout cannot take); a refused link
+    answers ``Fencing.refused``."""
 
     incoming: A
     p_rank: int
+    conn: ConnKey
+    asked: Asked
+    attempt: int
 
 
 @dataclass(frozen=True)
 class SendAbort(Generic[A]):
-    """Tell this writer D gave up (answer ``unreachable`` if its connection is not ready)."""
+    """Tell this writer D gave up (``protocol.Abort`` of these fields, on its link if ready or dead); answer
+    ``Fencing.unreachable`` if its link is not ready."""
 
     incoming: A
     p_rank: int
     reason: str
+    conn: ConnKey
+    transfer_id: str
+    request_id: str
+    attempt: int
+    capability: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -59,23 +89,30 @@ class Cancel:
 
 @dataclass(frozen=True)
 class StartUnpack(Generic[A]):
-    """Scatter this part from the writer's staging slot (answer ``unpack_started`` or ``unpack_failed``)."""
+    """Scatter regions ``[r0, r1)`` of this part from the writer's staging slot (at ``offset``; each region
+    ``region_bytes`` of it) with the writer's unpack list: answer ``Fencing.unpack_started``, or
+    ``writer_failed`` at stage UNPACK."""
 
     incoming: A
     p_rank: int
     part: protocol.Completion
     r0: int
     r1: int
+    offset: int
+    region_bytes: int
+    unpack: Any = field(repr=False)
 
 
 @dataclass(frozen=True)
 class AwaitUnpacks(Generic[A]):
-    """Report this writer's finished unpacks, oldest first (``unpacked``/``unpack_failed``); ``block``: its
-    parts are all here, so its unpacks are the critical path: wait for them rather than poll."""
+    """Report this writer's finished unpacks (``markers``, oldest first), each with ``Fencing.unpacked``, until
+    one is not done (a failed one: ``writer_failed`` at stage UNPACK); ``block``: its parts are all here, so its
+    unpacks are the critical path: wait for them rather than poll."""
 
     incoming: A
     p_rank: int
     block: bool
+    markers: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +129,9 @@ class Stale:
     transfer_id: str
     p_rank: int
 
+    def describe(self) -> str:
+        return f"stale or unknown message for {self.transfer_id} from P rank {self.p_rank}"
+
 
 @dataclass(frozen=True)
 class Foreign:
@@ -102,24 +142,63 @@ class Foreign:
     p_rank: int
     sender: ConnKey | None
 
+    def describe(self) -> str:
+        host, port = self.sender or UNKNOWN_SENDER
+        who = f"P {host}:{port}" if (host, port) != UNKNOWN_SENDER else "an agent this D has no link to"
+        what = f"for {self.transfer_id} naming P rank {self.p_rank} from {who}"
+        return f"ignored a message {what}: the transfer was not registered with it"
+
 
 @dataclass(frozen=True)
 class Overdue(Generic[A]):
     """A quarantined writer is still unfenced ``quarantine_s`` after it was given up on: warn and count it.
-    Its blocks stay withheld (a frozen P may still write them) until fencing, P's answer or its last part."""
+    Its blocks stay withheld (a frozen P may still write them) until fencing, P's answer or its last part.
+    ``blocks``: how many of the attempt's blocks are withheld."""
 
     incoming: A
     p_rank: int
     held_s: float
+    transfer_id: str
+    conn: ConnKey
+    blocks: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.transfer_id}: P {self.conn[0]}:{self.conn[1]} (rank {self.p_rank}) is still unfenced "
+            f"{self.held_s:.0f}s after it was given up on; its {self.blocks} blocks stay withheld from vLLM until "
+            "it answers a hello (it may be frozen and still write them)"
+        )
 
 
 @dataclass(frozen=True)
 class Report(Generic[A]):
     """The transfer ended on D: no writer can still write into its blocks (``result.fenced``), or it failed
-    while a quarantined writer still might (``fenced`` False: a second Report gives the blocks back)."""
+    while a quarantined writer still might (``fenced`` False: a second Report gives the blocks back;
+    ``blocks``: how many stay withheld until then)."""
 
     incoming: A
     result: Result
+    blocks: int
+
+    def describe(self) -> str:
+        """The early failure's line (``fenced`` False)."""
+        r = self.result
+        return (
+            f"{r.transfer_id} failed; its {self.blocks} blocks stay quarantined until the writer is fenced ({r.reason})"
+        )
+
+
+@dataclass(frozen=True)
+class Acknowledged:
+    """P rank ``p_rank`` said where a current writer's prefill stands (``protocol.Ack``), and D took it: log it."""
+
+    transfer_id: str
+    p_rank: int
+    state: PrefillState
+    tokens_ahead: int
+
+    def describe(self) -> str:
+        return f"P rank {self.p_rank}: {self.transfer_id} is {self.state} ({self.tokens_ahead} tokens ahead)"
 
 
 Action = (
@@ -134,6 +213,7 @@ Action = (
     | Foreign
     | Overdue[A]
     | Report[A]
+    | Acknowledged
 )
 """What D's fencing asks for, about attempts of type ``A`` (a staging slot goes back with
 ``kvpush.core.staging.FreeSlot``, the same action as on P)."""

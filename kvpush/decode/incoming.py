@@ -39,6 +39,7 @@ from kvpush.core.staging import FreeSlot
 from kvpush.core.topology import ConnKey
 from kvpush.decode import fencing_actions
 from kvpush.decode.fencing_actions import (
+    Asked,
     AwaitUnpacks,
     Overdue,
     Report,
@@ -47,22 +48,6 @@ from kvpush.decode.fencing_actions import (
     StartUnpack,
     WaitUnpacks,
 )
-
-
-@dataclass(frozen=True)
-class Asked:
-    """What D asks its writers for: tokens ``[start_token, num_tokens)`` of a request, into these blocks."""
-
-    transfer_id: str
-    request_id: str
-    block_ids: tuple[Any, ...]
-    """Per group, D's block ids: uint32 arrays from ``Receiver.register`` (sequences of ints work too)."""
-    num_tokens: int
-    start_token: int = 0
-    skip_blocks: tuple[int, ...] = ()  # per group: leading blocks D does not hold (a sliding window's)
-    capability: str = field(default="", repr=False)
-    """The transfer's capability (``kvpush.core.capability``), sent with the registration and any abort; never
-    shown."""
 
 
 @dataclass
@@ -172,7 +157,7 @@ class Incoming:
     def conn_ready(self, conn: ConnKey, now: float) -> list[Action]:
         out: list[Action] = []
         for w in self._unsent(conn):
-            out += self._final(w, self.aborting, now) if self.aborting else [SendRegister(self, w.p_rank)]
+            out += self._final(w, self.aborting, now) if self.aborting else [self.send_register(w.p_rank)]
         return out
 
     def conn_refused(self, conn: ConnKey, reason: str, now: float) -> list[Action]:
@@ -195,7 +180,7 @@ class Incoming:
             if w.grant is None or msg.staging != w.grant or w.unpack is None:
                 why = "staged completion does not match the granted slot"
                 return self._final(w, Failed(Stage.TRANSFER, Cause.OTHER, why), now)
-            return [StartUnpack(self, w.p_rank, msg, r0, r1)]
+            return [StartUnpack(self, w.p_rank, msg, r0, r1, w.grant.offset, w.region_bytes, w.unpack)]
         w.covered[r0:r1] = b"\x01" * (r1 - r0)
         self._account(msg, now)
         return self._check_covered(w, now)
@@ -208,7 +193,7 @@ class Incoming:
         w.covered[a.r0 : a.r1] = b"\x02" * (a.r1 - a.r0)
         w.unpacking.append((a.r0, a.r1, marker))
         self._account(a.part, now)
-        return [AwaitUnpacks(self, w.p_rank, block=not w.covered.count(0))]
+        return [self.await_unpacks(w.p_rank, block=not w.covered.count(0))]
 
     def unpacked(self, p: int, now: float) -> list[Action]:
         """The writer's oldest unpack is done."""
@@ -235,7 +220,7 @@ class Incoming:
         for w in self.writers.values():
             if w.final or w.quarantined:
                 continue
-            out += [SendAbort(self, w.p_rank, why.reason)] if w.sent else self._final(w, why, now)
+            out += [self.send_abort(w.p_rank, why.reason)] if w.sent else self._final(w, why, now)
         return out
 
     def supersede(self, now: float, answer_s: float) -> list[Action]:
@@ -261,8 +246,25 @@ class Incoming:
         for w in self.writers.values():
             if w.quarantined and not w.overdue and now >= w.q_until:
                 w.overdue = True
-                out.append(Overdue(self, w.p_rank, now - w.q_until + quarantine_s))
+                held = now - w.q_until + quarantine_s
+                out.append(Overdue(self, w.p_rank, held, self.transfer_id, w.conn, self.quarantined_blocks()))
         return out
+
+    # -- actions -------------------------------------------------------------
+    def send_register(self, p: int) -> SendRegister[Incoming]:
+        """Register with writer ``p`` (what the receiver needs to send it)."""
+        return SendRegister(self, p, self.writers[p].conn, self.asked, self.attempt)
+
+    def send_abort(self, p: int, reason: str) -> SendAbort[Incoming]:
+        """Tell writer ``p`` D gave up on this attempt."""
+        ask = self.asked
+        return SendAbort(
+            self, p, reason, self.writers[p].conn, ask.transfer_id, ask.request_id, self.attempt, ask.capability
+        )
+
+    def await_unpacks(self, p: int, block: bool) -> AwaitUnpacks[Incoming]:
+        """Report writer ``p``'s unpacks running now, oldest first, as they end."""
+        return AwaitUnpacks(self, p, block, tuple(m for _, _, m in self.writers[p].unpacking))
 
     # -- internals -----------------------------------------------------------
     def _unsent(self, conn: ConnKey) -> list[Writer]:
@@ -303,10 +305,10 @@ class Incoming:
         if all(x.final for x in writers):
             self.reported = True
             result = replace(self.failure, fenced=True) if self.failure is not None else self._result(now)
-            return [Report(self, result)]
+            return [Report(self, result, self.quarantined_blocks())]
         if self.failure is None and all(x.final or x.quarantined for x in writers):
             self.failure = replace(self._result(now), fenced=False)
-            return [Report(self, self.failure)]
+            return [Report(self, self.failure, self.quarantined_blocks())]
         return []
 
     def quarantined_blocks(self) -> int:

@@ -15,7 +15,7 @@ from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.parts import part_count, split_regions
 from kvpush.core.payload import block_runs, check_unpack, unpack_pieces
-from kvpush.decode.incoming import Asked, Incoming
+from kvpush.decode.fencing_actions import Asked
 
 
 def unpack_choice(
@@ -37,13 +37,12 @@ def unpack_choice(
 
 
 def register_message(
-    cfg: Config, inc: Incoming, engine_id: str, rank: int, grant: protocol.StagingGrant | None
+    cfg: Config, ask: Asked, attempt: int, engine_id: str, rank: int, grant: protocol.StagingGrant | None
 ) -> protocol.Register:
-    """The registration D rank ``rank`` sends for this attempt, with its lease and staging grant."""
-    ask = inc.asked
+    """The registration D rank ``rank`` sends for attempt ``attempt``, with its lease and staging grant."""
     return protocol.Register(
-        transfer_id=inc.transfer_id,
-        request_id=inc.request_id,
+        transfer_id=ask.transfer_id,
+        request_id=ask.request_id,
         engine_id=engine_id,
         rank=rank,
         block_ids=ask.block_ids,
@@ -51,7 +50,7 @@ def register_message(
         start_token=ask.start_token,
         lease_ms=int(cfg.registration_lease_s * 1000),
         staging=grant,
-        attempt=inc.attempt,
+        attempt=attempt,
         skip_blocks=ask.skip_blocks,
         capability=ask.capability,
     )

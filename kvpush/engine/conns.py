@@ -1,17 +1,12 @@
-"""D's links to the P ranks that write to it: hello, heartbeats, and declaring a silent P rank dead.
+"""D's links to the P ranks that write to it, the I/O half: one ZMQ DEALER per P rank, opened on demand.
 
-One ZMQ DEALER per P rank, opened at the first registration that needs it.
-A refused handshake is retried after ``REFUSED_RETRY_S`` (the refusal may
-have been transient, or fixed by redeploying P); a P rank that stops
-answering heartbeats for ``peer_dead_s`` is said hello to again (it
-restarted and does not know this D) or, while writers wait on it, declared
-dead, and its NIXL agent unloaded so nothing more of it is read.
-
-Every hello carries the link's *epoch* (one more per hello) and P echoes it.
-While writers of a P rank declared dead are quarantined, that rank is said
-hello to again every ``heartbeat_s``: P answers ok only once nothing of
-D's earlier session is in flight (until then it answers *busy*, which fails
-nothing), and that answer fences them.
+The rule of each link (when to say hello, staleness, refusals, heartbeats,
+declaring a silent P rank dead, fencing hellos, epochs) is
+``kvpush.decode.link.Links``'; ``Conns`` is its shell: it feeds the links
+what arrives and the time, and carries out what they ask (dial, hang up,
+send a hello or a heartbeat, unload a dead P rank's NIXL agent, log and
+count). What concerns D's fencing (``LinkNews``: ``Ready``, ``Refused``,
+``Dead``) it hands back to the receiver, which feeds it to ``Fencing.on_link``.
 
 The links know nothing of the receiver that owns them: it hands them narrow
 ports (``Conns``' arguments), so they can be read and tested alone.
@@ -19,7 +14,6 @@ ports (``Conns``' arguments), so they can be read and tested alone.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -30,44 +24,25 @@ import zmq
 
 from kvpush.config import Config
 from kvpush.core import protocol
-from kvpush.core.layout import KVLayout
 from kvpush.core.topology import ConnKey
-from kvpush.decode.fencing_actions import UNKNOWN_SENDER
-from kvpush.engine.ports import Fences
+from kvpush.decode.link import (
+    Dead,
+    Fences,
+    Heartbeat,
+    Hello,
+    LinkAction,
+    LinkNews,
+    Links,
+    LinkState,
+    Refused,
+    StaleReply,
+    Standing,
+)
 from kvpush.observability.metrics import Count
 from kvpush.transport.auth import ClientKeys
 from kvpush.transport.side_channel import Client, peer_budgets
 
 log = logging.getLogger(__name__)
-
-REFUSED_RETRY_S = 5.0
-"""A P rank that refused the handshake is asked again after this long, on the next registration."""
-
-
-class ConnState(enum.StrEnum):
-    HELLO_SENT = "hello_sent"
-    READY = "ready"
-    REFUSED = "refused"
-    DEAD = "dead"
-
-
-@dataclass
-class Conn:
-    """This D rank's link to one P rank."""
-
-    client: Client
-    state: ConnState
-    since: float
-    last_seen: float
-    last_hb: float = 0.0
-    hb_seq: int = 0
-    reason: str = ""
-    p_rank: int = 0
-    agent: str = ""
-    layout: KVLayout | None = None
-    epoch: int = 0
-    busy: bool = False  # P answered "not yet" (an earlier session's WRITEs fly): hello again shortly
-    fencing: bool = False  # a hello only to fence quarantined writers: nobody's registration waits on it
 
 
 @dataclass(frozen=True)
@@ -109,116 +84,91 @@ class Conns:
         unload: Callable[[str], None],
         bump: Callable[[Count], None],
     ) -> None:
-        self.name, self.cfg, self.engine_id, self.rank = name, cfg, engine_id, rank
-        self.fences, self.dialer, self.hello, self.unload, self.bump = fences, dialer, hello, unload, bump
-        self._conns: dict[ConnKey, Conn] = {}
-        self._by_agent: dict[str, ConnKey] = {}
-        self._epochs: dict[ConnKey, int] = {}
+        self.name, self.engine_id, self.rank = name, engine_id, rank
+        self.dialer, self.hello, self.unload, self.bump = dialer, hello, unload, bump
+        self.links = Links(cfg.peer_dead_s, cfg.heartbeat_s, fences)
+        self._clients: dict[ConnKey, Client] = {}
 
-    def get(self, key: ConnKey) -> Conn | None:
-        return self._conns.get(key)
+    # -- queries -------------------------------------------------------------------
+    def standing(self, key: ConnKey) -> Standing | None:
+        return self.links.standing(key)
 
     def ready(self) -> int:
-        return sum(c.state is ConnState.READY for c in self._conns.values())
+        return self.links.ready()
 
     def handshaking(self) -> bool:
         """Whether a hello awaits its reply: P loads this rank's NIXL metadata meanwhile, which over
         LIBFABRIC's tcp provider completes only while this rank's agent is progressed."""
-        return any(c.state is ConnState.HELLO_SENT for c in self._conns.values())
-
-    def close(self) -> None:
-        for c in self._conns.values():
-            c.client.close()
-
-    def recv(self, now: float) -> Iterator[tuple[ConnKey, Conn, Any]]:
-        for key, conn in list(self._conns.items()):
-            for msg in conn.client.recv():
-                conn.last_seen = now
-                yield key, conn, msg
-            if conn.state is ConnState.HELLO_SENT and conn.client.refused:
-                # The authentication failed (a P without the key this D trusts, or refusing this D's key):
-                # a refused handshake, now and with its reason, not a P silent for peer_dead_s.
-                yield key, conn, protocol.HelloReply(ok=False, reason=conn.client.failure)
+        return self.links.handshaking()
 
     def key_of(self, agent_name: str) -> ConnKey:
         """The P rank whose hello reply named this NIXL agent (``UNKNOWN_SENDER``: none did)."""
-        return self._by_agent.get(agent_name, UNKNOWN_SENDER)
+        return self.links.key_of(agent_name)
+
+    # -- I/O -----------------------------------------------------------------------
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+
+    def recv(self, now: float) -> Iterator[tuple[ConnKey, Any]]:
+        for key, client in list(self._clients.items()):
+            for msg in client.recv():
+                self.links.heard(key, now)
+                yield key, msg
+            link = self.links.standing(key)
+            if link is not None and link.state is LinkState.HELLO_SENT and client.refused:
+                # The authentication failed (a P without the key this D trusts, or refusing this D's key):
+                # a refused handshake, now and with its reason, not a P silent for peer_dead_s.
+                yield key, protocol.HelloReply(ok=False, reason=client.failure)
+
+    def send(self, key: ConnKey, msg: Any) -> bool:
+        """Send on ``key``'s link (False: there is none, or the send failed)."""
+        client = self._clients.get(key)
+        return client is not None and client.send(msg)
 
     def heard_from_agent(self, agent_name: str, now: float) -> None:
-        key = self._by_agent.get(agent_name)
-        if key is not None and key in self._conns:
-            self._conns[key].last_seen = now
+        self.links.heard_from_agent(agent_name, now)
 
-    def open(self, key: ConnKey, now: float, again: bool = False) -> Conn:
-        """The link to ``key``, saying hello first if there is none (or it is dead, stale, or long refused;
-        ``again``: a fencing hello, whatever the link's state)."""
-        conn = self._conns.get(key)
-        stale = conn is not None and (
-            again
-            # a registration does not wait on a fencing hello sent long ago (perhaps to a frozen P): its own
-            # hello's silence counts from now
-            or (conn.state is ConnState.HELLO_SENT and conn.fencing)
-            or (conn.state is ConnState.REFUSED and now - conn.since >= REFUSED_RETRY_S)
-            # P stopped answering heartbeats (it restarted and does not know us): say hello again
-            or (conn.state is ConnState.READY and now - conn.last_seen > self.cfg.peer_dead_s)
-        )
-        if conn is not None and conn.state is not ConnState.DEAD and not stale:
-            return conn
-        if conn is not None:
-            self.dialer.hang_up(conn.client)
-        client = self.dialer.dial(key)
-        epoch = self._epochs[key] = self._epochs.get(key, 0) + 1
-        fencing = again and not self.fences.writes_on(key)
-        conn = Conn(client, ConnState.HELLO_SENT, now, now, epoch=epoch, fencing=fencing)
-        self._conns[key] = conn
-        client.send(self.hello(epoch))
-        return conn
+    # -- events, fed to the links ----------------------------------------------------
+    def open(self, key: ConnKey, now: float) -> Standing:
+        """The link to ``key``, saying hello first if need be (a Hello queued before anything sent on it)."""
+        self._apply(self.links.open(key, now))
+        link = self.links.standing(key)
+        assert link is not None
+        return link
 
-    def on_hello_reply(self, key: ConnKey, conn: Conn, msg: protocol.HelloReply, now: float) -> bool:
-        """Take P's answer; False for an answer to an older hello (another epoch), which changes nothing."""
-        if msg.epoch != conn.epoch or conn.state is not ConnState.HELLO_SENT:
-            name, epoch = self.name, conn.epoch
-            log.warning("%s: stale hello reply from P %s:%s (epoch %d, expected %d)", name, *key, msg.epoch, epoch)
-            return False
-        if not msg.ok or msg.layout is None:
-            conn.state, conn.reason = ConnState.REFUSED, f"P {key[0]}:{key[1]} refused the handshake: {msg.reason}"
-            conn.since, conn.busy = now, msg.busy
-            (log.info if msg.busy else log.error)("%s: %s", self.name, conn.reason)
-        else:
-            conn.state, conn.p_rank, conn.agent, conn.layout = ConnState.READY, msg.rank, msg.agent_name, msg.layout
-            self._by_agent[msg.agent_name] = key
-        return True
+    def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkNews]:
+        """P's answer to a hello; what it means for D's fencing."""
+        return self._apply(self.links.hello_reply(key, msg, now))
 
-    def tick(self, now: float) -> list[tuple[ConnKey, str, int]]:
-        """Heartbeats out, fencing hellos; returns the links just declared dead, with why and their epoch."""
-        dead: list[tuple[ConnKey, str, int]] = []
-        cfg = self.cfg
-        for key, conn in list(self._conns.items()):
-            busy = conn.state is ConnState.REFUSED and conn.busy and self.fences.writes_on(key)
-            unanswered = conn.state is ConnState.HELLO_SENT and conn.fencing and now - conn.since >= cfg.peer_dead_s
-            if unanswered or (
-                conn.state in (ConnState.DEAD, ConnState.REFUSED)
-                and now - conn.since >= cfg.heartbeat_s
-                and (self.fences.quarantined_on(key) or busy)
-            ):
-                conn = self.open(key, now, again=True)  # a fencing hello, or P said "not yet"
-            if conn.state is ConnState.READY and now - conn.last_hb >= cfg.heartbeat_s:
-                conn.last_hb = now
-                conn.hb_seq += 1
-                conn.client.send(protocol.Heartbeat(self.engine_id, self.rank, conn.hb_seq, time.time()))
-            silent = now - conn.last_seen > cfg.peer_dead_s
-            # A READY link nobody waits on is said hello to again at the next registration instead.
-            waited_on = (conn.state is ConnState.HELLO_SENT and not conn.fencing) or (
-                conn.state is ConnState.READY and self.fences.writes_on(key)
-            )
-            if silent and waited_on:
-                conn.state, conn.since = ConnState.DEAD, now
-                conn.reason = f"P {key[0]}:{key[1]} silent for {now - conn.last_seen:.1f}s: declared dead"
-                if conn.client.failure:
-                    conn.reason += f" ({conn.client.failure})"
-                log.error("%s: %s", self.name, conn.reason)
-                self.bump(Count.DEAD_PEERS)
-                if conn.agent:
-                    self.unload(conn.agent)
-                dead.append((key, conn.reason, conn.epoch))
-        return dead
+    def tick(self, now: float) -> list[LinkNews]:
+        """Heartbeats out, fencing hellos, silent P ranks declared dead (what that means for D's fencing)."""
+        failures = {key: c.failure for key, c in self._clients.items() if c.failure}
+        return self._apply(self.links.tick(now, failures))
+
+    def _apply(self, actions: list[LinkAction]) -> list[LinkNews]:
+        """Carry out the links' actions; hand back those for D's fencing."""
+        news: list[LinkNews] = []
+        for a in actions:
+            if isinstance(a, Hello):
+                old = self._clients.pop(a.key, None)
+                if old is not None:
+                    self.dialer.hang_up(old)
+                client = self._clients[a.key] = self.dialer.dial(a.key)
+                client.send(self.hello(a.epoch))
+            elif isinstance(a, Heartbeat):
+                self.send(a.key, protocol.Heartbeat(self.engine_id, self.rank, a.seq, time.time()))
+            elif isinstance(a, StaleReply):
+                log.warning(
+                    "%s: stale hello reply from P %s:%s (epoch %d, expected %d)", self.name, *a.key, a.epoch, a.expected
+                )
+            else:
+                if isinstance(a, Refused):
+                    (log.info if a.busy else log.error)("%s: %s", self.name, a.reason)
+                elif isinstance(a, Dead):
+                    log.error("%s: %s", self.name, a.reason)
+                    self.bump(Count.DEAD_PEERS)
+                    if a.agent:
+                        self.unload(a.agent)
+                news.append(a)
+        return news

@@ -1,10 +1,11 @@
 """The engine's ports: what each collaborator of an engine thread may ask of its owner, and no more.
 
-The sender's peer table and push runner and the receiver's links are handed
-these (the owner, ``Sender`` or ``Receiver``, or a machine it holds, is what
-stands behind them), plus the explicit objects they work with (agent,
-sockets, staging). They never import their owner: each can be read alone, and
-the import graph has no cycle (``python -m kvpush_tools.imports``, in CI).
+The sender's peer table and push runner are handed these (the owner,
+``Sender``, or a machine it holds, is what stands behind them), plus the
+explicit objects they work with (agent, sockets, staging). The receiver's
+links ask D's fencing through ``kvpush.decode.link.Fences``, a pure
+machine's view of another, so it lives with them. None imports its owner:
+each can be read alone, and the import graph has no cycle (``python -m kvpush_tools.imports``, in CI).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any, Protocol
 
 from kvpush.core import protocol
 from kvpush.core.outcome import Failed
-from kvpush.core.topology import ConnKey
 from kvpush.observability.metrics import Count
 from kvpush.prefill.push_job import DKey, PushJob
 
@@ -69,15 +69,3 @@ class PeerLookup(Protocol):
     def get(self, key: DKey) -> Any: ...
 
     def ident_of(self, key: DKey) -> bytes | None: ...
-
-
-class Fences(Protocol):
-    """What the links ask of D's fencing (``kvpush.decode.fencing.Fencing``)."""
-
-    def writes_on(self, conn: ConnKey) -> bool:
-        """Some writer on ``conn`` is waited for."""
-        ...
-
-    def quarantined_on(self, conn: ConnKey) -> bool:
-        """Some writer on ``conn`` is quarantined: a fencing hello would release it."""
-        ...

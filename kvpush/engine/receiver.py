@@ -6,8 +6,12 @@ this D rank (once per rank), sends the registration, and counts what each
 writing P rank's parts cover. ``poll`` reports each transfer once, when no P
 rank will write into its blocks any more (fencing).
 
-The rules are ``kvpush.decode.fencing.Fencing``'s; this thread feeds it messages,
-notifications and unpack markers, and carries out its actions.
+The rules are ``kvpush.decode.fencing.Fencing``'s (every transfer) and
+``kvpush.decode.link.Links``' (every P rank); this thread feeds them messages,
+notifications, unpack markers and the time, and carries out their actions,
+with two collaborators: ``Conns`` (the links' sockets, ``engine/conns.py``) and
+``UnpackRunner`` (staging grants and unpacks, ``engine/unpacks.py``). It reads
+the actions, never a machine's insides.
 """
 
 from __future__ import annotations
@@ -26,13 +30,12 @@ from kvpush.core.layout import KVLayout, Region
 from kvpush.core.limits import Throttle
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.payload import unpack_pieces
-from kvpush.core.plan import staged_bytes
 from kvpush.core.staging import FreeSlot
 from kvpush.core.topology import ConnKey, bystander_channels, writer_channels
 from kvpush.decode.allow import Allowed
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import (
-    UNKNOWN_SENDER,
+    Acknowledged,
     AwaitUnpacks,
     Cancel,
     Foreign,
@@ -44,11 +47,13 @@ from kvpush.decode.fencing_actions import (
     StartUnpack,
     WaitUnpacks,
 )
-from kvpush.decode.incoming import Action, Asked, Incoming
-from kvpush.decode.registration import guess_parts, register_message, unpack_choice
-from kvpush.engine.conns import Conn, Conns, ConnState, Dialer
+from kvpush.decode.incoming import Action, Asked
+from kvpush.decode.link import Dead, LinkNews, LinkState, Ready, Refused
+from kvpush.decode.registration import register_message, unpack_choice
+from kvpush.engine.conns import Conns, Dialer
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress
+from kvpush.engine.unpacks import UnpackRunner
 from kvpush.observability.metrics import Count
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import client_keys
@@ -77,7 +82,7 @@ class Receiver(EngineLoop):
         tp_size: int = 1,
     ) -> None:
         super().__init__("recv", config, backend, layout, engine_id, rank, tp_size)
-        self.book = Fencing(
+        self.fencing = Fencing(
             len(self.layout.regions),
             config.transfer_timeout_s,
             config.peer_dead_s,
@@ -86,8 +91,9 @@ class Receiver(EngineLoop):
             Allowed.parse(config.allowed_prefills),
         )
         self._foreign_log = Throttle(LOG_EVERY_S)
-        self.counters = self.book.counters
+        self.counters = self.fencing.counters
         self.conns: Conns  # made with the agent (``setup``), before any call reaches the thread
+        self.unpacks: UnpackRunner  # likewise: the staging region comes with the agent
         self._next_timer = 0.0
         self.start()
 
@@ -118,7 +124,7 @@ class Receiver(EngineLoop):
     def abort(self, transfer_id: str, reason: str = "aborted on D") -> None:
         """Give up on a transfer; ``poll`` reports it once no P rank can still write."""
         why = Failed(Stage.TRANSFER, Cause.ABORTED, reason)
-        self.call(lambda: self._do(self.book.abort(transfer_id, why, time.monotonic())))
+        self.call(lambda: self._do(self.fencing.abort(transfer_id, why, time.monotonic())))
 
     def cancel(
         self,
@@ -137,16 +143,16 @@ class Receiver(EngineLoop):
         why = Failed(Stage.TRANSFER, Cause.ABORTED, reason)
         writers = self._writers(peer)
         now = time.monotonic
-        self.call(lambda: self._do(self.book.cancel(transfer_id, request_id, writers, why, now(), capability)))
+        self.call(lambda: self._do(self.fencing.cancel(transfer_id, request_id, writers, why, now(), capability)))
 
     def stats(self) -> dict[str, Any]:
         return self.call_sync(
             lambda: {
                 **self.counters,
-                "pending": len(self.book),
+                "pending": len(self.fencing),
                 "connections": self.conns.ready(),
                 "staging_slots_in_use": self._slots.slots_in_use,
-                "quarantined_blocks": self.book.quarantined_blocks(),
+                "quarantined_blocks": self.fencing.quarantined_blocks(),
             }
         )
 
@@ -159,11 +165,22 @@ class Receiver(EngineLoop):
             self.cfg,
             self.engine_id,
             self.rank,
-            fences=self.book,
+            fences=self.fencing,
             dialer=Dialer(self.ctx, self.poller, keys, self.cfg),
             hello=self._hello,
             unload=self.agent.remove_peer,
             bump=self.bump,
+        )
+        self.unpacks = UnpackRunner(
+            self.name,
+            self.cfg,
+            self.layout,
+            self.backend,
+            self.copy,
+            self._staging,
+            self._slots,
+            self.fencing,
+            self.bump,
         )
 
     def _hello(self, epoch: int) -> protocol.Hello:
@@ -191,32 +208,31 @@ class Receiver(EngineLoop):
         self.agent.close()
 
     def step(self, now: float) -> bool:
-        for key, conn, msg in self.conns.recv(now):
-            self._on_control(key, conn, msg, now)
-        if self.book.current or self.book.superseded or self.conns.handshaking():
-            for agent_name, data in self.agent.notifs(drain=bool(self.book.hot)):
+        for key, msg in self.conns.recv(now):
+            self._on_control(key, msg, now)
+        if self.fencing.listening() or self.conns.handshaking():
+            for agent_name, data in self.agent.notifs(drain=self.fencing.drains()):
                 self._on_notif(agent_name, data, now)
-        self._do([AwaitUnpacks(inc, p, block=False) for inc, p in self.book.still_unpacking()])
+        self._do(self.fencing.poll_unpacks())
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
-            for key, reason, epoch in self.conns.tick(now):
-                self._do(self.book.conn_dead(key, reason, time.monotonic(), epoch))
-            self._do(self.book.expire(now))
+            self._do(self.conns.tick(now))
+            self._do(self.fencing.expire(now))
             self.refresh_gauges()
-        return bool(self.book.hot or self.book.superseded or self.book.unpacking)
+        return self.fencing.busy()
 
     def idle_wait_s(self) -> float:
         """Registrations waiting for P to start writing: their notifications are polled every
         ``WARM_POLL_S``, not every ``busy_poll_max_s`` (each poll takes the GIL from D's decode loop)."""
-        warm = self.book.current or self.conns.handshaking()
+        warm = len(self.fencing) > 0 or self.conns.handshaking()
         return min(self.idle_poll_max_s, WARM_POLL_S) if warm else self.idle_poll_max_s
 
     def refresh_gauges(self) -> None:
         self.gauges = {
-            "pending_registrations": float(len(self.book)),
-            "fencing": float(len(self.book.superseded)),
+            "pending_registrations": float(len(self.fencing)),
+            "fencing": float(self.fencing.superseded_count()),
             "connections": float(self.conns.ready()),
-            "quarantined_blocks": float(self.book.quarantined_blocks()),
+            "quarantined_blocks": float(self.fencing.quarantined_blocks()),
         }
 
     # -- events ---------------------------------------------------------------------
@@ -235,7 +251,7 @@ class Receiver(EngineLoop):
         writers = self._writers(peer)
         bystanders = self._bystanders(peer)
         asked = Asked(transfer_id, request_id, block_ids, num_tokens, start_token, skip_blocks, capability)
-        self._do(self.book.register(asked, writers, now, bystanders))
+        self._do(self.fencing.register(asked, writers, now, bystanders))
 
     def _bystanders(self, peer: PeerAddress) -> dict[int, ConnKey]:
         return bystander_channels(peer.host, peer.port, peer.tp_size, self.tp_size, self.layout.num_heads)
@@ -243,23 +259,15 @@ class Receiver(EngineLoop):
     def _writers(self, peer: PeerAddress) -> dict[int, ConnKey]:
         return writer_channels(peer.host, peer.port, peer.tp_size, self.rank, self.tp_size, self.layout.num_heads)
 
-    def _on_control(self, key: ConnKey, conn: Conn, msg: Any, now: float) -> None:
+    def _on_control(self, key: ConnKey, msg: Any, now: float) -> None:
         if isinstance(msg, protocol.HelloReply):
-            if not self.conns.on_hello_reply(key, conn, msg, now):
-                return
-            if conn.state is ConnState.READY:
-                self._do(self.book.fenced(key, conn.epoch, now))
-                self._do(self.book.conn_ready(key, now, conn.epoch))
-            elif not conn.busy:
-                self._do(self.book.conn_refused(key, conn.reason, now))
+            self._do(self.conns.hello_reply(key, msg, now))
         elif isinstance(msg, protocol.Posting):
-            self.book.posting(msg.transfer_id, msg.rank, msg.attempt)
+            self._do(self.fencing.posting(msg.transfer_id, msg.rank, msg.attempt))
         elif isinstance(msg, protocol.Ack):
-            if self.book.acknowledged(msg):
-                what = (msg.rank, msg.transfer_id, msg.state, msg.tokens_ahead)
-                log.debug("%s: P rank %d: %s is %s (%d tokens ahead)", self.name, *what)
+            self._do(self.fencing.acknowledged(msg))
         elif isinstance(msg, protocol.Failure):
-            self._do(self.book.failure(msg, time.monotonic(), sender=key))
+            self._do(self.fencing.failure(msg, time.monotonic(), sender=key))
         elif not isinstance(msg, protocol.Heartbeat):
             log.warning("%s: unexpected %s from P %s:%s", self.name, type(msg).__name__, *key)
 
@@ -275,172 +283,92 @@ class Receiver(EngineLoop):
             return  # P's greeting as it loaded this agent: it connects where loading does not (Agent.add_peer)
         sender = self.conns.key_of(agent_name)
         if isinstance(msg, protocol.Failure):
-            self._do(self.book.failure(msg, time.monotonic(), sender=sender))
+            self._do(self.fencing.failure(msg, time.monotonic(), sender=sender))
         else:
-            self._do(self.book.completion(msg, time.monotonic(), sender=sender))
+            self._do(self.fencing.completion(msg, time.monotonic(), sender=sender))
 
     # -- actions --------------------------------------------------------------------
-    def _do(self, actions: list[Action]) -> None:
-        """Carry out the fencing machine's actions in order, feeding each answer back."""
-        todo = list(actions)
+    def _do(self, actions: list[Action] | list[LinkNews]) -> None:
+        """Carry out the machines' actions in order, feeding each answer (and what the links say) to ``Fencing``."""
+        todo: list[Action | LinkNews] = list(actions)
         while todo:
             a = todo.pop(0)
             fed = self._act(a)
             todo[:0] = fed
 
-    def _act(self, a: Action) -> list[Action]:
+    def _act(self, a: Action | LinkNews) -> list[Action]:
+        now = time.monotonic()
         if isinstance(a, SendRegister):
-            return self._send_register(a.incoming, a.p_rank)
+            return self._send_register(a)
         if isinstance(a, SendAbort):
-            inc, w = a.incoming, a.incoming.writers[a.p_rank]
-            conn = self.conns.get(w.conn)
-            if conn is not None and conn.state in (ConnState.READY, ConnState.DEAD):
+            link = self.conns.standing(a.conn)
+            if link is not None and link.state in (LinkState.READY, LinkState.DEAD):
                 # To a dead P too, best effort: if it is only slow, the abort reaches it before it posts.
-                abort = protocol.Abort(inc.transfer_id, inc.request_id, a.reason, inc.attempt, inc.asked.capability)
-                conn.client.send(abort)
-            if conn is None or conn.state is not ConnState.READY:
-                why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, a.reason)
-                return self.book.on(inc, inc.writer_failed(a.p_rank, why, time.monotonic()))
+                self.conns.send(a.conn, protocol.Abort(a.transfer_id, a.request_id, a.reason, a.attempt, a.capability))
+            if link is None or link.state is not LinkState.READY:
+                return self.fencing.unreachable(a.incoming, a.p_rank, a.reason, now)
         elif isinstance(a, Cancel):
             # Queued behind the Hello on a new connection: P reads them in order.
-            abort = protocol.Abort(a.transfer_id, a.request_id, a.reason, 0, a.capability)
-            self.conns.open(a.conn, time.monotonic()).client.send(abort)
+            self.conns.open(a.conn, now)
+            self.conns.send(a.conn, protocol.Abort(a.transfer_id, a.request_id, a.reason, 0, a.capability))
         elif isinstance(a, StartUnpack):
-            return self._start_unpack(a)
+            return self.unpacks.start(a)
         elif isinstance(a, AwaitUnpacks):
-            return self._await_unpacks(a)
+            return self.unpacks.await_(a)
         elif isinstance(a, WaitUnpacks):
-            for marker in a.markers:
-                try:
-                    self.backend.wait_ready(marker)
-                except Exception:
-                    log.exception("%s: waiting for an unpack failed", self.name)
+            self.unpacks.wait(a)
         elif isinstance(a, FreeSlot):
             self._slots.free(a.offset)
-        elif isinstance(a, Foreign):
-            held = self._foreign_log.note(a.sender, time.monotonic())
-            if held is not None:
-                more = f" ({held} more since the last line)" if held else ""
-                host, port = a.sender or UNKNOWN_SENDER
-                who = f"P {host}:{port}" if (host, port) != UNKNOWN_SENDER else "an agent this D has no link to"
-                log.warning(
-                    "%s: ignored a message for %s naming P rank %d from %s: the transfer was not registered with it%s",
-                    self.name,
-                    a.transfer_id,
-                    a.p_rank,
-                    who,
-                    more,
-                )
-        elif isinstance(a, Stale):
-            log.warning("%s: stale or unknown message for %s from P rank %d", self.name, a.transfer_id, a.p_rank)
-        elif isinstance(a, Overdue):
-            w = a.incoming.writers[a.p_rank]
-            log.warning(
-                "%s: %s: P %s:%d (rank %d) is still unfenced %.0fs after it was given up on; its %d blocks stay "
-                "withheld from vLLM until it answers a hello (it may be frozen and still write them)",
-                self.name,
-                a.incoming.transfer_id,
-                *w.conn,
-                a.p_rank,
-                a.held_s,
-                a.incoming.quarantined_blocks(),
-            )
-        elif isinstance(a, Report):
-            if not a.result.fenced:
-                log.warning(
-                    "%s: %s failed; its %d blocks stay quarantined until the writer is fenced (%s)",
-                    self.name,
-                    a.result.transfer_id,
-                    a.incoming.quarantined_blocks(),
-                    a.result.reason,
-                )
-            self.emit(a.result)
+        elif isinstance(a, Ready | Refused | Dead):
+            return self.fencing.on_link(a, now)
+        else:
+            self._log(a, now)
         return []
 
-    def _send_register(self, inc: Incoming, p: int) -> list[Action]:
-        """Say hello to the writer's P rank if need be; once its connection is ready, send the registration."""
+    def _log(self, a: Action, now: float) -> None:
+        """The actions that only say something: to the log, and a Report to the caller."""
+        if isinstance(a, Foreign):
+            held = self._foreign_log.note(a.sender, now)
+            if held is not None:
+                more = f" ({held} more since the last line)" if held else ""
+                log.warning("%s: %s%s", self.name, a.describe(), more)
+        elif isinstance(a, Stale | Overdue):
+            log.warning("%s: %s", self.name, a.describe())
+        elif isinstance(a, Acknowledged):
+            log.debug("%s: %s", self.name, a.describe())
+        elif isinstance(a, Report):
+            if not a.result.fenced:
+                log.warning("%s: %s", self.name, a.describe())
+            self.emit(a.result)
+
+    def _send_register(self, a: SendRegister) -> list[Action]:
+        """Say hello to the writer's P rank if need be; once its link is ready, send the registration."""
         now = time.monotonic()
-        conn = self.conns.open(inc.writers[p].conn, now)
-        if conn.state is ConnState.REFUSED and not conn.busy:
-            return self.book.on(inc, inc.conn_refused(inc.writers[p].conn, conn.reason, now))
-        if conn.state is not ConnState.READY:
-            return []  # the hello reply brings ``conn_ready``
-        assert conn.layout is not None
-        ask = inc.asked
+        link = self.conns.open(a.conn, now)
+        if link.state is LinkState.REFUSED and not link.busy:
+            return self.fencing.refused(a.incoming, a.conn, link.reason, now)
+        if link.state is not LinkState.READY:
+            return []  # the hello reply brings ``Ready``, and ``conn_ready`` a new SendRegister
+        assert link.layout is not None
+        ask = a.asked
         try:
-            blocks, want, pieces = unpack_choice(self.cfg, conn.layout, self.layout, ask)
+            blocks, want, pieces = unpack_choice(self.cfg, link.layout, self.layout, ask)
         except Exception as exc:
             why = Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, f"bad registration: {exc}")
-            return self.book.on(inc, inc.writer_failed(p, why, now))
-        grant = self._grant(conn, inc, want)
+            return self.fencing.writer_failed(a.incoming, a.p_rank, why, now)
+        grant = self.unpacks.grant(link.layout, ask, want)
         t_send = time.monotonic()  # before the send: P may read the message before this thread runs again
-        ok = conn.client.send(register_message(self.cfg, inc, self.engine_id, self.rank, grant))
+        msg = register_message(self.cfg, ask, a.attempt, self.engine_id, self.rank, grant)
+        ok = self.conns.send(a.conn, msg)
         unpack, region_bytes = None, 0
         if grant is not None and ok:
             # After the send, while P pairs, plans and packs: this thread handles P's first part only later.
             # The checks above make this build infallible; if it fails anyway, the part fails the writer.
             try:
                 if pieces is None:
-                    pieces = unpack_pieces(conn.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
+                    pieces = unpack_pieces(link.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
                 unpack, region_bytes = pieces, int(pieces[:, 1].sum()) if pieces.size else 0
-                self._prepare_unpack(pieces, grant.offset)
+                self.unpacks.prepare(pieces, grant.offset)
             except Exception:
-                log.exception("%s: building the unpack list of %s failed", self.name, inc.transfer_id)
-        return self.book.on(inc, inc.register_sent(p, grant, unpack, region_bytes, ok, t_send))
-
-    def _grant(self, conn: Conn, inc: Incoming, want: bool) -> protocol.StagingGrant | None:
-        """A slot of D's staging region for this writer, when D's own fragmentation wants one."""
-        assert conn.layout is not None
-        size = staged_bytes(conn.layout, self.layout, inc.asked.num_tokens, inc.asked.start_token)
-        if size <= 0 or self._staging is None or not want:
-            return None
-        off = self._slots.alloc(size)
-        if off is None:
-            self.bump(Count.STAGING_FULL)
-            return None
-        return protocol.StagingGrant(off, size)
-
-    def _prepare_unpack(self, pieces: np.ndarray, offset: int) -> None:
-        """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
-        left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
-        assert self._staging is not None
-        parts = guess_parts(self.cfg, len(self.layout.regions), pieces, self._staging.addr + offset)
-        try:
-            self.copy.prepare_unpack(self.region_bases, pieces, parts=parts)
-        except Exception:
-            log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
-
-    def _start_unpack(self, a: StartUnpack) -> list[Action]:
-        w = a.incoming.writers[a.p_rank]
-        assert w.grant is not None and self._staging is not None
-        t0 = time.monotonic()
-        # The payload is region-major: this part's regions sit at their own offset in the slot.
-        staging = self._staging.addr + w.grant.offset + a.r0 * w.region_bytes
-        try:
-            marker = self.copy.start_unpack(self.region_bases[a.r0 : a.r1], w.unpack, staging)
-        except Exception as exc:
-            why = Failed(Stage.UNPACK, Cause.OTHER, f"unpack failed: {exc}")
-            return self.book.on(a.incoming, a.incoming.writer_failed(a.p_rank, why, time.monotonic()))
-        t1 = time.monotonic()
-        return self.book.unpack_started(a, marker, t1 - t0, t1)
-
-    def _await_unpacks(self, a: AwaitUnpacks) -> list[Action]:
-        """Feed the writer's finished unpacks in order (a synchronous backend's are done at once)."""
-        inc, w = a.incoming, a.incoming.writers[a.p_rank]
-        if a.block:
-            for _, _, marker in w.unpacking:
-                try:
-                    self.backend.wait_ready(marker)
-                except Exception:
-                    break  # the poll below reports the failure
-        out: list[Action] = []
-        while w.unpacking and not w.final:
-            try:
-                done = self.backend.poll_ready(w.unpacking[0][2])
-            except Exception as exc:
-                why = Failed(Stage.UNPACK, Cause.OTHER, f"unpack failed: {exc}")
-                return out + self.book.on(inc, inc.writer_failed(a.p_rank, why, time.monotonic()))
-            if not done:
-                break
-            out += self.book.on(inc, inc.unpacked(a.p_rank, time.monotonic()))
-        return out
+                log.exception("%s: building the unpack list of %s failed", self.name, ask.transfer_id)
+        return self.fencing.register_sent(a.incoming, a.p_rank, grant, unpack, region_bytes, ok, t_send)

@@ -36,6 +36,7 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage
 from kvpush.core.staging import FreeSlot
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import (
+    Acknowledged,
     AwaitUnpacks,
     Cancel,
     Foreign,
@@ -48,6 +49,7 @@ from kvpush.decode.fencing_actions import (
     WaitUnpacks,
 )
 from kvpush.decode.incoming import Asked, Incoming
+from kvpush.decode.link import Dead, Ready, Refused
 
 NREGIONS = 4
 TIDS = ("t0", "t1")
@@ -88,7 +90,7 @@ class Network:
 class FencingMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.book = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
+        self.fencing = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
         self.now = 0.0
         self.conns: dict[int, str] = {}  # P rank -> "pending" | "ready" | "refused" | "dead"
         self.epoch: dict[int, int] = {}  # P rank -> the epoch of D's latest hello to it
@@ -114,29 +116,10 @@ class FencingMachine(RuleBasedStateMachine):
 
     def _act(self, a) -> list:
         if isinstance(a, SendRegister):
-            inc = a.incoming
-            if inc not in self.incomings:
-                self.incomings.append(inc)
-            if a.p_rank not in self.conns:
-                self.epoch[a.p_rank] = self.epoch.get(a.p_rank, 0) + 1
-            state = self.conns.setdefault(a.p_rank, "pending")
-            if state == "dead":  # the shell says hello again (a fencing hello: a new epoch)
-                state = self.conns[a.p_rank] = "pending"
-                self.epoch[a.p_rank] += 1
-            conn = ("p", a.p_rank)
-            if state == "refused":
-                return self.book.on(inc, inc.conn_refused(conn, "P refused the handshake", self.now))
-            if state != "ready":
-                return []
-            staged, split = self.shape[id(inc)]
-            grant = protocol.StagingGrant(next(self.slots), 64) if staged else None
-            if grant is not None:
-                self.granted[grant.offset] = True
-            parts = [(0, 1), (1, NREGIONS)] if split else [(0, NREGIONS)]
-            self.sessions.append(Session(inc.transfer_id, inc.attempt, a.p_rank, staged, grant, parts))
-            return self.book.on(inc, inc.register_sent(a.p_rank, grant, "pieces", 16, True, self.now))
+            return self._send_register(a)
         if isinstance(a, SendAbort):
             inc = a.incoming
+            assert (a.conn, a.transfer_id, a.attempt) == (("p", a.p_rank), inc.transfer_id, inc.attempt), a
             if self.conns.get(a.p_rank) == "ready":
                 for s in self._sessions_of(inc, a.p_rank):
                     s.aborted = True
@@ -144,20 +127,24 @@ class FencingMachine(RuleBasedStateMachine):
             if self.conns.get(a.p_rank) == "dead":
                 for s in self._sessions_of(inc, a.p_rank):
                     s.aborted = True  # queued on the link: a frozen P reads it when it resumes
-            why = inc.aborting or Failed(Stage.TRANSFER, Cause.ABORTED, a.reason)
-            return self.book.on(inc, inc.writer_failed(a.p_rank, why, self.now))
+            return self.fencing.unreachable(inc, a.p_rank, a.reason, self.now)
         if isinstance(a, StartUnpack):
+            w = a.incoming.writers[a.p_rank]
+            assert w.grant is not None and (a.offset, a.region_bytes, a.unpack) == (w.grant.offset, 16, "pieces")
             m = Marker()
             self.unpacks.setdefault(id(a.incoming), []).append(m)
-            return self.book.unpack_started(a, m, 0.0, self.now)
+            return self.fencing.unpack_started(a, m, 0.0, self.now)
         if isinstance(a, AwaitUnpacks):
-            inc, w = a.incoming, a.incoming.writers[a.p_rank]
+            w = a.incoming.writers[a.p_rank]
+            assert a.markers == tuple(m for _, _, m in w.unpacking), "the action carries the unpacks running"
             if a.block:
-                for _, _, m in w.unpacking:
+                for m in a.markers:
                     m.reached = True
             out: list = []
-            while w.unpacking and not w.final and w.unpacking[0][2].reached:
-                out += self.book.on(inc, inc.unpacked(a.p_rank, self.now))
+            for m in a.markers:
+                if not m.reached:
+                    break
+                out += self.fencing.unpacked(a.incoming, a.p_rank, m, self.now)
             return out
         if isinstance(a, WaitUnpacks):
             for m in a.markers:
@@ -170,12 +157,37 @@ class FencingMachine(RuleBasedStateMachine):
         elif isinstance(a, Overdue):
             w = a.incoming.writers[a.p_rank]
             assert w.quarantined and self.now >= w.q_until, f"overdue before its time: {w}"
+            assert a.blocks == a.incoming.quarantined_blocks() and a.conn == w.conn
             key = (id(a.incoming), a.p_rank)
             assert key not in self.overdue, "overdue reported twice"
             self.overdue.add(key)
         else:
-            assert isinstance(a, Stale | Cancel), a
+            assert isinstance(a, Stale | Cancel | Acknowledged), a
         return []
+
+    def _send_register(self, a: SendRegister) -> list:
+        inc = a.incoming
+        if inc not in self.incomings:
+            self.incomings.append(inc)
+        if a.p_rank not in self.conns:
+            self.epoch[a.p_rank] = self.epoch.get(a.p_rank, 0) + 1
+        state = self.conns.setdefault(a.p_rank, "pending")
+        if state == "dead":  # the shell says hello again (a fencing hello: a new epoch)
+            state = self.conns[a.p_rank] = "pending"
+            self.epoch[a.p_rank] += 1
+        conn = ("p", a.p_rank)
+        assert (a.conn, a.asked, a.attempt) == (conn, inc.asked, inc.attempt), a
+        if state == "refused":
+            return self.fencing.refused(inc, conn, "P refused the handshake", self.now)
+        if state != "ready":
+            return []
+        staged, split = self.shape[id(inc)]
+        grant = protocol.StagingGrant(next(self.slots), 64) if staged else None
+        if grant is not None:
+            self.granted[grant.offset] = True
+        parts = [(0, 1), (1, NREGIONS)] if split else [(0, NREGIONS)]
+        self.sessions.append(Session(inc.transfer_id, inc.attempt, a.p_rank, staged, grant, parts))
+        return self.fencing.register_sent(inc, a.p_rank, grant, "pieces", 16, True, self.now)
 
     def _sessions_of(self, inc: Incoming, p: int) -> list[Session]:
         return [s for s in self.sessions if (s.tid, s.attempt, s.p) == (inc.transfer_id, inc.attempt, p)]
@@ -183,6 +195,7 @@ class FencingMachine(RuleBasedStateMachine):
     def _on_report(self, a: Report) -> None:
         inc = a.incoming
         assert id(inc) not in self.reported, f"{inc.transfer_id} attempt {inc.attempt} reported twice"
+        assert a.blocks == inc.quarantined_blocks(), "the report carries the blocks it withholds"
         if a.result.cause is Cause.EXPIRED and a.result.reason.startswith(("no KV", "P kept")):
             waited = TIMEOUT_S if id(inc) not in self.vouched else HARD_CAP_S
             assert self.now >= inc.times.registered + waited, f"gave up after {self.now} on {a.result}"
@@ -202,7 +215,7 @@ class FencingMachine(RuleBasedStateMachine):
                 assert w.covered is not None and w.covered.count(1) == NREGIONS, w
 
     def _step(self) -> None:
-        self._do([AwaitUnpacks(i, p, block=False) for i, p in self.book.still_unpacking()])
+        self._do(self.fencing.poll_unpacks())
 
     # -- D's caller ---------------------------------------------------------------------
     @rule(
@@ -214,28 +227,28 @@ class FencingMachine(RuleBasedStateMachine):
     def register(self, tid: str, ranks: tuple[int, ...], staged: bool, split: bool) -> None:
         """D allocates blocks for a request (again while it is pending: a re-issue, the next attempt); P will
         write it ``staged`` (D unpacks) or not, in one part or two."""
-        if tid not in self.book.current and any(i.transfer_id == tid for i in self.incomings):
+        if tid not in self.fencing.current and any(i.transfer_id == tid for i in self.incomings):
             return  # that request is over; the router never reuses its transfer id
         writers = {p: ("p", p) for p in ranks}
-        actions = self.book.register(Asked(tid, f"r-{tid}", ((1, 2),), 32), writers, self.now)
-        self.shape[id(self.book.current[tid])] = (staged, split)
+        actions = self.fencing.register(Asked(tid, f"r-{tid}", ((1, 2),), 32), writers, self.now)
+        self.shape[id(self.fencing.current[tid])] = (staged, split)
         self._do(actions)
 
     @rule(tid=st.sampled_from(TIDS))
     def abort(self, tid: str) -> None:
-        self._do(self.book.abort(tid, Failed(Stage.TRANSFER, Cause.ABORTED, "client went away"), self.now))
+        self._do(self.fencing.abort(tid, Failed(Stage.TRANSFER, Cause.ABORTED, "client went away"), self.now))
 
     @rule(tid=st.sampled_from(TIDS))
     def cancel(self, tid: str) -> None:
         """D gives up on a request that may not have its blocks yet (the connector's cancel)."""
         why = Failed(Stage.TRANSFER, Cause.ABORTED, "request aborted on D before it got blocks")
-        self._do(self.book.cancel(tid, f"r-{tid}", {0: ("p", 0)}, why, self.now))
+        self._do(self.fencing.cancel(tid, f"r-{tid}", {0: ("p", 0)}, why, self.now))
 
     @rule(dt=st.sampled_from([0.5, PEER_DEAD_S, TIMEOUT_S, QUARANTINE_S, HARD_CAP_S]))
     def time_passes(self, dt: float) -> None:
         """Time passes; a frozen P may stay frozen through any of it (nothing here ends a session)."""
         self.now += dt
-        self._do(self.book.expire(self.now))
+        self._do(self.fencing.expire(self.now))
 
     @precondition(lambda self: any(v == "dead" and k not in self.dead for k, v in self.conns.items()))
     @rule(data=st.data())
@@ -275,10 +288,9 @@ class FencingMachine(RuleBasedStateMachine):
             for s in self.sessions:
                 if s.p == p:
                     s.answered = True  # P dropped the older session's registrations: never written now
-            self._do(self.book.conn_ready(conn, self.now, self.epoch[p]))
-            self._do(self.book.fenced(conn, self.epoch[p], self.now))
+            self._do(self.fencing.on_link(Ready(conn, self.epoch[p]), self.now))
         else:
-            self._do(self.book.conn_refused(conn, "P refused the handshake", self.now))
+            self._do(self.fencing.on_link(Refused(conn, "P refused the handshake", busy=False), self.now))
 
     def _late_replies(self) -> list[int]:
         return sorted(k for k, v in self.conns.items() if v in ("dead", "pending") and k in self.answered_ok)
@@ -287,12 +299,12 @@ class FencingMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def stale_hello_reply(self, data) -> None:
         """The ok reply to an earlier hello (the session in which P was declared dead, or one before it) arrives
-        again, late (the shell drops those; the book must not take it as fencing either: P may still write the
+        again, late (the shell drops those; fencing must not take it as a fencing answer either: P may still write the
         registrations of that session). Only a reply P did send: P answers a hello once, and ok only while none
         of its earlier WRITEs fly."""
         p = data.draw(st.sampled_from(self._late_replies()))
         older = data.draw(st.sampled_from(self.answered_ok[p]))
-        self._do(self.book.fenced(("p", p), older, self.now))
+        self._do(self.fencing.fenced(("p", p), older, self.now))
 
     @precondition(lambda self: any(v in ("ready", "pending") for v in self.conns.values()))
     @rule(data=st.data())
@@ -300,10 +312,10 @@ class FencingMachine(RuleBasedStateMachine):
         """P falls silent for ``peer_dead_s`` (frozen: it may resume and go on writing); D declares it dead
         while it waits on it."""
         p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v in ("ready", "pending"))))
-        if self.conns[p] == "ready" and not self.book.writes_on(("p", p)):
+        if self.conns[p] == "ready" and not self.fencing.writes_on(("p", p)):
             return  # D declares a silent P dead only while a writer waits on it
         self.conns[p] = "dead"
-        self._do(self.book.conn_dead(("p", p), f"P rank {p} declared dead", self.now, self.epoch[p]))
+        self._do(self.fencing.on_link(Dead(("p", p), f"P rank {p} declared dead", self.epoch[p], ""), self.now))
 
     @precondition(lambda self: any(v in ("dead", "refused") for v in self.conns.values()))
     @rule(data=st.data())
@@ -319,7 +331,7 @@ class FencingMachine(RuleBasedStateMachine):
         """P says the prefill is queued or running (it vouches that the KV will come)."""
         s = data.draw(st.sampled_from(self._live()))
         inc = next(i for i in self.incomings if (i.transfer_id, i.attempt) == (s.tid, s.attempt))
-        if self.book.acknowledged(protocol.Ack(s.tid, s.p, state, s.attempt, 100)) and not inc.reported:
+        if self.fencing.acknowledged(protocol.Ack(s.tid, s.p, state, s.attempt, 100)) and not inc.reported:
             self.vouched.setdefault(id(inc), inc.times.registered)
 
     # -- an honest P ---------------------------------------------------------------------
@@ -356,19 +368,19 @@ class FencingMachine(RuleBasedStateMachine):
     def deliver(self, data) -> None:
         msg = self.net.msgs.pop(data.draw(st.integers(0, len(self.net.msgs) - 1)))
         if isinstance(msg, protocol.Completion):
-            self._do(self.book.completion(msg, self.now, sender=("p", msg.rank)))
+            self._do(self.fencing.completion(msg, self.now, sender=("p", msg.rank)))
         else:
-            self._do(self.book.failure(msg, self.now, sender=("p", msg.rank)))
+            self._do(self.fencing.failure(msg, self.now, sender=("p", msg.rank)))
         self._step()
 
     def _writers_state(self) -> list[tuple]:
         return [
             (id(inc), p, w.final, w.quarantined, bytes(w.covered or b""), len(w.unpacking), inc.reported)
-            for inc in [*self.book.current.values(), *self.book.superseded]
+            for inc in [*self.fencing.current.values(), *self.fencing.superseded]
             for p, w in inc.writers.items()
         ]
 
-    @precondition(lambda self: self.net.msgs or self.book.current)
+    @precondition(lambda self: self.net.msgs or self.fencing.current)
     @rule(data=st.data(), kind=st.sampled_from(["completion", "failure"]), other_rank=st.booleans())
     def forged(self, data, kind: str, other_rank: bool) -> None:
         """Another holder of the P key (a P D never registered this transfer with, or the other P rank of
@@ -377,7 +389,7 @@ class FencingMachine(RuleBasedStateMachine):
         if self.net.msgs and data.draw(st.booleans()):
             msg = self.net.msgs[data.draw(st.integers(0, len(self.net.msgs) - 1))]
         else:
-            inc = data.draw(st.sampled_from([*self.book.current.values(), *self.book.superseded] or [None]))
+            inc = data.draw(st.sampled_from([*self.fencing.current.values(), *self.fencing.superseded] or [None]))
             if inc is None:
                 return
             p = data.draw(st.sampled_from(sorted(inc.writers)))
@@ -388,9 +400,9 @@ class FencingMachine(RuleBasedStateMachine):
         sender = ("p", 1 - msg.rank) if other_rank and msg.rank in (0, 1) else ("evil", msg.rank)
         before = self._writers_state()
         if isinstance(msg, protocol.Completion):
-            out = self.book.completion(msg, self.now, sender=sender)
+            out = self.fencing.completion(msg, self.now, sender=sender)
         else:
-            out = self.book.failure(msg, self.now, sender=sender)
+            out = self.fencing.failure(msg, self.now, sender=sender)
         assert all(isinstance(a, (Foreign, Stale)) for a in out), out
         assert self._writers_state() == before, "a forged message changed a writer"
 
@@ -404,9 +416,9 @@ class FencingMachine(RuleBasedStateMachine):
     # -- invariants ------------------------------------------------------------------------
     @invariant()
     def books_agree(self) -> None:
-        for tid, inc in self.book.current.items():
+        for tid, inc in self.fencing.current.items():
             assert inc.transfer_id == tid and id(inc) not in self.reported
-        for inc in self.book.superseded:
+        for inc in self.fencing.superseded:
             assert id(inc) not in self.reported and inc.aborting is not None
 
     def teardown(self) -> None:
@@ -425,7 +437,7 @@ class FencingMachine(RuleBasedStateMachine):
         held = [(inc, w) for inc in self.incomings for w in inc.writers.values() if w.quarantined]
         self.time_passes(QUARANTINE_S * 10)
         assert all(w.quarantined for _, w in held), "a quarantine ended on a timer"
-        assert self.book.quarantined_blocks() == sum(inc.quarantined_blocks() for inc in {i for i, _ in held})
+        assert self.fencing.quarantined_blocks() == sum(inc.quarantined_blocks() for inc in {i for i, _ in held})
         self.dead.clear()  # every killed P rank restarts
         for _ in range(50):
             for s in self._live():
@@ -436,14 +448,15 @@ class FencingMachine(RuleBasedStateMachine):
             while self.net.msgs:
                 msg = self.net.msgs.pop(0)
                 if isinstance(msg, protocol.Completion):
-                    self._do(self.book.completion(msg, self.now, sender=("p", msg.rank)))
+                    self._do(self.fencing.completion(msg, self.now, sender=("p", msg.rank)))
                 else:
-                    self._do(self.book.failure(msg, self.now, sender=("p", msg.rank)))
+                    self._do(self.fencing.failure(msg, self.now, sender=("p", msg.rank)))
             for p, v in list(self.conns.items()):
                 if p in self.dead:
                     if v == "pending":
                         self.conns[p] = "dead"
-                        self._do(self.book.conn_dead(("p", p), "never answered the hello", self.now, self.epoch[p]))
+                        dead = Dead(("p", p), "never answered the hello", self.epoch[p], "")
+                        self._do(self.fencing.on_link(dead, self.now))
                     continue
                 if v in ("dead", "refused"):
                     self.fencing_hello(_Draws(p))
@@ -453,10 +466,10 @@ class FencingMachine(RuleBasedStateMachine):
                 for m in ms:
                     m.reached = True
             self._step()
-            if not self.book.current and not self.book.superseded:
+            if not self.fencing.current and not self.fencing.superseded:
                 break
             self.time_passes(TIMEOUT_S + PEER_DEAD_S)
-        assert not self.book.current and not self.book.superseded, (self.book.current, self.book.superseded)
+        assert not self.fencing.current and not self.fencing.superseded, (self.fencing.current, self.fencing.superseded)
         assert all(id(i) in self.reported for i in self.incomings), "an attempt was never reported"
         assert not any(self.granted.values()), "a staging slot was never given back"
 
@@ -502,10 +515,10 @@ def test_an_ack_that_crosses_ds_abort_does_not_extend_the_wait() -> None:
     wait stays over, and the report says so once P answers the abort."""
     m = _machine_with_one_writer(staged=False, split=False)
     m.time_passes(TIMEOUT_S)
-    [inc] = m.book.current.values()
+    [inc] = m.fencing.current.values()
     assert inc.aborting is not None and inc.deadline == TIMEOUT_S
     s = m.sessions[0]
-    assert not m.book.acknowledged(protocol.Ack(s.tid, s.p, PrefillState.QUEUED, s.attempt, 10))
+    assert not m.fencing.acknowledged(protocol.Ack(s.tid, s.p, PrefillState.QUEUED, s.attempt, 10))
     assert inc.deadline == TIMEOUT_S and not inc.vouched
     m.p_gives_up(_Draws(s), Cause.ABORTED)
     m.deliver(_Draws(0))
@@ -519,11 +532,11 @@ def test_only_a_completion_of_a_newer_attempt_fences_the_older() -> None:
     m = _machine_with_one_writer(staged=False, split=False)
     m.register("t0", (0,), False, False)  # attempt 1; attempt 0 is superseded, its writer still registered
     old, new = m.sessions
-    assert (old.attempt, new.attempt) == (0, 1) and len(m.book.superseded) == 1
+    assert (old.attempt, new.attempt) == (0, 1) and len(m.fencing.superseded) == 1
     m.p_gives_up(_Draws(new), Cause.SUPERSEDED)
     m.deliver(_Draws(0))
     assert len(m.reported) == 1, "only the new attempt ends"  # _on_report checks no live writer
-    assert m.book.superseded, "a failure of the newer attempt fenced the older one"
+    assert m.fencing.superseded, "a failure of the newer attempt fenced the older one"
 
     m = _machine_with_one_writer(staged=False, split=False)
     m.register("t0", (0,), False, False)
@@ -531,6 +544,39 @@ def test_only_a_completion_of_a_newer_attempt_fences_the_older() -> None:
     m.p_writes_a_part(_Draws(old, 0))  # the old attempt's WRITE lands; its notification is still on the way
     m.p_writes_a_part(_Draws(new, 0))  # only then does P write the new attempt
     m.deliver(_Draws(1))  # the new attempt's completion first
-    assert not m.book.superseded and len(m.reported) == 2, "the new attempt's completion fences the old one"
+    assert not m.fencing.superseded and len(m.reported) == 2, "the new attempt's completion fences the old one"
     m.deliver(_Draws(0))  # the old notification: stale
-    assert not m.book.current and len(m.reported) == 2
+    assert not m.fencing.current and len(m.reported) == 2
+
+
+def test_a_busy_refusal_fails_nothing_and_a_refusal_fails_the_waiting_writers() -> None:
+    """What D's links say reaches the fencing through ``on_link``: P answering *busy* (an earlier session of
+    this D still writes) fails no writer, the link asks again; a refusal fails the writers waiting on it."""
+    fencing = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
+    conn = ("p", 0)
+    fencing.register(Asked("t0", "r-t0", ((1, 2),), 32), {0: conn}, 0.0)
+    assert fencing.on_link(Refused(conn, "an earlier session still writes", busy=True), 1.0) == []
+    assert len(fencing) == 1
+    [report] = [a for a in fencing.on_link(Refused(conn, "bad layout", busy=False), 2.0) if isinstance(a, Report)]
+    assert not report.result.ok and report.result.reason == "bad layout" and len(fencing) == 0
+
+
+def test_unpacks_are_taken_oldest_first() -> None:
+    """The receiver reports a writer's unpacks as its ``AwaitUnpacks`` lists them; an answer naming any other
+    unpack than the oldest one running (a stale action's) changes nothing."""
+    fencing = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
+    [send] = fencing.register(Asked("t0", "r-t0", ((1, 2),), 32), {0: ("p", 0)}, 0.0)
+    grant = protocol.StagingGrant(4096, 64)
+    assert fencing.register_sent(send.incoming, 0, grant, "pieces", 16, True, 0.0) == []
+    markers = [Marker(), Marker()]
+    for (r0, r1), marker in zip([(0, 1), (1, NREGIONS)], markers, strict=True):
+        part = protocol.Completion("t0", "p", 0, PlanKind.STAGED, 16, 1, grant, 0, r0, r1)
+        [start] = fencing.completion(part, 1.0, sender=("p", 0))
+        [wait] = fencing.unpack_started(start, marker, 0.0, 1.0)
+        assert isinstance(wait, AwaitUnpacks) and wait.markers[-1] is marker
+    assert wait.markers == tuple(markers) and wait.block
+    w = send.incoming.writers[0]
+    assert fencing.unpacked(send.incoming, 0, markers[1], 2.0) == [] and len(w.unpacking) == 2
+    assert fencing.unpacked(send.incoming, 0, markers[0], 2.0) == [] and len(w.unpacking) == 1
+    [free, report] = fencing.unpacked(send.incoming, 0, markers[1], 2.0)
+    assert free == FreeSlot(4096) and isinstance(report, Report) and report.result.ok

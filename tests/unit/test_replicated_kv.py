@@ -39,7 +39,7 @@ def test_d_registers_with_its_writer_and_tells_idle_ranks_it_does_not_need_them(
     cancels = [a for a in out if isinstance(a, Cancel)]
     assert sorted(c.conn for c in cancels) == [("h", 101), ("h", 103)] and all(c.transfer_id == "t" for c in cancels)
     inc = book.current["t"]
-    book.on(inc, inc.register_sent(0, None, None, 100, True, 0.0))
+    book.register_sent(inc, 0, None, None, 100, True, 0.0)
     done = book.completion(protocol.Completion("t", "r", 0, region_start=0, region_end=2), 1.0)
     reports = [a.result for a in done if isinstance(a, Report)]
     assert len(reports) == 1 and reports[0].ok  # the writer's completion alone reports: nothing from the others

@@ -1,0 +1,121 @@
+"""D's staged writes, the I/O half: staging grants, and the backend unpacks of the parts P wrote into them.
+
+When D's fragmentation wants P to stage, D grants the writer a slot of its
+staging region with the registration; P writes each part into it and D
+scatters it into the KV blocks (an *unpack*). The rules (when a part is
+unpacked, when a writer's unpacks are waited for, when the slot goes back)
+are D's fencing's (``kvpush.decode.fencing``); ``UnpackRunner`` carries out
+its ``StartUnpack``, ``AwaitUnpacks`` and ``WaitUnpacks`` actions on the
+backend and feeds the answers back to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvpush.backends.base import Backend, StagingBuffer
+from kvpush.backends.copy import Copier
+from kvpush.config import Config
+from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
+from kvpush.core.outcome import Cause, Failed, Stage
+from kvpush.core.plan import staged_bytes
+from kvpush.core.staging import SlotAllocator
+from kvpush.decode.fencing import Fencing
+from kvpush.decode.fencing_actions import AwaitUnpacks, StartUnpack, WaitUnpacks
+from kvpush.decode.incoming import Action, Asked
+from kvpush.decode.registration import guess_parts
+from kvpush.observability.metrics import Count
+
+log = logging.getLogger(__name__)
+
+
+class UnpackRunner:
+    """The unpacks of one D rank.
+
+    ``name``: the engine's, for logs; ``layout``: D's; ``backend``, ``copy``: where and how to unpack;
+    ``staging``, ``slots``: D's staging region (None: it has none) and its allocator; ``fencing``: fed the
+    answers; ``bump``: count an event.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        cfg: Config,
+        layout: KVLayout,
+        backend: Backend,
+        copy: Copier,
+        staging: StagingBuffer | None,
+        slots: SlotAllocator,
+        fencing: Fencing,
+        bump: Callable[[Count], None],
+    ) -> None:
+        self.name, self.cfg, self.layout, self.backend, self.copy = name, cfg, layout, backend, copy
+        self.staging, self.slots, self.fencing, self.bump = staging, slots, fencing, bump
+        self.region_bases = [r.base for r in layout.regions]
+
+    def grant(self, p_layout: KVLayout, ask: Asked, want: bool) -> protocol.StagingGrant | None:
+        """A slot of D's staging region for this writer, when D's own fragmentation wants one."""
+        size = staged_bytes(p_layout, self.layout, ask.num_tokens, ask.start_token)
+        if size <= 0 or self.staging is None or not want:
+            return None
+        off = self.slots.alloc(size)
+        if off is None:
+            self.bump(Count.STAGING_FULL)
+            return None
+        return protocol.StagingGrant(off, size)
+
+    def prepare(self, pieces: np.ndarray, offset: int) -> None:
+        """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
+        left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
+        assert self.staging is not None
+        parts = guess_parts(self.cfg, len(self.layout.regions), pieces, self.staging.addr + offset)
+        try:
+            self.copy.prepare_unpack(self.region_bases, pieces, parts=parts)
+        except Exception:
+            log.exception("%s: prepare_unpack failed (unpack will do it)", self.name)
+
+    def start(self, a: StartUnpack) -> list[Action]:
+        assert self.staging is not None
+        t0 = time.monotonic()
+        # The payload is region-major: this part's regions sit at their own offset in the slot.
+        staging = self.staging.addr + a.offset + a.r0 * a.region_bytes
+        try:
+            marker = self.copy.start_unpack(self.region_bases[a.r0 : a.r1], a.unpack, staging)
+        except Exception as exc:
+            why = Failed(Stage.UNPACK, Cause.OTHER, f"unpack failed: {exc}")
+            return self.fencing.writer_failed(a.incoming, a.p_rank, why, time.monotonic())
+        t1 = time.monotonic()
+        return self.fencing.unpack_started(a, marker, t1 - t0, t1)
+
+    def await_(self, a: AwaitUnpacks) -> list[Action]:
+        """Feed the writer's finished unpacks in order (a synchronous backend's are done at once)."""
+        if a.block:
+            for marker in a.markers:
+                try:
+                    self.backend.wait_ready(marker)
+                except Exception:
+                    break  # the poll below reports the failure
+        out: list[Action] = []
+        for marker in a.markers:
+            try:
+                done = self.backend.poll_ready(marker)
+            except Exception as exc:
+                why = Failed(Stage.UNPACK, Cause.OTHER, f"unpack failed: {exc}")
+                return out + self.fencing.writer_failed(a.incoming, a.p_rank, why, time.monotonic())
+            if not done:
+                break
+            out += self.fencing.unpacked(a.incoming, a.p_rank, marker, time.monotonic())
+        return out
+
+    def wait(self, a: WaitUnpacks) -> None:
+        """A writer ended while these unpacks still write into its blocks: wait for them."""
+        for marker in a.markers:
+            try:
+                self.backend.wait_ready(marker)
+            except Exception:
+                log.exception("%s: waiting for an unpack failed", self.name)
