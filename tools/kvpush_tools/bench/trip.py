@@ -255,7 +255,7 @@ from kvpush.core import protocol
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
-from kvpush.engine.peers import registration_problem
+from kvpush.prefill.hello import registration_problem
 from kvpush.decode.incoming import Asked
 from kvpush.core.layout import KVLayout
 from kvpush.core.plan import group_tokens
