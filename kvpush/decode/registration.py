@@ -49,7 +49,7 @@ def register_message(
         block_ids=ask.block_ids,
         num_tokens=ask.num_tokens,
         start_token=ask.start_token,
-        lease_ms=int(cfg.registration_lease_s * 1000),
+        lease_ms=int(cfg.leases.registration_lease_s * 1000),
         staging=grant,
         attempt=inc.attempt,
         skip_blocks=ask.skip_blocks,
@@ -61,5 +61,5 @@ def guess_parts(cfg: Config, num_regions: int, pieces: np.ndarray, base: int) ->
     """The parts P will most likely cut a whole-request push into (its rule, D's own config), as
     ``(r0, r1, staging_addr)`` from the slot at ``base``; a part cut otherwise is unpacked all the same."""
     region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
-    k = part_count(cfg.push_parts, num_regions * region_bytes)
+    k = part_count(cfg.staging.push_parts, num_regions * region_bytes)
     return [(r0, r1, base + r0 * region_bytes) for r0, r1 in split_regions(0, num_regions, k)]

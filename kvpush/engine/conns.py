@@ -160,7 +160,7 @@ class Conns:
             or (conn.state is ConnState.HELLO_SENT and conn.fencing)
             or (conn.state is ConnState.REFUSED and now - conn.since >= REFUSED_RETRY_S)
             # P stopped answering heartbeats (it restarted and does not know us): say hello again
-            or (conn.state is ConnState.READY and now - conn.last_seen > self.cfg.peer_dead_s)
+            or (conn.state is ConnState.READY and now - conn.last_seen > self.cfg.polling.peer_dead_s)
         )
         if conn is not None and conn.state is not ConnState.DEAD and not stale:
             return conn
@@ -195,18 +195,20 @@ class Conns:
         cfg = self.cfg
         for key, conn in list(self._conns.items()):
             busy = conn.state is ConnState.REFUSED and conn.busy and self.fences.writes_on(key)
-            unanswered = conn.state is ConnState.HELLO_SENT and conn.fencing and now - conn.since >= cfg.peer_dead_s
+            unanswered = (
+                conn.state is ConnState.HELLO_SENT and conn.fencing and now - conn.since >= cfg.polling.peer_dead_s
+            )
             if unanswered or (
                 conn.state in (ConnState.DEAD, ConnState.REFUSED)
-                and now - conn.since >= cfg.heartbeat_s
+                and now - conn.since >= cfg.polling.heartbeat_s
                 and (self.fences.quarantined_on(key) or busy)
             ):
                 conn = self.open(key, now, again=True)  # a fencing hello, or P said "not yet"
-            if conn.state is ConnState.READY and now - conn.last_hb >= cfg.heartbeat_s:
+            if conn.state is ConnState.READY and now - conn.last_hb >= cfg.polling.heartbeat_s:
                 conn.last_hb = now
                 conn.hb_seq += 1
                 conn.client.send(protocol.Heartbeat(self.engine_id, self.rank, conn.hb_seq, time.time()))
-            silent = now - conn.last_seen > cfg.peer_dead_s
+            silent = now - conn.last_seen > cfg.polling.peer_dead_s
             # A READY link nobody waits on is said hello to again at the next registration instead.
             waited_on = (conn.state is ConnState.HELLO_SENT and not conn.fencing) or (
                 conn.state is ConnState.READY and self.fences.writes_on(key)

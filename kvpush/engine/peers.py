@@ -84,11 +84,11 @@ class PeerTable:
         """KV-cache groups of this P's layout (once: every registration is checked against it)."""
         self._peers: dict[DKey, Peer] = {}
         self._throttle = Throttle(LOG_EVERY_S)
-        self.admission = Admission(KeyLimits(cfg.peer_key_bytes, cfg.peer_max_ranks))
+        self.admission = Admission(KeyLimits(cfg.limits.peer_key_bytes, cfg.limits.peer_max_ranks))
         """What each D key makes this P rank hold, as a whole (``kvpush.prefill.admission``)."""
         self.declared = declared_ranks
         """The ranks a D key's key set declares (None: it declares none); ``kvpush.transport.auth``."""
-        self.local = Local(cfg.model, layout, agent.nixl_version, tuple(agent.backends), cfg.peer_dead_s)
+        self.local = Local(cfg.model, layout, agent.nixl_version, tuple(agent.backends), cfg.polling.peer_dead_s)
         """This P rank, as a hello is judged against it (``kvpush.prefill.hello``)."""
 
     def __len__(self) -> int:
@@ -203,7 +203,7 @@ class PeerTable:
     def check(self, now: float) -> None:
         """Forget D ranks silent for ``peer_dead_s``."""
         for key, peer in list(self._peers.items()):
-            if now - peer.last_seen > self.cfg.peer_dead_s:
+            if now - peer.last_seen > self.cfg.polling.peer_dead_s:
                 self.port.bump(Count.DEAD_PEERS)
                 self._drop(key, f"silent for {now - peer.last_seen:.1f}s: declared dead", now)
 

@@ -141,7 +141,7 @@ def prefill_advert(cfg: Config, engine_id: str, vllm_config: VllmConfig) -> Pref
         )
         return None
     tp = vllm_config.parallel_config.tensor_parallel_size
-    keys = auth.server_keys(cfg.auth, cfg.auth_keys_dir)
+    keys = auth.server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
     key = derive_key(keys.secret) if keys is not None else None
     return PrefillAdvert(engine_id, cfg.side_channel_host, cfg.side_channel_port, tp, key)
 
@@ -239,10 +239,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
             self.sched = SchedulerSide(
                 backoff=prefill_backoff(vllm_layout.has_state_layers(kv_cache_config)),
-                layerwise=cfg.layerwise,
-                layerwise_min_tokens=cfg.layerwise_min_tokens,
+                layerwise=cfg.per_layer.layerwise,
+                layerwise_min_tokens=cfg.per_layer.layerwise_min_tokens,
                 advert=advert,
-                max_waiting_registrations=cfg.max_waiting_registrations if ktc.is_kv_consumer else 0,
+                max_waiting_registrations=cfg.limits.max_waiting_registrations if ktc.is_kv_consumer else 0,
             )
         else:
             from vllm.distributed.parallel_state import (

@@ -179,7 +179,9 @@ class _Side:
         extra: dict[str, Any] = {"staged_min_descriptors": 1} if mode == "staged" else {}
         if self.knobs.get("push_parts") is not None:
             extra["push_parts"] = self.knobs["push_parts"]
-        return Config(plan=mode, staging_bytes=staging, nixl_backends=self.nixl_backends, side_channel_port=0, **extra)
+        return Config.of(
+            plan=mode, staging_bytes=staging, nixl_backends=self.nixl_backends, side_channel_port=0, **extra
+        )
 
     def op_start(self, plan: str) -> Any:
         from kvpush.engine import Receiver, Sender
