@@ -3,6 +3,12 @@
 The same fields come from vLLM's ``kv_connector_extra_config`` and from CLI
 flags; unknown keys and out-of-range values are errors that name the key,
 because a typo in a JSON blob otherwise silently runs with defaults.
+
+Settings are grouped by concern (``leases``, ``polling``, ``staging``,
+``per_layer``, ``limits``, ``security``); who and where the instance is stays
+at the top. Input may name a setting in its group or by its flat key, as
+before the grouping: ``{"leases": {"prefill_lease_s": 30}}`` and
+``{"prefill_lease_s": 30}`` are the same configuration.
 """
 
 from __future__ import annotations
@@ -41,36 +47,9 @@ def _env_port() -> int:
     return port
 
 
-class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """kvpush settings; durations in seconds, sizes in bytes."""
+class Leases(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How long each side holds what the other has not come for yet, and how long D waits. ``Config.leases``."""
 
-    backend: str = "auto"
-    """The device backend: where the KV lives and how it is described, registered and packed (an entry point of
-    ``kvpush.backends``); "auto" follows vLLM's platform. Not the NIXL backends: ``nixl_backends``."""
-    nixl_backends: tuple[str, ...] = ("UCX",)
-    """NIXL transport plugins, in order of preference: UCX here, LIBFABRIC on EFA hosts. ``backends`` (vLLM's
-    connectors' key for this list) is accepted as an alias; ``nixl_backends`` is the name."""
-    side_channel_host: str = msgspec.field(default_factory=_env_host)
-    """Address P's side channel binds to and tells D in its answer; default ``$VLLM_NIXL_SIDE_CHANNEL_HOST``,
-    else 127.0.0.1."""
-    side_channel_port: Port = msgspec.field(default_factory=_env_port)
-    """P rank r listens on port + r; default ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600 (vLLM's). 0 picks a
-    free port per rank (tests), which P cannot tell D."""
-    plan: Literal["auto", "direct", "staged"] = "auto"
-    """Transfer plan: the cost model's choice, or forced."""
-    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
-    """Size of each rank's staging region for packed transfers (0 disables)."""
-    staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
-    """D reserves staging only for transfers with at least this many descriptors."""
-    pack_at_hand_over: bool = True
-    """P packs a finished prefill into a staging slot as it is handed over, before D registers, when staging
-    wins whatever D's blocks are and a slot is free (``kvpush.prefill.prepack``); False: P packs at pairing."""
-    descriptor_cost_us: Pos | None = None
-    """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
-    measured default of the first NIXL backend (``kvpush.transport.nixl_backends``; see
-    ``descriptor_cost_s``; measurements: docs/benchmarks.md, "Descriptor cost")."""
-    link_gbps: Pos = 25.0
-    """Link bandwidth in GB/s for the cost model."""
     registration_lease_s: Pos = 120.0
     """How long P keeps a registration whose prefill has not finished."""
     prefill_lease_s: Pos = 60.0
@@ -88,10 +67,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     Never on a timer: a quarantine still unfenced this long after is *overdue* (a warning and
     ``quarantines_overdue_total``) and its blocks stay withheld, since a P frozen longer and resumed would
     write into reused blocks."""
-    max_waiting_registrations: Annotated[int, msgspec.Meta(ge=0)] = 16
-    """D: at most this many registrations wait on one P instance; a request beyond them gets its blocks
-    only when one of them ends (it waits in vLLM's queue, holding nothing), so D does not pin blocks for
-    prefills queued behind P's backlog. 0: no bound."""
+
+
+class Polling(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Liveness (heartbeats, when a silent peer is dead) and how often the engine threads look. ``Config.polling``."""
+
     heartbeat_s: Pos = 1.0
     """Interval of liveness messages between peers."""
     peer_dead_s: Pos = 10.0
@@ -107,10 +87,35 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     flight are polled: device markers are waited for by a helper thread that drops the GIL (a poll takes
     it from the forward's launches), and D polls this fast only for transfers P said it is writing
     (``Posting``), others every millisecond. Measurements: docs/cuda.md, "Engine defaults"."""
+
+
+class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How a push is planned and packed: the cost model, staging regions, parts. ``Config.staging``."""
+
+    plan: Literal["auto", "direct", "staged"] = "auto"
+    """Transfer plan: the cost model's choice, or forced."""
+    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
+    """Size of each rank's staging region for packed transfers (0 disables)."""
+    staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
+    """D reserves staging only for transfers with at least this many descriptors."""
+    pack_at_hand_over: bool = True
+    """P packs a finished prefill into a staging slot as it is handed over, before D registers, when staging
+    wins whatever D's blocks are and a slot is free (``kvpush.prefill.prepack``); False: P packs at pairing."""
+    descriptor_cost_us: Pos | None = None
+    """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
+    measured default of the first NIXL backend (``kvpush.transport.nixl_backends``; see
+    ``descriptor_cost_s``; measurements: docs/benchmarks.md, "Descriptor cost")."""
+    link_gbps: Pos = 25.0
+    """Link bandwidth in GB/s for the cost model."""
     push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB; the first and
     last half as large), so packing, the wire and D's unpacking overlap; 1 disables the pipelining.
     Measurements behind the default: docs/cuda.md, "Engine defaults"."""
+
+
+class PerLayer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Layer-wise pushes on P (the vLLM connector): each layer as the forward writes it. ``Config.per_layer``."""
+
     layerwise: bool = False
     """vLLM connector: push each layer as soon as P's forward has written it (requests whose final
     prefill chunk runs in a step, when D registered), instead of the whole request after the prefill."""
@@ -133,8 +138,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     layer alone), or with the last layer: layers are grouped so that a part's fixed host costs (pack
     launch, post, D's unpack launch) stay small next to its bytes and off the forward's GIL. 0 posts
     every layer on its own (streaming). Measurements: docs/cuda.md, "Engine defaults"."""
-    model: str = ""
-    """Model identity; peers with different values are refused at handshake."""
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What one peer may make this side hold or read (docs/security.md). ``Config.limits``."""
+
     peer_bytes_per_s: Pos = float(64 << 20)
     """Side-channel bytes one peer (one D key on P) may make this side read per second; frames over it
     are dropped unread and logged. Far above any real peer (a registration is a few KB)."""
@@ -170,6 +178,15 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     the oldest of that address still before its handshake is shut (``kvpush.prefill.admission.PreAuth``): a
     client without a key cannot fill P's descriptor table, and a real D behind the same address still
     gets through. Only with authentication (``"auth": "none"`` has no handshake to wait for)."""
+    max_waiting_registrations: Annotated[int, msgspec.Meta(ge=0)] = 16
+    """D: at most this many registrations wait on one P instance; a request beyond them gets its blocks
+    only when one of them ends (it waits in vLLM's queue, holding nothing), so D does not pin blocks for
+    prefills queued behind P's backlog. 0: no bound."""
+
+
+class Security(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Side-channel authentication and what a D and a P accept of each other (docs/security.md). ``Config.security``."""
+
     auth: Literal["curve", "none"] = "curve"
     """Side channel authentication: "curve" (ZeroMQ CURVE keys: P accepts only D keys it allows, D talks only
     to a P holding the key it trusts) or "none" (anyone who reaches the port gets NIXL access to the KV cache;
@@ -187,6 +204,27 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """D: the P side channels it may dial, as ``ADDR``, ``ADDR:PORT`` or ``ADDR:PORT-PORT`` where ADDR is a
     host name, an IP address or a network (``10.0.0.0/8``; IPv6 in brackets); empty: any (the router names
     P). A request naming another P fails before any connection, saying why (``kvpush.decode.allow``)."""
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """kvpush settings; durations in seconds, sizes in bytes. Who and where this instance is, at the top;
+    the rest in groups (``cfg.leases.prefill_lease_s``), each setting also accepted by its flat key
+    (``GROUP_OF``)."""
+
+    backend: str = "auto"
+    """The device backend: where the KV lives and how it is described, registered and packed (an entry point of
+    ``kvpush.backends``); "auto" follows vLLM's platform. Not the NIXL backends: ``nixl_backends``."""
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    """NIXL transport plugins, in order of preference: UCX here, LIBFABRIC on EFA hosts. ``backends`` (vLLM's
+    connectors' key for this list) is accepted as an alias; ``nixl_backends`` is the name."""
+    side_channel_host: str = msgspec.field(default_factory=_env_host)
+    """Address P's side channel binds to and tells D in its answer; default ``$VLLM_NIXL_SIDE_CHANNEL_HOST``,
+    else 127.0.0.1."""
+    side_channel_port: Port = msgspec.field(default_factory=_env_port)
+    """P rank r listens on port + r; default ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600 (vLLM's). 0 picks a
+    free port per rank (tests), which P cannot tell D."""
+    model: str = ""
+    """Model identity; peers with different values are refused at handshake."""
     proxy_ip: str = ""
     """Router service discovery (vLLM's name): announce this instance to ``proxy_ip:proxy_ping_port``
     (vllm-router ``--vllm-discovery-address``) so the router sends P and D their requests at once;
@@ -195,32 +233,108 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Port of the router's service discovery (with ``proxy_ip``)."""
     http_port: Port = 0
     """This server's HTTP port, announced with ``side_channel_host`` (with ``proxy_ip``)."""
+    leases: Leases = msgspec.field(default_factory=Leases)
+    polling: Polling = msgspec.field(default_factory=Polling)
+    staging: Staging = msgspec.field(default_factory=Staging)
+    per_layer: PerLayer = msgspec.field(default_factory=PerLayer)
+    limits: Limits = msgspec.field(default_factory=Limits)
+    security: Security = msgspec.field(default_factory=Security)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:
         """Build from a mapping (``kv_connector_extra_config``); names the bad key on error.
 
-        ``backends`` (what vLLM's NIXL connectors call the NIXL backend list) is read as ``nixl_backends``.
+        Grouped (``{"leases": {"prefill_lease_s": 30}}``) or flat (``{"prefill_lease_s": 30}``), mixed at will;
+        a setting given both ways is an error naming it. ``backends`` (what vLLM's NIXL connectors call the
+        NIXL backend list) is read as ``nixl_backends``.
         """
         data = data or {}
-        if isinstance(data, dict) and "backends" in data:
-            data = dict(data)
-            alias = data.pop("backends")
-            if "nixl_backends" in data and data["nixl_backends"] != alias:
-                raise ConfigError(
-                    f"invalid kvpush configuration: backends {alias!r} and nixl_backends {data['nixl_backends']!r} "
-                    "disagree (both name the NIXL backend list; give one)"
-                )
-            data["nixl_backends"] = alias
+        flat: list[str] = []
+        if isinstance(data, dict):
+            flat = [key for key in data if key in GROUP_OF]
+            data = _grouped(_alias_backends(data))
         try:
             return msgspec.convert(data, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid kvpush configuration: {exc}") from None
+            why = str(exc)
+            for key in flat:  # named as it was given
+                why = why.replace(f"`$.{GROUP_OF[key]}.{key}`", f"`$.{key}`")
+            raise ConfigError(f"invalid kvpush configuration: {why}") from None
+
+    @classmethod
+    def of(cls, **settings: Any) -> Config:
+        """Build from keyword settings, flat or grouped (``Config.of(plan="staged")``), as ``from_dict``."""
+        return cls.from_dict(settings)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat key (what ``from_dict`` takes back)."""
+        out = msgspec.structs.asdict(self)
+        for group in GROUPS:
+            out.update(msgspec.structs.asdict(out.pop(group)))
+        return out
 
     def descriptor_cost_s(self) -> float:
         """Seconds per descriptor: ``descriptor_cost_us`` when set, else the first NIXL backend's default."""
-        us = self.descriptor_cost_us
+        us = self.staging.descriptor_cost_us
         return (traits(self.nixl_backends).descriptor_cost_us if us is None else us) * 1e-6
 
     def replace(self, **changes: Any) -> Config:
-        return Config.from_dict({**msgspec.structs.asdict(self), **changes})
+        """This configuration with ``changes`` (flat keys, or whole groups as mappings)."""
+        flat = self.flat()
+        for key, value in changes.items():
+            if key in GROUPS and isinstance(value, dict | msgspec.Struct):
+                flat.update(msgspec.structs.asdict(value) if isinstance(value, msgspec.Struct) else value)
+            else:
+                flat[key] = value
+        return Config.from_dict(flat)
+
+
+GROUPS: dict[str, type[msgspec.Struct]] = {
+    "leases": Leases,
+    "polling": Polling,
+    "staging": Staging,
+    "per_layer": PerLayer,
+    "limits": Limits,
+    "security": Security,
+}
+"""The groups of settings, by their key in ``Config``."""
+GROUP_OF: dict[str, str] = {key: group for group, cls in GROUPS.items() for key in cls.__struct_fields__}
+"""Each grouped setting's flat key -> its group (``"prefill_lease_s"`` -> ``"leases"``)."""
+
+
+def _alias_backends(data: dict[str, Any]) -> dict[str, Any]:
+    if "backends" not in data:
+        return data
+    data = dict(data)
+    alias = data.pop("backends")
+    if "nixl_backends" in data and data["nixl_backends"] != alias:
+        raise ConfigError(
+            f"invalid kvpush configuration: backends {alias!r} and nixl_backends {data['nixl_backends']!r} "
+            "disagree (both name the NIXL backend list; give one)"
+        )
+    data["nixl_backends"] = alias
+    return data
+
+
+def _grouped(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each flat key moved into its group; a setting given both flat and in its group is an
+    error naming it. Anything else (an unknown key, a group that is not a mapping) is left for msgspec to
+    name."""
+    out = {k: v for k, v in data.items() if k not in GROUP_OF}
+    for group in GROUPS:
+        if isinstance(out.get(group), msgspec.Struct):
+            out[group] = msgspec.structs.asdict(out[group])
+    for key, value in data.items():
+        group = GROUP_OF.get(key)
+        if group is None:
+            continue
+        sub = out.setdefault(group, {})
+        if not isinstance(sub, dict):
+            continue  # msgspec names the group that is not a mapping
+        if key in sub:
+            raise ConfigError(
+                f"invalid kvpush configuration: {key} is given both flat and in {group!r} (give it once: "
+                f"{key} or {group}.{key})"
+            )
+        out[group] = {**sub, key: value}
+    return out

@@ -111,11 +111,11 @@ class PeerLimits:
 def peer_limits(cfg: Any) -> PeerLimits:
     """The per-D-rank limits of a ``Config``."""
     return PeerLimits(
-        cfg.peer_max_registrations,
-        cfg.peer_max_block_ids,
-        cfg.peer_registrations_per_s,
-        cfg.max_tombstones,
-        cfg.peer_max_tombstones,
+        cfg.limits.peer_max_registrations,
+        cfg.limits.peer_max_block_ids,
+        cfg.limits.peer_registrations_per_s,
+        cfg.limits.max_tombstones,
+        cfg.limits.peer_max_tombstones,
     )
 
 

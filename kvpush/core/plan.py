@@ -163,7 +163,7 @@ def _hybrid_plan(
 def estimate(cfg: Config, ndesc: int, nbytes: int, pack_pieces: int, pack_bw: float) -> Estimate:
     """Seconds for each plan under the configured costs."""
     desc = cfg.descriptor_cost_s()
-    wire = nbytes / (cfg.link_gbps * 1e9)
+    wire = nbytes / (cfg.staging.link_gbps * 1e9)
     # Pack and unpack each touch every byte once; per-piece overhead is small
     # next to a descriptor post but not zero.
     staged = 2 * nbytes / pack_bw + 2 * pack_pieces * 0.05e-6 + desc + wire
@@ -191,7 +191,7 @@ def build_plan(
     payload, ``staging_remote`` (address, length, device) of D's granted slot;
     without both the plan is direct. A side whose backend cannot let NIXL
     touch its KV in place (``KVLayout.direct`` false, from the backend's
-    ``Capabilities``) gets a staged plan whatever ``cfg.plan`` says, and
+    ``Capabilities``) gets a staged plan whatever ``cfg.staging.plan`` says, and
     ``LayoutError`` when there is no slot to stage through. ``groups``: a
     hybrid model's per-group blocks and first tokens (``group_tokens``),
     whose plan is direct, each region with its group's pieces. ``pack``: P's pack list for exactly this
@@ -241,7 +241,7 @@ def _one_group_plan(
         # D's runs first (most often the fragmented side); P's only when D's do not decide.
         runs = block_runs(dst, dst_blocks, num_tokens, start_token)
         early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
-        if early is None and cfg.plan == "auto":
+        if early is None and cfg.staging.plan == "auto":
             runs = max(runs, block_runs(src, src_blocks, num_tokens, start_token))
             early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
         if early is not None:
@@ -258,7 +258,9 @@ def _one_group_plan(
     direct_ok = src.direct and dst.direct
     if not direct_ok and not can_stage:
         raise _unstageable(src, staging_remote, nbytes)
-    want_staged = not direct_ok or cfg.plan == "staged" or (cfg.plan == "auto" and est.staged_s < est.direct_s)
+    want_staged = (
+        not direct_ok or cfg.staging.plan == "staged" or (cfg.staging.plan == "auto" and est.staged_s < est.direct_s)
+    )
     if can_stage and want_staged:
         assert staging_local is not None and staging_remote is not None
         remote = (staging_remote[0], staging_remote[2])
@@ -292,7 +294,7 @@ def _staged_early(
     if staging_remote[1] < nbytes:
         return None
     est = estimate(cfg, runs * nregions, nbytes, pack.shape[0] * nregions, pack_bw)
-    if cfg.plan != "staged" and not (cfg.plan == "auto" and est.staged_s < est.direct_s):
+    if cfg.staging.plan != "staged" and not (cfg.staging.plan == "auto" and est.staged_s < est.direct_s):
         return None
     remote = (staging_remote[0], staging_remote[2])
     empty = np.zeros((0, 3), dtype=np.int64)

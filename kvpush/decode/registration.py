@@ -48,7 +48,7 @@ def register_message(
         block_ids=ask.block_ids,
         num_tokens=ask.num_tokens,
         start_token=ask.start_token,
-        lease_ms=int(cfg.registration_lease_s * 1000),
+        lease_ms=int(cfg.leases.registration_lease_s * 1000),
         staging=grant,
         attempt=attempt,
         skip_blocks=ask.skip_blocks,
@@ -60,7 +60,7 @@ def guess_parts(cfg: Config, num_regions: int, pieces: np.ndarray, base: int) ->
     """The parts P will most likely cut a whole-request push into (its rule, D's own config), as
     ``(r0, r1, staging_addr)`` from the slot at ``base``; a part cut otherwise is unpacked all the same."""
     region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
-    k = part_count(cfg.push_parts, num_regions * region_bytes)
+    k = part_count(cfg.staging.push_parts, num_regions * region_bytes)
     return [(r0, r1, base + r0 * region_bytes) for r0, r1 in split_regions(0, num_regions, k)]
 
 
@@ -73,11 +73,11 @@ def staging_decided(
     that bound already asks for a slot, D grants one, sends its Register and
     builds the list afterwards, while P pairs, plans and packs.
     """
-    if cfg.plan == "direct" or cfg.staging_bytes == 0:
+    if cfg.staging.plan == "direct" or cfg.staging.staging_bytes == 0:
         return False
-    if cfg.plan == "staged":
+    if cfg.staging.plan == "staged":
         return True
-    if block_runs(dst, dst_blocks, num_tokens, start_token) * len(dst.regions) >= cfg.staged_min_descriptors:
+    if block_runs(dst, dst_blocks, num_tokens, start_token) * len(dst.regions) >= cfg.staging.staged_min_descriptors:
         return True
     return None
 
@@ -93,9 +93,9 @@ def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndar
     if dst.hybrid:
         return False
     if not (src.direct and dst.direct):
-        return cfg.staging_bytes > 0
-    if cfg.plan == "direct" or cfg.staging_bytes == 0:
+        return cfg.staging.staging_bytes > 0
+    if cfg.staging.plan == "direct" or cfg.staging.staging_bytes == 0:
         return False
-    if cfg.plan == "staged":
+    if cfg.staging.plan == "staged":
         return True
-    return dst_pieces.shape[0] * len(dst.regions) >= cfg.staged_min_descriptors
+    return dst_pieces.shape[0] * len(dst.regions) >= cfg.staging.staged_min_descriptors

@@ -86,7 +86,7 @@ class Conns:
     ) -> None:
         self.name, self.engine_id, self.rank = name, engine_id, rank
         self.dialer, self.hello, self.unload, self.bump = dialer, hello, unload, bump
-        self.links = Links(cfg.peer_dead_s, cfg.heartbeat_s, fences)
+        self.links = Links(cfg.polling.peer_dead_s, cfg.polling.heartbeat_s, fences)
         self._clients: dict[ConnKey, Client] = {}
 
     # -- queries -------------------------------------------------------------------

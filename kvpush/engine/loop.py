@@ -49,8 +49,8 @@ class EngineLoop:
         self, kind: str, config: Config, backend: Backend, layout: KVLayout, engine_id: str, rank: int, tp_size: int
     ) -> None:
         self.name = f"{kind}-{engine_id}-{rank}"
-        self.idle_poll_max_s = config.idle_poll_max_s
-        self.low_latency = config.busy_poll_max_s < DEFAULT_TIMER_SLACK_S
+        self.idle_poll_max_s = config.polling.idle_poll_max_s
+        self.low_latency = config.polling.busy_poll_max_s < DEFAULT_TIMER_SLACK_S
         """Polling faster than Linux's timer slack was asked for (GPU hosts): the thread's sleeps between
         polls of in-flight transfers are made to end on time (see ``_set_timer_slack``)."""
         self.cfg = config
@@ -60,10 +60,10 @@ class EngineLoop:
         # Peers learn from the layout whether this rank's KV may be accessed in place (Capabilities.direct).
         direct = layout.direct and backend.capabilities.direct
         self.layout = msgspec.structs.replace(layout, direct=direct).validate()
-        if not direct and (config.plan == "direct" or config.staging_bytes <= 0):
+        if not direct and (config.staging.plan == "direct" or config.staging.staging_bytes <= 0):
             raise ConfigError(
                 f"backend {backend.name!r} cannot let NIXL access its KV in place, so every transfer is staged: "
-                f"plan {config.plan!r} and staging_bytes {config.staging_bytes} leave none possible "
+                f"plan {config.staging.plan!r} and staging_bytes {config.staging.staging_bytes} leave none possible "
                 "(use plan 'auto' or 'staged' and staging_bytes > 0)"
             )
         self.region_bases = [r.base for r in self.layout.regions]
@@ -177,8 +177,8 @@ class EngineLoop:
         """NIXL agent with the KV cache and, unless plans are direct only, a staging region registered."""
         self.agent = Agent(f"{self.engine_id}-{suffix}{self.rank}", self.cfg.nixl_backends)
         self.agent.register(self.backend.registrations(self.layout))
-        if self.cfg.staging_bytes > 0 and (self.cfg.plan != "direct" or not self.layout.direct):
-            s = self.backend.alloc_staging(self.cfg.staging_bytes, self.layout.regions[0].device_id)
+        if self.cfg.staging.staging_bytes > 0 and (self.cfg.staging.plan != "direct" or not self.layout.direct):
+            s = self.backend.alloc_staging(self.cfg.staging.staging_bytes, self.layout.regions[0].device_id)
             self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
             self._staging = s
             self._slots = SlotAllocator(s.size)
@@ -235,7 +235,7 @@ class EngineLoop:
                     busy = False
                 if busy and not events:
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, self.cfg.busy_poll_max_s)
+                    backoff = min(backoff * 2, self.cfg.polling.busy_poll_max_s)
                 else:
                     backoff = BUSY_BACKOFF_MIN_S
         finally:

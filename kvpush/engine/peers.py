@@ -1,12 +1,13 @@
 """P's side of the side channel: which D ranks said hello, and what their messages may do.
 
-A D rank must say hello (compatible model and layout, loadable NIXL
-metadata) before P takes its registrations; a registration is checked
-against what that D rank said it has (block ids, groups, staging) before it
-reaches the rendezvous. A D rank silent for ``peer_dead_s`` is forgotten,
-and so is one that says hello again (it restarted: its old registrations
-point into memory of a previous session). The transfer rules stay in the
-sender's machines; this table only decides who is heard.
+The shell of ``kvpush.prefill.hello``, whose rules judge each hello and
+registration: this table feeds them what it knows (the D ranks that said
+hello, what their keys hold, whether a WRITE flies), then answers, logs,
+loads or unloads D's NIXL metadata and hands accepted registrations to the
+engine. A D rank silent for ``peer_dead_s`` is forgotten, and so is one that
+says hello again (it restarted: its old registrations point into memory of a
+previous session). The transfer rules stay in the sender's machines; this
+table only decides who is heard.
 
 Who a peer is comes from the side channel's authentication: every message
 carries the D key its connection proved (``kvpush.transport.auth``). A D
@@ -22,50 +23,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from kvpush.config import Config
 from kvpush.core import peek, protocol
-from kvpush.core.errors import LayoutError
-from kvpush.core.layout import KVLayout, MemKind, check_compatible
+from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
-from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.topology import targets_for
 from kvpush.engine.ports import PeerPort
 from kvpush.observability.metrics import Count
-from kvpush.prefill.admission import Admission, KeyLimits, block_ceiling, metadata_problem
+from kvpush.prefill.admission import Admission, KeyLimits
+from kvpush.prefill.hello import (
+    UNKNOWN_PEER_BLOCKS,
+    HelloRefused,
+    Local,
+    Peer,
+    Refusal,
+    block_cap,
+    frame_fits,
+    judge_hello,
+    judge_register,
+    most_blocks,
+)
 from kvpush.prefill.push_job import DKey
 from kvpush.prefill.rendezvous import Rendezvous
 from kvpush.transport.auth import LOG_EVERY_S, short
-from kvpush.transport.interop import peer_problem
 from kvpush.transport.nixl_agent import Agent
 from kvpush.transport.side_channel import Server
 
 log = logging.getLogger(__name__)
-
-UNKNOWN_PEER_BLOCKS = 4096
-"""Block ids per group a registration from a connection that said no hello may list and still be decoded
-(to be answered with a refusal naming why); larger ones are dropped unread."""
-
-
-@dataclass
-class Peer:
-    """A D rank that said hello."""
-
-    ident: bytes
-    key: str  # the D key this rank's connection proved ("" with auth none)
-    engine_id: str
-    rank: int
-    tp_size: int
-    agent: str
-    layout: KVLayout
-    staging: Any
-    last_seen: float
-    staging_mem: MemKind = MemKind.DRAM
-    """Memory kind of ``staging``: what NIXL is told for the remote side of a staged WRITE."""
 
 
 class PeerTable:
@@ -98,10 +84,12 @@ class PeerTable:
         """KV-cache groups of this P's layout (once: every registration is checked against it)."""
         self._peers: dict[DKey, Peer] = {}
         self._throttle = Throttle(LOG_EVERY_S)
-        self.admission = Admission(KeyLimits(cfg.peer_key_bytes, cfg.peer_max_ranks))
+        self.admission = Admission(KeyLimits(cfg.limits.peer_key_bytes, cfg.limits.peer_max_ranks))
         """What each D key makes this P rank hold, as a whole (``kvpush.prefill.admission``)."""
         self.declared = declared_ranks
         """The ranks a D key's key set declares (None: it declares none); ``kvpush.transport.auth``."""
+        self.local = Local(cfg.model, layout, agent.nixl_version, tuple(agent.backends), cfg.polling.peer_dead_s)
+        """This P rank, as a hello is judged against it (``kvpush.prefill.hello``)."""
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -133,7 +121,7 @@ class PeerTable:
             # Any authenticated peer may ask the time (``kvpush doctor --peer``): it reveals nothing else.
             self.server.send(ident, protocol.TimeReply(msg.seq, msg.sent_at, time.time()))
             return
-        peer = next((p for p in self._peers.values() if p.ident == ident), None)
+        peer = self._of_ident(ident)
         if peer is not None:
             peer.last_seen = now
         if isinstance(msg, protocol.Heartbeat):
@@ -143,12 +131,13 @@ class PeerTable:
                 self.server.send(ident, protocol.Heartbeat(self.engine_id, self.rank, msg.seq, time.time()))
         elif isinstance(msg, protocol.Register):
             self.port.bump(Count.REGISTRATIONS)
-            problem = self._check_register(peer, msg) or self._over_budget(peer, msg)
+            holdings = self.holdings(peer.key) if peer is not None and peer.key else ()
+            problem = judge_register(self.layout, self.groups, peer, msg, self.admission, holdings)
             if problem is not None:
                 self.port.fail(ident, msg, problem)
             else:
                 assert peer is not None
-                self.port.on_register(ident, msg, now, peer.key, self.block_cap(peer))
+                self.port.on_register(ident, msg, now, peer.key, block_cap(self.groups, peer.layout))
         elif isinstance(msg, protocol.Abort):
             self._on_abort(peer, msg, now)
         else:
@@ -161,10 +150,10 @@ class PeerTable:
         counts = peek.block_id_counts(frame)
         if counts is None:
             return True
-        peer = next((p for p in self._peers.values() if p.ident == ident), None)
-        most = self.most_blocks(peer) if peer is not None else UNKNOWN_PEER_BLOCKS
+        peer = self._of_ident(ident)
+        most = most_blocks(self.layout, peer.layout) if peer is not None else UNKNOWN_PEER_BLOCKS
         groups = self.groups
-        if len(counts) <= groups and max(counts, default=0) <= most:
+        if frame_fits(counts, groups, most):
             return True
         self.port.bump(Count.REJECTED_MESSAGES)
         held = self._throttle.note(("oversized", key), time.monotonic())
@@ -184,18 +173,9 @@ class PeerTable:
             )
         return False
 
-    def most_blocks(self, peer: Peer) -> int:
-        """The most block ids one group of a registration from ``peer`` may list: what P's own cache can
-        prefill (``admission.block_ceiling``), and no more than the blocks the D rank said it has."""
-        ceiling = block_ceiling(self.layout.num_blocks, self.layout.block_size, peer.layout.block_size)
-        return min(peer.layout.num_blocks, ceiling)
-
-    def block_cap(self, peer: Peer) -> int:
-        """The most block ids a D rank's open registrations may hold: every block of its cache, twice (a
-        re-registration's new blocks while the earlier attempt's are still being written). Only a
-        tightening: the D rank's claim can lower it, never raise what its key may make P hold
-        (``peer_key_bytes``, which counts every block id)."""
-        return 2 * self.groups * peer.layout.num_blocks
+    def _of_ident(self, ident: bytes) -> Peer | None:
+        """The D rank that said hello on the connection ``ident`` (None: none did)."""
+        return next((p for p in self._peers.values() if p.ident == ident), None)
 
     def holdings(self, key: str) -> list[tuple[int, int]]:
         """(open registrations, block ids) of each D rank name of ``key``."""
@@ -223,7 +203,7 @@ class PeerTable:
     def check(self, now: float) -> None:
         """Forget D ranks silent for ``peer_dead_s``."""
         for key, peer in list(self._peers.items()):
-            if now - peer.last_seen > self.cfg.peer_dead_s:
+            if now - peer.last_seen > self.cfg.polling.peer_dead_s:
                 self.port.bump(Count.DEAD_PEERS)
                 self._drop(key, f"silent for {now - peer.last_seen:.1f}s: declared dead", now)
 
@@ -237,32 +217,28 @@ class PeerTable:
             self.agent.remove_peer(peer.agent)
 
     def _on_hello(self, ident: bytes, key: str, msg: protocol.Hello, now: float) -> None:
-        reason = self._hello_problem(msg)
-        if reason:
-            held = self._throttle.note(("refused", key), now)
-            if held is not None:
-                more = f" ({held} more since the last line)" if held else ""
-                who = f" (D key {short(key)})" if key else ""
-                log.warning("%s: refused D %s rank %d%s: %s%s", self.name, msg.engine_id, msg.rank, who, reason, more)
-            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
-            return
+        """A hello judged (``kvpush.prefill.hello.judge_hello``), then carried out: a refusal answered (and
+        logged, once per interval per key, unless busy), an ok one loads D's NIXL metadata first."""
         dkey = (msg.engine_id, msg.rank)
         known = self._peers.get(dkey)
-        reason = self._name_problem(ident, key, dkey, known, msg.agent_metadata)
-        if reason:
-            held = self._throttle.note(("hello", key), now)
-            if held is not None:
-                more = f" ({held} more since the last line)" if held else ""
-                log.warning("%s: refused a hello: %s%s", self.name, reason, more)
-            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
+        said = self._of_ident(ident)
+        verdict = judge_hello(
+            self.local,
+            msg,
+            key,
+            held_by=known.key if known is not None else None,
+            said_as=(said.engine_id, said.rank) if said is not None else None,
+            writing=self.port.writing_to(dkey),
+            admission=self.admission,
+            declared=self.declared(key) if key else None,
+            holdings=self.holdings(key) if key else (),
+        )
+        if isinstance(verdict, HelloRefused):
+            self._log_refused(key, msg, verdict, now)
+            busy = verdict.refusal is Refusal.BUSY
+            self.server.send(ident, protocol.HelloReply(ok=False, reason=verdict.reason, epoch=msg.epoch, busy=busy))
             return
-        # A hello answered ok fences the D rank's earlier session (D releases blocks it quarantined): so no
-        # WRITE of it may still fly, whether P still knows the rank or already forgot it.
-        if self.port.writing_to(dkey):
-            reason = "an earlier session of this D rank still has WRITEs in flight; say hello again shortly"
-            self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch, busy=True))
-            return
-        if known is not None:
+        if verdict.replaces:
             # The same D rank says hello again: it restarted (or declared this P
             # dead and came back). Its old registrations point into memory of a
             # previous session, and NIXL refuses to load an agent name twice.
@@ -289,29 +265,21 @@ class PeerTable:
         )
         self.server.send(ident, self._welcome(msg.epoch))
 
-    def _hello_problem(self, msg: protocol.Hello) -> str:
-        """Why D's hello cannot be accepted on what it declares ("" when it can): a different model, a NIXL
-        P's cannot write to, or a KV layout P cannot write into or that is malformed, would fail or corrupt
-        every push, so it is refused up front; so is NIXL metadata that is not what NIXL makes for the
-        buffers the hello declares (its KV regions and staging), which P would hold for as long as the
-        D rank is known."""
-        regions = len(msg.layout.regions) + len(msg.layout.states) + 1
-        meta = metadata_problem(msg.agent_metadata, regions)
-        if meta:
-            return meta
-        model = self.cfg.model
-        if model and msg.model and msg.model != model:
-            return f"model differs: P serves {model!r}, D serves {msg.model!r}"
-        agent = self.agent
-        nixl = peer_problem(agent.nixl_version, agent.backends, msg.nixl_version, msg.nixl_backends)
-        if nixl:
-            return nixl
-        try:
-            check_compatible(self.layout, msg.layout)
-            msg.layout.validate()
-        except LayoutError as exc:
-            return str(exc)
-        return ""
+    def _log_refused(self, key: str, msg: protocol.Hello, verdict: HelloRefused, now: float) -> None:
+        """A refused hello, logged once per interval per key and kind (a busy one is not: D says it again)."""
+        if verdict.refusal is Refusal.BUSY:
+            return
+        held = self._throttle.note(("refused" if verdict.refusal is Refusal.INCOMPATIBLE else "hello", key), now)
+        if held is None:
+            return
+        more = f" ({held} more since the last line)" if held else ""
+        if verdict.refusal is Refusal.INCOMPATIBLE:
+            who = f" (D key {short(key)})" if key else ""
+            log.warning(
+                "%s: refused D %s rank %d%s: %s%s", self.name, msg.engine_id, msg.rank, who, verdict.reason, more
+            )
+        else:
+            log.warning("%s: refused a hello: %s%s", self.name, verdict.reason, more)
 
     def _welcome(self, epoch: int) -> protocol.HelloReply:
         """The ok answer to a hello: who this P rank is, its NIXL agent and its KV layout."""
@@ -325,70 +293,3 @@ class PeerTable:
             layout=self.layout,
             epoch=epoch,
         )
-
-    def _name_problem(self, ident: bytes, key: str, dkey: DKey, known: Peer | None, meta: bytes) -> str:
-        """Why a hello under the D rank name ``dkey`` is refused ("" if it is not): the name belongs to another
-        key; the connection said hello under another name; the key is known under as many names as it may be,
-        or one more would put it over its bytes (``kvpush.prefill.admission``)."""
-        if known is not None and known.key != key:
-            # Another key claims a D rank's name: refused, or it could drop that rank and its transfers.
-            return (
-                f"D {dkey[0]} rank {dkey[1]} is connected under another D key; a D rank's name belongs to "
-                f"the key that said hello with it until it is silent for peer_dead_s ({self.cfg.peer_dead_s:g} s)"
-            )
-        other = next((p for p in self._peers.values() if p.ident == ident), None)
-        if other is not None and (other.engine_id, other.rank) != dkey:
-            return f"this connection said hello as D {other.engine_id} rank {other.rank} already (one D rank each)"
-        if key:
-            return self.admission.hello(key, dkey, len(meta), self.declared(key), self.holdings(key))
-        return ""
-
-    def _check_register(self, peer: Peer | None, reg: protocol.Register) -> Failed | None:
-        """Why this registration cannot be taken, or None."""
-        if peer is None or (peer.engine_id, peer.rank) != (reg.engine_id, reg.rank):
-            why = "registration before a successful hello from this D rank"
-            return Failed(Stage.REGISTER, Cause.REFUSED, why)
-        problem = registration_problem(self.layout, peer.layout, peer.staging, reg, self.groups)
-        if not problem:
-            most = self.most_blocks(peer)
-            longest = max((len(ids) for ids in reg.block_ids), default=0)
-            if longest > most:
-                problem = f"a group lists {longest} block ids; a prompt this P can prefill needs at most {most}"
-        return Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, problem) if problem else None
-
-    def _over_budget(self, peer: Peer | None, reg: protocol.Register) -> Failed | None:
-        """Would this registration put its D key over what a key may make P hold (``peer_key_bytes``)?
-        Counted as one more registration (a re-registration replaces one: it is counted so too, which errs
-        on the side of P)."""
-        if peer is None or not peer.key:
-            return None
-        why = self.admission.register(peer.key, self.holdings(peer.key), sum(len(g) for g in reg.block_ids))
-        return Failed(Stage.REGISTER, Cause.OVER_LIMIT, why) if why else None
-
-
-def registration_problem(
-    layout: KVLayout, d_layout: KVLayout, d_staging: Any, reg: protocol.Register, groups: int = 0
-) -> str:
-    """What is wrong with D's registration given what D said it has ("" if nothing); ``groups``: the
-    layout's KV-cache groups, when the caller knows them."""
-    groups = groups or 1 + max(r.group for r in layout.regions)
-    if len(reg.block_ids) != groups:
-        return f"registration has {len(reg.block_ids)} block groups, layout has {groups}"
-    need = -(-reg.num_tokens // d_layout.block_size)
-    for g, ids in enumerate(reg.block_ids):
-        want = 1 if d_layout.state_of(g) is not None else need  # a state group: one running-state block
-        if len(ids) < want:
-            return f"group {g} has {len(ids)} blocks, {want} needed for {reg.num_tokens} tokens"
-        # Every id, not only those the tokens need: a registration is held by P (a lease), and one D
-        # rank's blocks are what it may make P hold.
-        if len(ids) > d_layout.num_blocks:
-            return f"group {g} lists {len(ids)} block ids, D has {d_layout.num_blocks} blocks"
-        top = int(np.max(ids)) if len(ids) else 0
-        if top >= d_layout.num_blocks:
-            return f"group {g} block id {top} out of range (D has {d_layout.num_blocks} blocks)"
-    if reg.staging is not None:
-        cap = d_staging.size if d_staging is not None else 0
-        if reg.staging.offset + reg.staging.size > cap:
-            grant = f"[{reg.staging.offset}, +{reg.staging.size})"
-            return f"staging grant {grant} outside D's staging region ({cap} bytes)"
-    return ""

@@ -211,15 +211,18 @@ class PushRunner:
             return
         cfg = self.cfg
         sched = PartSchedule(
-            self.layer_ends, plan.region_bytes, cfg.layerwise_min_part_bytes, cfg.layerwise_lead_layers
+            self.layer_ends,
+            plan.region_bytes,
+            cfg.per_layer.layerwise_min_part_bytes,
+            cfg.per_layer.layerwise_lead_layers,
         )
         chain = plan.kind is PlanKind.STAGED and self.backend.capabilities.chained_ready
-        jp = JobPlan(plan, sched, cfg.push_parts, chain)
+        jp = JobPlan(plan, sched, cfg.staging.push_parts, chain)
         made = {}
         if plan.kind is PlanKind.STAGED and prepacked is None:
             made = self._prepare(jp, prefill, rec, peer, reg, slot)
         t_plan = time.monotonic()
-        job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=cfg.peer_dead_s)
+        job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=cfg.polling.peer_dead_s)
         job.heard(peer.last_seen, t_plan)
         rec.jobs[key] = job
         rec.times.first("push_start", t0)
@@ -298,7 +301,12 @@ class PushRunner:
         now where that pays whatever D's blocks are (``_pack_at_hand_over``).
         """
         rec.pack_ahead = None
-        if self.staging is None or self.cfg.plan == "direct" or prefill.num_tokens <= 0 or not prefill.block_ids:
+        if (
+            self.staging is None
+            or self.cfg.staging.plan == "direct"
+            or prefill.num_tokens <= 0
+            or not prefill.block_ids
+        ):
             return
         heads = (self.layout.head_start, self.layout.head_end)
         try:
@@ -324,7 +332,7 @@ class PushRunner:
         queues it behind the ready marker on the device; another packs only
         KV already written (else the push packs at pairing, as without this).
         """
-        if not self.cfg.pack_at_hand_over or self.staging is None or self.layout.hybrid:
+        if not self.cfg.staging.pack_at_hand_over or self.staging is None or self.layout.hybrid:
             return
         bw = self.backend.pack_bandwidth()
         if not packs_at_hand_over(self.cfg, self.layout, pa.blocks, pa.num_tokens, pa.pack, bw, self.last_staging_plan):

@@ -84,11 +84,11 @@ class Receiver(EngineLoop):
         super().__init__("recv", config, backend, layout, engine_id, rank, tp_size)
         self.fencing = Fencing(
             len(self.layout.regions),
-            config.transfer_timeout_s,
-            config.peer_dead_s,
-            config.transfer_hard_cap_s,
-            config.quarantine_s,
-            Allowed.parse(config.allowed_prefills),
+            config.leases.transfer_timeout_s,
+            config.polling.peer_dead_s,
+            config.leases.transfer_hard_cap_s,
+            config.leases.quarantine_s,
+            Allowed.parse(config.security.allowed_prefills),
         )
         self._foreign_log = Throttle(LOG_EVERY_S)
         self.counters = self.fencing.counters

@@ -64,7 +64,7 @@ class Sender(EngineLoop):
         tp_size: int = 1,
     ) -> None:
         super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
-        self.rdv = Rendezvous(prefill_lease_s=config.prefill_lease_s, limits=peer_limits(config))
+        self.rdv = Rendezvous(prefill_lease_s=config.leases.prefill_lease_s, limits=peer_limits(config))
         self._fail_log = Throttle(LOG_EVERY_S)
         # Made with the agent, the staging region and the side channel (``setup``), before any call reaches the
         # thread: the D ranks that said hello, the pushes' I/O half, the slots packed at hand-over.
@@ -175,7 +175,7 @@ class Sender(EngineLoop):
     def setup(self) -> None:
         keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
         if keys is not None:
-            self.rdv.binding = Binding(derive_key(keys.secret), self.cfg.capability == "required")
+            self.rdv.binding = Binding(derive_key(keys.secret), self.cfg.security.capability == "required")
             if not self.rdv.binding.required:
                 log.warning(
                     "%s: capability optional: registrations and aborts without a transfer's capability are "
@@ -192,8 +192,8 @@ class Sender(EngineLoop):
             port,
             keys,
             peer_budgets(self.cfg),
-            self.cfg.preauth_per_address,
-            self.cfg.peer_max_ranks,
+            self.cfg.limits.preauth_per_address,
+            self.cfg.limits.peer_max_ranks,
         )
         declared = DeclaredRanks(keys.decoders_dir) if keys is not None else lambda key: None
         self.peers = PeerTable(

@@ -155,9 +155,9 @@ def staged_on_p_alone(
     that bound it beats the real count too: ``_staged_early`` then chooses the
     staged plan at pairing with this very pack list (given D's slot fits).
     """
-    if cfg.plan == "direct" or pack.shape[0] == 0:
+    if cfg.staging.plan == "direct" or pack.shape[0] == 0:
         return False
-    if cfg.plan == "staged":
+    if cfg.staging.plan == "staged":
         return True
     nregions = len(src.regions)
     nbytes = int(pack[:, 1].sum()) * nregions
@@ -185,4 +185,4 @@ def packs_at_hand_over(
     """
     if staged_on_p_alone(cfg, src, src_blocks, num_tokens, pack, pack_bw):
         return True
-    return cfg.plan == "auto" and pack.shape[0] > 0 and last is PlanKind.STAGED
+    return cfg.staging.plan == "auto" and pack.shape[0] > 0 and last is PlanKind.STAGED

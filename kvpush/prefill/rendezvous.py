@@ -30,6 +30,7 @@ live in ``kvpush.prefill.decisions`` and are importable from here too.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -167,7 +168,7 @@ class Rendezvous:
         )
         if why:
             return [Refuse(reg, why, Cause.OVER_LIMIT)]
-        before = self._holding_of(reg.transfer_id)
+        before = self.holding(reg.transfer_id)
         out += self._on_register(reg, now, expected, owner)
         self._settle_holdings(reg.transfer_id, before)
         return out
@@ -244,7 +245,7 @@ class Rendezvous:
 
     def on_pushed(self, transfer_id: str, engine_id: str, rank: int) -> list[Decision]:
         """A WRITE (plus notification) to that D rank finished, successfully or not."""
-        before = self._holding_of(transfer_id)
+        before = self.holding(transfer_id)
         out = self._on_pushed(transfer_id, engine_id, rank)
         self._settle_holdings(transfer_id, before)
         return out
@@ -272,23 +273,6 @@ class Rendezvous:
             e.record.failed = failed
         return self.on_pushed(transfer_id, *key)
 
-    def on_abort(
-        self,
-        transfer_id: str,
-        now: float,
-        reason: str = "aborted",
-        cause: Cause = Cause.ABORTED,
-        by: DKey | None = None,
-    ) -> list[Decision]:
-        """Either side gave up. In-flight writes finish first (fencing is D's job).
-
-        ``by``: the D rank whose abort this is (None: P's own); a tombstone it leaves counts against it.
-        """
-        before = self._holding_of(transfer_id)
-        out = self._on_abort(transfer_id, now, reason, cause, by)
-        self._settle_holdings(transfer_id, before)
-        return out
-
     def may_abort(self, transfer_id: str, key: str, by: DKey, capability: str = "") -> str:
         """Why D rank ``by``, of D key ``key``, may not abort this transfer ("" if it may).
 
@@ -306,7 +290,7 @@ class Rendezvous:
         if e is not None and e.owner is not None and e.owner != key:
             return "the transfer is registered by another D (a different key)"
         buries = (e is None or e.prefill is None) and transfer_id not in self._tombstones
-        held = self._tombs_of.get(by, 0)
+        held = self.tombstones(by)
         if buries and held >= self.limits.max_peer_tombstones:
             return (
                 f"this D rank left {held} aborts of unknown transfers already (limit {self.limits.max_peer_tombstones})"
@@ -340,6 +324,9 @@ class Rendezvous:
     def _on_abort(
         self, transfer_id: str, now: float, reason: str, cause: Cause, by: DKey | None = None
     ) -> list[Decision]:
+        """What is left of an abort once its registrations are answered: in-flight writes finish first (fencing
+        is D's job); ``by``: the D rank whose abort this is (None: P's own), a tombstone it leaves counts
+        against it."""
         e = self._entries.get(transfer_id)
         self._queue.pop(transfer_id, None)
         if e is None or e.prefill is None:
@@ -356,8 +343,9 @@ class Rendezvous:
 
     def cancel(self, transfer_id: str, now: float, why: Failed, by: DKey | None = None) -> list[Decision]:
         """P's whole rule for an abort: answer every registration that will not be written
-        (waiting, held, or paired but not started), stop the pushes running, then ``on_abort``."""
-        before = self._holding_of(transfer_id)
+        (waiting, held, or paired but not started), stop the pushes running; the writes in flight finish
+        first, and the prefill is released once they have (at once when none is)."""
+        before = self.holding(transfer_id)
         out = self._cancel(transfer_id, now, why, by)
         self._settle_holdings(transfer_id, before)
         return out
@@ -428,6 +416,7 @@ class Rendezvous:
 
     # -- queries --------------------------------------------------------
     def stage(self, transfer_id: str) -> TransferState | None:
+        """Where the transfer stands on P (None: P does not know it); ``pending`` counts transfers by it."""
         e = self._entries.get(transfer_id)
         if e is None:
             return None
@@ -472,14 +461,16 @@ class Rendezvous:
 
     def pending(self) -> dict[str, int]:
         """Counts for metrics: parked prefills, waiting registrations, transfers in flight."""
-        parked = sum(1 for e in self._entries.values() if e.prefill is not None and not e.in_flight)
-        waiting = sum(1 for e in self._entries.values() if e.prefill is None)
+        stages = Counter(self.stage(tid) for tid in self._entries)
+        parked = stages[TransferState.WAITING_FOR_REGISTRATION]
+        waiting = stages[TransferState.WAITING_FOR_PREFILL]
         flying = sum(len(e.in_flight) for e in self._pushing.values())
         return {"parked_prefills": parked, "waiting_registrations": waiting, "in_flight": flying}
 
-    def tombstones(self) -> int:
-        """Transfers remembered as aborted before their prefill finished."""
-        return len(self._tombstones)
+    def tombstones(self, by: DKey | None = None) -> int:
+        """Transfers remembered as aborted before their prefill finished; ``by``: those the aborts of that D
+        rank left (what its ``max_peer_tombstones`` counts)."""
+        return len(self._tombstones) if by is None else self._tombs_of.get(by, 0)
 
     def queued(self) -> int:
         """Prefills P's scheduler holds queued (not running yet)."""
@@ -488,14 +479,17 @@ class Rendezvous:
     def __len__(self) -> int:
         return len(self._entries)
 
-    # -- internals ------------------------------------------------------
-    def _holding_of(self, tid: str) -> dict[DKey, tuple[int, int]]:
+    def holding(self, tid: str) -> dict[DKey, tuple[int, int]]:
+        """(registrations, block ids) each D rank holds in transfer ``tid``'s entry: what every event settles
+        ``holdings`` by."""
         e = self._entries.get(tid)
         return _holding(e) if e is not None else {}
 
+    # -- internals ------------------------------------------------------
+
     def _settle_holdings(self, tid: str, before: dict[DKey, tuple[int, int]], dropped: bool = False) -> None:
         """Bring ``holdings`` to what entry ``tid`` holds now, given what it held ``before`` the event."""
-        after = {} if dropped else self._holding_of(tid)
+        after = {} if dropped else self.holding(tid)
         for k in before.keys() | after.keys():
             (n0, b0), (n1, b1) = before.get(k, (0, 0)), after.get(k, (0, 0))
             if (n0, b0) != (n1, b1):

@@ -527,8 +527,7 @@ class Gate:
                 return
             shut = 0
             for old in self.conns.tied(fd, key):
-                self._tied.discard(old)
-                shut += _shut(old, self._remote.pop(old, None))
+                shut += _shut(old, self._forget(old))
             if shut:
                 _limited(
                     self._limit,
@@ -562,10 +561,7 @@ class Gate:
             self._on_accepted(value)
             return
         if kind == zmq.EVENT_DISCONNECTED and isinstance(value, int):
-            self.preauth.closed(value)
-            self.conns.closed(value)
-            self._tied.discard(value)
-            self._remote.pop(value, None)
+            self._forget(value)
             return
         self.failed += 1
         what = handshake_error(event)
@@ -577,6 +573,14 @@ class Gate:
             "this P, or a replayed or corrupted stream; nothing it sent from there on was read",
         )
 
+    def _forget(self, fd: int) -> tuple[str, int] | None:
+        """Forget the connection ``fd`` wherever the gate counts it (closed, shut, or its descriptor number
+        reused); the (host, port) it was accepted from, if known."""
+        self.preauth.closed(fd)
+        self.conns.closed(fd)
+        self._tied.discard(fd)
+        return self._remote.pop(fd, None)
+
     def _on_accepted(self, fd: int) -> None:
         """A connection was accepted: count it against its source address until it is past the handshake;
         beyond ``per_address`` unproven ones, shut the oldest (ZeroMQ then closes it as a dropped peer)."""
@@ -584,9 +588,7 @@ class Gate:
         if remote is None:
             return
         # A descriptor number reused: whatever connection it was is gone (its close may not have been seen).
-        self.conns.closed(fd)
-        self._tied.discard(fd)
-        self._remote.pop(fd, None)
+        self._forget(fd)
         self._remote[fd] = remote
         host = remote[0]
         self.preauth.accepted(fd, host)
@@ -598,7 +600,7 @@ class Gate:
                 self.preauth.proven(conn)  # past its handshake, or no longer the connection it was
                 continue
             self.preauth.shut(conn)
-            self._remote.pop(conn, None)
+            self._forget(conn)
             shut += _shut(conn, at)
         if shut:
             _limited(

@@ -289,10 +289,27 @@ class Agent:
         self._writes[id(handle)] = peer
         return handle
 
-    def post(self, handle: Any) -> XferState:
-        """Post a WRITE made by ``prepare_write``; returns the post state."""
+    def prepare_lists(
+        self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, peer: str
+    ) -> tuple[Any, Any]:
+        """NIXL's prepared descriptor lists over these local buffers and ``peer``'s (rows of address, length,
+        device), made once and reused: a WRITE then names their entries by index
+        (``prepare_indexed_write``) instead of building descriptors per request. The engine builds its
+        descriptors per WRITE (``prepare_write``); ``kvpush_tools.cuda.bench`` measures what this saves."""
+        mk = self._agent.prep_xfer_dlist
+        return mk("NIXL_INIT_AGENT", local, local_mem), mk(peer, remote, remote_mem)
+
+    def prepare_indexed_write(self, lists: tuple[Any, Any], indices: list[int], notif: bytes) -> Any:
+        """Create, not post, a WRITE of entries ``indices`` of ``prepare_lists``' lists (the same entry of
+        each side). Such a handle can be posted again, each time with a new notification (``post``)."""
+        local, remote = lists
+        return self._agent.make_prepped_xfer("WRITE", local, indices, remote, indices, notif)
+
+    def post(self, handle: Any, notif: bytes = b"") -> XferState:
+        """Post a WRITE made by ``prepare_write`` (or ``prepare_indexed_write``); returns the post state.
+        ``notif``: a new notification for a handle posted again (empty: the one it was made with)."""
         self._settle_errors()
-        return XferState.of(self._agent.transfer(handle))
+        return XferState.of(self._agent.transfer(handle, notif))
 
     def state(self, handle: Any) -> XferState:
         """The WRITE's state; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,

@@ -62,12 +62,12 @@ OPEN_WARNING = (
 
 def peer_budgets(cfg: Any) -> Budgets:
     """The per-peer read budgets of a ``Config`` (``peer_bytes_per_s``, ``peer_messages_per_s``)."""
-    return Budgets(cfg.peer_bytes_per_s, cfg.peer_messages_per_s, ZMQ_MAX_MSG_BYTES)
+    return Budgets(cfg.limits.peer_bytes_per_s, cfg.limits.peer_messages_per_s, ZMQ_MAX_MSG_BYTES)
 
 
 def server_keys(cfg: Any) -> ServerKeys | None:
     """P's keys per its ``Config`` (``ConfigError`` naming what is missing); None, with a warning, for auth none."""
-    keys = auth.server_keys(cfg.auth, cfg.auth_keys_dir)
+    keys = auth.server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
     if keys is None:
         log.warning(OPEN_WARNING, "this P", "its port", "P")
     return keys
@@ -75,7 +75,7 @@ def server_keys(cfg: Any) -> ServerKeys | None:
 
 def client_keys(cfg: Any) -> ClientKeys | None:
     """D's keys per its ``Config`` (``ConfigError`` naming what is missing); None, with a warning, for auth none."""
-    keys = auth.client_keys(cfg.auth, cfg.auth_keys_dir)
+    keys = auth.client_keys(cfg.security.auth, cfg.security.auth_keys_dir)
     if keys is None:
         log.warning(OPEN_WARNING, "this D", "a P's port posing as P", "D")
     return keys

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvpush.config import Config
+from kvpush.config import GROUP_OF, GROUPS, Config
 from kvpush.core.errors import ConfigError
 
 
@@ -21,12 +21,12 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(c.backend, str) and c.backend
     assert c.nixl_backends == ("UCX",)
     assert c.side_channel_host == "127.0.0.1" and c.side_channel_port == 5600  # vLLM's NIXL default port
-    assert c.plan == "auto"
-    assert c.staging_bytes == 64 << 20
-    assert c.staged_min_descriptors == 512
-    assert c.registration_lease_s == 120.0 and c.prefill_lease_s == 60.0
-    assert c.transfer_timeout_s == 60.0
-    assert c.heartbeat_s < c.peer_dead_s
+    assert c.staging.plan == "auto"
+    assert c.staging.staging_bytes == 64 << 20
+    assert c.staging.staged_min_descriptors == 512
+    assert c.leases.registration_lease_s == 120.0 and c.leases.prefill_lease_s == 60.0
+    assert c.leases.transfer_timeout_s == 60.0
+    assert c.polling.heartbeat_s < c.polling.peer_dead_s
 
 
 def test_every_field_is_settable_and_round_trips() -> None:
@@ -75,12 +75,79 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "capability": "optional",
         "allowed_prefills": ["10.0.0.0/8", "p1:5600-5607"],
     }
-    assert set(values) == set(Config.__struct_fields__), "a new field needs a case here"
+    assert set(values) == set(Config().flat()), "a new field needs a case here"
     c = Config.from_dict(values)
     assert c.nixl_backends == ("LIBFABRIC", "UCX")
-    assert c.link_gbps == 100.0 and isinstance(c.link_gbps, float)
+    assert c.staging.link_gbps == 100.0 and isinstance(c.staging.link_gbps, float)
     assert Config.from_dict(msgspec.structs.asdict(c)) == c
     assert Config.from_dict(msgspec.json.decode(msgspec.json.encode(c))) == c
+
+
+def test_grouped_and_flat_keys_are_the_same_configuration() -> None:
+    """Each setting by its flat key (as before the grouping, and as vLLM's ``kv_connector_extra_config`` gives
+    it) or in its group, mixed at will; both read back the same, grouped."""
+    flat = {"prefill_lease_s": 5, "plan": "staged", "peer_dead_s": 4, "layerwise": True, "peer_max_ranks": 3}
+    grouped = {
+        "leases": {"prefill_lease_s": 5},
+        "staging": {"plan": "staged"},
+        "polling": {"peer_dead_s": 4},
+        "per_layer": {"layerwise": True},
+        "limits": {"peer_max_ranks": 3},
+    }
+    mixed = {
+        "leases": {"prefill_lease_s": 5},
+        "plan": "staged",
+        "polling": {"peer_dead_s": 4},
+        "layerwise": True,
+        "peer_max_ranks": 3,
+    }
+    c = Config.from_dict(flat)
+    assert c == Config.from_dict(grouped) == Config.from_dict(mixed) == Config.of(**flat) == Config.of(**grouped)
+    assert (c.leases.prefill_lease_s, c.staging.plan, c.polling.peer_dead_s) == (5.0, "staged", 4.0)
+    assert c.per_layer.layerwise and c.limits.peer_max_ranks == 3
+    assert c.leases.registration_lease_s == Config().leases.registration_lease_s  # the rest of a group: defaults
+    assert Config.from_dict(c.flat()) == c and Config.from_dict(msgspec.json.decode(msgspec.json.encode(c))) == c
+    assert set(msgspec.json.decode(msgspec.json.encode(c))) == {
+        *(f for f in Config.__struct_fields__ if f not in GROUPS),
+        *GROUPS,
+    }
+    assert all(GROUP_OF[k] in GROUPS for k in c.flat() if k in GROUP_OF)
+
+
+def test_a_setting_given_both_flat_and_in_its_group_is_an_error_naming_it() -> None:
+    for data in (
+        {"plan": "direct", "staging": {"plan": "staged"}},
+        {"plan": "direct", "staging": {"plan": "direct"}},  # even when they agree: one place per setting
+    ):
+        with pytest.raises(ConfigError, match=r"plan is given both flat and in 'staging'"):
+            Config.from_dict(data)
+    with pytest.raises(ConfigError, match="peer_dead_s"):
+        Config.of(peer_dead_s=3, polling={"peer_dead_s": 3})
+    # other settings of the same group, flat and grouped, are fine
+    c = Config.from_dict({"staging_bytes": 0, "staging": {"plan": "direct"}})
+    assert (c.staging.plan, c.staging.staging_bytes) == ("direct", 0)
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"leases": {"prefill_lease": 1}}, "prefill_lease"),  # unknown inside a group: named, with the group
+        ({"polling": {"plan": "direct"}}, "plan"),  # a setting in the wrong group
+        ({"leases": 3}, "leases"),
+        ({"staging": {"staging_bytes": -1}}, "staging_bytes"),
+    ],
+)
+def test_bad_grouped_input_is_named(data: dict, named: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict(data)
+    assert named in str(info.value)
+
+
+def test_replace_takes_flat_keys_and_groups() -> None:
+    c = Config.of(plan="staged", prefill_lease_s=7)
+    d = c.replace(peer_dead_s=3, leases={"registration_lease_s": 9})
+    assert (d.polling.peer_dead_s, d.leases.registration_lease_s, d.leases.prefill_lease_s) == (3.0, 9.0, 7.0)
+    assert d.staging.plan == "staged" and c.polling.peer_dead_s == Config().polling.peer_dead_s
 
 
 def test_vllm_side_channel_environment_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,7 +176,7 @@ def test_backends_is_vllms_name_for_the_nixl_backend_list() -> None:
 def test_cli_strings_are_converted() -> None:
     """CLI flags arrive as strings; numeric fields accept them (lax conversion is deliberate)."""
     c = Config.from_dict({"side_channel_port": "5600", "heartbeat_s": "0.5", "staging_bytes": "1024"})
-    assert (c.side_channel_port, c.heartbeat_s, c.staging_bytes) == (5600, 0.5, 1024)
+    assert (c.side_channel_port, c.polling.heartbeat_s, c.staging.staging_bytes) == (5600, 0.5, 1024)
 
 
 @pytest.mark.parametrize("key", ["backnd", "prefill_lease", "Plan", "extra"])
@@ -170,8 +237,8 @@ def test_config_error_is_a_value_error() -> None:
 def test_replace() -> None:
     c = Config.from_dict({"model": "m"})
     d = c.replace(plan="direct", prefill_lease_s=5)
-    assert (d.plan, d.prefill_lease_s, d.model) == ("direct", 5.0, "m")
-    assert c.plan == "auto", "replace must not mutate"
+    assert (d.staging.plan, d.leases.prefill_lease_s, d.model) == ("direct", 5.0, "m")
+    assert c.staging.plan == "auto", "replace must not mutate"
     with pytest.raises(ConfigError, match="nope"):
         c.replace(nope=1)
     with pytest.raises(ConfigError, match="staging_bytes"):
@@ -180,14 +247,14 @@ def test_replace() -> None:
 
 def test_frozen() -> None:
     with pytest.raises(AttributeError):
-        Config().plan = "direct"  # type: ignore[misc]
+        Config().staging.plan = "direct"  # type: ignore[misc]
 
 
 def test_descriptor_cost_defaults_to_the_first_nixl_backends_measured_cost() -> None:
     """The cost model's per-descriptor cost follows the NIXL backend unless set (docs/benchmarks.md, LIBFABRIC)."""
     from kvpush.transport.nixl_backends import LIBFABRIC, UCX
 
-    assert Config().descriptor_cost_us is None
+    assert Config().staging.descriptor_cost_us is None
     assert Config().descriptor_cost_s() == pytest.approx(UCX.descriptor_cost_us * 1e-6)
     lf = Config.from_dict({"nixl_backends": ["LIBFABRIC", "UCX"]})
     assert lf.descriptor_cost_s() == pytest.approx(LIBFABRIC.descriptor_cost_us * 1e-6)

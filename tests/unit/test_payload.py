@@ -94,7 +94,7 @@ def test_lists_are_maximal_and_follow_p_order(scn: Scenario) -> None:
 def test_staged_plan_packs_the_payload_and_accepts_it_built_ahead(scn: Scenario) -> None:
     """``build_plan`` packs with ``pack_pieces``; handed the same list built ahead, it plans the same."""
     sl, dl = scn.src.layout, scn.dst.layout
-    cfg = Config(plan="staged")
+    cfg = Config.of(plan="staged")
     kw = {"staging_local": (1 << 20, 0), "staging_remote": (1 << 30, 1 << 40, 1)}
     plan = build_plan(cfg, *scn.call_args(), **kw)
     if plan.kind == "empty":
@@ -114,7 +114,7 @@ def test_plan_with_a_list_ahead_chooses_as_the_full_cost_model(scn: Scenario, de
     """The early choice (staging against a lower bound of direct's descriptors) never differs from the
     choice with the direct plan built: a registration arriving after the prefill is planned the same."""
     sl, dl = scn.src.layout, scn.dst.layout
-    cfg = Config(plan="auto", descriptor_cost_us=desc_s * 1e6, link_gbps=link / 1e9)
+    cfg = Config.of(plan="auto", descriptor_cost_us=desc_s * 1e6, link_gbps=link / 1e9)
     kw = {"staging_local": (1 << 20, 0), "staging_remote": (1 << 30, 1 << 40, 1), "pack_bw": pack_bw}
     full = build_plan(cfg, *scn.call_args(), **kw)
     if full.kind == "empty":
@@ -157,7 +157,9 @@ def test_block_runs_of_nothing_to_move_is_zero() -> None:
     staging rule never asks for a slot the full unpack list (empty) would not."""
     lay = _side(TokenOrder.NHD)
     assert block_runs(lay, [0, 3], 17, 17) == 0 and block_runs(lay, [0], 16, 16) == 0
-    assert staging_decided(Config(plan="auto", staging_bytes=1, staged_min_descriptors=1), lay, [0, 3], 17, 17) is None
+    assert (
+        staging_decided(Config.of(plan="auto", staging_bytes=1, staged_min_descriptors=1), lay, [0, 3], 17, 17) is None
+    )
 
 
 @PROPERTY
@@ -166,7 +168,7 @@ def test_d_decides_staging_before_its_list_as_with_it(scn: Scenario, min_descs: 
     """D's choice made before its unpack list is built (to send the Register first) is the choice the
     list would make; and its checks reject exactly what building the list rejects."""
     sl, dl = scn.src.layout, scn.dst.layout
-    cfg = Config(plan=plan, staged_min_descriptors=min_descs)
+    cfg = Config.of(plan=plan, staged_min_descriptors=min_descs)
     unpack = unpack_pieces(sl, dl, scn.dst_blocks, scn.num_tokens, scn.start_token)
     check_unpack(sl, dl, scn.dst_blocks, scn.num_tokens, scn.start_token)
     early = staging_decided(cfg, dl, scn.dst_blocks, scn.num_tokens, scn.start_token)

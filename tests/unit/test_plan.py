@@ -31,7 +31,7 @@ def test_split_regions_tiles_the_range(r0: int, n: int, parts: int) -> None:
 @given(scenarios(), st.integers(1, 9))
 def test_direct_parts_add_up_to_the_whole_push(scn: Scenario, parts: int) -> None:
     """Posting a direct plan region range by region range writes exactly the reference bytes."""
-    plan = build_plan(Config(plan="direct"), *scn.call_args())
+    plan = build_plan(Config.of(plan="direct"), *scn.call_args())
     out = scn.dst.arena.copy()
     if plan.kind != "empty":
         for r0, r1 in split_regions(0, plan.nregions, parts):
@@ -44,7 +44,7 @@ def test_direct_parts_add_up_to_the_whole_push(scn: Scenario, parts: int) -> Non
 @given(scenarios(), st.integers(1, 9))
 def test_staged_parts_cover_the_slots_region_by_region(scn: Scenario, parts: int) -> None:
     plan = build_plan(
-        Config(plan="staged"), *scn.call_args(), staging_local=(1 << 20, 0), staging_remote=(1 << 30, 1 << 40, 1)
+        Config.of(plan="staged"), *scn.call_args(), staging_local=(1 << 20, 0), staging_remote=(1 << 30, 1 << 40, 1)
     )
     if plan.kind == "empty":
         return
@@ -62,7 +62,7 @@ def test_staged_parts_cover_the_slots_region_by_region(scn: Scenario, parts: int
 @settings(max_examples=5, deadline=None)
 @given(scenarios())
 def test_part_outside_the_plan_is_refused(scn: Scenario) -> None:
-    plan = build_plan(Config(plan="direct"), *scn.call_args())
+    plan = build_plan(Config.of(plan="direct"), *scn.call_args())
     with pytest.raises(ValueError, match="outside the plan"):
         part_descriptors(plan, scn.src.layout, scn.dst.layout, 0, plan.nregions + 1)
 

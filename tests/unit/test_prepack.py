@@ -223,7 +223,7 @@ def test_packing_at_hand_over_agrees_with_the_plan_at_pairing(scn: Scenario, des
     pack = pack_pieces(sl, heads_overlap(sl, dl), scn.src_blocks, scn.num_tokens, 0)
     kw = {"staging_local": (1 << 20, 0), "staging_remote": (1 << 30, 1 << 40, 1), "pack_bw": pack_bw}
     for mode in ("auto", "staged", "direct"):
-        cfg = Config(plan=mode, descriptor_cost_us=desc_s * 1e6, link_gbps=link / 1e9)
+        cfg = Config.of(plan=mode, descriptor_cost_us=desc_s * 1e6, link_gbps=link / 1e9)
         if not staged_on_p_alone(cfg, sl, scn.src_blocks, scn.num_tokens, pack, pack_bw):
             assert mode != "staged" or pack.shape[0] == 0
             continue
@@ -243,7 +243,7 @@ def test_packing_at_hand_over_follows_the_last_staging_plan_under_auto(scn: Scen
     pack = pack_pieces(sl, heads_overlap(sl, dl), scn.src_blocks, scn.num_tokens, 0)
     args = (sl, scn.src_blocks, scn.num_tokens, pack, 5e9)
     for mode in ("auto", "staged", "direct"):
-        cfg = Config(plan=mode)
+        cfg = Config.of(plan=mode)
         alone = staged_on_p_alone(cfg, *args)
         got = packs_at_hand_over(cfg, *args, last)
         if mode == "auto" and last is PlanKind.STAGED and pack.shape[0] > 0:

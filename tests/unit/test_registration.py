@@ -26,7 +26,7 @@ def _asked(scn: Scenario, num_tokens: int | None = None) -> Asked:
 @given(scenarios(), st.sampled_from(["auto", "direct", "staged"]), st.integers(1, 40))
 def test_unpack_choice_agrees_with_the_full_unpack_list(scn: Scenario, plan: str, min_desc: int) -> None:
     """The staging wish is the one the full unpack list gives, whether or not the list had to be built."""
-    cfg = Config(plan=plan, staging_bytes=1 << 20, staged_min_descriptors=min_desc)
+    cfg = Config.of(plan=plan, staging_bytes=1 << 20, staged_min_descriptors=min_desc)
     p, d = scn.src.layout, scn.dst.layout
     blocks, want, pieces = unpack_choice(cfg, p, d, _asked(scn))
     full = unpack_pieces(p, d, blocks, scn.num_tokens, scn.start_token)
@@ -41,7 +41,7 @@ def test_unpack_choice_refuses_more_tokens_than_the_blocks_hold(scn: Scenario, p
     """Checked whatever the staging wish, also when no unpack list is built before the send."""
     too_many = len(scn.dst_blocks) * scn.dst.layout.block_size + 1
     with pytest.raises(LayoutError):
-        unpack_choice(Config(plan=plan), scn.src.layout, scn.dst.layout, _asked(scn, too_many))
+        unpack_choice(Config.of(plan=plan), scn.src.layout, scn.dst.layout, _asked(scn, too_many))
 
 
 @pytest.mark.parametrize("push_parts", [1, 3, 8])
@@ -49,7 +49,7 @@ def test_unpack_choice_refuses_more_tokens_than_the_blocks_hold(scn: Scenario, p
 def test_guessed_parts_tile_the_slot_region_by_region(push_parts: int, regions: int) -> None:
     region_bytes = 3 * MIN_PART_BYTES // 2
     pieces = np.array([[0, region_bytes // 3, 0], [7, region_bytes - region_bytes // 3, 0]], dtype=np.int64)
-    parts = guess_parts(Config(push_parts=push_parts), regions, pieces, 1 << 20)
+    parts = guess_parts(Config.of(push_parts=push_parts), regions, pieces, 1 << 20)
     assert len(parts) == min(regions, part_count(push_parts, regions * region_bytes))
     assert parts[0][0] == 0 and parts[-1][1] == regions
     for (r0, r1, addr), nxt in zip(parts, [*parts[1:], None], strict=True):

@@ -49,6 +49,23 @@ def kinds(decisions) -> list[str]:
     return [type(d).__name__ for d in decisions]
 
 
+ABORTED = Failed(Stage.RENDEZVOUS, Cause.ABORTED, "aborted")
+
+
+def abort(rv: Rendezvous, tid: str, now: float, reason: str = "aborted") -> list:
+    """P's abort of a transfer, as the sender makes it (``Rendezvous.cancel``)."""
+    return rv.cancel(tid, now, Failed(Stage.RENDEZVOUS, Cause.ABORTED, reason))
+
+
+def start(rv: Rendezvous, now: float) -> None:
+    """What the sender does at a step's end: start a push job for every push paired in it (in the record)."""
+    for tid, rec in list(rv.pushing()):
+        for push in rv.unstarted(tid):
+            plan = Plan(PlanKind.DIRECT, 10, 1, 1, 1, np.zeros((0, 3), dtype=np.int64))
+            job = PushJob(push.reg, JobPlan(plan, PartSchedule((1,), 10, 0, 1)), rec.times, now, 0.0)
+            rec.jobs[job.key] = job
+
+
 # -- pairing in either order --------------------------------------------------------
 
 
@@ -78,7 +95,7 @@ def test_prefill_then_register() -> None:
 def test_unknown_pushed_is_ignored() -> None:
     rv = Rendezvous()
     assert rv.on_pushed("nope", "d", 0) == []
-    assert rv.on_abort("nope", now=0.0) == []
+    assert abort(rv, "nope", now=0.0) == []
 
 
 def test_transfers_are_independent() -> None:
@@ -285,8 +302,9 @@ def test_in_flight_never_expires() -> None:
 
 def test_abort_before_pairing_registration_only() -> None:
     rv = Rendezvous()
-    rv.on_register(reg(), 0.0)
-    assert rv.on_abort("t1", 0.5) == []
+    r = reg()
+    rv.on_register(r, 0.0)
+    assert abort(rv, "t1", 0.5) == [Refuse(r, "aborted", Cause.ABORTED)]  # the waiting registration is answered
     assert len(rv) == 0
 
 
@@ -294,7 +312,7 @@ def test_abort_before_pairing_prefill_only() -> None:
     rv = Rendezvous()
     p = prefill()
     rv.on_prefill(p, 0.0)
-    assert rv.on_abort("t1", 0.5, reason="client went away") == [Release(p, "client went away")]
+    assert abort(rv, "t1", 0.5, reason="client went away") == [Release(p, "client went away")]
     assert len(rv) == 0
 
 
@@ -305,7 +323,7 @@ def test_abort_after_push_finished_but_before_release() -> None:
     rv.on_prefill(p, 0.0)
     rv.on_register(reg(rank=0), 0.0, expected=2)
     rv.on_pushed("t1", "d", 0)
-    assert rv.on_abort("t1", 1.0) == [Release(p, "aborted")]
+    assert abort(rv, "t1", 1.0) == [Release(p, "aborted")]
     assert len(rv) == 0
 
 
@@ -314,7 +332,8 @@ def test_abort_while_in_flight_waits_for_the_write() -> None:
     p = prefill()
     rv.on_prefill(p, 0.0)
     rv.on_register(reg(rank=0), 0.0, expected=2)
-    assert rv.on_abort("t1", 1.0) == []
+    start(rv, 0.0)
+    assert abort(rv, "t1", 1.0) == []
     assert rv.stage("t1") is TransferState.TRANSFERRING
     assert rv.expire(1e9) == []
     # Only the write in flight is awaited; rank 1 is no longer expected.
@@ -328,7 +347,8 @@ def test_no_push_after_abort_while_in_flight() -> None:
     p = prefill()
     rv.on_prefill(p, 0.0)
     rv.on_register(reg(rank=0), 0.0, expected=2)
-    rv.on_abort("t1", 1.0)
+    start(rv, 0.0)
+    abort(rv, "t1", 1.0)
     late = reg(rank=1)
     out = rv.on_register(late, 1.5, expected=2)
     assert kinds(out) == ["Refuse"] and out[0].reg == late
@@ -411,6 +431,7 @@ class RendezvousMachine(RuleBasedStateMachine):
                     del self.current[self._key(d.reg)]
             else:  # pragma: no cover
                 raise AssertionError(f"unknown decision {d!r}")
+        start(self.rv, self.now)  # the sender starts what was paired at the step's end
 
     # -- rules
     @rule(tid=st.sampled_from(TIDS), blocks=st.lists(st.integers(0, 99), min_size=1, max_size=3, unique=True))
@@ -475,7 +496,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.queue.pop(tid, None)
         if any(k[0] == tid for k in self.outstanding):
             self.aborted.add(tid)
-        self._apply(self.rv.on_abort(tid, self.now))
+        self._apply(abort(self.rv, tid, self.now))
         for key in [k for k in self.current if k[0] == tid]:
             r = self.current.pop(key)
             self.fate.setdefault(id(r), "dropped")
@@ -501,7 +522,8 @@ class RendezvousMachine(RuleBasedStateMachine):
         kept = {k[0] for k in self.outstanding}
         assert len(probe) >= len(kept)
         # Registrations waiting for a prefill P's scheduler holds live as long as it does.
-        assert set(probe._entries) <= kept | set(self.queue), (probe._entries, kept, self.queue)
+        known = {t for t in TIDS if probe.stage(t) is not None}
+        assert known <= kept | set(self.queue), (known, kept, self.queue)
 
     def teardown(self) -> None:
         """Finish every write, let every deadline pass: all released once, all registrations answered, empty."""
@@ -511,7 +533,7 @@ class RendezvousMachine(RuleBasedStateMachine):
             self.scheduler_says(tid, PrefillState.UNKNOWN, 0)
         self.now += 1e6
         self._apply(self.rv.expire(self.now))
-        assert len(self.rv) == 0, f"left behind: {self.rv._entries}"
+        assert len(self.rv) == 0, f"left behind: {[(t, self.rv.stage(t)) for t in TIDS]}"
         assert sorted(p.request_id for p in self.released) == sorted(p.request_id for p in self.prefills)
         unanswered = [r for r in self.registered if id(r) not in self.fate]
         assert not unanswered, f"registrations never pushed, refused, replaced or dropped: {unanswered}"
@@ -546,7 +568,7 @@ def test_prefill_finishing_after_an_abort_is_released_at_once() -> None:
     r = Rendezvous(prefill_lease_s=60)
     reg = Register(transfer_id="t", request_id="d", engine_id="D", rank=0, block_ids=((1,),), num_tokens=8)
     assert r.on_register(reg, now=0.0) == []
-    assert r.on_abort("t", now=1.0) == []
+    assert abort(r, "t", now=1.0) == [Refuse(reg, "aborted", Cause.ABORTED)]
     (rel,) = r.on_prefill(Prefill("t", "p", ((3,),), 8), now=2.0)
     assert isinstance(rel, Release) and "aborted" in rel.reason
     assert len(r) == 0

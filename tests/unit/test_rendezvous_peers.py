@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpush.core.limits import PeerLimits
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.protocol import Register
-from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Release, Rendezvous, _holding
+from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Release, Rendezvous
 
 TIDS = ("t0", "t1", "t2")
 EXPECTED = {"t0": 1, "t1": 2, "t2": 1}  # t1 waits for two D ranks: a lease can run out with one pushed
@@ -99,8 +99,8 @@ def test_limits_refuse_with_their_reason() -> None:
 def test_tombstones_are_bounded() -> None:
     rv = Rendezvous(limits=LIMITS)
     for i in range(10):
-        rv.on_abort(f"gone-{i}", 0.0)  # P's own aborts: only the total bound applies
-    assert len(rv._tombstones) == LIMITS.max_tombstones
+        rv.cancel(f"gone-{i}", 0.0, Failed(Stage.RENDEZVOUS, Cause.ABORTED, "x"))  # P's own: only the total bound
+    assert rv.tombstones() == LIMITS.max_tombstones
     # the newest are kept: a prefill of the last aborted transfer is still released at once
     [release] = rv.on_prefill(Prefill("gone-9", "p", ((1,),), 16), 0.1)
     assert isinstance(release, Release)
@@ -177,8 +177,8 @@ class PeersMachine(RuleBasedStateMachine):
     @invariant()
     def holdings_are_what_the_entries_hold(self) -> None:
         expected: dict[object, list[int]] = {}
-        for e in self.rv._entries.values():
-            for k, (n, ids) in _holding(e).items():
+        for tid in TIDS:
+            for k, (n, ids) in self.rv.holding(tid).items():
                 h = expected.setdefault(k, [0, 0])
                 h[0] += n
                 h[1] += ids
@@ -187,11 +187,10 @@ class PeersMachine(RuleBasedStateMachine):
 
     @invariant()
     def tombstones_are_bounded_and_counted(self) -> None:
-        tombs = self.rv._tombstones
-        assert len(tombs) <= LIMITS.max_tombstones
+        assert self.rv.tombstones() <= LIMITS.max_tombstones
         for k in RANKS:
-            left = sum(1 for _, by in tombs.values() if by == k)
-            assert self.rv._tombs_of.get(k, 0) == left <= LIMITS.max_peer_tombstones, k
+            assert self.rv.tombstones(by=k) <= LIMITS.max_peer_tombstones, k
+        assert sum(self.rv.tombstones(by=k) for k in RANKS) <= self.rv.tombstones()
 
     @invariant()
     def no_rank_over_its_limits(self) -> None:

@@ -90,7 +90,7 @@ def _setup(side: Side, sc: Scenario, env: Env, seed: int) -> tuple[Any, list[Any
 def _config(sc: Scenario, env: Env) -> Any:
     from kvpush.config import Config
 
-    return Config(nixl_backends=(env.nixl,), plan=sc.plan, staging_bytes=2 << 20, side_channel_port=0)
+    return Config.of(nixl_backends=(env.nixl,), plan=sc.plan, staging_bytes=2 << 20, side_channel_port=0)
 
 
 def _p(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:

@@ -163,7 +163,7 @@ def test_pack_unpack_move_exactly_the_mapped_bytes(
     staging = kvpush_backend.alloc_staging(1 << 20, lp.regions[0].device_id)
     expected = payload(dg, 20)
     src = payload(pg, 10)
-    cfg = Config(plan="staged")
+    cfg = Config.of(plan="staged")
     for req in make_requests(np.random.default_rng(3), 8, pg, dg, "pk", max_tokens=120):
         plan = build_plan(
             cfg,

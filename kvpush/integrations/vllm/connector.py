@@ -140,10 +140,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
         self.sched = SchedulerSide(
             backoff=prefill_backoff(vllm_layout.has_state_layers(kv_cache_config)),
-            layerwise=cfg.layerwise,
-            layerwise_min_tokens=cfg.layerwise_min_tokens,
+            layerwise=cfg.per_layer.layerwise,
+            layerwise_min_tokens=cfg.per_layer.layerwise_min_tokens,
             advert=advert,
-            max_waiting_registrations=cfg.max_waiting_registrations if ktc.is_kv_consumer else 0,
+            max_waiting_registrations=cfg.limits.max_waiting_registrations if ktc.is_kv_consumer else 0,
         )
 
     def _start_worker(self, vllm_config: VllmConfig) -> None:

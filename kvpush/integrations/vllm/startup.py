@@ -98,6 +98,6 @@ def prefill_advert(cfg: Config, engine_id: str, vllm_config: VllmConfig) -> Pref
         )
         return None
     tp = vllm_config.parallel_config.tensor_parallel_size
-    keys = auth.server_keys(cfg.auth, cfg.auth_keys_dir)
+    keys = auth.server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
     key = derive_key(keys.secret) if keys is not None else None
     return PrefillAdvert(engine_id, cfg.side_channel_host, cfg.side_channel_port, tp, key)

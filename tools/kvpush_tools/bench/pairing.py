@@ -61,7 +61,7 @@ try:  # a tree whose pack list at hand-over keeps P's block ids as an array plan
     keeps_array = "blocks" in PackAhead.__dataclass_fields__
 except ImportError:
     keeps_array = False
-cfg = Config(plan=mode, staging_bytes=1)
+cfg = Config.of(plan=mode, staging_bytes=1)
 nbytes = staged_bytes(lay, lay, tokens, 0)
 kw = dict(staging_local=(1 << 40, 0), staging_remote=(1 << 41, nbytes, 0))
 print(json.dumps({"kvpush": kvpush.__file__, "protocol": kvpush.PROTOCOL_VERSION, "ahead": pack_pieces is not None}))

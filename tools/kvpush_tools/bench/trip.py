@@ -255,7 +255,7 @@ from kvpush.core import peek, protocol
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
-from kvpush.engine.peers import registration_problem
+from kvpush.prefill.hello import registration_problem
 from kvpush.decode.incoming import Asked
 from kvpush.core.layout import KVLayout
 from kvpush.core.plan import group_tokens
@@ -270,7 +270,7 @@ rng = np.random.default_rng(0)
 src = tuple(int(b) for b in rng.permutation(2 * blocks)[:blocks])
 given = [int(b) for b in rng.permutation(2 * blocks)[:blocks]]  # what vLLM hands D: a list of ints
 arrays = hasattr(protocol, "block_id_array")
-cfg = Config(plan="auto", staging_bytes=64 << 20)
+cfg = Config.of(plan="auto", staging_bytes=64 << 20)
 grant = protocol.StagingGrant(0, 1 << 20)
 staging = type("Staging", (), {"size": 1 << 30})()  # D's staging region as P knows it: only its size is read
 print(json.dumps({"kvpush": kvpush.__file__, "protocol": kvpush.PROTOCOL_VERSION}))

@@ -667,25 +667,21 @@ class PDriver:
         """
         key = tuple(spans)
         if key not in self._dlists:
-            s, na = self.s, self.s.agent._agent
+            s = self.s
             dev_d = self.d_layout.regions[0].device_id
             local = np.array([[s.staging.addr + a, n, s.idx] for a, n in spans], dtype=np.int64)
             remote = np.array([[self.d_staging + a, n, dev_d] for a, n in spans], dtype=np.int64)
-            self._dlists[key] = (
-                na.prep_xfer_dlist("NIXL_INIT_AGENT", local, s.mem),
-                na.prep_xfer_dlist(self.peer, remote, str(self.d_layout.mem)),
-            )
+            self._dlists[key] = s.agent.prepare_lists(local, s.mem, remote, str(self.d_layout.mem), self.peer)
         return self._dlists[key]
 
     def _post_prepped(self, spans: list[tuple[int, int]], indices: list[int], tag: bytes) -> Any:
         """Post a WRITE of prepared entries; the handle is made once and re-posted with a new notification."""
-        na = self.s.agent._agent
+        agent = self.s.agent
         key = (tuple(spans), tuple(indices))
         h = self._handles.get(key)
         if h is None:
-            lh, rh = self._prepped(spans)
-            h = self._handles[key] = na.make_prepped_xfer("WRITE", lh, indices, rh, indices, tag)
-        if na.transfer(h, tag) == "ERR":
+            h = self._handles[key] = agent.prepare_indexed_write(self._prepped(spans), indices, tag)
+        if agent.post(h, tag) is XferState.ERR:
             raise RuntimeError("NIXL transfer failed at post")
         return h
 
