@@ -642,13 +642,15 @@ class TransferMachine(RuleBasedStateMachine):
                 rec.jobs[job.key] = job
                 self.jobs[key] = job
                 self.started.append((push.reg, push.prefill))
-                job.ready(1, None, None, self.now)
-                self._run(tid, rec, job)
+                self._run(tid, rec, job, job.ready(1, None, None, self.now))
 
-    def _run(self, tid: str, rec, job: PushJob) -> None:
-        while (a := job.next_action()) is not None:
+    def _run(self, tid: str, rec, job: PushJob, actions: list | None = None) -> None:
+        """Carry out the job's actions (None: those its next step brings, after a cancel)."""
+        todo = list(job.check_packs() if actions is None else actions)
+        while todo:
+            a = todo.pop(0)
             if isinstance(a, Post):
-                job.posted(object(), 1, XferState.PROC, self.now, self.now)
+                todo += job.posted(object(), 1, XferState.PROC, self.now, self.now)
             elif isinstance(a, Done):
                 rec.end_job(job, a.failed, self.now)
                 del self.jobs[(tid, *job.key)]
@@ -682,8 +684,7 @@ class TransferMachine(RuleBasedStateMachine):
         rec = self.rv.record(key[0])
         assert rec is not None and rec.jobs.get(job.key) is job, "the job outlived its record"
         (h,) = job.flying
-        job.written(h, XferState.DONE if ok else XferState.ERR, self.now)
-        self._run(key[0], rec, job)
+        self._run(key[0], rec, job, job.written(h, XferState.DONE if ok else XferState.ERR, self.now))
 
     @rule(tid=st.sampled_from(TIDS))
     def abort(self, tid: str) -> None:
@@ -728,8 +729,7 @@ class TransferMachine(RuleBasedStateMachine):
         while self.jobs:
             key = sorted(self.jobs)[0]
             job = self.jobs[key]
-            job.written(job.flying[0], XferState.DONE, self.now)
-            self._run(key[0], self.rv.record(key[0]), job)
+            self._run(key[0], self.rv.record(key[0]), job, job.written(job.flying[0], XferState.DONE, self.now))
             self._end_of_step()
         self.now += 1e6
         self._apply(self.rv.expire(self.now))

@@ -15,7 +15,7 @@ from kvpush.core import protocol
 from kvpush.core.outcome import Failed
 from kvpush.core.topology import ConnKey
 from kvpush.observability.metrics import Count
-from kvpush.prefill.push_job import DKey, PushJob
+from kvpush.prefill.push_job import DKey
 
 
 class PeerPort(Protocol):
@@ -56,8 +56,8 @@ class PushPort(Protocol):
         """Tell the D rank that this registration will not (all) be written."""
         ...
 
-    def tell_posting(self, job: PushJob, peer: Any) -> None:
-        """Tell the D rank that this push starts writing (``protocol.Posting``)."""
+    def tell_posting(self, reg: protocol.Register, peer: Any) -> None:
+        """Tell the D rank that the push of this registration starts writing (``protocol.Posting``)."""
         ...
 
     def bump(self, what: Count, by: float = 1.0) -> None: ...
@@ -81,3 +81,9 @@ class Fences(Protocol):
     def quarantined_on(self, conn: ConnKey) -> bool:
         """Some writer on ``conn`` is quarantined: a fencing hello would release it."""
         ...
+
+
+class Counter(Protocol):
+    """An engine's counters (``EngineLoop.bump``): all that P's hand-over tells its engine."""
+
+    def bump(self, what: Count, by: float = 1.0) -> None: ...
