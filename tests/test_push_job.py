@@ -508,3 +508,31 @@ def test_p_aborting_its_own_posted_push_still_counts() -> None:
     job.cancel(Cause.ABORTED, "request aborted on P")
     (done,) = job.written(h, XferState.DONE, 0.2)
     assert isinstance(done, Done) and done.failed is None
+
+
+def test_a_forgotten_d_rank_gets_its_prebuilt_writes_back_before_what_flies_ends() -> None:
+    """``peer_gone`` gives back the WRITEs built ahead and not posted at the job's next event, while a part is
+    still in flight: the peer table unloads D's agent next, and those handles name it."""
+    _, job, made = _job(PlanKind.STAGED, 4, 1, 2, True, 0, 100, True)
+    _step(job, 4, 1.0)
+    job.packing[0].marker.reached = True
+    acts = _drain(job, job.check_packs())
+    assert [(a.r0, a.r1) for a in acts if isinstance(a, Post)] == [(0, 2)] and len(job.flying) == 1
+    job.peer_gone("D D rank 0 said hello again")
+    acts = _drain(job, job.ready(4, None, None, 2.0))
+    assert isinstance(acts[0], ReleaseMade) and acts[0].handles == (made[(2, 4)][0],), acts
+    assert not any(isinstance(a, Post | Done) for a in acts), acts
+
+
+def test_a_fault_stops_the_job_and_fails_it_once_nothing_flies() -> None:
+    """An error outside the job's questions (``fault``): nothing more is posted, what flies still ends, then
+    D hears ``Fail`` and the job is ``Done`` with that failure."""
+    _, job, _ = _job(PlanKind.DIRECT, 4, 1, 1, False, 0, 1, False)
+    acts = _drain(job, job.ready(3, None, None, 1.0))  # three layers, one left: posted at once
+    assert [(a.r0, a.r1) for a in acts if isinstance(a, Post)] == [(0, 3)]
+    job.fault(Failed(Stage.POST, Cause.OTHER, "push failed: boom"))
+    assert _drain(job, job.ready(4, None, None, 2.0)) == [], "posted after a fault, or ended with a WRITE in flight"
+    (h,) = job.flying
+    fail, done = job.written(h, XferState.DONE, 3.0)
+    assert isinstance(fail, Fail) and fail.failed.reason == "push failed: boom" and fail.reg is job.reg
+    assert isinstance(done, Done) and done.failed == fail.failed and done.slot == job.slot
