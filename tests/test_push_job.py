@@ -28,19 +28,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.core.plan import MIN_PART_BYTES, PartSchedule, Plan
 from kvpush.core.protocol import Register
-from kvpush.prefill.push_job import (
-    QUESTIONS,
-    CheckPack,
-    Done,
-    Fail,
-    JobPlan,
-    Notify,
-    Post,
-    Prepacked,
-    PushJob,
-    ReleaseMade,
-    StartPack,
-)
+from kvpush.prefill.push_actions import QUESTIONS, CheckPack, Done, Fail, Notify, Post, ReleaseMade, StartPack
+from kvpush.prefill.push_job import JobPlan, Prepacked, PushJob
 from kvpush.prefill.transfer import Transfer
 
 

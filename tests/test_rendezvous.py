@@ -22,7 +22,8 @@ from msgspec.structs import replace as msgspec_replace
 from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage, XferState
 from kvpush.core.plan import PartSchedule, Plan
 from kvpush.core.protocol import Register
-from kvpush.prefill.push_job import Done, JobPlan, Post, PushJob
+from kvpush.prefill.push_actions import Done, Post
+from kvpush.prefill.push_job import JobPlan, PushJob
 from kvpush.prefill.rendezvous import Acknowledge, Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
 
 LEASE_S = 10.0

@@ -25,20 +25,8 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.core.plan import PartSchedule, Plan, build_plan, group_tokens, part_descriptors, split_regions
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
-from kvpush.prefill.push_job import (
-    QUESTIONS,
-    Action,
-    CheckPack,
-    Done,
-    Fail,
-    JobPlan,
-    Notify,
-    Post,
-    Prepacked,
-    PushJob,
-    ReleaseMade,
-    StartPack,
-)
+from kvpush.prefill.push_actions import QUESTIONS, Action, CheckPack, Done, Fail, Notify, Post, ReleaseMade, StartPack
+from kvpush.prefill.push_job import JobPlan, Prepacked, PushJob
 from kvpush.prefill.rendezvous import Prefill
 from kvpush.prefill.slots import Evicted, Grant, SlotAction, StagingSlots
 from kvpush.prefill.transfer import Transfer
