@@ -7,10 +7,11 @@ push), and later learns from ``poll`` which requests' blocks it may free.
 Nothing here blocks the caller.
 
 Every rule lives in the pure machines: ``Rendezvous`` pairs registrations
-with prefills and owns each transfer's record, and a ``PushJob`` per
-(transfer, D rank) decides what to pack and post and when. This thread only
-feeds them events (messages, readiness, device markers, NIXL states) and
-carries out their decisions and actions.
+with prefills and owns each transfer's record, a ``PushJob`` per (transfer,
+D rank) decides what to pack and post and when, and ``StagingSlots`` which
+push or parked prefill holds which staging slot. This thread only feeds
+them events (messages, readiness, device markers, NIXL states) and carries
+out their decisions and actions.
 """
 
 from __future__ import annotations
