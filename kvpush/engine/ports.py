@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from kvpush.core import protocol
 from kvpush.core.outcome import Failed
 from kvpush.observability.metrics import Count
-from kvpush.prefill.push_job import DKey, PushJob
+from kvpush.prefill.push_job import DKey
 
 
 class PeerPort(Protocol):
@@ -56,8 +56,8 @@ class PushPort(Protocol):
         """Tell the D rank that this registration will not (all) be written."""
         ...
 
-    def tell_posting(self, job: PushJob, peer: Any) -> None:
-        """Tell the D rank that this push starts writing (``protocol.Posting``)."""
+    def tell_posting(self, reg: protocol.Register, peer: Any) -> None:
+        """Tell the D rank that the push of this registration starts writing (``protocol.Posting``)."""
         ...
 
     def bump(self, what: Count, by: float = 1.0) -> None: ...
@@ -69,3 +69,9 @@ class PeerLookup(Protocol):
     def get(self, key: DKey) -> Any: ...
 
     def ident_of(self, key: DKey) -> bytes | None: ...
+
+
+class Counter(Protocol):
+    """An engine's counters (``EngineLoop.bump``): all that P's hand-over tells its engine."""
+
+    def bump(self, what: Count, by: float = 1.0) -> None: ...

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from kvpush.backends.base import Backend, StagingBuffer
 from kvpush.backends.copy import Copier
@@ -24,26 +23,14 @@ from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout, heads_overlap
 from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.core.parts import PartSchedule, split_regions
-from kvpush.core.payload import pack_pieces
 from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
-from kvpush.core.staging import FreeSlot, SlotAllocator
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
-from kvpush.prefill.prepack import Prepack, Prepacks, packs_at_hand_over
-from kvpush.prefill.push_job import (
-    CheckPack,
-    Done,
-    Fail,
-    JobPlan,
-    Notify,
-    Post,
-    Prepacked,
-    PushJob,
-    ReleaseMade,
-    StartPack,
-)
+from kvpush.prefill.push_actions import QUESTIONS, Action, CheckPack, Done, Fail, Notify, Post, ReleaseMade, StartPack
+from kvpush.prefill.push_job import JobPlan, Prepacked, PushJob
 from kvpush.prefill.rendezvous import Prefill
-from kvpush.prefill.transfer import PackAhead, Transfer
+from kvpush.prefill.slots import Evicted, Grant, SlotAction, StagingSlots
+from kvpush.prefill.transfer import Transfer
 from kvpush.transport.nixl_agent import Agent
 
 log = logging.getLogger(__name__)
@@ -53,102 +40,106 @@ log = logging.getLogger(__name__)
 class PushRunner:
     """The I/O half of one P rank's push jobs, made with the engine's agent (``Sender.setup``).
 
-    ``layer_ends``: the regions written through each layer; ``staging``, ``slots``: P's staging region and
-    its allocator; ``prepacks``: the slots packed at hand-over; ``peers``: the D ranks that said hello;
-    ``port``: what the jobs tell the engine.
+    ``staging``: P's staging region; ``slots``: the rule of its slots (``kvpush.prefill.slots``); ``peers``:
+    the D ranks that said hello; ``port``: what the jobs tell the engine.
     """
 
     name: str
     cfg: Config
     rank: int
     layout: KVLayout
-    region_bases: list[int]
-    layer_ends: tuple[int, ...]
     backend: Backend
     copy: Copier
     agent: Agent
     staging: StagingBuffer | None
-    slots: SlotAllocator
-    prepacks: Prepacks
+    slots: StagingSlots
     peers: PeerLookup
     port: PushPort
-    last_staging_plan: PlanKind | None = None
-    """The kind of the last plan made with a staging slot on both sides (``prepack.packs_at_hand_over``)."""
 
-    def free_slots(self, frees: list[FreeSlot]) -> None:
-        """Give staging slots back (packed at hand-over, no longer held)."""
-        for f in frees:
-            self.slots.free(f.offset)
+    def __post_init__(self) -> None:
+        self.region_bases = [r.base for r in self.layout.regions]
+        self.layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
 
     def drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
-        """Feed the job what happened (readiness, packs, WRITEs) and carry out what it asks for."""
+        """Feed the job what happened (readiness, packs, WRITEs) and carry out the actions it returns."""
         try:
-            self._drive(tid, rec, job)
+            chain = job.plan.chain
+            if not chain and not job.stopped:
+                while (m := rec.unconfirmed()) is not None and self.backend.poll_ready(m.marker):
+                    rec.confirm()
+            self._apply(tid, rec, job, job.ready(*rec.readiness(job.sent, chain), time.monotonic()))
+            self._apply(tid, rec, job, job.check_packs())
+            for handle in list(job.flying):
+                state = self.agent.state(handle)
+                if state is not XferState.PROC:
+                    self.agent.release(handle)
+                    self._apply(tid, rec, job, job.written(handle, state, time.monotonic()))
         except Exception as exc:
             # A bug or a backend failure must end this push (D is told), not wedge the loop.
             log.exception("%s: push %s failed", self.name, tid)
-            job.failed(Failed(Stage.POST, Cause.OTHER, f"push failed: {exc}"))
-            self._carry_out(tid, rec, job)
+            job.fault(Failed(Stage.POST, Cause.OTHER, f"push failed: {exc}"))
+            self._apply(tid, rec, job, job.check_packs())
 
-    def _drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
-        chain = job.plan.chain
-        if not chain and not job.stopped:
-            while (m := rec.unconfirmed()) is not None and self.backend.poll_ready(m.marker):
-                rec.confirm()
-        job.ready(*rec.readiness(job.sent, chain), time.monotonic())
-        job.check_packs()
-        self._carry_out(tid, rec, job)
-        for handle in list(job.flying):
-            state = self.agent.state(handle)
-            if state is not XferState.PROC:
+    def _apply(self, tid: str, rec: Transfer, job: PushJob, actions: list[Action]) -> None:
+        """Carry out the job's actions in order; a question's answer brings the actions that follow it.
+
+        An error carrying out one fails the job (``PushJob.failed`` for the asked action, else
+        ``PushJob.fault``) and the rest still runs: ends and give-backs are never skipped."""
+        todo = deque(actions)
+        while todo:
+            a = todo.popleft()
+            try:
+                todo.extend(self._carry_out(tid, rec, job, a))
+            except Exception as exc:
+                log.exception("%s: push %s failed", self.name, tid)
+                failed = Failed(Stage.POST, Cause.OTHER, f"push failed: {exc}")
+                if isinstance(a, QUESTIONS):
+                    todo.extend(job.failed(failed))
+                else:
+                    job.fault(failed)
+
+    def _carry_out(self, tid: str, rec: Transfer, job: PushJob, a: Action) -> list[Action]:
+        """Carry out one action; for a question, return the job's answer."""
+        if isinstance(a, StartPack):
+            return self._start_pack(job, a)
+        if isinstance(a, CheckPack):
+            return self._check_pack(job, a)
+        if isinstance(a, Post):
+            return self._post(job, a)
+        if isinstance(a, Notify):
+            peer = self.peers.get((a.reg.engine_id, a.reg.rank))
+            if peer is not None:
+                self.port.tell_posting(a.reg, peer)
+        elif isinstance(a, ReleaseMade):
+            for handle in a.handles:
                 self.agent.release(handle)
-                job.written(handle, state, time.monotonic())
-        self._carry_out(tid, rec, job)
+        elif isinstance(a, Fail):
+            ident = self.peers.ident_of((a.reg.engine_id, a.reg.rank))
+            if ident is not None:
+                self.port.fail(ident, a.reg, a.failed)
+        elif isinstance(a, Done):
+            self.slots.job_done(a.slot)
+            rec.end_job(job, a.failed, time.monotonic())
+            self.port.push_ended(tid, a.key, a.failed)
+        return []
 
-    def _carry_out(self, tid: str, rec: Transfer, job: PushJob) -> None:
-        """Carry out the job's actions until it has none (each answered before the next)."""
-        while (a := job.next_action()) is not None:
-            if isinstance(a, StartPack):
-                self._start_pack(job, a)
-            elif isinstance(a, CheckPack):
-                self._check_pack(job, a)
-            elif isinstance(a, Post):
-                self._post(job, a)
-            elif isinstance(a, Notify):
-                peer = self.peers.get(job.key)
-                if peer is not None:
-                    self.port.tell_posting(job, peer)
-            elif isinstance(a, ReleaseMade):
-                for handle in a.handles:
-                    self.agent.release(handle)
-            elif isinstance(a, Fail):
-                ident = self.peers.ident_of(job.key)
-                if ident is not None:
-                    self.port.fail(ident, job.reg, a.failed)
-            elif isinstance(a, Done):
-                if job.slot is not None:
-                    self.slots.free(job.slot)
-                rec.end_job(job, a.failed, time.monotonic())
-                self.port.push_ended(tid, job.key, a.failed)
-
-    def _start_pack(self, job: PushJob, a: StartPack) -> None:
+    def _start_pack(self, job: PushJob, a: StartPack) -> list[Action]:
         """Start packing a part; asynchronous where the backend can, so several parts pack back to back."""
-        plan = job.plan.plan
-        assert plan.pack is not None and self.staging is not None and job.slot is not None
+        pack = job.plan.plan.pack
+        assert pack is not None and self.staging is not None
         t0 = time.monotonic()
         try:
-            staging = self.staging.addr + job.slot + a.r0 * plan.region_bytes
+            staging = self.staging.addr + a.offset
             # ``after`` only for backends that chain: others may implement start_pack without it.
             if a.after is not None:
-                marker = self.copy.start_pack(self.region_bases[a.r0 : a.r1], plan.pack, staging, after=a.after)
+                marker = self.copy.start_pack(self.region_bases[a.r0 : a.r1], pack, staging, after=a.after)
             else:
-                marker = self.copy.start_pack(self.region_bases[a.r0 : a.r1], plan.pack, staging)
+                marker = self.copy.start_pack(self.region_bases[a.r0 : a.r1], pack, staging)
         except Exception as exc:
-            job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
-            return
-        job.pack_started(marker, time.monotonic() - t0)
+            return job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
+        return job.pack_started(marker, time.monotonic() - t0)
 
-    def _check_pack(self, job: PushJob, a: CheckPack) -> None:
+    def _check_pack(self, job: PushJob, a: CheckPack) -> list[Action]:
         try:
             if a.block and (a.after is None or self.backend.poll_ready(a.after)):
                 self.backend.wait_ready(a.marker)  # our own short kernel, never a layer still computing
@@ -156,14 +147,10 @@ class PushRunner:
             else:
                 done = self.backend.poll_ready(a.marker)
         except Exception as exc:
-            job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
-            return
-        if done:
-            job.packed()
-        else:
-            job.pack_pending()
+            return job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
+        return job.packed() if done else job.pack_pending()
 
-    def _post(self, job: PushJob, a: Post) -> None:
+    def _post(self, job: PushJob, a: Post) -> list[Action]:
         peer = self.peers.get(job.key)
         t1 = time.monotonic()
         handle, ndesc, state = None, 0, XferState.DONE
@@ -171,24 +158,36 @@ class PushRunner:
             if peer is None:
                 raise KVPushError(f"D {job.key[0]} rank {job.key[1]} is gone")
             if job.plan.kind is PlanKind.EMPTY:
-                self.agent.send_notif(peer.agent, self._completion(job, a.r0, a.r1, 0))
+                self.agent.send_notif(peer.agent, _completion(job.plan.plan, job.reg, self.rank, a.r0, a.r1, 0))
             else:
-                handle, ndesc = a.made if a.made is not None else self._build_part(job, peer, a.r0, a.r1)
+                handle, ndesc = a.made if a.made is not None else self._build_part(job.plan.plan, job.reg, peer, a)
                 state = self.agent.post(handle)
                 job.heard(peer.last_seen, time.monotonic())  # a post may return after a freeze
         except Exception as exc:
-            job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
-            return
+            return job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
         t2 = time.monotonic()
         if handle is not None:
             self.port.bump(Count.PARTS)
-            self.port.bump(Count.BYTES, job.plan.plan.bytes_of(a.r0, a.r1))
+            self.port.bump(Count.BYTES, a.nbytes)
             self.port.bump(Count.DESCRIPTORS, ndesc)
             if a.made is not None:
                 self.port.bump(Count.PARTS_PREBUILT)
             if state is not XferState.PROC:
                 self.agent.release(handle)
-        job.posted(handle, ndesc, state, t1, t2)
+        return job.posted(handle, ndesc, state, t1, t2)
+
+    def look_at_silence(self, jobs: list[PushJob], now: float) -> None:
+        """Tell each posted push when its D rank last spoke (``PushJob.heard``)."""
+        for job in jobs:
+            peer = self.peers.get(job.key)
+            if peer is not None and job.nposted:
+                job.heard(peer.last_seen, now)
+
+    def release_flying(self, jobs: list[PushJob]) -> None:
+        """Shutdown: give back the handles of WRITEs still in flight."""
+        for job in jobs:
+            for handle in job.flying:
+                self.agent.release(handle)
 
     def start_job(self, tid: str, rec: Transfer, prefill: Prefill, reg: protocol.Register) -> None:
         """Pair made: plan now (often before the KV exists); the job posts parts as regions become ready."""
@@ -273,8 +272,8 @@ class PushRunner:
             made = {}
         return made
 
-    def _build_part(self, job: PushJob, peer: Any, r0: int, r1: int) -> tuple[Any, int]:
-        return self._build_part_of(job.plan.plan, job.reg, peer, r0, r1)
+    def _build_part(self, plan: Plan, reg: protocol.Register, peer: Any, a: Post) -> tuple[Any, int]:
+        return self._build_part_of(plan, reg, peer, a.r0, a.r1)
 
     def _build_part_of(self, plan: Plan, reg: protocol.Register, peer: Any, r0: int, r1: int) -> tuple[Any, int]:
         """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count."""
@@ -286,141 +285,58 @@ class PushRunner:
         handle = self.agent.prepare_write(local, str(lmem), remote, str(rmem), peer.agent, notif)
         return handle, local.shape[0]
 
-    def _completion(self, job: PushJob, r0: int, r1: int, ndesc: int) -> bytes:
-        return _completion(job.plan.plan, job.reg, self.rank, r0, r1, ndesc)
-
-    def prepare_prefill(self, prefill: Prefill, rec: Transfer, ready: Any = None, parked: bool = False) -> None:
-        """Build a prefill's pack list as it is handed over, and give it to the backend (``prepare_pack``).
-
-        The staged payload needs only P's own block ids, so a registration
-        that arrives later (behind a sequential router it always does) finds
-        its pack list made: P's planning leaves the path from D's
-        registration to the first WRITE. Built for the whole prompt and P's
-        own heads; a registration asking for fewer gets its list at pairing.
-        A finished prefill ``parked`` (no registration waiting) is also packed
-        now where that pays whatever D's blocks are (``_pack_at_hand_over``).
-        """
-        rec.pack_ahead = None
-        if (
-            self.staging is None
-            or self.cfg.staging.plan == "direct"
-            or prefill.num_tokens <= 0
-            or not prefill.block_ids
-        ):
-            return
-        heads = (self.layout.head_start, self.layout.head_end)
-        try:
-            blocks = np.asarray(prefill.block_ids[self.layout.token_group], dtype=np.int64)
-            pack = pack_pieces(self.layout, heads, blocks, prefill.num_tokens, 0)
-        except Exception as exc:  # the registration's planning will say what is wrong
-            log.debug("%s: no pack list ahead for %s: %s", self.name, prefill.transfer_id, exc)
-            return
-        rec.pack_ahead = PackAhead(prefill, heads, prefill.num_tokens, 0, pack, blocks)
-        self.port.bump(Count.PACKS_AHEAD)
-        try:
-            self.copy.prepare_pack(self.region_bases, pack)
-        except Exception:
-            log.exception("%s: prepare_pack failed (pack will do it)", self.name)
-        if parked:
-            self._pack_at_hand_over(prefill, rec, rec.pack_ahead, ready)
-
-    def _pack_at_hand_over(self, prefill: Prefill, rec: Transfer, pa: PackAhead, ready: Any) -> None:
-        """Pack a finished prefill into a staging slot now, when staging should win (``prepack.packs_at_hand_over``).
-
-        Only when a slot within the parked share (``kvpush.prefill.prepack``) is free
-        at once, and the pack can be ordered after the KV: a chaining backend
-        queues it behind the ready marker on the device; another packs only
-        KV already written (else the push packs at pairing, as without this).
-        """
-        if not self.cfg.staging.pack_at_hand_over or self.staging is None or self.layout.hybrid:
-            return
-        bw = self.backend.pack_bandwidth()
-        if not packs_at_hand_over(self.cfg, self.layout, pa.blocks, pa.num_tokens, pa.pack, bw, self.last_staging_plan):
-            return
-        chain = self.backend.capabilities.chained_ready
-        if ready is not None and not chain and not self.backend.poll_ready(ready):
-            return
-        size = int(pa.pack[:, 1].sum()) * len(self.region_bases)
-        if not self.prepacks.admits(size) or (slot := self.slots.alloc(size)) is None:
-            return
-        t0 = time.monotonic()
-        try:
-            after = ready if chain else None
-            marker = self.copy.start_pack(self.region_bases, pa.pack, self.staging.addr + slot, after=after)
-        except Exception:
-            log.exception("%s: pack at hand-over of %s failed (the push packs)", self.name, prefill.transfer_id)
-            self.slots.free(slot)
-            return
-        self.free_slots(self.prepacks.hold(prefill.transfer_id, Prepack(slot, size, pa.pack, after, marker)))
-        self.port.bump(Count.PACKS_AT_HAND_OVER)
-        rec.times.first("ready", t0)
-        if marker is None:
-            rec.times.first("packed", time.monotonic())
-
     def _plan(
         self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer
     ) -> tuple[Plan, int | None, Prepacked | None]:
-        """The plan, its P slot and, when it takes the slot packed at hand-over, that pack (``Prepacked``).
-
-        A packed slot the plan does not take (a direct plan, another list) is
-        dropped: freed, or set aside until its pack ends."""
+        """The plan, its P slot and, when it takes the slot packed at hand-over, that pack (``Prepacked``);
+        which slot, if any, is the slot rule's (``slots.StagingSlots``)."""
         tid = prefill.transfer_id
-        slot = None
-        local = remote = None
         ahead = self._pack_ahead(prefill, reg, peer, rec)
-        held = self.prepacks.get(tid)
-        staging = reg.staging is not None and peer.staging is not None and self.staging is not None
-        if held is not None and not (staging and ahead is held.pack and held.size <= reg.staging.size):
-            self.free_slots(self.prepacks.drop(tid))  # packed for a push this is not
-            held = None
-        if staging:
-            slot = held.slot if held is not None else self._alloc(reg.staging.size)
-            if slot is not None:
-                local = (self.staging.addr + slot, self.staging.device_id)
-                remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
+        both = reg.staging is not None and peer.staging is not None and self.staging is not None
+        grant = self._slot(self.slots.pair(tid, reg.staging.size if both else None, ahead))
+        local = remote = None
+        if grant is not None:
+            local = (self.staging.addr + grant.offset, self.staging.device_id)
+            remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
         src_blocks = prefill.block_ids[self.layout.token_group]
         if ahead is not None and rec.pack_ahead is not None and rec.pack_ahead.blocks is not None:
             src_blocks = rec.pack_ahead.blocks
-        plan = build_plan(
-            self.cfg,
-            self.layout,
-            peer.layout,
-            src_blocks,
-            reg.block_ids[peer.layout.token_group],
-            reg.num_tokens,
-            reg.start_token,
-            staging_local=local,
-            staging_remote=remote,
-            pack_bw=self.backend.pack_bandwidth(),
-            groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
-            pack=ahead,
-        )
-        if local is not None:
-            self.last_staging_plan = plan.kind  # what the next parked prefill's pack at hand-over goes by
-        took = self.prepacks.claim(tid, plan.pack) if plan.kind is PlanKind.STAGED else None
-        if held is not None and took is None:
-            slot = None  # the plan did not take the packed slot: it stays the prefill's until dropped here
-            self.free_slots(self.prepacks.drop(tid))
-        if plan.kind is not PlanKind.STAGED and slot is not None:
-            self.slots.free(slot)
-            slot = None
+        try:
+            plan = build_plan(
+                self.cfg,
+                self.layout,
+                peer.layout,
+                src_blocks,
+                reg.block_ids[peer.layout.token_group],
+                reg.num_tokens,
+                reg.start_token,
+                staging_local=local,
+                staging_remote=remote,
+                pack_bw=self.backend.pack_bandwidth(),
+                groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
+                pack=ahead,
+            )
+        except Exception:
+            self.slots.plan_failed(tid, grant.offset if grant is not None else None)
+            raise
+        kept = self._slot(self.slots.planned(tid, grant.offset if grant is not None else None, plan.kind, plan.pack))
         if plan.kind is PlanKind.STAGED and ahead is not None:
             self.port.bump(Count.PACKS_AHEAD_USED)
-        if took is None:
-            return plan, slot, None
+        if kept is None or kept.prepack is None:
+            return plan, kept.offset if kept is not None else None, None
         self.port.bump(Count.PACKS_AT_HAND_OVER_USED)
-        return plan, slot, Prepacked(took.marker if not took.reached else None, took.after)
+        took = kept.prepack
+        return plan, kept.offset, Prepacked(took.marker if not took.reached else None, took.after)
 
-    def _alloc(self, size: int) -> int | None:
-        """A slot for a push whose D registered: parked prefills' packed slots are taken back, the oldest
-        first, before it goes without (``kvpush.prefill.prepack``)."""
-        while (slot := self.slots.alloc(size)) is None and size <= self.slots.capacity:
-            victim = self.prepacks.evictable()
-            if victim is None:
-                return None
-            self.free_slots(self.prepacks.drop(victim))
-            self.port.bump(Count.PACKS_AT_HAND_OVER_EVICTED)
-        return slot
+    def _slot(self, actions: list[SlotAction]) -> Grant | None:
+        """Carry out the slot rule's actions at pairing: count the parked slots taken back; the slot granted."""
+        grant = None
+        for a in actions:
+            if isinstance(a, Evicted):
+                self.port.bump(Count.PACKS_AT_HAND_OVER_EVICTED)
+            elif isinstance(a, Grant):
+                grant = a
+        return grant
 
     def _pack_ahead(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> Any:
         if rec.pack_ahead is None:

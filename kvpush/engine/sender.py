@@ -7,10 +7,11 @@ push), and later learns from ``poll`` which requests' blocks it may free.
 Nothing here blocks the caller.
 
 Every rule lives in the pure machines: ``Rendezvous`` pairs registrations
-with prefills and owns each transfer's record, and a ``PushJob`` per
-(transfer, D rank) decides what to pack and post and when. This thread only
-feeds them events (messages, readiness, device markers, NIXL states) and
-carries out their decisions and actions.
+with prefills and owns each transfer's record, a ``PushJob`` per (transfer,
+D rank) decides what to pack and post and when, and ``StagingSlots`` which
+push or parked prefill holds which staging slot. This thread only feeds
+them events (messages, readiness, device markers, NIXL states) and carries
+out their decisions and actions.
 """
 
 from __future__ import annotations
@@ -25,26 +26,22 @@ from kvpush.core import protocol
 from kvpush.core.capability import Binding, derive_key
 from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout
-from kvpush.core.limits import Throttle, peer_limits
+from kvpush.core.limits import peer_limits
 from kvpush.core.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Result, Stage
+from kvpush.engine.answers import Answers
+from kvpush.engine.hand_over import HandOver
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
 from kvpush.engine.waiter import MarkerWaiter
 from kvpush.observability.metrics import Count
-from kvpush.prefill.prepack import Prepacks
-from kvpush.prefill.push_job import (
-    DKey,
-    PushJob,
-)
+from kvpush.prefill.push_job import DKey, PushJob
 from kvpush.prefill.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
-from kvpush.transport.auth import LOG_EVERY_S, DeclaredRanks
+from kvpush.prefill.slots import StagingSlots
+from kvpush.transport.auth import DeclaredRanks
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
 log = logging.getLogger(__name__)
-
-PEER_CAUSED = frozenset({Cause.OVER_LIMIT, Cause.BAD_REGISTRATION, Cause.REFUSED})
-"""Refusals a D can cause at will: logged once per interval per D rank and cause (``Sender.fail``)."""
 
 TIMER_PERIOD_S = 0.05
 
@@ -65,12 +62,12 @@ class Sender(EngineLoop):
     ) -> None:
         super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
         self.rdv = Rendezvous(prefill_lease_s=config.leases.prefill_lease_s, limits=peer_limits(config))
-        self._fail_log = Throttle(LOG_EVERY_S)
         # Made with the agent, the staging region and the side channel (``setup``), before any call reaches the
-        # thread: the D ranks that said hello, the pushes' I/O half, the slots packed at hand-over.
+        # thread: the D ranks that said hello, the staging slots' rule, the I/O halves of pushes and hand-overs.
         self.peers: PeerTable
+        self.slots: StagingSlots
         self.runner: PushRunner
-        self.prepacks: Prepacks
+        self.hand_over: HandOver
         self.send_postings = True
         """Tell D when a push starts writing (``protocol.Posting``; D then polls that transfer busily). Tests
         turn it off to see D's fallback for a Posting lost on the way."""
@@ -154,19 +151,18 @@ class Sender(EngineLoop):
         """Counters and rendezvous sizes (read from the engine thread)."""
 
         def read() -> dict[str, Any]:
-            waits = self._waiter.waits if self._waiter is not None else 0
             extra = {
                 "peers": len(self.peers),
-                "marker_waits": waits,
+                "marker_waits": self._waiter.waits if self._waiter is not None else 0,
                 "quiet_reports": self.quiet_reports,
                 "tombstones": self.rdv.tombstones(),
-                "staging_slots_in_use": self._slots.slots_in_use,
+                "staging_slots_in_use": self.slots.in_use,
             }
             gate = self.server.gate
             if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap
                 extra["key_connections_peak"] = gate.conns.peak
                 extra["key_connections_shut"] = gate.conns.shut_total
-            pending = {**self.rdv.pending(), **self._parked_slots()}
+            pending = {**self.rdv.pending(), **self.slots.gauges()}
             return {**self.counters, **pending, "queued": self.rdv.queued(), **extra}
 
         return self.call_sync(read)
@@ -184,7 +180,6 @@ class Sender(EngineLoop):
                     self.name,
                 )
         self.open_agent("p")
-        self.prepacks = Prepacks(self._slots.capacity)
         port = self.cfg.side_channel_port + self.rank
         self.server = Server(
             self.ctx,
@@ -209,48 +204,47 @@ class Sender(EngineLoop):
             port=self,
             declared_ranks=declared,
         )
+        self._make_pushes()
+        self.poller.register(self.server.sock, 1)
+        self.address = (self.server.host, self.server.port)
+        log.info("%s: side channel on %s:%d", self.name, *self.address)
+
+    def _make_pushes(self) -> None:
+        """The staging slots' rule and the I/O halves of pushes, hand-overs and answers (after the peer table)."""
+        self.slots = StagingSlots(self._slots, self.cfg, self.layout)
         self.runner = PushRunner(
             self.name,
             self.cfg,
             self.rank,
             self.layout,
-            self.region_bases,
-            layer_ends=self._layer_ends,
             backend=self.backend,
             copy=self.copy,
             agent=self.agent,
             staging=self._staging,
-            slots=self._slots,
-            prepacks=self.prepacks,
+            slots=self.slots,
             peers=self.peers,
             port=self,
         )
-        self.poller.register(self.server.sock, 1)
-        self.address = (self.server.host, self.server.port)
-        log.info("%s: side channel on %s:%d", self.name, *self.address)
+        self.hand_over = HandOver(
+            self.name, self.cfg, self.layout, self.backend, self.copy, self._staging, self.slots, self
+        )
+        self.answers = Answers(self.name, self.rank, self.server, self.peers, self)
 
     def teardown(self) -> None:
         if self._waiter is not None:
             self._waiter.close()
-        for marker in self.prepacks.markers():  # a pack into staging ends before the staging goes
-            try:
-                self.backend.wait_ready(marker)
-            except Exception:
-                log.exception("%s: waiting for a pack at hand-over failed", self.name)
-        self.runner.free_slots(self.prepacks.drop_all())
-        for _, rec in self.rdv.pushing():
-            for job in rec.jobs.values():
-                for handle in job.flying:
-                    self.agent.release(handle)
+        self.hand_over.close()  # a pack into staging ends before the staging goes
+        self.runner.release_flying(self._jobs())
         self.server.close()
         self.agent.close()
 
     def step(self, now: float) -> bool:
-        self._look_at_silence(now)
+        # Before this step reads the side channel: after a freeze, words D sent before it gave up are read only now.
+        self.runner.look_at_silence(self._jobs(), now)
         self.server.deliver(lambda ident, key, msg: self.peers.on_message(ident, key, msg, now), self.peers.admits)
         self._progress()
-        if self.prepacks.markers():
-            self._packs_ended()
+        if self.slots.markers():
+            self.hand_over.packs_ended(self.rdv.record)
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
             self._apply(self.rdv.expire(now))
@@ -258,30 +252,8 @@ class Sender(EngineLoop):
             self.refresh_gauges()
         return self._busy()
 
-    def _look_at_silence(self, now: float) -> None:
-        """Tell each posted push when its D rank last spoke, before this step reads the side channel: after a
-        freeze, the words D sent before giving this P rank up are read only now (``PushJob.heard``)."""
-        for _, rec in self.rdv.pushing():
-            for job in rec.jobs.values():
-                peer = self.peers.get(job.key)
-                if peer is not None and job.nposted:
-                    job.heard(peer.last_seen, now)
-
     def refresh_gauges(self) -> None:
-        self.gauges = {**self.rdv.pending(), **self._parked_slots(), "peers": float(len(self.peers))}
-
-    def _parked_slots(self) -> dict[str, int]:
-        return {"parked_staging_slots": len(self.prepacks), "parked_staging_bytes": self.prepacks.held_bytes}
-
-    def _packs_ended(self) -> None:
-        """Note packs at hand-over that have ended (their stage time) and free the set-aside slots among them."""
-        before = {tid for tid, p in self.prepacks.held() if not p.reached}
-        self.runner.free_slots(self.prepacks.reached(self.backend.poll_ready))
-        t = time.monotonic()
-        for tid in before:
-            p, rec = self.prepacks.get(tid), self.rdv.record(tid)
-            if p is not None and p.reached and rec is not None:
-                rec.times.first("packed", t)
+        self.gauges = {**self.rdv.pending(), **self.slots.gauges(), "peers": float(len(self.peers))}
 
     def _busy(self) -> bool:
         """Busy (short polls) only while WRITEs fly: those need NIXL's progress, which is ours to drive.
@@ -291,17 +263,16 @@ class Sender(EngineLoop):
         for layers is woken by ``layer_written``'s call. Polling for either
         from here would take the GIL from the forward's launches (``waiter.py``).
         """
-        jobs = [j for _, rec in self.rdv.pushing() for j in rec.jobs.values()]
+        jobs = self._jobs()
         if any(j.flying for j in jobs):
             return True
         marker = next((j.watch for j in jobs if j.watch is not None), None)
         if marker is None:
-            marker = next(iter(self.prepacks.markers()), None)
+            marker = next(iter(self.slots.markers()), None)
         if marker is not None:
+            be = self.backend
             if self._waiter is None:
-                self._waiter = MarkerWaiter(
-                    self.backend.wait_ready, self.wake, self.name, bind=self.backend.bind_thread
-                )
+                self._waiter = MarkerWaiter(be.wait_ready, self.wake, self.name, bind=be.bind_thread)
             self._waiter.watch(marker)
         return False
 
@@ -320,7 +291,7 @@ class Sender(EngineLoop):
                 rec.times.prefill_start = t
             # Packed at hand-over only when parked: a registration waiting packs in its push, as planned.
             parked = bool(regions) and not any(isinstance(d, Push) for d in decisions)
-            self.runner.prepare_prefill(prefill, rec, ready, parked=parked)
+            self.hand_over.prepare(prefill, rec, ready, parked=parked)
 
     def _on_layers(self, transfer_ids: list[str], regions: int, marker: Any, t: float) -> None:
         self.bump(Count.LAYER_REPORTS)
@@ -364,35 +335,16 @@ class Sender(EngineLoop):
                 self.runner.drive(tid, rec, job)
         self._apply(decisions)
 
+    def _jobs(self) -> list[PushJob]:
+        return [j for _, rec in self.rdv.pushing() for j in rec.jobs.values()]
+
     def writing_to(self, key: DKey) -> bool:
         """A WRITE into D rank ``key`` is in flight."""
         return any(key in rec.jobs and rec.jobs[key].flying for _, rec in self.rdv.pushing())
 
     def fail(self, ident: bytes, reg: protocol.Register, failed: Failed) -> None:
-        """Tell a D rank that this registration will not (all) be written.
-
-        Refusals a D can cause at will (a bad registration, one over its limits) are logged once per
-        interval per D rank and cause, with a count: a flood of them must not flood the log.
-        """
-        self.bump(Count.FAILURES_SENT)
-        held: int | None = 0
-        if failed.cause in PEER_CAUSED:
-            held = self._fail_log.note((reg.engine_id, reg.rank, failed.cause), time.monotonic())
-        if held is not None:
-            log.warning(
-                "%s: transfer %s from D %s rank %d failed at %s: %s%s",
-                self.name,
-                reg.transfer_id,
-                reg.engine_id,
-                reg.rank,
-                failed.stage,
-                failed.reason,
-                f" ({held} more like it since the last line)" if held else "",
-            )
-        msg = protocol.Failure(
-            reg.transfer_id, reg.request_id, self.rank, failed.stage, failed.cause, failed.reason, attempt=reg.attempt
-        )
-        self.server.send(ident, msg)
+        """Tell a D rank that this registration will not (all) be written (``Answers.fail``)."""
+        self.answers.fail(ident, reg, failed)
 
     def _apply(self, decisions: list[Decision]) -> None:
         """Carry out the rendezvous' decisions (a ``Push`` starts at the step's end, from the rendezvous)."""
@@ -402,20 +354,15 @@ class Sender(EngineLoop):
             elif isinstance(d, Refuse):
                 if d.cause is Cause.EXPIRED:
                     self.bump(Count.EXPIRED_REGISTRATIONS)
-                ident = self.peers.ident_of((d.reg.engine_id, d.reg.rank))
-                if ident is not None:
-                    self.fail(ident, d.reg, d.failed)
+                self.answers.refuse(d.reg, d.failed)
             elif isinstance(d, Hold):
                 self.bump(Count.DEFERRED_REGISTRATIONS)
             elif isinstance(d, Acknowledge):
-                ident = self.peers.ident_of((d.reg.engine_id, d.reg.rank))
-                if ident is not None:
-                    ack = protocol.Ack(d.reg.transfer_id, self.rank, d.state, d.reg.attempt, d.tokens_ahead)
-                    self.server.send(ident, ack)
+                self.answers.ack(d.reg, d.state, d.tokens_ahead)
 
     def _released(self, d: Release) -> None:
         if d.record is not None:  # the prefill's own end (not a refused re-issue): its parked slot goes too
-            self.runner.free_slots(self.prepacks.drop(d.prefill.transfer_id))
+            self.slots.prefill_ended(d.prefill.transfer_id)
         stats, times, failed = d.record.take_outcome() if d.record is not None else (PushStats(), PushTimes(), None)
         times.released = time.monotonic()
         self.bump(Count.RELEASED)
@@ -446,7 +393,7 @@ class Sender(EngineLoop):
         """A push ended (``failed`` None: written): carry out what the rendezvous decides."""
         self._apply(self.rdv.push_ended(transfer_id, key, failed))
 
-    def tell_posting(self, job: PushJob, peer: Any) -> None:
+    def tell_posting(self, reg: protocol.Register, peer: Any) -> None:
         """Tell the push's D rank that it starts writing (unless ``send_postings`` is off)."""
         if self.send_postings:
-            self.server.send(peer.ident, protocol.Posting(job.reg.transfer_id, self.rank, job.reg.attempt))
+            self.server.send(peer.ident, protocol.Posting(reg.transfer_id, self.rank, reg.attempt))

@@ -3,19 +3,16 @@
 A *job* starts when a registration meets its prefill (``kvpush.prefill.rendezvous``
 decides that), is planned once, and then posts *parts*: WRITEs of a range of
 regions, each with its own completion, as the KV becomes ready. The job never
-touches NIXL, the backend or a socket: the engine thread feeds it events
-(``ready``, ``pack_started``, ``packed``, ``posted``, ``written``, ``cancel``,
-``failed``) and carries out the actions it asks for, one at a time, feeding
-each action's result back before asking for the next (``next_action``):
-
-* ``Notify``: tell D that this push starts (the ``Posting`` heads-up, once);
-* ``StartPack``: gather regions ``[r0, r1)`` into staging (staged plans);
-* ``CheckPack``: is the oldest pack done (wait for it when ``block``)?
-* ``Post``: post the WRITE of regions ``[r0, r1)`` (a bare completion for an
-  empty plan);
-* ``ReleaseMade``: give back WRITEs built ahead that will not be posted;
-* ``Fail``: tell D that some regions will never be written;
-* ``Done``: the job is over; nothing of it is in flight or being packed.
+touches NIXL, the backend or a socket. Events in, a list of actions out:
+every event (``ready``, ``check_packs``, ``pack_started``, ``packed``,
+``pack_pending``, ``posted``, ``written``, ``failed``) returns the actions due
+now, in order. An action that asks a question (``StartPack``, ``CheckPack``,
+``Post``) ends its list: the shell carries it out and answers with the event
+it names, whose list continues. *Notes* (``heard``, ``cancel``,
+``peer_gone``, ``fault``) change what the job does and return nothing: the
+rendezvous makes two of them outside the shell's loop, and what they lead to
+comes out of the job's next event (the shell drives every job each step).
+The actions are ``kvpush.prefill.push_actions``'.
 
 Rules it keeps: nothing is packed or posted once the job is cancelled or has
 failed; a pack that is running still ends before the job does (P's blocks
@@ -45,79 +42,20 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, PushStats, PushTimes, S
 from kvpush.core.parts import PartSchedule, part_count, split_regions
 from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
+from kvpush.prefill.push_actions import (
+    QUESTIONS,
+    Action,
+    CheckPack,
+    Done,
+    Fail,
+    Notify,
+    Post,
+    ReleaseMade,
+    StartPack,
+)
 
 DKey = tuple[str, int]
 """A D rank: (engine id, rank)."""
-
-
-# -- actions -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Notify:
-    """Send D the ``Posting`` heads-up: D polls busily only for transfers it was told are being written."""
-
-
-@dataclass(frozen=True)
-class StartPack:
-    """Start packing regions ``[r0, r1)`` into the job's staging slot; answer ``pack_started`` or ``failed``.
-
-    ``after``: the KV marker a backend that chains packs queues this one behind (None: the KV is ready).
-    """
-
-    r0: int
-    r1: int
-    after: Any
-
-
-@dataclass(frozen=True)
-class CheckPack:
-    """Is the oldest pack done? Answer ``packed``, ``pack_pending`` or ``failed``.
-
-    ``block``: wait for it instead of polling, but only once ``after`` (the KV
-    it is queued behind) is reached: then it is a short kernel of ours, never
-    a layer still computing.
-    """
-
-    marker: Any
-    after: Any
-    block: bool
-
-
-@dataclass(frozen=True)
-class Post:
-    """Post the WRITE of regions ``[r0, r1)`` (``made``: its handle built ahead, or None to build it now).
-
-    Answer ``posted`` or ``failed``. For an empty plan the post is the bare completion notification.
-    """
-
-    r0: int
-    r1: int
-    made: tuple[Any, int] | None
-
-
-@dataclass(frozen=True)
-class ReleaseMade:
-    """Give back these unposted WRITE handles (built ahead, no longer needed)."""
-
-    handles: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class Fail:
-    """Tell D this push will not write every region (sent only once nothing is in flight)."""
-
-    failed: Failed
-
-
-@dataclass(frozen=True)
-class Done:
-    """The job is over: free its staging slot, account its stats, end the push in the rendezvous."""
-
-    failed: Failed | None
-
-
-Action = Notify | StartPack | CheckPack | Post | ReleaseMade | Fail | Done
 
 
 @dataclass(frozen=True)
@@ -246,15 +184,18 @@ class PushJob:
             return 0
         return self.plan.schedule.wake_at(self.sent)
 
-    # -- events --------------------------------------------------------------
-    def ready(self, ready: int, after: Any, waiting: Any, now: float) -> None:
+    # -- events (each returns the actions due now) ---------------------------
+    def ready(self, ready: int, after: Any, waiting: Any, now: float) -> list[Action]:
         """Regions ``[0, ready)`` are written (packs queue behind ``after``); ``waiting``: the next KV marker.
 
         Queues the parts the schedule posts now; an empty plan announces
         itself at once (it has no bytes to wait for).
         """
-        if self.stopped:
-            return
+        if not self.stopped:
+            self._queue_ready(ready, after, waiting, now)
+        return self._actions()
+
+    def _queue_ready(self, ready: int, after: Any, waiting: Any, now: float) -> None:
         plan = self.plan
         self.waiting = waiting
         if plan.kind is PlanKind.EMPTY:
@@ -290,17 +231,20 @@ class PushJob:
         self.stats.wait_ready_s = 0.0
         self._todo.extend([("notify",), ("check", 0)])
 
-    def check_packs(self) -> None:
+    def check_packs(self) -> list[Action]:
         """Ask about the packs that may be done (every step, after ``ready``: a pack ends on the device, unseen)."""
         if self.packing or any(item[0] == "pack" for item in self._todo):
             self._todo.append(("check", 0))
+        return self._actions()
 
-    def pack_started(self, marker: Any, seconds: float) -> None:
+    def pack_started(self, marker: Any, seconds: float) -> list[Action]:
+        """The asked ``StartPack`` runs until ``marker`` is reached (``seconds``: its launch)."""
         a = self._answer(StartPack)
         self.stats.pack_s = (self.stats.pack_s or 0.0) + seconds
         self.packing.append(_Packing(a.r0, a.r1, marker, a.after))
+        return self._actions()
 
-    def packed(self) -> None:
+    def packed(self) -> list[Action]:
         """The oldest pack is done: post it, then look at the next one."""
         self._answer(CheckPack)
         p = self.packing.popleft()
@@ -308,38 +252,40 @@ class PushJob:
         self._todo.appendleft(("check", self._keep))
         if not self.stopped:
             self._todo.appendleft(("post", p.r0, p.r1))
+        return self._actions()
 
-    def pack_pending(self) -> None:
+    def pack_pending(self) -> list[Action]:
+        """The oldest pack is still running."""
         self._answer(CheckPack)
+        return self._actions()
 
-    def posted(self, handle: Any, ndesc: int, state: XferState, t0: float, t1: float) -> None:
+    def posted(self, handle: Any, ndesc: int, state: XferState, t0: float, t1: float) -> list[Action]:
         """The WRITE of the asked part was posted (``state``: NIXL's answer to the post)."""
         a = self._answer(Post)
-        n = a.r1 - a.r0
-        self.nposted += n
-        if self.plan.kind is PlanKind.EMPTY:
-            return
-        st = self.stats
-        st.post_s = (st.post_s or 0.0) + t1 - t0
-        st.descriptors += ndesc
-        st.bytes += self.plan.plan.bytes_of(a.r0, a.r1)
-        st.parts += 1
-        self.times.first("packed", t0)
-        self.times.latest("posted", t1)
-        self.t_post = t1
-        if state is XferState.PROC:
-            self.flying.append(handle)
-        else:
-            self._ended(state, t1)
+        self.nposted += a.r1 - a.r0
+        if self.plan.kind is not PlanKind.EMPTY:
+            st = self.stats
+            st.post_s = (st.post_s or 0.0) + t1 - t0
+            st.descriptors += ndesc
+            st.bytes += a.nbytes
+            st.parts += 1
+            self.times.first("packed", t0)
+            self.times.latest("posted", t1)
+            self.t_post = t1
+            if state is XferState.PROC:
+                self.flying.append(handle)
+            else:
+                self._ended(state, t1)
+        return self._actions()
 
-    def written(self, handle: Any, state: XferState, now: float) -> None:
+    def written(self, handle: Any, state: XferState, now: float) -> list[Action]:
         """A posted WRITE is over (``DONE`` or ``ERR``); ``PROC`` changes nothing."""
-        if state is XferState.PROC:
-            return
-        self.flying = [h for h in self.flying if h is not handle]
-        self._ended(state, now)
+        if state is not XferState.PROC:
+            self.flying = [h for h in self.flying if h is not handle]
+            self._ended(state, now)
+        return self._actions()
 
-    def failed(self, failed: Failed) -> None:
+    def failed(self, failed: Failed) -> list[Action]:
         """The asked action failed (a pack, a post, a check): the job ends once nothing is in flight."""
         a = self._asked
         self._asked = None
@@ -348,7 +294,9 @@ class PushJob:
             self._todo.appendleft(("check", self._keep))
         if self.failure is None:
             self.failure = failed
+        return self._actions()
 
+    # -- notes (what follows comes out of the next event) ---------------------
     def cancel(self, cause: Cause, reason: str, discard: bool = False) -> None:
         """Stop posting (an abort, D gone); what is in flight or packing still ends first. ``discard``: D gave
         up (its abort, its rank forgotten): D does not count what lands from now on, so the push failed even
@@ -359,8 +307,16 @@ class PushJob:
         if discard and self.discarded is None and not self.done:
             self.discarded = Failed(Stage.WRITE, cause, f"{reason}; D does not count what lands after it gave up")
 
+    def fault(self, failed: Failed) -> None:
+        """Something other than an asked action failed (a bug, an error carrying out another action): nothing
+        more is packed or posted, and the job fails once nothing is in flight. A question already asked is
+        still carried out and answered (a pack started then still ends before the job does)."""
+        if self.failure is None:
+            self.failure = failed
+
     def peer_gone(self, reason: str) -> None:
-        """D's rank is forgotten: cancel, and give back the WRITEs built for it now (they name its agent)."""
+        """D's rank is forgotten: cancel, and give back the WRITEs built for it first thing at the next event
+        (they name its agent)."""
         self.cancel(Cause.DEAD_PEER, reason, discard=True)
         self._todo.appendleft(("release",))
 
@@ -378,15 +334,21 @@ class PushJob:
         self.heard_at = max(self.heard_at, t)
 
     # -- actions -------------------------------------------------------------
-    def next_action(self) -> Action | None:
-        """The next thing to do, or None (then feed an event). Every action but ``Notify``,
-        ``ReleaseMade``, ``Fail`` and ``Done`` must be answered before the next call."""
+    def _actions(self) -> list[Action]:
+        """The actions due now, up to and including the first question (``QUESTIONS``)."""
         assert self._asked is None, f"{self._asked} was not answered"
+        out: list[Action] = []
+        while (a := self._next()) is not None:
+            out.append(a)
+            if isinstance(a, QUESTIONS):
+                self._asked = a
+                break
+        return out
+
+    def _next(self) -> Action | None:
         while self._todo:
             a = self._action(self._todo.popleft())
             if a is not None:
-                if isinstance(a, StartPack | CheckPack | Post):
-                    self._asked = a
                 return a
         if self.done or not self.over:
             return None
@@ -397,7 +359,7 @@ class PushJob:
         if why is None and self.cancelled is not None and self.nposted < self.plan.nregions:
             why = self.cancelled
         self._todo.append(("done", why))
-        return Fail(why) if why is not None else self.next_action()
+        return Fail(why, self.reg) if why is not None else self._next()
 
     def _action(self, item: tuple[Any, ...]) -> Action | None:
         kind = item[0]
@@ -405,17 +367,23 @@ class PushJob:
             if self.told or self.stopped:
                 return None
             self.told = True
-            return Notify()
+            return Notify(self.reg)
+        if kind in ("pack", "post") and self.stopped:
+            return None
         if kind == "pack":
-            return None if self.stopped else StartPack(item[1], item[2], item[3])
+            r0, r1 = item[1], item[2]
+            assert self.slot is not None, "a staged job without a staging slot"
+            return StartPack(r0, r1, item[3], self.slot + r0 * self.plan.region_bytes)
         if kind == "post":
-            return None if self.stopped else Post(item[1], item[2], self.made.pop((item[1], item[2]), None))
+            r0, r1 = item[1], item[2]
+            nbytes = self.plan.plan.bytes_of(r0, r1) if self.plan.kind is not PlanKind.EMPTY else 0
+            return Post(r0, r1, self.made.pop((r0, r1), None), nbytes)
         if kind == "check":
             return self._check(item[1])
         if kind == "release":
             handles, self.made = tuple(h for h, _ in self.made.values()), {}
             return ReleaseMade(handles) if handles else None
-        return Done(item[1])
+        return Done(item[1], self.key, self.slot)
 
     def _check(self, keep: int) -> CheckPack | None:
         """``CheckPack`` of the oldest pack while more than ``keep`` are running.

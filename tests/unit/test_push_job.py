@@ -17,6 +17,7 @@ whatever landed: D no longer counts it.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,18 +29,8 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.core.parts import MIN_PART_BYTES, PartSchedule
 from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
-from kvpush.prefill.push_job import (
-    CheckPack,
-    Done,
-    Fail,
-    JobPlan,
-    Notify,
-    Post,
-    Prepacked,
-    PushJob,
-    ReleaseMade,
-    StartPack,
-)
+from kvpush.prefill.push_actions import QUESTIONS, CheckPack, Done, Fail, Notify, Post, ReleaseMade, StartPack
+from kvpush.prefill.push_job import JobPlan, Prepacked, PushJob
 from kvpush.prefill.transfer import Transfer
 
 
@@ -157,28 +148,31 @@ class PushJobMachine(RuleBasedStateMachine):
             while (m := rec.unconfirmed()) is not None and m.marker.reached:
                 rec.confirm()
         self.now += 0.001
-        job.ready(*rec.readiness(job.sent, job.plan.chain), self.now)
-        job.check_packs()
-        self._carry_out()
+        self._carry_out(job.ready(*rec.readiness(job.sent, job.plan.chain), self.now))
+        self._carry_out(job.check_packs())
         for h in list(job.flying):
             if h.state is not XferState.PROC:
-                job.written(h, h.state, self.now)
                 self.flying.remove(h)
-        self._carry_out()
+                self._carry_out(job.written(h, h.state, self.now))
 
-    def _carry_out(self) -> None:
+    def _carry_out(self, actions: list) -> None:
+        """Carry out a list of the job's actions; a question's answer continues it."""
         job = self.job
-        while (a := job.next_action()) is not None:
+        todo = deque(actions)
+        while todo:
+            a = todo.popleft()
+            assert not isinstance(a, QUESTIONS) or not todo, f"{a} does not end its list"
             assert self.done is None, f"{a} after Done"
             if isinstance(a, Notify):
                 assert not self.posted and not self.cancelled, "heads-up after a post or a cancel"
+                assert a.reg is job.reg
                 self.notified += 1
             elif isinstance(a, StartPack):
-                self._start_pack(a)
+                todo.extend(self._start_pack(a))
             elif isinstance(a, CheckPack):
-                self._check_pack(a)
+                todo.extend(self._check_pack(a))
             elif isinstance(a, Post):
-                self._post(a)
+                todo.extend(self._post(a))
             elif isinstance(a, ReleaseMade):
                 for h in a.handles:
                     assert h not in self.released_made, "a prebuilt WRITE given back twice"
@@ -191,10 +185,11 @@ class PushJobMachine(RuleBasedStateMachine):
                 assert not self.flying and not job.packing, "Done while a part is in flight or packing"
                 if self.prepacked:  # the job frees the slot: the pack at hand-over must have ended
                     assert self.packs[0][1].reached, "Done while the pack at hand-over may still write the slot"
+                assert a.key == job.key and a.slot == job.slot
                 self.done = a
                 self.rec.end_job(job, a.failed, self.now)
 
-    def _start_pack(self, a: StartPack) -> None:
+    def _start_pack(self, a: StartPack) -> list:
         assert self.kind is PlanKind.STAGED and not self.cancelled, f"{a} after a cancel"
         assert not self.prepacked, f"{a} in a job packed at hand-over"
         if self.job.plan.chain:
@@ -205,24 +200,23 @@ class PushJobMachine(RuleBasedStateMachine):
             assert self._reached() >= a.r1, "a pack of regions whose KV is not reached"
         if self._fails(10):
             self.errors = True
-            self.job.failed(Failed(Stage.PACK, Cause.POST_ERROR, "pack failed"))
-            return
+            return self.job.failed(Failed(Stage.PACK, Cause.POST_ERROR, "pack failed"))
+        assert a.offset == self.job.slot + a.r0 * self.job.plan.region_bytes, a
         m = Marker()
         self.packs.append((a, m))
-        self.job.pack_started(m, 0.0)
+        return self.job.pack_started(m, 0.0)
 
-    def _check_pack(self, a: CheckPack) -> None:
+    def _check_pack(self, a: CheckPack) -> list:
         if a.block and (a.after is None or a.after.reached):
             a.marker.reached = True  # waited for
         if a.marker.reached:
             assert any(m is a.marker for _, m in self.packs), "a check of no pack started"
             head = self.job.packing[0]  # the part whose pack (its own, or the slot's at hand-over) is done
             self.packed.add((head.r0, head.r1))
-            self.job.packed()
-        else:
-            self.job.pack_pending()
+            return self.job.packed()
+        return self.job.pack_pending()
 
-    def _post(self, a: Post) -> None:
+    def _post(self, a: Post) -> list:
         assert not self.cancelled, f"{a} after a cancel"
         if self.kind is PlanKind.STAGED:
             assert (a.r0, a.r1) in self.packed, "posted before its pack was done"
@@ -235,17 +229,15 @@ class PushJobMachine(RuleBasedStateMachine):
             self.made.discard(a.made)
         if self._fails(20):
             self.errors = True
-            self.job.failed(Failed(Stage.POST, Cause.POST_ERROR, "post failed"))
-            return
+            return self.job.failed(Failed(Stage.POST, Cause.POST_ERROR, "post failed"))
         self.posted.append((a.r0, a.r1))
         if self.kind is PlanKind.EMPTY:
-            self.job.posted(None, 0, XferState.DONE, self.now, self.now)
-            return
+            return self.job.posted(None, 0, XferState.DONE, self.now, self.now)
         h = a.made[0] if a.made is not None else Handle(a.r0, a.r1)
         state = XferState.PROC if self._data is None or self._data.draw(st.integers(0, 2)) else XferState.DONE
         if state is XferState.PROC:
             self.flying.append(h)
-        self.job.posted(h, 1, state, self.now, self.now)
+        return self.job.posted(h, 1, state, self.now, self.now)
 
     def _fails(self, one_in: int) -> bool:
         """Whether the backend or NIXL call fails this time (never in teardown)."""
@@ -372,52 +364,52 @@ test_push_job_state_machine = PushJobMachine.TestCase
 # -- examples ----------------------------------------------------------------------------------
 
 
-def _drain(job: PushJob) -> list[object]:
-    out = []
-    while (a := job.next_action()) is not None:
+def _drain(job: PushJob, actions: list) -> list[object]:
+    """Carry out an event's actions as the shell would, answers included; every action in order."""
+    out, todo = [], deque(actions)
+    while todo:
+        a = todo.popleft()
         out.append(a)
         if isinstance(a, StartPack):
-            job.pack_started(Marker(), 0.0)
+            todo.extend(job.pack_started(Marker(), 0.0))
         elif isinstance(a, CheckPack):
-            job.packed() if a.marker.reached else job.pack_pending()
+            todo.extend(job.packed() if a.marker.reached else job.pack_pending())
         elif isinstance(a, Post):
-            job.posted(Handle(a.r0, a.r1), 1, XferState.PROC, 0.0, 0.0)
+            todo.extend(job.posted(Handle(a.r0, a.r1), 1, XferState.PROC, 0.0, 0.0))
     return out
+
+
+def _step(job: PushJob, ready: int, now: float) -> list[object]:
+    """The shell's step: readiness, then the packs that may be done."""
+    return _drain(job, job.ready(ready, None, None, now)) + _drain(job, job.check_packs())
 
 
 def test_one_pack_ahead_of_the_post() -> None:
     """A staged push cut into parts launches part k+1's pack before it asks about part k's: the first WRITE
     waits for one pack, not for all of them."""
     _, job, _ = _job(PlanKind.STAGED, 4, 1, 4, False, 0, 100, False)
-    job.ready(4, None, None, 1.0)
-    job.check_packs()
-    kinds = [type(a).__name__ for a in _drain(job)]
+    kinds = [type(a).__name__ for a in _step(job, 4, 1.0)]
     assert kinds[:4] == ["StartPack", "Notify", "StartPack", "CheckPack"], kinds
 
 
 def test_cancel_stops_packs_and_posts_but_waits_for_what_flies() -> None:
     _, job, _ = _job(PlanKind.DIRECT, 4, 1, 1, False, 0, 1, False)
-    job.ready(3, None, None, 1.0)  # three layers, one left: posted at once
-    acts = _drain(job)
+    acts = _drain(job, job.ready(3, None, None, 1.0))  # three layers, one left: posted at once
     [post] = [a for a in acts if isinstance(a, Post)]
     assert (post.r0, post.r1) == (0, 3)
     job.cancel(Cause.ABORTED, "client went away")
-    job.ready(4, None, None, 2.0)
-    assert _drain(job) == [], "posted after the cancel, or ended with a WRITE in flight"
+    assert _drain(job, job.ready(4, None, None, 2.0)) == [], "posted after the cancel, or ended with a WRITE in flight"
     (h,) = job.flying
-    job.written(h, XferState.DONE, 3.0)
-    fail, done = job.next_action(), job.next_action()
+    fail, done = job.written(h, XferState.DONE, 3.0)  # and nothing after them
     assert isinstance(fail, Fail) and fail.failed.cause is Cause.ABORTED
-    assert isinstance(done, Done) and done.failed == fail.failed and job.next_action() is None
+    assert isinstance(done, Done) and done.failed == fail.failed and _drain(job, job.check_packs()) == []
 
 
 def test_a_failed_write_fails_the_job_with_its_stage_and_cause() -> None:
     _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False)
-    job.ready(2, None, None, 1.0)
-    _drain(job)
+    _drain(job, job.ready(2, None, None, 1.0))
     (h,) = job.flying
-    job.written(h, XferState.ERR, 2.0)
-    fail = job.next_action()
+    fail = job.written(h, XferState.ERR, 2.0)[0]
     assert isinstance(fail, Fail) and (fail.failed.stage, fail.failed.cause) == (Stage.WRITE, Cause.WRITE_ERROR)
     assert "WRITE to D D rank 0 failed" in fail.failed.reason
 
@@ -426,9 +418,9 @@ def test_prebuilt_writes_are_posted_or_given_back() -> None:
     _, job, made = _job(PlanKind.STAGED, 4, 1, 2, True, 0, 100, True)
     assert len(made) == 2
     job.peer_gone("D D rank 0 said hello again")
-    a = job.next_action()
+    a, fail, done = job.ready(0, None, None, 1.0)  # the shell drives the job right after
     assert isinstance(a, ReleaseMade) and set(a.handles) == {h for h, _ in made.values()}
-    assert isinstance(job.next_action(), Fail) and isinstance(job.next_action(), Done)
+    assert isinstance(fail, Fail) and isinstance(done, Done)
 
 
 def test_every_wake_up_report_starts_a_part() -> None:
@@ -436,10 +428,10 @@ def test_every_wake_up_report_starts_a_part() -> None:
     for lead, min_layers in itertools.product((1, 2, 100), (0, 2)):
         _, job, _ = _job(PlanKind.DIRECT, 6, 2, 1, False, min_layers, lead, False)
         at = job.wake_at()
-        job.ready(at - 2, None, None, 1.0)  # the layer before
-        assert not [a for a in _drain(job) if isinstance(a, Post)], (lead, min_layers)
-        job.ready(at, None, None, 1.0)
-        assert [a for a in _drain(job) if isinstance(a, Post)], (lead, min_layers)
+        acts = _drain(job, job.ready(at - 2, None, None, 1.0))  # the layer before
+        assert not [a for a in acts if isinstance(a, Post)], (lead, min_layers)
+        acts = _drain(job, job.ready(at, None, None, 1.0))
+        assert [a for a in acts if isinstance(a, Post)], (lead, min_layers)
 
 
 def _prepacked(parts: int, marker: Marker) -> tuple[Transfer, PushJob]:
@@ -454,9 +446,7 @@ def test_packed_at_hand_over_posts_every_part_without_packing() -> None:
     1 or 4, tiling the regions, with no pack of its own."""
     for parts, want in ((1, [(0, 4)]), (4, [(0, 1), (1, 2), (2, 3), (3, 4)])):
         _, job = _prepacked(parts, Marker(reached=True))
-        job.ready(4, None, None, 1.0)
-        job.check_packs()
-        acts = _drain(job)
+        acts = _step(job, 4, 1.0)
         assert not any(isinstance(a, StartPack) for a in acts), acts
         assert isinstance(acts[0], Notify) and isinstance(acts[1], CheckPack) and acts[1].block, acts
         assert [(a.r0, a.r1) for a in acts if isinstance(a, Post)] == want, acts
@@ -469,25 +459,20 @@ def test_packed_at_hand_over_waits_for_its_pack_even_when_cancelled() -> None:
     pm = Marker()
     _, job = _prepacked(2, pm)
     job.cancel(Cause.ABORTED, "client went away")
-    job.ready(4, None, None, 1.0)
-    job.check_packs()
-    acts = _drain(job)
+    acts = _step(job, 4, 1.0)
     assert not any(isinstance(a, Done | Post) for a in acts), acts
     pm.reached = True
-    job.check_packs()
-    acts = _drain(job)
+    acts = _drain(job, job.check_packs())
     assert not any(isinstance(a, Post) for a in acts) and isinstance(acts[-1], Done), acts
 
 
 def test_a_push_d_gave_up_while_its_write_flew_fails() -> None:
     """Every part posted, then D aborts (or P forgets D's rank): what lands is not counted, so the push fails."""
     _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False)
-    job.ready(2, None, None, 0.1)
-    _drain(job)
+    _drain(job, job.ready(2, None, None, 0.1))
     (h,) = job.flying
     job.cancel(Cause.ABORTED, "aborted by D: client went away", discard=True)
-    job.written(h, XferState.DONE, 0.2)
-    fail, done = job.next_action(), job.next_action()
+    fail, done = job.written(h, XferState.DONE, 0.2)
     assert isinstance(fail, Fail) and isinstance(done, Done) and done.failed == fail.failed
     assert done.failed.stage is Stage.WRITE and "does not count" in done.failed.reason
 
@@ -496,13 +481,11 @@ def test_a_push_p_made_while_frozen_past_peer_dead_fails() -> None:
     """P posts, is frozen for longer than ``peer_dead_s``, resumes and its WRITE ends: D has given P up."""
     _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False, dead_s=DEAD_S)
     job.heard(0.0, 0.0)
-    job.ready(2, None, None, 0.1)
-    _drain(job)
+    _drain(job, job.ready(2, None, None, 0.1))
     (h,) = job.flying
     job.heard(0.1, 0.1 + 3 * DEAD_S)  # looked at before reading the side channel: D's last word is old
     job.heard(0.1 + 3 * DEAD_S, 0.1 + 3 * DEAD_S)  # a word D sent before giving up, read only now
-    job.written(h, XferState.DONE, 0.2 + 3 * DEAD_S)
-    fail, done = job.next_action(), job.next_action()
+    fail, done = job.written(h, XferState.DONE, 0.2 + 3 * DEAD_S)
     assert isinstance(fail, Fail) and isinstance(done, Done)
     assert done.failed.cause is Cause.DEAD_PEER and "silent for" in done.failed.reason
 
@@ -510,10 +493,36 @@ def test_a_push_p_made_while_frozen_past_peer_dead_fails() -> None:
 def test_p_aborting_its_own_posted_push_still_counts() -> None:
     """P's own abort once every part is posted does not fail it: D knows nothing of it and counts what lands."""
     _, job, _ = _job(PlanKind.DIRECT, 2, 1, 1, False, 0, 1, False)
-    job.ready(2, None, None, 0.1)
-    _drain(job)
+    _drain(job, job.ready(2, None, None, 0.1))
     (h,) = job.flying
     job.cancel(Cause.ABORTED, "request aborted on P")
-    job.written(h, XferState.DONE, 0.2)
-    done = job.next_action()
+    (done,) = job.written(h, XferState.DONE, 0.2)
     assert isinstance(done, Done) and done.failed is None
+
+
+def test_a_forgotten_d_rank_gets_its_prebuilt_writes_back_before_what_flies_ends() -> None:
+    """``peer_gone`` gives back the WRITEs built ahead and not posted at the job's next event, while a part is
+    still in flight: the peer table unloads D's agent next, and those handles name it."""
+    _, job, made = _job(PlanKind.STAGED, 4, 1, 2, True, 0, 100, True)
+    _step(job, 4, 1.0)
+    job.packing[0].marker.reached = True
+    acts = _drain(job, job.check_packs())
+    assert [(a.r0, a.r1) for a in acts if isinstance(a, Post)] == [(0, 2)] and len(job.flying) == 1
+    job.peer_gone("D D rank 0 said hello again")
+    acts = _drain(job, job.ready(4, None, None, 2.0))
+    assert isinstance(acts[0], ReleaseMade) and acts[0].handles == (made[(2, 4)][0],), acts
+    assert not any(isinstance(a, Post | Done) for a in acts), acts
+
+
+def test_a_fault_stops_the_job_and_fails_it_once_nothing_flies() -> None:
+    """An error outside the job's questions (``fault``): nothing more is posted, what flies still ends, then
+    D hears ``Fail`` and the job is ``Done`` with that failure."""
+    _, job, _ = _job(PlanKind.DIRECT, 4, 1, 1, False, 0, 1, False)
+    acts = _drain(job, job.ready(3, None, None, 1.0))  # three layers, one left: posted at once
+    assert [(a.r0, a.r1) for a in acts if isinstance(a, Post)] == [(0, 3)]
+    job.fault(Failed(Stage.POST, Cause.OTHER, "push failed: boom"))
+    assert _drain(job, job.ready(4, None, None, 2.0)) == [], "posted after a fault, or ended with a WRITE in flight"
+    (h,) = job.flying
+    fail, done = job.written(h, XferState.DONE, 3.0)
+    assert isinstance(fail, Fail) and fail.failed.reason == "push failed: boom" and fail.reg is job.reg
+    assert isinstance(done, Done) and done.failed == fail.failed and done.slot == job.slot

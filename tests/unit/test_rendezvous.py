@@ -23,7 +23,8 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage, Xf
 from kvpush.core.parts import PartSchedule
 from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
-from kvpush.prefill.push_job import Done, JobPlan, Post, PushJob
+from kvpush.prefill.push_actions import Done, Post
+from kvpush.prefill.push_job import JobPlan, PushJob
 from kvpush.prefill.rendezvous import Acknowledge, Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
 
 LEASE_S = 10.0
@@ -665,13 +666,15 @@ class TransferMachine(RuleBasedStateMachine):
                 rec.jobs[job.key] = job
                 self.jobs[key] = job
                 self.started.append((push.reg, push.prefill))
-                job.ready(1, None, None, self.now)
-                self._run(tid, rec, job)
+                self._run(tid, rec, job, job.ready(1, None, None, self.now))
 
-    def _run(self, tid: str, rec, job: PushJob) -> None:
-        while (a := job.next_action()) is not None:
+    def _run(self, tid: str, rec, job: PushJob, actions: list | None = None) -> None:
+        """Carry out the job's actions (None: those its next step brings, after a cancel)."""
+        todo = list(job.check_packs() if actions is None else actions)
+        while todo:
+            a = todo.pop(0)
             if isinstance(a, Post):
-                job.posted(object(), 1, XferState.PROC, self.now, self.now)
+                todo += job.posted(object(), 1, XferState.PROC, self.now, self.now)
             elif isinstance(a, Done):
                 rec.end_job(job, a.failed, self.now)
                 del self.jobs[(tid, *job.key)]
@@ -705,8 +708,7 @@ class TransferMachine(RuleBasedStateMachine):
         rec = self.rv.record(key[0])
         assert rec is not None and rec.jobs.get(job.key) is job, "the job outlived its record"
         (h,) = job.flying
-        job.written(h, XferState.DONE if ok else XferState.ERR, self.now)
-        self._run(key[0], rec, job)
+        self._run(key[0], rec, job, job.written(h, XferState.DONE if ok else XferState.ERR, self.now))
 
     @rule(tid=st.sampled_from(TIDS))
     def abort(self, tid: str) -> None:
@@ -751,8 +753,7 @@ class TransferMachine(RuleBasedStateMachine):
         while self.jobs:
             key = sorted(self.jobs)[0]
             job = self.jobs[key]
-            job.written(job.flying[0], XferState.DONE, self.now)
-            self._run(key[0], self.rv.record(key[0]), job)
+            self._run(key[0], self.rv.record(key[0]), job, job.written(job.flying[0], XferState.DONE, self.now))
             self._end_of_step()
         self.now += 1e6
         self._apply(self.rv.expire(self.now))
