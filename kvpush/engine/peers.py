@@ -59,7 +59,7 @@ class PeerTable:
 
     Made with the engine's agent and side channel (``Sender.setup``): ``name``, ``engine_id``, ``rank``,
     ``tp_size``, ``layout``: this P rank's; ``server``: its side channel; ``agent``: its NIXL agent, which
-    loads each D rank's; ``rdv``: the rendezvous, asked what a key holds and who may abort; ``port``: what the
+    loads each D rank's; ``rendezvous``: the rendezvous, asked what a key holds and who may abort; ``port``: what the
     table tells the engine; ``declared_ranks``: the ranks a D key's key set declares.
     """
 
@@ -73,12 +73,12 @@ class PeerTable:
         layout: KVLayout,
         server: Server,
         agent: Agent,
-        rdv: Rendezvous,
+        rendezvous: Rendezvous,
         port: PeerPort,
         declared_ranks: Callable[[str], int | None] = lambda key: None,
     ) -> None:
         self.name, self.cfg, self.engine_id, self.rank, self.tp_size = name, cfg, engine_id, rank, tp_size
-        self.server, self.agent, self.rdv, self.port = server, agent, rdv, port
+        self.server, self.agent, self.rendezvous, self.port = server, agent, rendezvous, port
         self.layout = layout
         self.groups = 1 + max(r.group for r in layout.regions)
         """KV-cache groups of this P's layout (once: every registration is checked against it)."""
@@ -179,7 +179,7 @@ class PeerTable:
 
     def holdings(self, key: str) -> list[tuple[int, int]]:
         """(open registrations, block ids) of each D rank name of ``key``."""
-        held = self.rdv.holdings.held
+        held = self.rendezvous.holdings.held
         return [held(dkey) for dkey, p in self._peers.items() if p.key == key]
 
     def _on_abort(self, peer: Peer | None, msg: protocol.Abort, now: float) -> None:
@@ -188,7 +188,7 @@ class PeerTable:
         if peer is None:
             why = "from a connection that never said hello"
         else:
-            why = self.rdv.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank), msg.capability)
+            why = self.rendezvous.may_abort(msg.transfer_id, peer.key, (peer.engine_id, peer.rank), msg.capability)
         if not why:
             assert peer is not None
             self.port.on_remote_abort(msg, (peer.engine_id, peer.rank), self.writes_to(peer))

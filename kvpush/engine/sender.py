@@ -61,7 +61,7 @@ class Sender(EngineLoop):
         tp_size: int = 1,
     ) -> None:
         super().__init__("push", config, backend, layout, engine_id, rank, tp_size)
-        self.rdv = Rendezvous(prefill_lease_s=config.leases.prefill_lease_s, limits=peer_limits(config))
+        self.rendezvous = Rendezvous(prefill_lease_s=config.leases.prefill_lease_s, limits=peer_limits(config))
         # Made with the agent, the staging region and the side channel (``setup``), before any call reaches the
         # thread: the D ranks that said hello, the staging slots' rule, the I/O halves of pushes and hand-overs.
         self.peers: PeerTable
@@ -125,7 +125,7 @@ class Sender(EngineLoop):
         t = time.monotonic()
         tids = list(transfer_ids)
         fn = lambda: self._on_layers(tids, regions, marker, t)  # noqa: E731
-        if regions < len(self.region_bases) and all(regions < self.rdv.wake_at(tid) for tid in tids):
+        if regions < len(self.region_bases) and all(regions < self.rendezvous.wake_at(tid) for tid in tids):
             self.quiet_reports += 1
             self._inbox.put(fn)
         else:
@@ -145,7 +145,7 @@ class Sender(EngineLoop):
         the prefill is queued or running (``UNKNOWN``: no longer held).
         """
         todo = list(states)
-        self.call(lambda: self._apply([d for t, st, n in todo for d in self.rdv.on_prefill_state(t, st, n)]))
+        self.call(lambda: self._apply([d for t, st, n in todo for d in self.rendezvous.on_prefill_state(t, st, n)]))
 
     def stats(self) -> dict[str, Any]:
         """Counters and rendezvous sizes (read from the engine thread)."""
@@ -155,15 +155,15 @@ class Sender(EngineLoop):
                 "peers": len(self.peers),
                 "marker_waits": self._waiter.waits if self._waiter is not None else 0,
                 "quiet_reports": self.quiet_reports,
-                "tombstones": self.rdv.tombstones(),
+                "tombstones": self.rendezvous.tombstones(),
                 "staging_slots_in_use": self.slots.in_use,
             }
             gate = self.server.gate
             if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap
                 extra["key_connections_peak"] = gate.conns.peak
                 extra["key_connections_shut"] = gate.conns.shut_total
-            pending = {**self.rdv.pending(), **self.slots.gauges()}
-            return {**self.counters, **pending, "queued": self.rdv.queued(), **extra}
+            pending = {**self.rendezvous.pending(), **self.slots.gauges()}
+            return {**self.counters, **pending, "queued": self.rendezvous.queued(), **extra}
 
         return self.call_sync(read)
 
@@ -171,8 +171,8 @@ class Sender(EngineLoop):
     def setup(self) -> None:
         keys = server_keys(self.cfg)  # before the agent: missing keys are a start-up error
         if keys is not None:
-            self.rdv.binding = Binding(derive_key(keys.secret), self.cfg.security.capability == "required")
-            if not self.rdv.binding.required:
+            self.rendezvous.binding = Binding(derive_key(keys.secret), self.cfg.security.capability == "required")
+            if not self.rendezvous.binding.required:
                 log.warning(
                     "%s: capability optional: registrations and aborts without a transfer's capability are "
                     "accepted, so any D key that knows a transfer id may take or cancel a transfer no D "
@@ -200,7 +200,7 @@ class Sender(EngineLoop):
             self.layout,
             server=self.server,
             agent=self.agent,
-            rdv=self.rdv,
+            rendezvous=self.rendezvous,
             port=self,
             declared_ranks=declared,
         )
@@ -244,16 +244,16 @@ class Sender(EngineLoop):
         self.server.deliver(lambda ident, key, msg: self.peers.on_message(ident, key, msg, now), self.peers.admits)
         self._progress()
         if self.slots.markers():
-            self.hand_over.packs_ended(self.rdv.record)
+            self.hand_over.packs_ended(self.rendezvous.record)
         if now >= self._next_timer:
             self._next_timer = now + TIMER_PERIOD_S
-            self._apply(self.rdv.expire(now))
+            self._apply(self.rendezvous.expire(now))
             self.peers.check(now)
             self.refresh_gauges()
         return self._busy()
 
     def refresh_gauges(self) -> None:
-        self.gauges = {**self.rdv.pending(), **self.slots.gauges(), "peers": float(len(self.peers))}
+        self.gauges = {**self.rendezvous.pending(), **self.slots.gauges(), "peers": float(len(self.peers))}
 
     def _busy(self) -> bool:
         """Busy (short polls) only while WRITEs fly: those need NIXL's progress, which is ours to drive.
@@ -280,9 +280,9 @@ class Sender(EngineLoop):
     def _on_prefill(self, prefill: Prefill, regions: int, ready: Any, t: float) -> None:
         if not regions:
             self.bump(Count.LAYERWISE_PREFILLS)
-        decisions = self.rdv.on_prefill(prefill, t)
+        decisions = self.rendezvous.on_prefill(prefill, t)
         self._apply(decisions)  # a re-issued prefill's Release takes the old record's outcome first
-        rec = self.rdv.record(prefill.transfer_id)
+        rec = self.rendezvous.record(prefill.transfer_id)
         if rec is not None and not any(isinstance(d, Release) and d.prefill is prefill for d in decisions):
             rec.reset_readiness(regions, ready)
             if regions:
@@ -296,7 +296,7 @@ class Sender(EngineLoop):
     def _on_layers(self, transfer_ids: list[str], regions: int, marker: Any, t: float) -> None:
         self.bump(Count.LAYER_REPORTS)
         for tid in transfer_ids:
-            rec = self.rdv.record(tid)
+            rec = self.rendezvous.record(tid)
             reported = rec is not None and rec.report(regions, marker, len(self.region_bases))
             if reported and regions >= len(self.region_bases):
                 rec.times.prefill_done = t
@@ -304,8 +304,8 @@ class Sender(EngineLoop):
     def on_register(self, ident: bytes, reg: protocol.Register, now: float, owner: str, cap: int) -> None:
         """A registration from a D rank the peer table accepted, by the D key ``owner``; ``cap``: the block ids
         that rank's open registrations may hold."""
-        decisions = self.rdv.on_register(reg, now, expected=self.peers.expected(reg), owner=owner, cap=cap)
-        rec = self.rdv.record(reg.transfer_id)
+        decisions = self.rendezvous.on_register(reg, now, expected=self.peers.expected(reg), owner=owner, cap=cap)
+        rec = self.rendezvous.record(reg.transfer_id)
         if rec is not None:
             # Its own clock reading: ``now`` is the step's start, which can precede the message's arrival.
             rec.times.first("registered", time.monotonic())
@@ -318,29 +318,29 @@ class Sender(EngineLoop):
             self._abort(msg.transfer_id, f"aborted by D: {msg.reason}", by)
             return
         why = Failed(Stage.RENDEZVOUS, Cause.NOT_NEEDED, f"not needed by D: {msg.reason}")
-        self._apply(self.rdv.cancel(msg.transfer_id, time.monotonic(), why, by))
+        self._apply(self.rendezvous.cancel(msg.transfer_id, time.monotonic(), why, by))
 
     def _abort(self, transfer_id: str, reason: str, by: DKey | None = None) -> None:
         self.bump(Count.ABORTS)
         why = Failed(Stage.RENDEZVOUS, Cause.ABORTED, reason)
-        self._apply(self.rdv.cancel(transfer_id, time.monotonic(), why, by))
+        self._apply(self.rendezvous.cancel(transfer_id, time.monotonic(), why, by))
 
     def drop_peer(self, key: DKey, reason: str, now: float) -> None:
         """Forget D rank ``key``: abort what it registered, cancel its pushes, give back their prebuilt WRITEs
         now (they name its NIXL agent, which the peer table unloads next)."""
-        decisions = self.rdv.drop_peer(key, now, reason)
-        for tid, rec in list(self.rdv.pushing()):
+        decisions = self.rendezvous.drop_peer(key, now, reason)
+        for tid, rec in list(self.rendezvous.pushing()):
             job = rec.jobs.get(key)
             if job is not None:
                 self.runner.drive(tid, rec, job)
         self._apply(decisions)
 
     def _jobs(self) -> list[PushJob]:
-        return [j for _, rec in self.rdv.pushing() for j in rec.jobs.values()]
+        return [j for _, rec in self.rendezvous.pushing() for j in rec.jobs.values()]
 
     def writing_to(self, key: DKey) -> bool:
         """A WRITE into D rank ``key`` is in flight."""
-        return any(key in rec.jobs and rec.jobs[key].flying for _, rec in self.rdv.pushing())
+        return any(key in rec.jobs and rec.jobs[key].flying for _, rec in self.rendezvous.pushing())
 
     def fail(self, ident: bytes, reg: protocol.Register, failed: Failed) -> None:
         """Tell a D rank that this registration will not (all) be written (``Answers.fail``)."""
@@ -382,8 +382,8 @@ class Sender(EngineLoop):
     # -- pushes ---------------------------------------------------------------
     def _progress(self) -> None:
         """Start the pushes paired in this step, then drive every push job (readiness, packs, WRITEs)."""
-        for tid, rec in list(self.rdv.pushing()):
-            for push in self.rdv.unstarted(tid):
+        for tid, rec in list(self.rendezvous.pushing()):
+            for push in self.rendezvous.unstarted(tid):
                 self.runner.start_job(tid, rec, push.prefill, push.reg)
             for job in list(rec.jobs.values()):
                 self.runner.drive(tid, rec, job)
@@ -391,7 +391,7 @@ class Sender(EngineLoop):
 
     def push_ended(self, transfer_id: str, key: DKey, failed: Failed | None) -> None:
         """A push ended (``failed`` None: written): carry out what the rendezvous decides."""
-        self._apply(self.rdv.push_ended(transfer_id, key, failed))
+        self._apply(self.rendezvous.push_ended(transfer_id, key, failed))
 
     def tell_posting(self, reg: protocol.Register, peer: Any) -> None:
         """Tell the push's D rank that it starts writing (unless ``send_postings`` is off)."""

@@ -47,14 +47,14 @@ def test_d_registers_with_its_writer_and_tells_idle_ranks_it_does_not_need_them(
 
 @pytest.mark.parametrize("prefill_first", [True, False])
 def test_p_releases_a_prefill_no_d_rank_takes_as_a_success(prefill_first: bool) -> None:
-    rdv = Rendezvous(prefill_lease_s=60.0)
+    rendezvous = Rendezvous(prefill_lease_s=60.0)
     prefill = Prefill("t", "r", ((0, 1),), 20)
     why = Failed(Stage.RENDEZVOUS, Cause.NOT_NEEDED, "not needed by D")
-    out = rdv.on_prefill(prefill, 0.0) if prefill_first else []
+    out = rendezvous.on_prefill(prefill, 0.0) if prefill_first else []
     assert not out
-    out = rdv.cancel("t", 1.0, why)
+    out = rendezvous.cancel("t", 1.0, why)
     if not prefill_first:
         assert not out  # remembered until the prefill finishes
-        out = rdv.on_prefill(prefill, 2.0)
+        out = rendezvous.on_prefill(prefill, 2.0)
     assert len(out) == 1 and isinstance(out[0], Release) and out[0].cause is Cause.NOT_NEEDED
     assert out[0].prefill is prefill
