@@ -247,19 +247,31 @@ def measure(blocks: int, pings: int, gap_s: float, main_poll_s: float) -> dict[s
 
 
 _PATH_WORKER = r"""
-import json, sys, time
+import importlib, json, sys, time
 import msgspec
 import numpy as np
 import kvpush
-from kvpush.core import peek, protocol
+
+
+def first(*names):  # the first of these modules the tree has (a tree before the package layout: flat)
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            pass
+    raise ModuleNotFoundError(names[0])
+
+
+protocol = first("kvpush.core.protocol", "kvpush.protocol")
+peek = first("kvpush.core.peek", "kvpush.core.protocol", "kvpush.protocol")
 from kvpush.backends.base import CacheSpec
 from kvpush.backends.host import HostBackend
 from kvpush.config import Config
-from kvpush.prefill.hello import registration_problem
-from kvpush.decode.incoming import Asked
-from kvpush.core.layout import KVLayout
-from kvpush.core.plan import group_tokens
-from kvpush.decode.registration import unpack_choice
+registration_problem = first("kvpush.prefill.hello", "kvpush.engine.peers").registration_problem
+Asked = first("kvpush.decode.incoming", "kvpush.incoming").Asked
+KVLayout = first("kvpush.core.layout", "kvpush.layout").KVLayout
+group_tokens = first("kvpush.core.plan", "kvpush.plan").group_tokens
+unpack_choice = first("kvpush.decode.registration", "kvpush.registration").unpack_choice
 blocks, layers, gap = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 spec = CacheSpec(16, 1, 2, "bfloat16")
 arrs = [np.zeros((layers, 2, 2 * blocks, 16, 1, 2), dtype=np.uint8) for _ in range(2)]
@@ -270,10 +282,10 @@ rng = np.random.default_rng(0)
 src = tuple(int(b) for b in rng.permutation(2 * blocks)[:blocks])
 given = [int(b) for b in rng.permutation(2 * blocks)[:blocks]]  # what vLLM hands D: a list of ints
 arrays = hasattr(protocol, "block_id_array")
-cfg = Config.of(plan="auto", staging_bytes=64 << 20)
+cfg = Config.from_dict({"plan": "auto", "staging_bytes": 64 << 20})  # flat keys: what every tree takes
 grant = protocol.StagingGrant(0, 1 << 20)
 staging = type("Staging", (), {"size": 1 << 30})()  # D's staging region as P knows it: only its size is read
-print(json.dumps({"kvpush": kvpush.__file__, "protocol": kvpush.PROTOCOL_VERSION}))
+print(json.dumps({"kvpush": kvpush.__file__, "protocol": protocol.PROTOCOL_VERSION}))
 sys.stdout.flush()
 for line in sys.stdin:
     time.sleep(gap)
