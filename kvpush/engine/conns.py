@@ -118,8 +118,9 @@ class Conns:
             link = self.links.standing(key)
             if link is not None and link.state is LinkState.HELLO_SENT and client.refused:
                 # The authentication failed (a P without the key this D trusts, or refusing this D's key):
-                # a refused handshake, now and with its reason, not a P silent for peer_dead_s.
-                yield key, protocol.HelloReply(ok=False, reason=client.failure)
+                # a refused handshake, now and with its reason, not a P silent for peer_dead_s: the answer to
+                # the hello this link waits on (its epoch), as P's own refusal would be.
+                yield key, protocol.HelloReply(ok=False, reason=client.failure, epoch=link.epoch)
 
     def send(self, key: ConnKey, msg: Any) -> bool:
         """Send on ``key``'s link (False: there is none, or the send failed)."""

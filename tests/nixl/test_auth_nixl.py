@@ -140,7 +140,8 @@ def test_d_tells_a_fake_p_nothing(nodes: tuple[Node, Node], fake: str) -> None:
         d.call("register", k + "d", "t-fake", "d1", ("127.0.0.1", port, 1), [1, 2], 30, 0)
         assert not router.poll(2500), f"the fake P read a message from D: {router.recv_multipart()}"
         [res] = d.call("results", k + "d", 1, 10.0)
-        assert not res.ok and "the CURVE handshake with" in res.reason, res  # refused, not "silent"
+        assert not res.ok and "the CURVE handshake with" in res.reason, res
+        assert "refused the handshake" in res.reason and "silent" not in res.reason, res  # refused, not silent
         d.wait_logged([f"the CURVE handshake with 127.0.0.1:{port} failed"])
         assert d.call("stats", k + "d")["pending"] == 0
     finally:
