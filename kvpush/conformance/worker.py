@@ -48,7 +48,7 @@ class _Capture(logging.Handler):
 
 
 @dataclass
-class _Rank:
+class Rank:
     """One engine with the backend and cache it runs on."""
 
     engine: Any
@@ -63,7 +63,7 @@ class Worker:
     def __init__(self, name: str, target: Target) -> None:
         self.name = name
         self.target = target
-        self.ranks: dict[str, _Rank] = {}
+        self.ranks: dict[str, Rank] = {}
         self.capture = _Capture()
         logging.getLogger("kvpush").addHandler(self.capture)
         from kvpush.transport.nixl_agent import Agent
@@ -123,7 +123,7 @@ class Worker:
             backend.free_test_cache(kv)
             backend.close()
             raise
-        self.ranks[key] = _Rank(engine, backend, kv, geom)
+        self.ranks[key] = Rank(engine, backend, kv, geom)
         return engine
 
     # -- ops -------------------------------------------------------------------

@@ -300,7 +300,7 @@ class Worker(conformance.Worker):
         import helpers_gdn as gdn
         import torch
 
-        from kvpush.conformance.worker import _Rank
+        from kvpush.conformance.worker import Rank
         from kvpush.engine import Receiver, Sender
 
         config = gdn.kv_cache_config(gdn.state_spec((torch.bfloat16, getattr(torch, ssm_dtype))))
@@ -311,7 +311,7 @@ class Worker(conformance.Worker):
         layout = gdn.connector_layout(kv, config, backend)
         cls = Sender if kind == "sender" else Receiver
         engine = cls(self._config(cfg), backend, layout, engine_id, rank=0, tp_size=1)
-        self.ranks[key] = _Rank(engine, backend, kv, None)
+        self.ranks[key] = Rank(engine, backend, kv, None)
         return engine.address if kind == "sender" else None
 
     def op_gdn_prefill(self, key: str, tid: str, rid: str, blocks: list[list[int]], n: int) -> None:
