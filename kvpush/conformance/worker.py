@@ -68,8 +68,9 @@ class Worker:
         logging.getLogger("kvpush").addHandler(self.capture)
         from kvpush.transport.nixl_agent import Agent
 
-        # Pay UCX's start-up here, in both workers at once, not in the first test.
-        self._warmup = Agent(f"conformance-warmup-{name}-{id(self)}", target.nixl_backends)
+        self.warmup = Agent(f"conformance-warmup-{name}-{id(self)}", target.nixl_backends)
+        """An agent started here to pay UCX's start-up in both workers at once, not in the first test; the
+        NIXL backends, version and traits this worker's agents get are read from it."""
 
     def _backend(self, reference: bool) -> Any:
         if reference:
@@ -240,7 +241,7 @@ class Worker:
         report = self.op_leaks()
         for key in list(self.ranks):
             self.op_close(key)
-        self._warmup.close()
+        self.warmup.close()
         return report
 
 

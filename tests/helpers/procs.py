@@ -278,11 +278,11 @@ class Worker(conformance.Worker):
 
     def op_nixl_backends(self) -> tuple[str, ...]:
         """The NIXL backends this worker's agents were created with (its warm-up agent's)."""
-        return tuple(self._warmup.backends)
+        return tuple(self.warmup.backends)
 
     def op_nixl_traits(self) -> tuple[str, Any]:
         """The NIXL version this worker runs and the backend traits its agents drive (its warm-up agent's)."""
-        return self._warmup.nixl_version, self._warmup.traits
+        return self.warmup.nixl_version, self.warmup.traits
 
     def op_logs(self) -> list[str]:
         lines, self.warnings.lines = self.warnings.lines, []
