@@ -293,15 +293,22 @@ class Node:
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         if not self._ready:
-            self._answer(timeout)
+            self.answer(timeout)
             self._ready = True
 
     def call(self, op: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Run ``op`` in the worker and return its answer."""
+        self.send(op, *args)
+        return self.answer(timeout)
+
+    def send(self, op: str, *args: Any) -> None:
+        """Start ``op`` without waiting for its answer (``answer`` collects it): for a call during which the
+        worker may stop itself, whose answer then only leaves once it runs again."""
         self.wait_ready()
         self.cmds.put((op, args))
-        return self._answer(timeout)
 
-    def _answer(self, timeout: float) -> Any:
+    def answer(self, timeout: float = 60.0) -> Any:
+        """The answer of the op ``send`` started (the first one not collected yet)."""
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -376,16 +376,6 @@ class Node(conformance.Node):
     def __init__(self, name: str, nixl_backend: str = "UCX") -> None:
         super().__init__(name, replace(HOST, nixl_backends=(nixl_backend,)), main=worker_main)
 
-    def send(self, op: str, *args: Any) -> None:
-        """Start ``op`` without waiting for its answer (``answer`` collects it): for a call during which the
-        worker may stop itself (``stop_at_post``), whose answer then only leaves after SIGCONT."""
-        self.wait_ready()
-        self.cmds.put((op, args))
-
-    def answer(self, timeout: float = 60.0) -> Any:
-        """The answer of the op ``send`` started."""
-        return self._answer(timeout)
-
     def wait_logged(self, needles: list[str], timeout_s: float = 10.0) -> list[str]:
         """The lines this worker logs from now on (it keeps them no longer) until each needle is in one;
         fails naming the needles never logged."""
