@@ -121,16 +121,16 @@ class Worker(conformance.Worker):
         logging.getLogger("kvpush").addHandler(self.warnings)
         logging.getLogger("kvpush").setLevel(logging.INFO)
 
-    def _backend(self, reference: bool) -> Any:
+    def rank_backend(self, reference: bool) -> Any:
         if self.override is not None and not reference:
             return self.override.make()
-        return super()._backend(reference)
+        return super().rank_backend(reference)
 
     def op_use_backend(self, target: str | None) -> None:
         """Engines started from now on run on this backend (``module:Class``); None: back to the host backend."""
         self.override = Target(target) if target else None
 
-    def _cache(self, backend: Any, geom: model.Geom, device: int, seed: int | None) -> dict[str, Any]:
+    def rank_cache(self, backend: Any, geom: model.Geom, device: int, seed: int | None) -> dict[str, Any]:
         """Layers of one uint8 array (no backend ``make_test_cache``: the dtype is a label here)."""
         assert isinstance(geom, Geom), "the engine tests' workers take tests/helpers/procs.py's Geom"
         arr = make_cache(geom, seed)
@@ -166,7 +166,7 @@ class Worker(conformance.Worker):
         ref: bool = False,
     ) -> None:
         """A D rank; its cache holds the sentinel unless ``seed`` is given."""
-        self._start(key, "receiver", geom, cfg, engine_id, seed, ref)
+        self.start_rank(key, "receiver", geom, cfg, engine_id, seed, ref)
 
     def op_abort(self, key: str, tid: str, reason: str) -> None:
         self.ranks[key].engine.abort(tid, reason)
@@ -307,10 +307,10 @@ class Worker(conformance.Worker):
         kv = gdn.caches(config)
         buf = gdn.pool(kv).numpy()
         buf[:] = SENTINEL if seed is None else np.random.default_rng(seed).integers(0, 256, buf.size, np.uint8)
-        backend = self._backend(False)
+        backend = self.rank_backend(False)
         layout = gdn.connector_layout(kv, config, backend)
         cls = Sender if kind == "sender" else Receiver
-        engine = cls(self._config(cfg), backend, layout, engine_id, rank=0, tp_size=1)
+        engine = cls(self.engine_config(cfg), backend, layout, engine_id, rank=0, tp_size=1)
         self.ranks[key] = Rank(engine, backend, kv, None)
         return engine.address if kind == "sender" else None
 
