@@ -48,7 +48,7 @@ class _Capture(logging.Handler):
 
 
 @dataclass
-class _Rank:
+class Rank:
     """One engine with the backend and cache it runs on."""
 
     engine: Any
@@ -63,22 +63,24 @@ class Worker:
     def __init__(self, name: str, target: Target) -> None:
         self.name = name
         self.target = target
-        self.ranks: dict[str, _Rank] = {}
+        self.ranks: dict[str, Rank] = {}
         self.capture = _Capture()
         logging.getLogger("kvpush").addHandler(self.capture)
         from kvpush.transport.nixl_agent import Agent
 
-        # Pay UCX's start-up here, in both workers at once, not in the first test.
-        self._warmup = Agent(f"conformance-warmup-{name}-{id(self)}", target.nixl_backends)
+        self.warmup = Agent(f"conformance-warmup-{name}-{id(self)}", target.nixl_backends)
+        """An agent started here to pay UCX's start-up in both workers at once, not in the first test; the
+        NIXL backends, version and traits this worker's agents get are read from it."""
 
-    def _backend(self, reference: bool) -> Any:
+    def rank_backend(self, reference: bool) -> Any:
+        """The backend a new rank runs on: the host backend for a reference rank, else the target's."""
         if reference:
             from kvpush.backends.host import HostBackend
 
             return HostBackend()
         return self.target.make()
 
-    def _cache(self, backend: Any, geom: Geom, device: int, seed: int | None) -> dict[str, Any]:
+    def rank_cache(self, backend: Any, geom: Geom, device: int, seed: int | None) -> dict[str, Any]:
         """The cache of a new rank, filled from ``seed``. A subclass may build
         its own (the engine tests' workers give D a sentinel, ``seed=None``)."""
         if seed is None:
@@ -100,30 +102,32 @@ class Worker:
         for i, t in enumerate(kv.values()):
             backend.write_bytes(t, data[i].reshape(-1))
 
-    def _config(self, cfg: dict[str, Any]) -> Any:
+    def engine_config(self, cfg: dict[str, Any]) -> Any:
+        """A rank's engine configuration: ``cfg`` over this worker's NIXL backends and a free port."""
         from kvpush.config import Config
 
         # A free port per P rank unless the test names one: the default is vLLM's fixed 5600.
         return Config.from_dict({"nixl_backends": list(self.target.nixl_backends), "side_channel_port": 0, **cfg})
 
-    def _start(
+    def start_rank(
         self, key: str, kind: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int | None, ref: bool
     ) -> Any:
+        """Start rank ``key``: a ``kind`` engine (``sender``/``receiver``) over a new cache of ``geom``."""
         from kvpush.engine import Receiver, Sender
 
-        backend = self._backend(ref)
+        backend = self.rank_backend(ref)
         device = 0 if ref else (self.target.p_device if kind == "sender" else self.target.d_device)
         kv: dict[str, Any] = {}
         try:
-            kv = self._cache(backend, geom, device, seed)
+            kv = self.rank_cache(backend, geom, device, seed)
             layout = backend.describe(kv, geom.spec())
             cls = Sender if kind == "sender" else Receiver
-            engine = cls(self._config(cfg), backend, layout, engine_id, rank=geom.tp_rank, tp_size=geom.tp_size)
+            engine = cls(self.engine_config(cfg), backend, layout, engine_id, rank=geom.tp_rank, tp_size=geom.tp_size)
         except BaseException:
             backend.free_test_cache(kv)
             backend.close()
             raise
-        self.ranks[key] = _Rank(engine, backend, kv, geom)
+        self.ranks[key] = Rank(engine, backend, kv, geom)
         return engine
 
     # -- ops -------------------------------------------------------------------
@@ -131,12 +135,12 @@ class Worker:
         self, key: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int, ref: bool = False
     ) -> tuple[str, int]:
         """A P rank over a cache filled from ``seed``; returns its side-channel address."""
-        return self._start(key, "sender", geom, cfg, engine_id, seed, ref).address
+        return self.start_rank(key, "sender", geom, cfg, engine_id, seed, ref).address
 
     def op_receiver(
         self, key: str, geom: Geom, cfg: dict[str, Any], engine_id: str, seed: int, ref: bool = False
     ) -> None:
-        self._start(key, "receiver", geom, cfg, engine_id, seed, ref)
+        self.start_rank(key, "receiver", geom, cfg, engine_id, seed, ref)
 
     def op_prefill(self, key: str, tid: str, rid: str, blocks: list[int], n: int, rewrite: int | None = None) -> None:
         """Hand a finished prefill to P, with the marker the connector would take.
@@ -240,7 +244,7 @@ class Worker:
         report = self.op_leaks()
         for key in list(self.ranks):
             self.op_close(key)
-        self._warmup.close()
+        self.warmup.close()
         return report
 
 
@@ -292,15 +296,22 @@ class Node:
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         if not self._ready:
-            self._answer(timeout)
+            self.answer(timeout)
             self._ready = True
 
     def call(self, op: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Run ``op`` in the worker and return its answer."""
+        self.send(op, *args)
+        return self.answer(timeout)
+
+    def send(self, op: str, *args: Any) -> None:
+        """Start ``op`` without waiting for its answer (``answer`` collects it): for a call during which the
+        worker may stop itself, whose answer then only leaves once it runs again."""
         self.wait_ready()
         self.cmds.put((op, args))
-        return self._answer(timeout)
 
-    def _answer(self, timeout: float) -> Any:
+    def answer(self, timeout: float = 60.0) -> Any:
+        """The answer of the op ``send`` started (the first one not collected yet)."""
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -143,13 +143,13 @@ class Agent:
     """One NIXL agent with the backends named in configuration."""
 
     def __init__(self, name: str, backends: tuple[str, ...] | list[str] = ("UCX",)) -> None:
+        """Start a NIXL agent ``name`` with ``backends`` (without NIXL's progress and listen threads)."""
         nixl_agent, nixl_agent_config = _nixl()
         if not backends:
             raise ConfigError("nixl_backends is empty: name at least one NIXL backend (UCX, LIBFABRIC)")
         conf = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
-        self.name = name
-        self._agent = nixl_agent(name, conf)
-        available = set(self._agent.get_plugin_list())
+        inner = nixl_agent(name, conf)
+        available = set(inner.get_plugin_list())
         for b in backends:
             if b not in available:
                 raise ConfigError(
@@ -157,13 +157,27 @@ class Agent:
                     "run `kvpush doctor` for why"
                 )
             try:
-                self._agent.create_backend(b)
+                inner.create_backend(b)
             except Exception as exc:
                 raise KVPushError(f"NIXL backend {b} failed to start: {exc}") from None
-        self.backends = tuple(backends)
-        self.nixl_version = nixl_version()
+        self._wrap(name, inner, tuple(backends), nixl_version())
+
+    @classmethod
+    def over(cls, name: str, inner: Any, backends: tuple[str, ...], version: str) -> Agent:
+        """An agent over ``inner``, a NIXL agent object already started with ``backends`` on NIXL ``version``
+        (what ``__init__`` builds once it started NIXL's). Its rules over the version's traits (which peers
+        stay loaded, which are greeted) are then checked against any object with NIXL's agent methods."""
+        agent = cls.__new__(cls)
+        agent._wrap(name, inner, backends, version)
+        return agent
+
+    def _wrap(self, name: str, inner: Any, backends: tuple[str, ...], version: str) -> None:
+        self.name = name
+        self._agent = inner
+        self.backends = backends
+        self.nixl_version = version
         self.traits = traits(self.backends, self.nixl_version)
-        self._mem_types = {b: set(self._agent.get_backend_mem_types(b)) for b in self.backends}
+        self._mem_types = {b: set(inner.get_backend_mem_types(b)) for b in self.backends}
         self._regs: list[Any] = []
         self._peers: dict[str, bytes] = {}
         """Loaded peers in use: name -> the metadata they were loaded from."""
@@ -173,19 +187,27 @@ class Agent:
         self._writes: dict[int, str] = {}
         """WRITEs made and not yet released: ``id`` of the handle -> the peer written to."""
 
+    def peers(self) -> tuple[str, ...]:
+        """The peers in use (loaded with ``add_peer``, not given up with ``remove_peer``)."""
+        return tuple(self._peers)
+
+    def unreleased_writes(self) -> int:
+        """WRITEs made with ``prepare_write`` and not yet given back with ``release``."""
+        return len(self._writes)
+
     def register(self, regs: list[MemRegistration]) -> None:
         """Register buffers (all of one memory kind per call)."""
         if not regs:
             return
         kinds = {r.mem for r in regs}
         for kind in kinds:
-            self._check_takes(str(kind))
+            self.check_takes(str(kind))
             arr = np.array([(r.addr, r.size, r.device_id) for r in regs if r.mem == kind], dtype=np.int64)
             descs = self._agent.get_reg_descs(arr, str(kind))
             self._agent.register_memory(descs)
             self._regs.append(descs)
 
-    def _check_takes(self, kind: str) -> None:
+    def check_takes(self, kind: str) -> None:
         """Refuse memory no started backend takes, before NIXL fails on it with a bare status.
 
         A backend's memory kinds are known only once it started: NIXL's LIBFABRIC plugin takes

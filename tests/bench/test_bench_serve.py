@@ -343,7 +343,7 @@ def test_idle_measure_reads_threads_of_a_process_tree() -> None:
     assert m["me"]["processes"] >= 1 and m["me"]["pct"] >= 0
     assert m["me"]["top_threads"] and {"name", "pct", "tid"} <= set(m["me"]["top_threads"][0])
     assert os.getpid() in idle.tree_pids(os.getpid())
-    assert os.getpid() in idle._proc_tree(os.getpid())
+    assert os.getpid() in idle.proc_tree(os.getpid())
 
 
 def test_idle_table_and_plot(tmp_path: Path) -> None:

@@ -121,16 +121,16 @@ class Worker(conformance.Worker):
         logging.getLogger("kvpush").addHandler(self.warnings)
         logging.getLogger("kvpush").setLevel(logging.INFO)
 
-    def _backend(self, reference: bool) -> Any:
+    def rank_backend(self, reference: bool) -> Any:
         if self.override is not None and not reference:
             return self.override.make()
-        return super()._backend(reference)
+        return super().rank_backend(reference)
 
     def op_use_backend(self, target: str | None) -> None:
         """Engines started from now on run on this backend (``module:Class``); None: back to the host backend."""
         self.override = Target(target) if target else None
 
-    def _cache(self, backend: Any, geom: model.Geom, device: int, seed: int | None) -> dict[str, Any]:
+    def rank_cache(self, backend: Any, geom: model.Geom, device: int, seed: int | None) -> dict[str, Any]:
         """Layers of one uint8 array (no backend ``make_test_cache``: the dtype is a label here)."""
         assert isinstance(geom, Geom), "the engine tests' workers take tests/helpers/procs.py's Geom"
         arr = make_cache(geom, seed)
@@ -166,7 +166,7 @@ class Worker(conformance.Worker):
         ref: bool = False,
     ) -> None:
         """A D rank; its cache holds the sentinel unless ``seed`` is given."""
-        self._start(key, "receiver", geom, cfg, engine_id, seed, ref)
+        self.start_rank(key, "receiver", geom, cfg, engine_id, seed, ref)
 
     def op_abort(self, key: str, tid: str, reason: str) -> None:
         self.ranks[key].engine.abort(tid, reason)
@@ -278,11 +278,11 @@ class Worker(conformance.Worker):
 
     def op_nixl_backends(self) -> tuple[str, ...]:
         """The NIXL backends this worker's agents were created with (its warm-up agent's)."""
-        return tuple(self._warmup.backends)
+        return tuple(self.warmup.backends)
 
     def op_nixl_traits(self) -> tuple[str, Any]:
         """The NIXL version this worker runs and the backend traits its agents drive (its warm-up agent's)."""
-        return self._warmup.nixl_version, self._warmup.traits
+        return self.warmup.nixl_version, self.warmup.traits
 
     def op_logs(self) -> list[str]:
         lines, self.warnings.lines = self.warnings.lines, []
@@ -300,18 +300,18 @@ class Worker(conformance.Worker):
         import helpers_gdn as gdn
         import torch
 
-        from kvpush.conformance.worker import _Rank
+        from kvpush.conformance.worker import Rank
         from kvpush.engine import Receiver, Sender
 
         config = gdn.kv_cache_config(gdn.state_spec((torch.bfloat16, getattr(torch, ssm_dtype))))
         kv = gdn.caches(config)
         buf = gdn.pool(kv).numpy()
         buf[:] = SENTINEL if seed is None else np.random.default_rng(seed).integers(0, 256, buf.size, np.uint8)
-        backend = self._backend(False)
+        backend = self.rank_backend(False)
         layout = gdn.connector_layout(kv, config, backend)
         cls = Sender if kind == "sender" else Receiver
-        engine = cls(self._config(cfg), backend, layout, engine_id, rank=0, tp_size=1)
-        self.ranks[key] = _Rank(engine, backend, kv, None)
+        engine = cls(self.engine_config(cfg), backend, layout, engine_id, rank=0, tp_size=1)
+        self.ranks[key] = Rank(engine, backend, kv, None)
         return engine.address if kind == "sender" else None
 
     def op_gdn_prefill(self, key: str, tid: str, rid: str, blocks: list[list[int]], n: int) -> None:
@@ -375,16 +375,6 @@ class Node(conformance.Node):
 
     def __init__(self, name: str, nixl_backend: str = "UCX") -> None:
         super().__init__(name, replace(HOST, nixl_backends=(nixl_backend,)), main=worker_main)
-
-    def send(self, op: str, *args: Any) -> None:
-        """Start ``op`` without waiting for its answer (``answer`` collects it): for a call during which the
-        worker may stop itself (``stop_at_post``), whose answer then only leaves after SIGCONT."""
-        self.wait_ready()
-        self.cmds.put((op, args))
-
-    def answer(self, timeout: float = 60.0) -> Any:
-        """The answer of the op ``send`` started."""
-        return self._answer(timeout)
 
     def wait_logged(self, needles: list[str], timeout_s: float = 10.0) -> list[str]:
         """The lines this worker logs from now on (it keeps them no longer) until each needle is in one;

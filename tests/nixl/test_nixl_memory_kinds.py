@@ -28,7 +28,7 @@ try:
     if sys.argv[1] == "LIBFABRIC":
         agent.register([MemRegistration(buf.ctypes.data, buf.nbytes, 0, MemKind.VRAM)])
     else:  # a CPU host has no device memory to register: ask the rule alone
-        agent._check_takes("VRAM")
+        agent.check_takes("VRAM")
     print("VRAM taken")
 except ConfigError as exc:
     print("VRAM refused:", exc)

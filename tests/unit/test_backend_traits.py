@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvpush.transport.nixl_agent import Agent, supported
-from kvpush.transport.nixl_backends import LIBFABRIC, UCX, VERIFIED, BackendTraits, backend_traits, traits, verified
+from kvpush.transport.nixl_backends import LIBFABRIC, UCX, VERIFIED, backend_traits, traits, verified
 
 
 def test_libfabric_reloads_a_live_peer_on_1_3_2_only() -> None:
@@ -81,12 +81,15 @@ def test_supported_versions() -> None:
 
 
 class _Inner:
-    """NIXL's agent as far as ``Agent.add_peer``/``remove_peer``/``prepare_write``/``release`` use it."""
+    """NIXL's agent as far as ``Agent.over``/``add_peer``/``remove_peer``/``prepare_write``/``release`` use it."""
 
     def __init__(self, send_fails: bool = False) -> None:
         self.unloaded: list[str] = []
         self.sent: list[tuple[str, bytes]] = []
         self.send_fails = send_fails
+
+    def get_backend_mem_types(self, backend: str) -> list[str]:
+        return ["DRAM_SEG"]
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         return metadata.split(b":")[0]
@@ -109,11 +112,9 @@ class _Inner:
         pass
 
 
-def _agent(t: BackendTraits) -> tuple[Agent, _Inner]:
-    agent = Agent.__new__(Agent)
-    inner = _Inner()
-    agent._agent, agent.traits, agent._peers, agent._retired, agent._writes = inner, t, {}, {}, {}
-    return agent, inner
+def _agent(version: str, inner: _Inner | None = None) -> tuple[Agent, _Inner]:
+    inner = inner or _Inner()
+    return Agent.over("P", inner, ("LIBFABRIC",), version), inner
 
 
 @pytest.mark.parametrize("version", ["1.3.2", "1.4.1", "1.5.1", "1.5.2"])
@@ -121,7 +122,8 @@ def test_a_peer_given_up_with_writes_in_flight_is_unloaded_where_they_would_not_
     """Where a dead peer's WRITEs do not end by themselves, a peer given up with unreleased WRITEs is unloaded
     (they then end, failed); one given up with none stays loaded where a live peer cannot be reloaded."""
     t = backend_traits("LIBFABRIC", version)
-    agent, inner = _agent(t)
+    agent, inner = _agent(version)
+    assert agent.traits == t
     rows = np.zeros((1, 3), np.int64)
     for peer in ("D1", "D2"):
         assert agent.add_peer(f"{peer}:meta".encode(), peer) == peer
@@ -131,7 +133,7 @@ def test_a_peer_given_up_with_writes_in_flight_is_unloaded_where_they_would_not_
     expect = [p for p in ("D1", "D2") if t.reloads_live_peer or (p == "D1" and not t.dead_peer_writes_end)]
     assert inner.unloaded == expect, (version, t)
     agent.release(handle)
-    assert agent._writes == {}
+    assert agent.unreleased_writes() == 0
 
 
 @pytest.mark.parametrize("version", ["1.3.2", "1.4.1", "1.5.1", "1.5.2"])
@@ -140,7 +142,8 @@ def test_a_peer_is_greeted_as_it_is_loaded_where_loading_does_not_connect(versio
     known to progress, so a WRITE never has to connect; a peer taken back from those kept loaded is not greeted
     again (its connection is there), and a peer loaded without a greeting gets none."""
     t = backend_traits("LIBFABRIC", version)
-    agent, inner = _agent(t)
+    agent, inner = _agent(version)
+    assert agent.traits == t
     agent.add_peer(b"D1:meta", "D1", b"hi")
     agent.add_peer(b"D2:meta", "D2")
     assert inner.sent == ([] if t.connects_on_load else [("D1", b"hi")]), (version, t)
@@ -151,8 +154,7 @@ def test_a_peer_is_greeted_as_it_is_loaded_where_loading_does_not_connect(versio
 
 
 def test_a_failed_greeting_unloads_the_peer_and_raises() -> None:
-    agent, inner = _agent(backend_traits("LIBFABRIC", "1.3.2"))
-    agent._agent = inner = _Inner(send_fails=True)
+    agent, inner = _agent("1.3.2", _Inner(send_fails=True))
     with pytest.raises(RuntimeError):
         agent.add_peer(b"D1:meta", "D1", b"hi")
-    assert inner.unloaded == ["D1"] and agent._peers == {}
+    assert inner.unloaded == ["D1"] and agent.peers() == ()

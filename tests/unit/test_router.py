@@ -1143,11 +1143,11 @@ def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
 def test_tiny_model_prompts_have_exactly_n_tokens() -> None:
     """The e2e test relies on prompt lengths in tokens; checked on the tiny
     model's tokenizer itself (built without transformers, so it is quick)."""
-    from kvpush_tools.demo.tiny_model import MIN_VOCAB_SIZE, UNK, _tokenizer, prompt_words, vocabulary
+    from kvpush_tools.demo.tiny_model import MIN_VOCAB_SIZE, UNK, prompt_words, vocabulary, word_tokenizer
 
     words = vocabulary(2048)
     assert len(set(words)) == 2048 and vocabulary(MIN_VOCAB_SIZE) == words[:MIN_VOCAB_SIZE]
-    tok = _tokenizer({w: i for i, w in enumerate(words)}, lambda tokenizer_object, **_: tokenizer_object)
+    tok = word_tokenizer({w: i for i, w in enumerate(words)}, lambda tokenizer_object, **_: tokenizer_object)
     for n in (1, 31, 32, 33, 1000, 3000):
         ids = tok.encode(prompt_words(n, seed=n)).ids
         assert len(ids) == n and words.index(UNK) not in ids

@@ -145,7 +145,7 @@ def test_router_learns_the_transfer_from_its_own_timings() -> None:
             await asyncio.sleep(0.05)
             sel = c.router.selector
             assert sel is not None
-            samples = list(sel._transfers)
+            samples = sel.transfer_samples()
             assert [n for n, _ in samples] == [10, 20, 30, 4]
             assert all(0.0 <= s < 0.3 for _, s in samples), samples  # at most D's delay past P's answer
             assert max(s for _, s in samples) > 0.1

@@ -69,7 +69,9 @@ def test_transfer_results_and_hit_source_follow_the_features() -> None:
     assert (r.finished_sending, r.finished_recving, r.failed_recving) == ({"a"}, {"b"}, {"b"})
     source = compat.p2p_cache_hit_source()
     assert (source is not None) == f.cache_hit_source
-    assert KVPushConnector._cache_hit_source == source
+    hook = getattr(KVPushConnector, "get_external_cache_hit_sources", None)  # vLLM's, where it counts sources
+    if hook is not None:  # vLLM's default hook counts the tokens under the connector's source
+        assert hook(object.__new__(KVPushConnector), None, 5) == {source: 5}
 
 
 @pytest.mark.parametrize(

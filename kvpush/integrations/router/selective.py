@@ -118,9 +118,13 @@ class Selector:
         if seconds > 0 and nbytes > 0 and bytes_per_token > 0:
             self._push_s_per_token = seconds / nbytes * bytes_per_token
 
+    def transfer_samples(self) -> list[tuple[int, float]]:
+        """The transfer timings kept (the last ``window``), oldest first: ``(tokens, seconds)`` each."""
+        return list(self._transfers)
+
     def transfer_model(self) -> Fit | None:
         """The transfer cost as learned so far (``None`` until ``min_samples`` timings)."""
-        samples = list(self._transfers)
+        samples = self.transfer_samples()
         if len(samples) < self.min_samples:
             return None
         slope = self._push_s_per_token

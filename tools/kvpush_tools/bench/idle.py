@@ -87,12 +87,13 @@ def tree_pids(root: int) -> list[int]:
         p = psutil.Process(root)
         return [root, *(c.pid for c in p.children(recursive=True))]
     except ImportError:
-        return _proc_tree(root)
+        return proc_tree(root)
     except Exception:
         return []
 
 
-def _proc_tree(root: int) -> list[int]:
+def proc_tree(root: int) -> list[int]:
+    """``root`` and all its descendants, read from /proc alone (``tree_pids`` without psutil)."""
     kids: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

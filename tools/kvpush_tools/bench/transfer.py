@@ -52,6 +52,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -361,8 +362,10 @@ class _Side:
 
 
 def _engine_cpu(engine: Any) -> float:
-    """CPU seconds the engine's thread has used (its host work, whatever the load on the host)."""
-    thread = getattr(engine, "_thread", None)
+    """CPU seconds the engine's thread has used (its host work, whatever the load on the host). The thread is
+    found by the name every tree's engine gives it (``kvpush-`` and the engine's name), not in its fields."""
+    name = f"kvpush-{engine.name}"
+    thread = next((t for t in threading.enumerate() if t.name == name), None)
     if thread is None or thread.ident is None:
         return 0.0
     try:

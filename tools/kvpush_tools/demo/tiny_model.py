@@ -236,7 +236,7 @@ def make_tiny_model(
         model.generation_config.do_sample = False
         model.save_pretrained(tmp, safe_serialization=True)
 
-        _tokenizer(vocab, PreTrainedTokenizerFast).save_pretrained(tmp)
+        word_tokenizer(vocab, PreTrainedTokenizerFast).save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps(params, indent=1, sort_keys=True) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; servers may run as another user
         for f in tmp.iterdir():
@@ -316,7 +316,7 @@ def make_shaped_model(
         model.generation_config.pad_token_id = eos_id
         model.save_pretrained(path, safe_serialization=True, max_shard_size="4GB")
         del model
-    _tokenizer(vocab, PreTrainedTokenizerFast).save_pretrained(path)
+    word_tokenizer(vocab, PreTrainedTokenizerFast).save_pretrained(path)
     return path
 
 
@@ -421,7 +421,7 @@ def _qwen3_next(common: dict[str, Any], shape: dict[str, Any]) -> Any:
     return model
 
 
-def _tokenizer(vocab: dict[str, int], fast_cls: Any) -> Any:
+def word_tokenizer(vocab: dict[str, int], fast_cls: Any) -> Any:
     """WordLevel tokenizer: lowercase, split on whitespace, words joined back
     with single spaces on decode (so streamed text is readable)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
