@@ -38,7 +38,7 @@ from kvpush.observability.metrics import Count
 from kvpush.prefill.push_job import DKey, PushJob
 from kvpush.prefill.rendezvous import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
 from kvpush.prefill.slots import StagingSlots
-from kvpush.transport.auth import DeclaredRanks
+from kvpush.transport.key_set import DeclaredRanks
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
 
 log = logging.getLogger(__name__)
