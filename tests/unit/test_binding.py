@@ -25,7 +25,8 @@ from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import UNKNOWN_SENDER, Cancel, Foreign, Report, SendRegister, Stale
 from kvpush.decode.incoming import Asked
 from kvpush.observability.metrics import Count
-from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Rendezvous, _holding
+from kvpush.prefill.entry import holding
+from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Rendezvous
 
 KEY = derive_key(b"P" * 40)
 OTHER = derive_key(b"Q" * 40)
@@ -247,7 +248,7 @@ class BindingMachine(RuleBasedStateMachine):
     def holdings_are_what_the_entries_hold(self) -> None:
         expected: dict[object, list[int]] = {}
         for e in self.rv._entries.values():
-            for k, (n, ids) in _holding(e).items():
+            for k, (n, ids) in holding(e).items():
                 h = expected.setdefault(k, [0, 0])
                 h[0] += n
                 h[1] += ids
