@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpush.core.limits import Holdings
 from kvpush.core.outcome import PrefillState
 from kvpush.core.protocol import Register
 from kvpush.prefill.decisions import Prefill
@@ -60,3 +61,11 @@ def holding(e: Entry) -> dict[DKey, tuple[int, int]]:
             n, ids = out.get(k, (0, 0))
             out[k] = (n + 1, ids + block_count(r))
     return out
+
+
+def settle(holdings: Holdings, before: dict[DKey, tuple[int, int]], after: dict[DKey, tuple[int, int]]) -> None:
+    """Bring ``holdings`` from what an entry held ``before`` an event to what it holds ``after`` it."""
+    for k in before.keys() | after.keys():
+        (n0, b0), (n1, b1) = before.get(k, (0, 0)), after.get(k, (0, 0))
+        if (n0, b0) != (n1, b1):
+            holdings.change(k, n1 - n0, b1 - b0)

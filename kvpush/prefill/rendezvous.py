@@ -22,7 +22,7 @@ and when the state changes, and a registration whose prefill P's scheduler
 holds queued or running does not expire: D bounds its wait by what P
 reports, and P keeps the registration while the prefill is on its way.
 
-Each entry owns the transfer's whole record on P (``push_job.Transfer``:
+Each entry (``kvpush.prefill.entry``) owns the transfer's whole record on P (``Transfer``:
 readiness, its push jobs, stats, stage times), so everything P knows of a
 transfer is created with its entry and goes with it. The decision types
 live in ``kvpush.prefill.decisions`` and are importable from here too.
@@ -38,7 +38,7 @@ from kvpush.core.limits import Holdings, PeerLimits
 from kvpush.core.outcome import Cause, Failed, PrefillState
 from kvpush.core.protocol import Register
 from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, TransferState
-from kvpush.prefill.entry import Entry, block_count, holding, rank_key
+from kvpush.prefill.entry import Entry, block_count, holding, rank_key, settle
 from kvpush.prefill.push_job import DKey
 from kvpush.prefill.tombstones import Tombstones
 from kvpush.prefill.transfer import Transfer
@@ -425,11 +425,7 @@ class Rendezvous:
 
     def _settle_holdings(self, tid: str, before: dict[DKey, tuple[int, int]], dropped: bool = False) -> None:
         """Bring ``holdings`` to what entry ``tid`` holds now, given what it held ``before`` the event."""
-        after = {} if dropped else self.holding(tid)
-        for k in before.keys() | after.keys():
-            (n0, b0), (n1, b1) = before.get(k, (0, 0)), after.get(k, (0, 0))
-            if (n0, b0) != (n1, b1):
-                self.holdings.change(k, n1 - n0, b1 - b0)
+        settle(self.holdings, before, {} if dropped else self.holding(tid))
 
     def _push(self, tid: str, e: Entry, k: DKey, reg: Register) -> Push:
         assert e.prefill is not None
