@@ -37,8 +37,9 @@ from kvpush.core.capability import Binding
 from kvpush.core.limits import Holdings, PeerLimits
 from kvpush.core.outcome import Cause, Failed, PrefillState
 from kvpush.core.protocol import Register
-from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, TransferState
+from kvpush.prefill.decisions import Decision, Hold, Prefill, Push, Refuse, Release, TransferState
 from kvpush.prefill.entry import Entry, block_count, holding, rank_key, settle
+from kvpush.prefill.prefill_states import PrefillStates
 from kvpush.prefill.push_job import DKey
 from kvpush.prefill.tombstones import Tombstones
 from kvpush.prefill.transfer import Transfer
@@ -69,14 +70,14 @@ class Rendezvous:
         self._buried = Tombstones(self.limits.max_tombstones)
         """Transfers aborted before P's prefill finished (``kvpush.prefill.tombstones``): a prefill finishing
         later is released at once instead of holding its blocks for a whole lease."""
-        # What P's scheduler said of prefills not finished yet: (state, prompt tokens ahead of it).
-        self._queue: dict[str, tuple[PrefillState, int]] = {}
+        self._states = PrefillStates()
+        """What P's scheduler said of prefills not finished yet (``kvpush.prefill.prefill_states``)."""
 
     # -- events ---------------------------------------------------------
     def on_prefill(self, prefill: Prefill, now: float) -> list[Decision]:
         """P finished a prefill whose KV D will want."""
         out: list[Decision] = []
-        self._queue.pop(prefill.transfer_id, None)
+        self._states.forget(prefill.transfer_id)
         if prefill.transfer_id in self._buried and prefill.transfer_id not in self._entries:
             cause = self._buried.cause(prefill.transfer_id)
             if cause is Cause.NOT_NEEDED:
@@ -176,11 +177,8 @@ class Rendezvous:
         )
         if e.prefill is not None:
             out.append(self._push(reg.transfer_id, e, k, reg))
-        elif reg.transfer_id in self._queue:
-            # Silence says "unknown" as well as an ack would: only a known state is sent.
-            state, ahead = self._queue[reg.transfer_id]
-            e.acked[k] = state
-            out.append(Acknowledge(reg, state, ahead))
+        else:
+            out += self._states.registered(reg.transfer_id, e, k, reg)
         return out
 
     def on_prefill_state(self, transfer_id: str, state: PrefillState, tokens_ahead: int) -> list[Decision]:
@@ -190,19 +188,11 @@ class Rendezvous:
         Registrations waiting for it are told when the state changes; while it
         is queued or running they do not expire.
         """
-        if state is PrefillState.UNKNOWN or state is PrefillState.PUSHING:
-            self._queue.pop(transfer_id, None)
-        else:
-            self._queue[transfer_id] = (state, tokens_ahead)
+        self._states.note(transfer_id, state, tokens_ahead)
         e = self._entries.get(transfer_id)
-        if e is None or e.prefill is not None or transfer_id not in self._queue:
-            return []  # only a known state is sent: what follows a dropped prefill (an abort) says why
-        out: list[Decision] = []
-        for k, reg in e.regs.items():
-            if k not in e.done and k not in e.in_flight and e.acked.get(k) is not state:
-                e.acked[k] = state
-                out.append(Acknowledge(reg, state, tokens_ahead))
-        return out
+        if e is None or e.prefill is not None:
+            return []
+        return list(self._states.changed(transfer_id, e))
 
     def on_pushed(self, transfer_id: str, engine_id: str, rank: int) -> list[Decision]:
         """A WRITE (plus notification) to that D rank finished, successfully or not."""
@@ -265,7 +255,7 @@ class Rendezvous:
         is D's job); ``by``: the D rank whose abort this is (None: P's own), a tombstone it leaves counts
         against it."""
         e = self._entries.get(transfer_id)
-        self._queue.pop(transfer_id, None)
+        self._states.forget(transfer_id)
         if e is None or e.prefill is None:
             self._buried.bury(transfer_id, now + self.prefill_lease_s, by, cause)
         if e is None:
@@ -341,7 +331,7 @@ class Rendezvous:
                 )
                 self._settle_holdings(tid, holding(e), dropped=True)
                 self._drop(tid)
-            elif e.prefill is None and e.regs and now >= e.reg_deadline and tid not in self._queue:
+            elif e.prefill is None and e.regs and now >= e.reg_deadline and tid not in self._states:
                 out.extend(
                     Refuse(r, "registration expired: prefill never finished here", Cause.EXPIRED)
                     for r in e.regs.values()
@@ -410,7 +400,7 @@ class Rendezvous:
 
     def queued(self) -> int:
         """Prefills P's scheduler holds queued (not running yet)."""
-        return sum(1 for state, _ in self._queue.values() if state is PrefillState.QUEUED)
+        return self._states.queued()
 
     def __len__(self) -> int:
         return len(self._entries)
