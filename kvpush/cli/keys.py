@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpush.core.errors import ConfigError
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,24 +33,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        made = auth.make_key_set(args.dir)
-        router = auth.write_router_key(args.dir)
+        made = key_set.make_key_set(args.dir)
+        router = key_set.write_router_key(args.dir)
         made += [router] if router is not None else []
-        own = [auth.add_decode_key(args.dir, name, args.ranks) for name in args.decode]
+        own = [key_set.add_decode_key(args.dir, name, args.ranks) for name in args.decode]
     except (ConfigError, OSError) as exc:
         print(f"kvpush keys: {exc}", file=sys.stderr)
         return 1
     for path in made:
         print(f"made {path}")
     for path in own:
-        print(f"made {path}/ (a D's mount: {auth.PREFILL_PUBLIC}, {auth.DECODE_SECRET}); P allows it")
+        print(f"made {path}/ (a D's mount: {key_set.PREFILL_PUBLIC}, {key_set.DECODE_SECRET}); P allows it")
     if not made and not own:
         print(f"{args.dir} already holds a key set; nothing changed")
     print(
-        f"P: auth_keys_dir={args.dir} (reads {auth.PREFILL_SECRET}, {auth.DECODERS}/*.key)\n"
-        f"D: auth_keys_dir={args.dir} or a {args.dir}/NAME made by --decode (reads {auth.PREFILL_PUBLIC}, "
-        f"{auth.DECODE_SECRET})\n"
-        f"router: --capability-key {args.dir}/{auth.ROUTER_KEY} (kvpush router's concurrent dispatch mints "
+        f"P: auth_keys_dir={args.dir} (reads {key_set.PREFILL_SECRET}, {key_set.DECODERS}/*.key)\n"
+        f"D: auth_keys_dir={args.dir} or a {args.dir}/NAME made by --decode (reads {key_set.PREFILL_PUBLIC}, "
+        f"{key_set.DECODE_SECRET})\n"
+        f"router: --capability-key {args.dir}/{key_set.ROUTER_KEY} (kvpush router's concurrent dispatch mints "
         "each transfer's capability with it)"
     )
     return 0

@@ -85,12 +85,12 @@ def kvpush_auth_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
 def _use_key_set(mp: pytest.MonkeyPatch, path: Path) -> Path:
     import os
 
-    from kvpush.transport import auth
+    from kvpush.transport import key_set
 
-    if os.environ.get(auth.ENV_DIR):
-        return Path(os.environ[auth.ENV_DIR])
-    auth.make_key_set(path)
-    mp.setenv(auth.ENV_DIR, str(path))
+    if os.environ.get(key_set.ENV_DIR):
+        return Path(os.environ[key_set.ENV_DIR])
+    key_set.make_key_set(path)
+    mp.setenv(key_set.ENV_DIR, str(path))
     return path
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvpush.conformance.model import Geom, payload
 from kvpush.conformance.target import Target
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 
 class _Capture(logging.Handler):
@@ -175,7 +175,7 @@ class Worker:
     ) -> None:
         from kvpush.engine import PeerAddress
 
-        cap = auth.session_capability(tid)  # the harness plays the router
+        cap = key_set.session_capability(tid)  # the harness plays the router
         self.ranks[key].engine.register(tid, rid, PeerAddress(*peer), [blocks], n, start, capability=cap)
 
     def op_results(self, key: str, count: int, timeout: float) -> list[Any]:

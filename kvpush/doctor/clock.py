@@ -50,7 +50,7 @@ def measure_clock(host: str, port: int, keys: Any = None, samples: int = 8, time
 def check_clock(peer: str, warn_ms: float, auth_keys_dir: str = "", auth: str = "curve") -> Check:
     """The clock offset to the P side channel at ``peer`` (HOST:PORT), authenticating as a D of the key set
     in ``auth_keys_dir``; beyond ``warn_ms`` it is a failure."""
-    from kvpush.transport.auth import client_keys
+    from kvpush.transport.key_set import client_keys
 
     host, _, port = peer.rpartition(":")
     try:

@@ -95,7 +95,7 @@ def engine_pair(nixl_backend: str, p: _Side, d: _Side, spec: Any) -> Iterator[tu
     self-test mints them, as a router does)."""
     from kvpush.config import Config
     from kvpush.engine import Receiver, Sender
-    from kvpush.transport.auth import make_key_set, router_capability_key
+    from kvpush.transport.key_set import make_key_set, router_capability_key
 
     keys = tempfile.mkdtemp(prefix="kvpush-doctor-keys-")
     make_key_set(keys)

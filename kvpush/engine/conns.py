@@ -39,7 +39,7 @@ from kvpush.decode.link import (
     Standing,
 )
 from kvpush.observability.metrics import Count
-from kvpush.transport.auth import ClientKeys
+from kvpush.transport.key_set import ClientKeys
 from kvpush.transport.side_channel import Client, peer_budgets
 
 log = logging.getLogger(__name__)

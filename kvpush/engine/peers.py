@@ -47,7 +47,8 @@ from kvpush.prefill.hello import (
 )
 from kvpush.prefill.push_job import DKey
 from kvpush.prefill.rendezvous import Rendezvous
-from kvpush.transport.auth import LOG_EVERY_S, short
+from kvpush.transport.auth import LOG_EVERY_S
+from kvpush.transport.key_set import short
 from kvpush.transport.nixl_agent import Agent
 from kvpush.transport.side_channel import Server
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.core.outcome import Cause, Failed, PlanKind, PushStats, PushTimes, Stage, XferState
-from kvpush.core.parts import PartSchedule, part_count, split_regions
-from kvpush.core.plan import Plan
+from kvpush.core.parts import split_regions
 from kvpush.core.protocol import Register
+from kvpush.prefill.job_plan import JobPlan, Prepacked
 from kvpush.prefill.push_actions import (
     QUESTIONS,
     Action,
@@ -58,49 +58,7 @@ DKey = tuple[str, int]
 """A D rank: (engine id, rank)."""
 
 
-@dataclass(frozen=True)
-class Prepacked:
-    """The job's slot was packed at hand-over (``kvpush.prefill.prepack``): ``marker`` ends that pack, queued behind
-    the KV's ``after`` (None: reached). Every part of the job comes from it; the job starts no pack."""
-
-    marker: Any
-    after: Any
-
-
 # -- the job -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """A job's plan and how its parts are cut and scheduled.
-
-    ``push_parts``: most parts a staged run of ready regions is cut into
-    (``parts.part_count``); ``chain``: the backend queues packs behind the KV's
-    marker on the device, so a staged job need not see the marker reached.
-    """
-
-    plan: Plan
-    schedule: PartSchedule
-    push_parts: int = 1
-    chain: bool = False
-
-    @property
-    def kind(self) -> PlanKind:
-        return self.plan.kind
-
-    @property
-    def nregions(self) -> int:
-        return self.plan.nregions
-
-    @property
-    def region_bytes(self) -> int:
-        return self.plan.region_bytes
-
-    def parts(self, nregions: int) -> int:
-        """How many WRITEs a run of ``nregions`` ready regions is cut into."""
-        if self.kind is not PlanKind.STAGED:
-            return 1
-        return part_count(self.push_parts, nregions * self.region_bytes)
 
 
 @dataclass

@@ -22,7 +22,7 @@ and when the state changes, and a registration whose prefill P's scheduler
 holds queued or running does not expire: D bounds its wait by what P
 reports, and P keeps the registration while the prefill is on its way.
 
-Each entry owns the transfer's whole record on P (``push_job.Transfer``:
+Each entry (``kvpush.prefill.entry``) owns the transfer's whole record on P (``Transfer``:
 readiness, its push jobs, stats, stage times), so everything P knows of a
 transfer is created with its entry and goes with it. The decision types
 live in ``kvpush.prefill.decisions`` and are importable from here too.
@@ -32,51 +32,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from kvpush.core.capability import Binding
 from kvpush.core.limits import Holdings, PeerLimits
 from kvpush.core.outcome import Cause, Failed, PrefillState
 from kvpush.core.protocol import Register
-from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release, TransferState
+from kvpush.prefill.decisions import Decision, Hold, Prefill, Push, Refuse, Release, TransferState
+from kvpush.prefill.entry import Entry, block_count, holding, rank_key, settle
+from kvpush.prefill.prefill_states import PrefillStates
 from kvpush.prefill.push_job import DKey
+from kvpush.prefill.tombstones import Tombstones
 from kvpush.prefill.transfer import Transfer
-
-
-@dataclass
-class _Entry:
-    prefill: Prefill | None = None
-    regs: dict[DKey, Register] = field(default_factory=dict)
-    in_flight: set[DKey] = field(default_factory=set)
-    done: set[DKey] = field(default_factory=set)
-    held: dict[DKey, Register] = field(default_factory=dict)  # new attempts waiting for a WRITE in flight
-    expected: int = 1
-    aborted: bool = False
-    reg_deadline: float = float("inf")
-    lease_deadline: float = float("inf")
-    record: Transfer = field(default_factory=Transfer)
-    owner: str | None = None  # the D key whose registration came first: only it may register again or abort
-    bound: bool = False  # the owner's registration carried the transfer's capability
-    acked: dict[DKey, PrefillState] = field(default_factory=dict)  # the state each registration was last told
-
-
-def _key(reg: Register) -> DKey:
-    return (reg.engine_id, reg.rank)
-
-
-def block_count(reg: Register) -> int:
-    """Block ids a registration holds (all groups)."""
-    return sum(len(g) for g in reg.block_ids)
-
-
-def _holding(e: _Entry) -> dict[DKey, tuple[int, int]]:
-    """(registrations, block ids) each D rank holds in this entry."""
-    out: dict[DKey, tuple[int, int]] = {}
-    for regs in (e.regs, e.held):
-        for k, r in regs.items():
-            n, ids = out.get(k, (0, 0))
-            out[k] = (n + 1, ids + block_count(r))
-    return out
 
 
 class Rendezvous:
@@ -99,29 +65,25 @@ class Rendezvous:
         self.holdings = Holdings(self.limits)
         """What each D rank holds in the entries (registrations and their block ids), kept equal to
         the entries by every event (``_settle_holdings``)."""
-        self._entries: dict[str, _Entry] = {}
-        self._pushing: dict[str, _Entry] = {}  # entries with a push in flight (iterated every engine step)
-        # Transfers aborted before P's prefill finished, until when to remember
-        # them (and the D rank whose abort left each, for its limit): a prefill
-        # finishing later is released at once instead of holding its blocks for
-        # a whole lease.
-        self._tombstones: dict[str, tuple[float, DKey | None]] = {}
-        self._tombs_of: dict[DKey, int] = {}
-        self._tomb_cause: dict[str, Cause] = {}  # why each tombstone was left (an abort, or not needed)
-        # What P's scheduler said of prefills not finished yet: (state, prompt tokens ahead of it).
-        self._queue: dict[str, tuple[PrefillState, int]] = {}
+        self._entries: dict[str, Entry] = {}
+        self._pushing: dict[str, Entry] = {}  # entries with a push in flight (iterated every engine step)
+        self._buried = Tombstones(self.limits.max_tombstones)
+        """Transfers aborted before P's prefill finished (``kvpush.prefill.tombstones``): a prefill finishing
+        later is released at once instead of holding its blocks for a whole lease."""
+        self._states = PrefillStates()
+        """What P's scheduler said of prefills not finished yet (``kvpush.prefill.prefill_states``)."""
 
     # -- events ---------------------------------------------------------
     def on_prefill(self, prefill: Prefill, now: float) -> list[Decision]:
         """P finished a prefill whose KV D will want."""
         out: list[Decision] = []
-        self._queue.pop(prefill.transfer_id, None)
-        if prefill.transfer_id in self._tombstones and prefill.transfer_id not in self._entries:
-            cause = self._tomb_cause.get(prefill.transfer_id, Cause.ABORTED)
+        self._states.forget(prefill.transfer_id)
+        if prefill.transfer_id in self._buried and prefill.transfer_id not in self._entries:
+            cause = self._buried.cause(prefill.transfer_id)
             if cause is Cause.NOT_NEEDED:
                 return [Release(prefill, "no D rank takes this rank's copy of the KV", cause)]
             return [Release(prefill, "transfer was aborted before the prefill finished", cause)]
-        e = self._entries.setdefault(prefill.transfer_id, _Entry())
+        e = self._entries.setdefault(prefill.transfer_id, Entry())
         if e.prefill is not None and e.prefill.request_id != prefill.request_id:
             if e.in_flight:
                 # The old blocks are being read; keep the new prefill waiting is
@@ -161,7 +123,7 @@ class Rendezvous:
         if e is not None and e.aborted:
             # Aborted while a write was in flight; the entry lives on only until it lands.
             return [Refuse(reg, "transfer was aborted", Cause.ABORTED)]
-        k = _key(reg)
+        k = rank_key(reg)
         replaced = None if e is None else (e.held.get(k) if k in e.in_flight else e.regs.get(k))
         why = self.holdings.admit(
             k, block_count(reg), now, cap, block_count(replaced) if replaced is not None else None
@@ -173,10 +135,10 @@ class Rendezvous:
         self._settle_holdings(reg.transfer_id, before)
         return out
 
-    def _evict(self, tid: str, e: _Entry, now: float) -> list[Decision]:
+    def _evict(self, tid: str, e: Entry, now: float) -> list[Decision]:
         """The owner's registrations (made without the capability, none in flight) are refused and the
         transfer is the next registration's; a finished prefill stays parked for it."""
-        before = _holding(e)
+        before = holding(e)
         why = "another D registered this transfer with its capability"
         out: list[Decision] = [Refuse(r, why, Cause.REFUSED) for r in [*e.regs.values(), *e.held.values()]]
         e.regs, e.held, e.acked, e.owner = {}, {}, {}, None
@@ -187,13 +149,13 @@ class Rendezvous:
         return out
 
     def _on_register(self, reg: Register, now: float, expected: int, owner: str) -> list[Decision]:
-        e = self._entries.setdefault(reg.transfer_id, _Entry())
+        e = self._entries.setdefault(reg.transfer_id, Entry())
         if e.owner is None:
             e.owner = owner
         if reg.capability:
             e.bound = True
         e.expected = expected
-        k = _key(reg)
+        k = rank_key(reg)
         old = e.regs.get(k)
         out: list[Decision] = []
         if old is not None and k in e.in_flight:
@@ -215,11 +177,8 @@ class Rendezvous:
         )
         if e.prefill is not None:
             out.append(self._push(reg.transfer_id, e, k, reg))
-        elif reg.transfer_id in self._queue:
-            # Silence says "unknown" as well as an ack would: only a known state is sent.
-            state, ahead = self._queue[reg.transfer_id]
-            e.acked[k] = state
-            out.append(Acknowledge(reg, state, ahead))
+        else:
+            out += self._states.registered(reg.transfer_id, e, k, reg)
         return out
 
     def on_prefill_state(self, transfer_id: str, state: PrefillState, tokens_ahead: int) -> list[Decision]:
@@ -229,19 +188,11 @@ class Rendezvous:
         Registrations waiting for it are told when the state changes; while it
         is queued or running they do not expire.
         """
-        if state is PrefillState.UNKNOWN or state is PrefillState.PUSHING:
-            self._queue.pop(transfer_id, None)
-        else:
-            self._queue[transfer_id] = (state, tokens_ahead)
+        self._states.note(transfer_id, state, tokens_ahead)
         e = self._entries.get(transfer_id)
-        if e is None or e.prefill is not None or transfer_id not in self._queue:
-            return []  # only a known state is sent: what follows a dropped prefill (an abort) says why
-        out: list[Decision] = []
-        for k, reg in e.regs.items():
-            if k not in e.done and k not in e.in_flight and e.acked.get(k) is not state:
-                e.acked[k] = state
-                out.append(Acknowledge(reg, state, tokens_ahead))
-        return out
+        if e is None or e.prefill is not None:
+            return []
+        return list(self._states.changed(transfer_id, e))
 
     def on_pushed(self, transfer_id: str, engine_id: str, rank: int) -> list[Decision]:
         """A WRITE (plus notification) to that D rank finished, successfully or not."""
@@ -289,37 +240,13 @@ class Rendezvous:
         e = self._entries.get(transfer_id)
         if e is not None and e.owner is not None and e.owner != key:
             return "the transfer is registered by another D (a different key)"
-        buries = (e is None or e.prefill is None) and transfer_id not in self._tombstones
+        buries = (e is None or e.prefill is None) and transfer_id not in self._buried
         held = self.tombstones(by)
         if buries and held >= self.limits.max_peer_tombstones:
             return (
                 f"this D rank left {held} aborts of unknown transfers already (limit {self.limits.max_peer_tombstones})"
             )
         return ""
-
-    def _bury(self, transfer_id: str, until: float, by: DKey | None, cause: Cause = Cause.ABORTED) -> None:
-        """A tombstone until ``until``; one already there keeps the D rank it counts against (a second
-        abort of the same id refreshes it, and cannot move it onto a rank that is at its limit)."""
-        if transfer_id in self._tombstones:
-            by = self._tombstones[transfer_id][1]
-        self._unbury(transfer_id)
-        self._tombstones[transfer_id] = (until, by)
-        self._tomb_cause[transfer_id] = cause
-        if by is not None:
-            self._tombs_of[by] = self._tombs_of.get(by, 0) + 1
-        while len(self._tombstones) > self.limits.max_tombstones:
-            # The oldest goes: forgetting one costs at most a prefill parked for its lease.
-            self._unbury(next(iter(self._tombstones)))
-
-    def _unbury(self, transfer_id: str) -> None:
-        _, by = self._tombstones.pop(transfer_id, (0.0, None))
-        self._tomb_cause.pop(transfer_id, None)
-        if by is not None:
-            left = self._tombs_of[by] - 1
-            if left:
-                self._tombs_of[by] = left
-            else:
-                del self._tombs_of[by]
 
     def _on_abort(
         self, transfer_id: str, now: float, reason: str, cause: Cause, by: DKey | None = None
@@ -328,9 +255,9 @@ class Rendezvous:
         is D's job); ``by``: the D rank whose abort this is (None: P's own), a tombstone it leaves counts
         against it."""
         e = self._entries.get(transfer_id)
-        self._queue.pop(transfer_id, None)
+        self._states.forget(transfer_id)
         if e is None or e.prefill is None:
-            self._bury(transfer_id, now + self.prefill_lease_s, by, cause)
+            self._buried.bury(transfer_id, now + self.prefill_lease_s, by, cause)
         if e is None:
             return []
         e.regs = {k: r for k, r in e.regs.items() if k in e.in_flight}
@@ -375,7 +302,7 @@ class Rendezvous:
         """
         out: list[Decision] = []
         for tid, e in list(self._entries.items()):
-            before = _holding(e)
+            before = holding(e)
             e.held.pop(key, None)
             job = e.record.jobs.get(key)
             if job is not None:
@@ -392,8 +319,7 @@ class Rendezvous:
         """Drop what waited past its deadline; never touches in-flight writes, nor registrations whose
         prefill P's scheduler holds queued or running (their lease lives as long as the prefill does)."""
         out: list[Decision] = []
-        for t in [t for t, (until, _) in self._tombstones.items() if until <= now]:
-            self._unbury(t)
+        self._buried.expire(now)
         for tid in list(self._entries):
             e = self._entries[tid]
             if e.in_flight:
@@ -403,14 +329,14 @@ class Rendezvous:
                 out.extend(
                     Refuse(r, "prefill lease expired", Cause.EXPIRED) for k, r in e.regs.items() if k not in e.done
                 )
-                self._settle_holdings(tid, _holding(e), dropped=True)
+                self._settle_holdings(tid, holding(e), dropped=True)
                 self._drop(tid)
-            elif e.prefill is None and e.regs and now >= e.reg_deadline and tid not in self._queue:
+            elif e.prefill is None and e.regs and now >= e.reg_deadline and tid not in self._states:
                 out.extend(
                     Refuse(r, "registration expired: prefill never finished here", Cause.EXPIRED)
                     for r in e.regs.values()
                 )
-                self._settle_holdings(tid, _holding(e), dropped=True)
+                self._settle_holdings(tid, holding(e), dropped=True)
                 self._drop(tid)
         return out
 
@@ -470,11 +396,11 @@ class Rendezvous:
     def tombstones(self, by: DKey | None = None) -> int:
         """Transfers remembered as aborted before their prefill finished; ``by``: those the aborts of that D
         rank left (what its ``max_peer_tombstones`` counts)."""
-        return len(self._tombstones) if by is None else self._tombs_of.get(by, 0)
+        return len(self._buried) if by is None else self._buried.left_by(by)
 
     def queued(self) -> int:
         """Prefills P's scheduler holds queued (not running yet)."""
-        return sum(1 for state, _ in self._queue.values() if state is PrefillState.QUEUED)
+        return self._states.queued()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -483,26 +409,22 @@ class Rendezvous:
         """(registrations, block ids) each D rank holds in transfer ``tid``'s entry: what every event settles
         ``holdings`` by."""
         e = self._entries.get(tid)
-        return _holding(e) if e is not None else {}
+        return holding(e) if e is not None else {}
 
     # -- internals ------------------------------------------------------
 
     def _settle_holdings(self, tid: str, before: dict[DKey, tuple[int, int]], dropped: bool = False) -> None:
         """Bring ``holdings`` to what entry ``tid`` holds now, given what it held ``before`` the event."""
-        after = {} if dropped else self.holding(tid)
-        for k in before.keys() | after.keys():
-            (n0, b0), (n1, b1) = before.get(k, (0, 0)), after.get(k, (0, 0))
-            if (n0, b0) != (n1, b1):
-                self.holdings.change(k, n1 - n0, b1 - b0)
+        settle(self.holdings, before, {} if dropped else self.holding(tid))
 
-    def _push(self, tid: str, e: _Entry, k: DKey, reg: Register) -> Push:
+    def _push(self, tid: str, e: Entry, k: DKey, reg: Register) -> Push:
         assert e.prefill is not None
         e.done.discard(k)
         e.in_flight.add(k)
         self._pushing[tid] = e
         return Push(e.prefill, reg)
 
-    def _settle(self, tid: str, e: _Entry, k: DKey) -> None:
+    def _settle(self, tid: str, e: Entry, k: DKey) -> None:
         """A decided push to ``k`` is over (written, failed, or never started)."""
         e.in_flight.discard(k)
         e.done.add(k)
@@ -513,7 +435,7 @@ class Rendezvous:
         del self._entries[tid]
         self._pushing.pop(tid, None)
 
-    def _maybe_release(self, tid: str, e: _Entry) -> list[Decision]:
+    def _maybe_release(self, tid: str, e: Entry) -> list[Decision]:
         if e.in_flight or len(e.done) < e.expected or e.prefill is None:
             return []
         self._drop(tid)

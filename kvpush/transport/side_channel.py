@@ -26,8 +26,9 @@ from zmq.utils.monitor import parse_monitor_message
 from kvpush.core import protocol
 from kvpush.core.errors import ConfigError, ProtocolError
 from kvpush.core.limits import Budgets, Throttle, Verdict
-from kvpush.transport import auth
-from kvpush.transport.auth import LOG_EVERY_S, ClientKeys, Gate, ServerKeys, describe_client_failure
+from kvpush.transport import auth, key_set
+from kvpush.transport.auth import LOG_EVERY_S, Gate, describe_client_failure
+from kvpush.transport.key_set import ClientKeys, ServerKeys
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def peer_budgets(cfg: Any) -> Budgets:
 
 def server_keys(cfg: Any) -> ServerKeys | None:
     """P's keys per its ``Config`` (``ConfigError`` naming what is missing); None, with a warning, for auth none."""
-    keys = auth.server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
+    keys = key_set.server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
     if keys is None:
         log.warning(OPEN_WARNING, "this P", "its port", "P")
     return keys
@@ -75,7 +76,7 @@ def server_keys(cfg: Any) -> ServerKeys | None:
 
 def client_keys(cfg: Any) -> ClientKeys | None:
     """D's keys per its ``Config`` (``ConfigError`` naming what is missing); None, with a warning, for auth none."""
-    keys = auth.client_keys(cfg.security.auth, cfg.security.auth_keys_dir)
+    keys = key_set.client_keys(cfg.security.auth, cfg.security.auth_keys_dir)
     if keys is None:
         log.warning(OPEN_WARNING, "this D", "a P's port posing as P", "D")
     return keys
@@ -175,7 +176,7 @@ class Server:
     def _rejected(self, peer: str | bytes, key: str, exc: ProtocolError) -> None:
         held = self._reject_log.note(peer, time.monotonic())
         if held is not None:
-            who = auth.short(key) if key else "(auth none)"
+            who = key_set.short(key) if key else "(auth none)"
             more = f" ({held} more rejected since the last lines)" if held else ""
             log.warning(
                 "side channel %s:%s: rejected message from D key %s: %s%s", self.host, self.port, who, exc, more
@@ -198,7 +199,7 @@ class Server:
                 self.host,
                 self.port,
                 n,
-                auth.short(key) if key else "(auth none)",
+                key_set.short(key) if key else "(auth none)",
                 verdict.value.replace("_", " "),
                 self.budgets.bytes_per_s,
                 self.budgets.messages_per_s,

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpush.transport.auth import ENV_DIR
+from kvpush.transport.key_set import ENV_DIR
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import make_tiny_model
 

@@ -20,7 +20,7 @@ from kvpush.backends.host import HostBackend
 from kvpush.config import Config
 from kvpush.core.outcome import Result
 from kvpush.engine import PeerAddress, Receiver, Sender
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 SPEC = CacheSpec(block_size=16, num_heads=4, head_dim=64, dtype="float16")
 LAYERS = 2
@@ -43,7 +43,7 @@ class Pair:
 
     def push(self, tid: str, num_tokens: int, p_blocks: list[int], d_blocks: list[int], prefill: bool = True) -> None:
         """Register D's blocks, then (unless ``prefill`` is False) hand P's finished prefill over."""
-        cap = auth.session_capability(tid)
+        cap = key_set.session_capability(tid)
         self.receiver.register(tid, f"d-{tid}", self.peer, [d_blocks], num_tokens, capability=cap)
         if prefill:
             self.sender.prefill_finished(tid, f"p-{tid}", [p_blocks], num_tokens)

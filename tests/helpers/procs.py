@@ -37,7 +37,7 @@ import numpy as np
 from kvpush.conformance import model
 from kvpush.conformance import worker as conformance
 from kvpush.conformance.target import Target
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 SENTINEL = 0xA5
 """Byte that fills D's caches before a test: any block D did not register must still hold it."""
@@ -175,7 +175,7 @@ class Worker(conformance.Worker):
         """D gives up on a transfer it never registered (the connector's cancel order)."""
         from kvpush.engine import PeerAddress
 
-        self.ranks[key].engine.cancel(tid, rid, PeerAddress(*peer), reason, auth.session_capability(tid))
+        self.ranks[key].engine.cancel(tid, rid, PeerAddress(*peer), reason, key_set.session_capability(tid))
 
     def op_fill(self, key: str, blocks: list[int], value: int) -> None:
         """Write ``value`` into every byte of these blocks, as vLLM reusing them for another request would."""
@@ -324,7 +324,7 @@ class Worker(conformance.Worker):
         from kvpush.engine import PeerAddress
 
         self.ranks[key].engine.register(
-            tid, rid, PeerAddress(*peer), blocks, n, 0, capability=auth.session_capability(tid)
+            tid, rid, PeerAddress(*peer), blocks, n, 0, capability=key_set.session_capability(tid)
         )
 
     def op_gdn_pool(self, key: str) -> np.ndarray:

@@ -27,7 +27,7 @@ from procs import Geom, Node, assert_same, dealer, make_cache
 from kvpush.conformance.model import Req, apply_push
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 FAST = {"heartbeat_s": 0.2, "peer_dead_s": 2.0, "staging_bytes": 1 << 20}
 _ids = iter(range(1_000_000))
@@ -89,12 +89,12 @@ def test_peers_without_an_allowed_key_get_nothing(nodes: tuple[Node, Node], tmp_
     and the victim's parked registration is neither stolen nor aborted."""
     p, d = nodes
     g = Geom(num_blocks=32)
-    session = auth.client_keys("curve", "")
+    session = key_set.client_keys("curve", "")
     assert session is not None
-    auth.make_key_set(tmp_path)  # a key set of its own: its D key is not among P's
-    own = auth.client_keys("curve", str(tmp_path))
+    key_set.make_key_set(tmp_path)  # a key set of its own: its D key is not among P's
+    own = key_set.client_keys("curve", str(tmp_path))
     assert own is not None
-    stranger = auth.ClientKeys(own.public, own.secret, session.server)  # knows P's public key (it is public)
+    stranger = key_set.ClientKeys(own.public, own.secret, session.server)  # knows P's public key (it is public)
     with pair(nodes, FAST, g) as (k, addr):
         victim = Req("victim", "pv", "dv", [3, 4], [5, 6], 30)
         d.call("register", k + "d", victim.tid, victim.d_rid, (*addr, 1), victim.d_blocks, victim.n, 0)
@@ -200,8 +200,8 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
         d.call("register", k + "d", parked.tid, parked.d_rid, (*addr, 1), parked.d_blocks, parked.n, 0)
         [first] = d.call("results", k + "d", 1, 15.0)
         assert first.transfer_id == "parked" and first.ok, first
-        own = auth.add_decode_key(auth.keys_dir(""), f"intruder-{next(_ids)}")
-        keys = auth.client_keys("curve", str(own))
+        own = key_set.add_decode_key(key_set.keys_dir(""), f"intruder-{next(_ids)}")
+        keys = key_set.client_keys("curve", str(own))
         assert keys is not None
         ctx = zmq.Context()
         s = dealer(addr, keys, ctx)
@@ -209,8 +209,8 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
             hello, register, abort, _, _ = _attack(d, k, victim.tid, g)
             # Even with the victim's capability (leaked: tests/nixl/test_binding_nixl.py covers the intruder
             # without it), the key rule holds: the transfer belongs to the key that registered it.
-            register = msgspec.structs.replace(register, capability=auth.session_capability(victim.tid))
-            abort = msgspec.structs.replace(abort, capability=auth.session_capability(victim.tid))
+            register = msgspec.structs.replace(register, capability=key_set.session_capability(victim.tid))
+            abort = msgspec.structs.replace(abort, capability=key_set.session_capability(victim.tid))
             s.send(protocol.encode(hello))
             assert s.poll(5000) and protocol.decode(s.recv()).ok  # a D P allows: it is heard
             s.send(protocol.encode(register))
@@ -218,7 +218,7 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
             fail = protocol.decode(s.recv())
             assert isinstance(fail, protocol.Failure) and "registered by another D" in fail.reason, fail
             s.send(protocol.encode(abort))
-            cap = auth.session_capability(parked.tid)
+            cap = key_set.session_capability(parked.tid)
             s.send(protocol.encode(msgspec.structs.replace(abort, transfer_id=parked.tid, capability=cap)))
             d_name = msgspec.structs.replace(hello, engine_id="D" + k)  # the victim's engine id, rank 0
             s2 = dealer(addr, keys, ctx)  # a connection of its own, as a D rank has

@@ -30,15 +30,15 @@ from test_auth_nixl import FAST, _attack, _check_pushed, _ids, pair
 from kvpush.conformance.model import Req, apply_push
 from kvpush.core import protocol
 from kvpush.core.outcome import Cause, Stage
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 
 class Intruder:
     """An authenticated D of a key of its own, on one connection, that said hello."""
 
     def __init__(self, d: Node, k: str, addr: tuple[str, int], g: Geom) -> None:
-        own = auth.add_decode_key(auth.keys_dir(""), f"d-evil-{next(_ids)}")
-        keys = auth.client_keys("curve", str(own))
+        own = key_set.add_decode_key(key_set.keys_dir(""), f"d-evil-{next(_ids)}")
+        keys = key_set.client_keys("curve", str(own))
         assert keys is not None
         self.ctx = zmq.Context()
         self.sock = dealer(addr, keys, self.ctx)
@@ -62,7 +62,7 @@ class Intruder:
         self.ctx.term()
 
 
-CAPS = {"none": lambda: "", "own": lambda: auth.session_capability("the-intruders-own-transfer")}
+CAPS = {"none": lambda: "", "own": lambda: key_set.session_capability("the-intruders-own-transfer")}
 """What the intruder registers or aborts with: nothing, or the capability the router gave it for a
 transfer of its own."""
 

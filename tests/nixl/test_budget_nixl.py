@@ -37,7 +37,7 @@ from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Cause
 from kvpush.prefill.admission import block_ceiling
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 GROWTH_MB = 150
 """P's RSS may grow this much over its baseline during any of these attacks, and keep less than
@@ -64,14 +64,14 @@ def nodes() -> Iterator[tuple[Node, Node]]:
         d.stop()
 
 
-def evil_key(ranks: int | None = None) -> auth.ClientKeys:
+def evil_key(ranks: int | None = None) -> key_set.ClientKeys:
     """A second D key of the deployment's key set, made as an operator would: ``kvpush keys DIR --decode``."""
-    root = auth.keys_dir("")
+    root = key_set.keys_dir("")
     assert root is not None
     name = f"d-evil-{uuid.uuid4().hex[:8]}"
     argv = [str(root), "--decode", name] + ([] if ranks is None else ["--ranks", str(ranks)])
     assert keys_cli.main(argv) == 0
-    keys = auth.client_keys("curve", str(Path(root) / name))
+    keys = key_set.client_keys("curve", str(Path(root) / name))
     assert keys is not None
     return keys
 
@@ -142,7 +142,7 @@ def test_one_key_under_many_names_claiming_huge_caches(nodes: tuple[Node, Node])
     socks: list[zmq.Socket] = []
     try:
         keys = evil_key()
-        who = auth.short(keys.public)
+        who = key_set.short(keys.public)
         big = claiming(msgspec.msgpack.decode(d.call("layout", k + "d"), type=KVLayout), 1 << 20)
         metas = [d.call("bare_agent", f"{k}-evil-{i}") for i in range(NAMES)]
         base = rss_mb(p.proc.pid)
@@ -167,7 +167,7 @@ def test_one_key_under_many_names_claiming_huge_caches(nodes: tuple[Node, Node])
                 (ids,),
                 16,
                 lease_ms=3_600_000,
-                capability=auth.session_capability(f"evil-{i}"),
+                capability=key_set.session_capability(f"evil-{i}"),
             )
             s.send(protocol.encode(reg))
         time.sleep(2.0)  # P reads the registrations (at the key's byte budget) while the pushes go on
@@ -248,7 +248,7 @@ def test_registrations_stop_at_the_keys_bytes(nodes: tuple[Node, Node]) -> None:
     socks: list[zmq.Socket] = []
     try:
         keys = evil_key()
-        who = auth.short(keys.public)[:8]
+        who = key_set.short(keys.public)[:8]
         # each name claims a cache of 2^20 blocks, so only the key's budget is left to stop it
         layout = claiming(msgspec.msgpack.decode(d.call("layout", k + "d"), type=KVLayout), 1 << 20)
         metas = [d.call("bare_agent", f"{k}-{i}") for i in range(4)]  # a Node answers one caller at a time
@@ -265,7 +265,7 @@ def test_registrations_stop_at_the_keys_bytes(nodes: tuple[Node, Node]) -> None:
         for j in range(1000):
             for i, s in enumerate(socks):
                 tid = f"b-{i}-{j}"
-                cap = auth.session_capability(tid)  # each with its capability: the budget is what stops them
+                cap = key_set.session_capability(tid)  # each with its capability: the budget is what stops them
                 reg = protocol.Register(tid, "r", f"{k}-{i}", 0, ((j % 64,),), 16, lease_ms=3_600_000, capability=cap)
                 s.send(protocol.encode(reg))
         refused = 0
@@ -419,7 +419,7 @@ class ConnFlood:
     """A key holder's ``KEY_CONNS`` CURVE connections to P, each sending 8 MiB frames as fast as ZeroMQ takes
     them; ZeroMQ reconnects each one P shuts (the worst case: it never stops asking)."""
 
-    def __init__(self, addr: tuple[str, int], keys: auth.ClientKeys) -> None:
+    def __init__(self, addr: tuple[str, int], keys: key_set.ClientKeys) -> None:
         self.ctx = zmq.Context(io_threads=2)
         self.socks = []
         for _ in range(KEY_CONNS):
@@ -480,7 +480,7 @@ def test_one_key_holding_many_authenticated_connections(nodes: tuple[Node, Node]
         f"P RSS {base:.0f} MB before, {peak:.0f} MB peak; the key sent {sent} frames of 8 MiB; it held at most "
         f"{most} authenticated connections on P at once, {shut} shut; {pushed} real pushes"
     )
-    p.wait_logged([f"shut the oldest connection of D key {auth.short(keys.public)[:8]}"])
+    p.wait_logged([f"shut the oldest connection of D key {key_set.short(keys.public)[:8]}"])
     assert pushed >= 2
     assert most <= 4 and shut > 0, st  # without the cap: all 48 at once, none shut
     # Without the cap ZeroMQ holds frames of all 48 connections, several times this bound (docs/security.md).

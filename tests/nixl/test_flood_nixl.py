@@ -33,7 +33,7 @@ from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import PeerLimits
 from kvpush.core.outcome import Cause, Stage
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 GROWTH_DURING_MB = 200
 """P's RSS may grow this much over its baseline while the flood runs (one frame being decoded, what ZMQ
@@ -95,7 +95,7 @@ class Sampler:
         return max(self.samples)
 
 
-def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, errors: list[BaseException]) -> None:
+def _flood(addr: tuple[str, int], keys: key_set.ClientKeys, hello: protocol.Hello, errors: list[BaseException]) -> None:
     """What a hostile holder of a D key sends, as fast as ZMQ takes it; then 100 MB frames from anyone."""
     try:
         ctx = zmq.Context()
@@ -108,7 +108,7 @@ def _flood(addr: tuple[str, int], keys: auth.ClientKeys, hello: protocol.Hello, 
         s.send(protocol.encode(protocol.Register("max-ids", "max-ids", name, 0, (ids,), 0, lease_ms=3_600_000)))
         # With each transfer's capability (the worst case: a D the router gave them), so that the floods
         # reach the per-peer limits instead of stopping at the capability check.
-        cap = auth.session_capability
+        cap = key_set.session_capability
         for i in range(REGISTRATIONS):
             reg = protocol.Register(
                 f"flood-{i}", f"flood-{i}", name, 0, ((1, 2),), 30, lease_ms=3_600_000, capability=cap(f"flood-{i}")
@@ -183,8 +183,8 @@ def test_flood_keeps_p_bounded_and_real_transfers_exact(nodes: tuple[Node, Node]
         meta = d.call("bare_agent", "flood-agent")
         hello = protocol.Hello("D-flood", 0, 1, "flood-agent", meta, d_layout, "")
         # The flood's D key is one of the deployment's (P allows it), but not the real D's.
-        own = auth.add_decode_key(auth.keys_dir(""), f"flood-{uuid.uuid4().hex[:8]}")
-        keys = auth.client_keys("curve", str(own))
+        own = key_set.add_decode_key(key_set.keys_dir(""), f"flood-{uuid.uuid4().hex[:8]}")
+        keys = key_set.client_keys("curve", str(own))
         assert keys is not None
         sampler = Sampler(p.proc.pid)
         pushed, after = 0, []
@@ -228,8 +228,8 @@ def test_one_d_key_is_known_as_at_most_peer_max_ranks_d_ranks(nodes: tuple[Node,
     socks = []
     try:
         d_layout = msgspec.msgpack.decode(d.call("layout", "dr"), type=KVLayout)
-        own = auth.add_decode_key(auth.keys_dir(""), f"names-{uuid.uuid4().hex[:8]}")
-        keys = auth.client_keys("curve", str(own))
+        own = key_set.add_decode_key(key_set.keys_dir(""), f"names-{uuid.uuid4().hex[:8]}")
+        keys = key_set.client_keys("curve", str(own))
         assert keys is not None
 
         def hello(sock: zmq.Socket, name: str) -> protocol.HelloReply:
@@ -295,7 +295,7 @@ def test_a_flooding_p_keeps_d_bounded_and_real_transfers_exact(nodes: tuple[Node
     cfg: dict[str, Any] = {"staging_bytes": 1 << 20, "peer_dead_s": 600.0, "transfer_timeout_s": 600.0}
     addr = tuple(p.call("sender", "pd", g, cfg, "P-dside", 9))
     d.call("receiver", "dd", g, cfg, "D-dside")
-    keys = auth.server_keys("curve", "")
+    keys = key_set.server_keys("curve", "")
     assert keys is not None
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)

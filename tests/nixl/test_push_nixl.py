@@ -27,7 +27,7 @@ from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Result
-from kvpush.transport import auth
+from kvpush.transport import key_set
 from kvpush.transport.nixl_backends import traits
 
 STAGING = 4 << 20
@@ -406,7 +406,7 @@ def test_unmatched_registration_and_prefill_expire(nodes: tuple[Node, Node]) -> 
 
 def _dealer(addr: tuple[str, int]) -> zmq.Socket:
     """A raw socket holding a D key of the session's key set: a buggy peer, but an authenticated one."""
-    return dealer(addr, auth.client_keys("curve", ""))
+    return dealer(addr, key_set.client_keys("curve", ""))
 
 
 def _reply(sock: zmq.Socket, timeout_s: float = 5.0) -> Any:

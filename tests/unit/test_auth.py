@@ -21,16 +21,16 @@ from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.errors import ConfigError
 from kvpush.engine import Receiver, Sender
-from kvpush.transport import auth
+from kvpush.transport import key_set
 from kvpush.transport.side_channel import Client, Server, server_keys
 
 ENV_VARS = [
-    auth.ENV_DIR,
-    auth.ENV_PREFILL_PUBLIC,
-    auth.ENV_PREFILL_SECRET,
-    auth.ENV_DECODE_PUBLIC,
-    auth.ENV_DECODE_SECRET,
-    auth.ENV_DECODERS,
+    key_set.ENV_DIR,
+    key_set.ENV_PREFILL_PUBLIC,
+    key_set.ENV_PREFILL_SECRET,
+    key_set.ENV_DECODE_PUBLIC,
+    key_set.ENV_DECODE_SECRET,
+    key_set.ENV_DECODERS,
 ]
 
 
@@ -54,14 +54,14 @@ def _exchange(server: Server, client: Client, timeout_s: float = 5.0) -> list[pr
 
 
 def test_a_key_set_serves_both_roles_and_secrets_stay_private(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
-    made = auth.make_key_set(tmp_path)
+    made = key_set.make_key_set(tmp_path)
     assert {p.name for p in made} == {"prefill.key_secret", "prefill.key", "decode.key_secret", "decode.key"}
     for p in made:
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == (0o600 if p.name.endswith("_secret") else 0o644), (p, oct(mode))
-    assert auth.make_key_set(tmp_path) == []  # never overwritten
-    sk = auth.server_keys("curve", str(tmp_path))
-    ck = auth.client_keys("curve", str(tmp_path))
+    assert key_set.make_key_set(tmp_path) == []  # never overwritten
+    sk = key_set.server_keys("curve", str(tmp_path))
+    ck = key_set.client_keys("curve", str(tmp_path))
     assert sk is not None and ck is not None
     assert ck.server == sk.public and ck.public in sk.allowed
     assert zmq.curve_public(sk.secret) == sk.public
@@ -71,8 +71,8 @@ def test_keys_command_adds_a_d_key_of_its_own(tmp_path: Path, no_env: pytest.Mon
     assert cli(["keys", str(tmp_path), "--decode", "d-one"]) == 0
     mount = tmp_path / "d-one"
     assert sorted(p.name for p in mount.iterdir()) == ["decode.key_secret", "prefill.key"]
-    own = auth.client_keys("curve", str(mount))
-    sk = auth.server_keys("curve", str(tmp_path))
+    own = key_set.client_keys("curve", str(mount))
+    sk = key_set.server_keys("curve", str(tmp_path))
     assert own is not None and sk is not None
     assert own.public in sk.allowed and own.server == sk.public
     assert cli(["keys", str(tmp_path), "--decode", "d-one"]) == 1  # exists already
@@ -85,23 +85,23 @@ def test_a_d_key_declares_its_ranks_in_the_key_set(tmp_path: Path, no_env: pytes
     assert cli(["keys", str(tmp_path), "--decode", "d-eight", "--ranks", "8"]) == 0
     assert cli(["keys", str(tmp_path), "--decode", "d-plain"]) == 0
     assert cli(["keys", str(tmp_path), "--decode", "d-zero", "--ranks", "0"]) == 1
-    eight = auth.client_keys("curve", str(tmp_path / "d-eight"))
-    plain = auth.client_keys("curve", str(tmp_path / "d-plain"))
-    sk = auth.server_keys("curve", str(tmp_path))
+    eight = key_set.client_keys("curve", str(tmp_path / "d-eight"))
+    plain = key_set.client_keys("curve", str(tmp_path / "d-plain"))
+    sk = key_set.server_keys("curve", str(tmp_path))
     assert eight is not None and plain is not None and sk is not None
     assert eight.public in sk.allowed and plain.public in sk.allowed
-    declared = auth.DeclaredRanks(tmp_path / auth.DECODERS)
+    declared = key_set.DeclaredRanks(tmp_path / key_set.DECODERS)
     assert declared(eight.public.decode()) == 8 and declared(plain.public.decode()) is None
     time.sleep(0.01)
     assert cli(["keys", str(tmp_path), "--decode", "d-two", "--ranks", "2"]) == 0
-    two = auth.client_keys("curve", str(tmp_path / "d-two"))
+    two = key_set.client_keys("curve", str(tmp_path / "d-two"))
     assert two is not None and declared(two.public.decode()) == 2
-    assert auth.DeclaredRanks(None)(eight.public.decode()) is None  # keys from the environment declare none
+    assert key_set.DeclaredRanks(None)(eight.public.decode()) is None  # keys from the environment declare none
 
     def full_table(path: Path) -> dict[str, int]:
         raise OSError(24, "Too many open files")
 
-    no_env.setattr(auth, "read_declared_ranks", full_table)  # a hello while the descriptor table is full
+    no_env.setattr(key_set, "read_declared_ranks", full_table)  # a hello while the descriptor table is full
     time.sleep(0.01)
     assert cli(["keys", str(tmp_path), "--decode", "d-three", "--ranks", "3"]) == 0
     assert declared(eight.public.decode()) == 8  # what was read before holds; the hello goes on
@@ -119,9 +119,9 @@ def test_a_d_key_declares_its_ranks_in_the_key_set(tmp_path: Path, no_env: pytes
 def test_missing_keys_are_a_clear_error(
     tmp_path: Path, no_env: pytest.MonkeyPatch, role: str, remove: str, needle: str
 ) -> None:
-    auth.make_key_set(tmp_path)
+    key_set.make_key_set(tmp_path)
     (tmp_path / remove).unlink()
-    load = auth.server_keys if role == "P" else auth.client_keys
+    load = key_set.server_keys if role == "P" else key_set.client_keys
     with pytest.raises(ConfigError, match="kvpush keys") as err:
         load("curve", str(tmp_path))
     assert needle in str(err.value) and '"auth": "none"' in str(err.value)
@@ -129,41 +129,41 @@ def test_missing_keys_are_a_clear_error(
 
 def test_no_keys_at_all_names_every_way_to_give_them(no_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as err:
-        auth.server_keys("curve", "")
+        key_set.server_keys("curve", "")
     text = str(err.value)
-    for name in ("auth_keys_dir", auth.ENV_DIR, auth.ENV_PREFILL_SECRET, "kvpush keys", '"auth": "none"'):
+    for name in ("auth_keys_dir", key_set.ENV_DIR, key_set.ENV_PREFILL_SECRET, "kvpush keys", '"auth": "none"'):
         assert name in text, text
 
 
 def test_bad_key_files_are_named(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
-    auth.make_key_set(tmp_path)
+    key_set.make_key_set(tmp_path)
     other = tmp_path / "other"
-    auth.make_key_set(other)
+    key_set.make_key_set(other)
     secret = (tmp_path / "prefill.key_secret").read_text()
     foreign = (other / "prefill.key_secret").read_text().split("secret-key")[1]
     (tmp_path / "prefill.key_secret").write_text(secret.split("secret-key")[0] + "secret-key" + foreign)
     with pytest.raises(ConfigError, match="does not belong to the public key"):
-        auth.server_keys("curve", str(tmp_path))
+        key_set.server_keys("curve", str(tmp_path))
     (tmp_path / "decoders" / "junk.key").write_text('curve\n    public-key = "short"\n')
     with pytest.raises(ConfigError, match=r"junk\.key: a CURVE key is 40 Z85 characters"):
-        auth.read_decoders(tmp_path / "decoders")
+        key_set.read_decoders(tmp_path / "decoders")
 
 
 def test_keys_from_the_environment(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
     p_pub, p_sec = zmq.curve_keypair()
     d_pub, d_sec = zmq.curve_keypair()
     other, _ = zmq.curve_keypair()
-    no_env.setenv(auth.ENV_PREFILL_PUBLIC, p_pub.decode())
-    no_env.setenv(auth.ENV_PREFILL_SECRET, p_sec.decode())
-    no_env.setenv(auth.ENV_DECODE_PUBLIC, d_pub.decode())
-    no_env.setenv(auth.ENV_DECODE_SECRET, d_sec.decode())
-    no_env.setenv(auth.ENV_DECODERS, f"{d_pub.decode()}, {other.decode()}")
-    sk, ck = auth.server_keys("curve", ""), auth.client_keys("curve", "")
+    no_env.setenv(key_set.ENV_PREFILL_PUBLIC, p_pub.decode())
+    no_env.setenv(key_set.ENV_PREFILL_SECRET, p_sec.decode())
+    no_env.setenv(key_set.ENV_DECODE_PUBLIC, d_pub.decode())
+    no_env.setenv(key_set.ENV_DECODE_SECRET, d_sec.decode())
+    no_env.setenv(key_set.ENV_DECODERS, f"{d_pub.decode()}, {other.decode()}")
+    sk, ck = key_set.server_keys("curve", ""), key_set.client_keys("curve", "")
     assert sk is not None and ck is not None
     assert sk.allowed == {d_pub, other} and ck.server == p_pub and sk.decoders_dir is None
-    no_env.setenv(auth.ENV_DECODE_SECRET, p_sec.decode())  # someone else's secret
+    no_env.setenv(key_set.ENV_DECODE_SECRET, p_sec.decode())  # someone else's secret
     with pytest.raises(ConfigError, match="does not belong"):
-        auth.client_keys("curve", "")
+        key_set.client_keys("curve", "")
 
 
 def test_auth_none_is_explicit_and_warned(caplog: pytest.LogCaptureFixture, no_env: pytest.MonkeyPatch) -> None:
@@ -189,24 +189,24 @@ def test_engines_refuse_to_start_without_keys(tmp_path: Path, no_env: pytest.Mon
 def test_gate_names_the_key_and_reads_new_d_keys(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
     """Every message carries the key its connection proved; a D key added to decoders/ while P runs is
     accepted at its next handshake, a key never added (or removed) is refused and the D is told why."""
-    auth.make_key_set(tmp_path)
+    key_set.make_key_set(tmp_path)
     ctx = zmq.Context()
-    server = Server(ctx, "127.0.0.1", 0, auth.server_keys("curve", str(tmp_path)))
+    server = Server(ctx, "127.0.0.1", 0, key_set.server_keys("curve", str(tmp_path)))
     clients: list[Client] = []
     try:
-        known = auth.client_keys("curve", str(tmp_path))
+        known = key_set.client_keys("curve", str(tmp_path))
         assert known is not None
         clients.append(Client(ctx, "127.0.0.1", server.port, known))
         [got] = _exchange(server, clients[-1])
         assert got.key == known.public.decode() and isinstance(got.msg, protocol.TimeQuery)
-        late = auth.add_decode_key(tmp_path, "late")  # P re-reads decoders/ for a key it does not know
-        late_keys = auth.client_keys("curve", str(late))
+        late = key_set.add_decode_key(tmp_path, "late")  # P re-reads decoders/ for a key it does not know
+        late_keys = key_set.client_keys("curve", str(late))
         assert late_keys is not None
         clients.append(Client(ctx, "127.0.0.1", server.port, late_keys))
         [got] = _exchange(server, clients[-1])
         assert got.key == late_keys.public.decode()
         pub, sec = zmq.curve_keypair()
-        clients.append(Client(ctx, "127.0.0.1", server.port, auth.ClientKeys(pub, sec, known.server)))
+        clients.append(Client(ctx, "127.0.0.1", server.port, key_set.ClientKeys(pub, sec, known.server)))
         assert _exchange(server, clients[-1], timeout_s=1.5) == []
         assert "refused this D's key" in clients[-1].failure, clients[-1].failure
         assert server.gate is not None and server.gate.refused >= 1

@@ -29,8 +29,9 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.core.parts import MIN_PART_BYTES, PartSchedule
 from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
+from kvpush.prefill.job_plan import JobPlan, Prepacked
 from kvpush.prefill.push_actions import QUESTIONS, CheckPack, Done, Fail, Notify, Post, ReleaseMade, StartPack
-from kvpush.prefill.push_job import JobPlan, Prepacked, PushJob
+from kvpush.prefill.push_job import PushJob
 from kvpush.prefill.transfer import Transfer
 
 

@@ -23,9 +23,11 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage, Xf
 from kvpush.core.parts import PartSchedule
 from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
+from kvpush.prefill.decisions import Acknowledge
+from kvpush.prefill.job_plan import JobPlan
 from kvpush.prefill.push_actions import Done, Post
-from kvpush.prefill.push_job import JobPlan, PushJob
-from kvpush.prefill.rendezvous import Acknowledge, Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
+from kvpush.prefill.push_job import PushJob
+from kvpush.prefill.rendezvous import Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
 
 LEASE_S = 10.0
 

@@ -1188,19 +1188,19 @@ def test_the_router_reads_its_capability_key_from_kvpush_keys(tmp_path: Path) ->
     from kvpush.cli.keys import main as keys_main
     from kvpush.core.capability import derive_key
     from kvpush.core.errors import ConfigError
-    from kvpush.transport import auth
+    from kvpush.transport import key_set
 
     assert keys_main([str(tmp_path)]) == 0
-    router_file = tmp_path / auth.ROUTER_KEY
+    router_file = tmp_path / key_set.ROUTER_KEY
     assert router_file.stat().st_mode & 0o777 == 0o600
-    _, secret = auth.read_key_file(tmp_path / auth.PREFILL_SECRET, need_secret=True)
-    assert secret is not None and auth.router_capability_key(router_file) == derive_key(secret)
-    assert auth.router_capability_key(tmp_path) == derive_key(secret)  # a key set directory
+    _, secret = key_set.read_key_file(tmp_path / key_set.PREFILL_SECRET, need_secret=True)
+    assert secret is not None and key_set.router_capability_key(router_file) == derive_key(secret)
+    assert key_set.router_capability_key(tmp_path) == derive_key(secret)  # a key set directory
     assert router_file.read_text().strip() != secret.decode(), "the router's file is not P's key"
     args = ["--prefill", "http://p", "--prefill-kv", "127.0.0.1:5600", "--decode", "http://d"]
     assert config_from_args([*args, "--capability-key", str(router_file)]).capability_key == derive_key(secret)
     bad = tmp_path / "bad.key"
     bad.write_text("not hex\n")
     with pytest.raises(ConfigError, match="capability key file"):
-        auth.router_capability_key(bad)
-    assert auth.router_capability_key(tmp_path / "decoders") is None
+        key_set.router_capability_key(bad)
+    assert key_set.router_capability_key(tmp_path / "decoders") is None

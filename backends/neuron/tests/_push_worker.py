@@ -140,7 +140,7 @@ def _p(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
 
 def _d(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
     from kvpush.engine import PeerAddress, Receiver
-    from kvpush.transport import auth
+    from kvpush.transport import key_set
 
     backend, tensors, arrays = _setup(sc.d, sc, env, D_SEED)
     for t, a in zip(tensors, arrays, strict=True):
@@ -156,7 +156,7 @@ def _d(sc: Scenario, env: Env, conn: Connection) -> dict[str, Any]:
         host, port = addr
         peer = PeerAddress(host, port, tp_size=sc.p.tp_size)
         # the test acts as the router: it mints the transfer's capability with the run's key set
-        cap = auth.session_capability("t1")
+        cap = key_set.session_capability("t1")
         receiver.register("t1", "r1", peer, [sc.d_blocks], sc.num_tokens, sc.start_token, capability=cap)
         res = _wait(receiver, "D")
         stats = receiver.stats()

@@ -21,7 +21,7 @@ from kvpush.integrations.router.config import (
 from kvpush.integrations.router.dp import dp_engines
 from kvpush.integrations.router.pool import Instance
 from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 log = logging.getLogger("kvpush.router")
 
@@ -223,7 +223,7 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             selective=a.selective,
             max_prefill_queue=a.max_prefill_queue,
             queue_interval=a.queue_interval,
-            capability_key=auth.router_capability_key(a.capability_key or auth.keys_dir("")),
+            capability_key=key_set.router_capability_key(a.capability_key or key_set.keys_dir("")),
         )
     except (ValueError, ConfigError) as e:
         ap.error(str(e))

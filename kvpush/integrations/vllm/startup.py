@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush.config import Config
 from kvpush.core.capability import derive_key
 from kvpush.integrations.vllm.params import PrefillAdvert
-from kvpush.transport import auth
+from kvpush.transport import key_set
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,6 +98,6 @@ def prefill_advert(cfg: Config, engine_id: str, vllm_config: VllmConfig) -> Pref
         )
         return None
     tp = vllm_config.parallel_config.tensor_parallel_size
-    keys = auth.server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
+    keys = key_set.server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
     key = derive_key(keys.secret) if keys is not None else None
     return PrefillAdvert(engine_id, cfg.side_channel_host, cfg.side_channel_port, tp, key)

@@ -26,12 +26,12 @@ SIZES = (64, 16 << 10, 1 << 20)
 def _pair(mode: str, keys_dir: str) -> tuple[Any, Any]:
     import zmq
 
-    from kvpush.transport import auth
+    from kvpush.transport import key_set
     from kvpush.transport.side_channel import Client, Server
 
     ctx = zmq.Context.instance()
-    server = Server(ctx, "127.0.0.1", 0, auth.server_keys(mode, keys_dir))
-    client = Client(ctx, "127.0.0.1", server.port, auth.client_keys(mode, keys_dir))
+    server = Server(ctx, "127.0.0.1", 0, key_set.server_keys(mode, keys_dir))
+    client = Client(ctx, "127.0.0.1", server.port, key_set.client_keys(mode, keys_dir))
     return server, client
 
 
@@ -65,9 +65,9 @@ def _message(size: int) -> Any:
 def measure(rounds: int, per_round: int) -> dict[str, Any]:
     """Round trips per (mode, size), modes interleaved per round; handshake times per mode."""
     keys = tempfile.mkdtemp(prefix="kvpush-bench-auth-")
-    from kvpush.transport import auth
+    from kvpush.transport import key_set
 
-    auth.make_key_set(keys)
+    key_set.make_key_set(keys)
     rtt: dict[str, dict[int, list[float]]] = {m: {s: [] for s in SIZES} for m in ("curve", "none")}
     handshake: dict[str, list[float]] = {"curve": [], "none": []}
     msgs = {s: _message(s) for s in SIZES}

@@ -107,10 +107,10 @@ def _receiver(conn: Any, case: str, keys_dir: str, main_poll_s: float) -> None:
     ctx = zmq.Context()
     server = None
     if case == "side-channel":
-        from kvpush.transport import auth
+        from kvpush.transport import key_set
         from kvpush.transport.side_channel import Server
 
-        server = Server(ctx, "127.0.0.1", 0, auth.server_keys("curve", keys_dir))
+        server = Server(ctx, "127.0.0.1", 0, key_set.server_keys("curve", keys_dir))
         sock, port = server.sock, server.port
     else:
         sock = _raw_sockets(ctx, case == "zmq-curve", None)
@@ -165,10 +165,10 @@ def _sender(port: int, case: str, keys_dir: str, frame: bytes, pings: int, gap_s
 
     ctx = zmq.Context()
     if case == "side-channel":
-        from kvpush.transport import auth
+        from kvpush.transport import key_set
         from kvpush.transport.side_channel import Client
 
-        client = Client(ctx, "127.0.0.1", port, auth.client_keys("curve", keys_dir))
+        client = Client(ctx, "127.0.0.1", port, key_set.client_keys("curve", keys_dir))
         sock = client.sock
     else:
         client, sock = None, _raw_sockets(ctx, case == "zmq-curve", port)
@@ -195,10 +195,10 @@ def measure(blocks: int, pings: int, gap_s: float, main_poll_s: float) -> dict[s
     """Every (case, size, receiver main thread) in its own receiver process; medians per stage."""
     import zmq
 
-    from kvpush.transport import auth
+    from kvpush.transport import key_set
 
     keys_dir = tempfile.mkdtemp(prefix="kvpush-bench-trip-")
-    auth.make_key_set(keys_dir)
+    key_set.make_key_set(keys_dir)
     keys = {"server": zmq.curve_keypair(), "client": zmq.curve_keypair()}
     _KEYS.update(keys)
     from kvpush.core import protocol

@@ -58,7 +58,7 @@ import numpy as np
 
 from kvpush.core.geometry import KVGeometry
 from kvpush.core.outcome import XferState
-from kvpush.transport.auth import session_capability
+from kvpush.transport.key_set import session_capability
 from kvpush_tools.cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
 
 POISON = 0xA5

@@ -80,7 +80,7 @@ def llm_config(model: str, kv_transfer_config: dict[str, Any], env: dict[str, st
 
 def pd_args(model: str, kv_port: int, p_engine_id: str, keys: str) -> dict[str, Any]:
     """``build_pd_openai_app``'s arguments: kvpush on P (vLLM's NIXL P config, connector renamed) and D."""
-    from kvpush.transport.auth import ENV_DIR
+    from kvpush.transport.key_set import ENV_DIR
 
     p_kv = srv.vllm_nixl_transfer_config("KVPushConnector", "kv_producer", engine_id=p_engine_id)
     p_kv["kv_connector_module_path"] = "kvpush.integrations.vllm.connector"

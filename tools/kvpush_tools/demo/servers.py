@@ -494,7 +494,7 @@ def capability(keys: str | os.PathLike[str], transfer_id: str) -> str:
     """The capability a router holding key set ``keys``'s capability key gives D for ``transfer_id`` (a test
     that sends D its ``kv_transfer_params`` by hand plays the router)."""
     from kvpush.core.capability import mint
-    from kvpush.transport.auth import router_capability_key
+    from kvpush.transport.key_set import router_capability_key
 
     key = router_capability_key(keys)
     assert key is not None, f"{keys} holds no P key"
@@ -503,7 +503,7 @@ def capability(keys: str | os.PathLike[str], transfer_id: str) -> str:
 
 def temp_keys() -> str:
     """A fresh side-channel key set (``kvpush keys``) in a private temporary directory, removed at exit."""
-    from kvpush.transport.auth import make_key_set
+    from kvpush.transport.key_set import make_key_set
 
     path = tempfile.mkdtemp(prefix="kvpush-keys-")
     atexit.register(shutil.rmtree, path, True)
@@ -514,7 +514,7 @@ def temp_keys() -> str:
 def export_temp_keys() -> str:
     """``$KVPUSH_AUTH_KEYS_DIR``, set to :func:`temp_keys` first if it is unset: engines this process
     starts, and the processes it spawns, authenticate with that key set."""
-    from kvpush.transport.auth import ENV_DIR
+    from kvpush.transport.key_set import ENV_DIR
 
     if not os.environ.get(ENV_DIR):
         os.environ[ENV_DIR] = temp_keys()
