@@ -2,7 +2,7 @@
 
 ``Fencing`` and each ``Incoming`` answer events with these; the receiver
 thread does what they say (send, unpack, wait, free, report) and feeds the
-answer back. Kept apart so the per-attempt machine and the book of all
+answer back. Kept apart so the per-attempt machine and the fencing of all
 attempts share one vocabulary.
 
 An action carries the data the receiver needs to carry it out (the link, the

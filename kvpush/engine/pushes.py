@@ -27,7 +27,17 @@ from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
 from kvpush.prefill.job_plan import JobPlan, Prepacked
-from kvpush.prefill.push_actions import QUESTIONS, Action, CheckPack, Done, Fail, Notify, Post, ReleaseMade, StartPack
+from kvpush.prefill.push_actions import (
+    QUESTIONS,
+    Action,
+    CheckPack,
+    Done,
+    Notify,
+    Post,
+    ReleaseMade,
+    SendFailure,
+    StartPack,
+)
 from kvpush.prefill.push_job import PushJob
 from kvpush.prefill.rendezvous import Prefill
 from kvpush.prefill.slots import Evicted, Grant, SlotAction, StagingSlots
@@ -114,7 +124,7 @@ class PushRunner:
         elif isinstance(a, ReleaseMade):
             for handle in a.handles:
                 self.agent.release(handle)
-        elif isinstance(a, Fail):
+        elif isinstance(a, SendFailure):
             ident = self.peers.ident_of((a.reg.engine_id, a.reg.rank))
             if ident is not None:
                 self.port.fail(ident, a.reg, a.failed)

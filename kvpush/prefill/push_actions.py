@@ -11,7 +11,7 @@ the D rank, the staging offset, the slot to free):
 * ``Post``: post the WRITE of regions ``[r0, r1)`` (a bare completion for an
   empty plan);
 * ``ReleaseMade``: give back WRITEs built ahead that will not be posted;
-* ``Fail``: tell D that some regions will never be written;
+* ``SendFailure``: tell D that some regions will never be written;
 * ``Done``: the job is over; nothing of it is in flight or being packed.
 """
 
@@ -81,7 +81,7 @@ class ReleaseMade:
 
 
 @dataclass(frozen=True)
-class Fail:
+class SendFailure:
     """Tell D this push will not write every region (sent only once nothing is in flight); ``reg``: D's
     registration the failure answers."""
 
@@ -99,7 +99,7 @@ class Done:
     slot: int | None
 
 
-Action = Notify | StartPack | CheckPack | Post | ReleaseMade | Fail | Done
+Action = Notify | StartPack | CheckPack | Post | ReleaseMade | SendFailure | Done
 
 QUESTIONS = (StartPack, CheckPack, Post)
 """Actions the shell answers (the event each names) before the job says more: each ends its list."""

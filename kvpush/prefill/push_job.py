@@ -16,7 +16,7 @@ The actions are ``kvpush.prefill.push_actions``'.
 
 Rules it keeps: nothing is packed or posted once the job is cancelled or has
 failed; a pack that is running still ends before the job does (P's blocks
-are read by it); D hears ``Fail`` only when no part is in flight any more, so
+are read by it); D is sent its ``Failure`` (``SendFailure``) only when no part is in flight any more, so
 nothing lands after D reads it; ``Done`` comes exactly once.
 
 A push counts only while its D rank counts it. D declares a silent P rank
@@ -47,10 +47,10 @@ from kvpush.prefill.push_actions import (
     Action,
     CheckPack,
     Done,
-    Fail,
     Notify,
     Post,
     ReleaseMade,
+    SendFailure,
     StartPack,
 )
 
@@ -317,7 +317,7 @@ class PushJob:
         if why is None and self.cancelled is not None and self.nposted < self.plan.nregions:
             why = self.cancelled
         self._todo.append(("done", why))
-        return Fail(why, self.reg) if why is not None else self._next()
+        return SendFailure(why, self.reg) if why is not None else self._next()
 
     def _action(self, item: tuple[Any, ...]) -> Action | None:
         kind = item[0]

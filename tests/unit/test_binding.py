@@ -270,46 +270,50 @@ TestOptionalBinding.settings = settings(max_examples=150, stateful_step_count=30
 P0, P1, EVIL = ("p", 100), ("p", 101), ("evil", 100)
 
 
-def _book() -> tuple[Fencing, list]:
-    book = Fencing(2, transfer_timeout_s=10.0, peer_dead_s=5.0)
-    out = book.register(Asked("t", "r", ((1, 2),), 32), {0: P0, 1: P1}, 0.0)
+def _fencing() -> tuple[Fencing, list]:
+    fencing = Fencing(2, transfer_timeout_s=10.0, peer_dead_s=5.0)
+    out = fencing.register(Asked("t", "r", ((1, 2),), 32), {0: P0, 1: P1}, 0.0)
     for a in out:
         assert isinstance(a, SendRegister)
         a.incoming.register_sent(a.p_rank, None, None, 0, True, 0.0)
-    return book, out
+    return fencing, out
 
 
 @pytest.mark.parametrize("sender", [EVIL, P1, UNKNOWN_SENDER])
 @pytest.mark.parametrize("kind", ["completion", "failure"])
 def test_only_the_registered_p_rank_completes_or_fails_its_part(sender: tuple[str, int], kind: str) -> None:
-    book, _ = _book()
+    fencing, _ = _fencing()
     done = protocol.Completion("t", "r", 0)
     fail = protocol.Failure("t", "r", 0, Stage.TRANSFER, Cause.OTHER, "forged")
     msg = done if kind == "completion" else fail
-    act = book.completion(msg, 1.0, sender=sender) if kind == "completion" else book.failure(msg, 1.0, sender=sender)
+    act = (
+        fencing.completion(msg, 1.0, sender=sender)
+        if kind == "completion"
+        else fencing.failure(msg, 1.0, sender=sender)
+    )
     assert act == [Foreign("t", 0, sender)]
-    assert book.counters[Count.FOREIGN_MESSAGES] == 1
-    w = book.current["t"].writers[0]
+    assert fencing.counters[Count.FOREIGN_MESSAGES] == 1
+    w = fencing.current["t"].writers[0]
     assert not w.final and w.covered is None, "nothing counted"
     # the registered P rank is heard
-    assert book.completion(protocol.Completion("t", "r", 0), 1.1, sender=P0) == []
-    [report] = book.completion(protocol.Completion("t", "r", 1), 1.2, sender=P1)
+    assert fencing.completion(protocol.Completion("t", "r", 0), 1.1, sender=P0) == []
+    [report] = fencing.completion(protocol.Completion("t", "r", 1), 1.2, sender=P1)
     assert isinstance(report, Report) and report.result.ok
 
 
 def test_a_foreign_message_for_a_superseded_attempt_fences_nothing() -> None:
-    book, _ = _book()
-    book.register(Asked("t", "r", ((3, 4),), 32), {0: P0, 1: P1}, 1.0)  # attempt 1; attempt 0 superseded
-    assert book.completion(protocol.Completion("t", "r", 0, attempt=1), 2.0, sender=EVIL) == [Foreign("t", 0, EVIL)]
-    assert len(book.superseded) == 1, "a forged completion of the newer attempt fenced the older one"
-    assert book.failure(protocol.Failure("t", "r", 0, Stage.TRANSFER, Cause.OTHER, "x"), 2.0, sender=EVIL) == [
+    fencing, _ = _fencing()
+    fencing.register(Asked("t", "r", ((3, 4),), 32), {0: P0, 1: P1}, 1.0)  # attempt 1; attempt 0 superseded
+    assert fencing.completion(protocol.Completion("t", "r", 0, attempt=1), 2.0, sender=EVIL) == [Foreign("t", 0, EVIL)]
+    assert len(fencing.superseded) == 1, "a forged completion of the newer attempt fenced the older one"
+    assert fencing.failure(protocol.Failure("t", "r", 0, Stage.TRANSFER, Cause.OTHER, "x"), 2.0, sender=EVIL) == [
         Foreign("t", 0, EVIL)
     ]
 
 
 def test_unknown_transfers_stay_stale_whoever_sends() -> None:
-    book, _ = _book()
-    assert book.completion(protocol.Completion("nope", "r", 0), 1.0, sender=EVIL) == [Stale("nope", 0)]
+    fencing, _ = _fencing()
+    assert fencing.completion(protocol.Completion("nope", "r", 0), 1.0, sender=EVIL) == [Stale("nope", 0)]
 
 
 # -- D: the allow-list ---------------------------------------------------------------------------------
@@ -350,15 +354,15 @@ def test_bad_entries_are_refused_naming_them(bad: str) -> None:
 
 
 def test_d_refuses_a_p_outside_its_allow_list_before_any_connection() -> None:
-    book = Fencing(2, 10.0, 5.0, allowed=Allowed.parse(["10.0.0.0/8"]))
-    out = book.register(Asked("t", "r", ((1, 2),), 32), {0: ("203.0.113.9", 5600)}, 0.0)
+    fencing = Fencing(2, 10.0, 5.0, allowed=Allowed.parse(["10.0.0.0/8"]))
+    out = fencing.register(Asked("t", "r", ((1, 2),), 32), {0: ("203.0.113.9", 5600)}, 0.0)
     assert not any(isinstance(a, (SendRegister, Cancel)) for a in out), "D would dial it"
     [report] = [a for a in out if isinstance(a, Report)]
     assert not report.result.ok and report.result.fenced and "allowed_prefills" in report.result.reason
-    assert len(book) == 0, "nothing left pending"
+    assert len(fencing) == 0, "nothing left pending"
     # a bystander outside the list fails it too; a cancel to such a P sends nothing
-    out = book.register(Asked("u", "r", ((1,),), 16), {0: ("10.0.0.1", 5600)}, 0.0, {1: ("8.8.8.8", 5601)})
+    out = fencing.register(Asked("u", "r", ((1,),), 16), {0: ("10.0.0.1", 5600)}, 0.0, {1: ("8.8.8.8", 5601)})
     assert not any(isinstance(a, (SendRegister, Cancel)) for a in out)
     why = Failed(Stage.TRANSFER, Cause.ABORTED, "x")
-    assert book.cancel("v", "r", {0: ("8.8.8.8", 5600)}, why, 0.0) == []
-    assert [type(a) for a in book.cancel("w", "r", {0: ("10.0.0.1", 5600)}, why, 0.0)] == [Cancel]
+    assert fencing.cancel("v", "r", {0: ("8.8.8.8", 5600)}, why, 0.0) == []
+    assert [type(a) for a in fencing.cancel("w", "r", {0: ("10.0.0.1", 5600)}, why, 0.0)] == [Cancel]

@@ -7,7 +7,7 @@ device or NIXL says so, and a cancel can come at any point. Every action the
 job asks for is answered the way the shell would, and the invariants are the
 job's promises: nothing is packed or posted after a cancel, a part is posted
 only once its KV (and, staged, its pack) is ready, parts tile the regions
-once, D hears ``Fail`` only when nothing is in flight, every prebuilt WRITE
+once, D is sent its ``Failure`` (``SendFailure``) only when nothing is in flight, every prebuilt WRITE
 and the job itself end exactly once, and an undisturbed job writes
 everything. A push D gave up on before it ended (D's abort or its rank
 forgotten, or P frozen past ``peer_dead_s`` with a part posted) fails,
@@ -30,7 +30,7 @@ from kvpush.core.parts import MIN_PART_BYTES, PartSchedule
 from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
 from kvpush.prefill.job_plan import JobPlan, Prepacked
-from kvpush.prefill.push_actions import QUESTIONS, CheckPack, Done, Fail, Notify, Post, ReleaseMade, StartPack
+from kvpush.prefill.push_actions import QUESTIONS, CheckPack, Done, Notify, Post, ReleaseMade, SendFailure, StartPack
 from kvpush.prefill.push_job import PushJob
 from kvpush.prefill.transfer import Transfer
 
@@ -178,8 +178,8 @@ class PushJobMachine(RuleBasedStateMachine):
                 for h in a.handles:
                     assert h not in self.released_made, "a prebuilt WRITE given back twice"
                     self.released_made.append(h)
-            elif isinstance(a, Fail):
-                assert not self.flying and not job.packing, "Fail while a part is in flight or packing"
+            elif isinstance(a, SendFailure):
+                assert not self.flying and not job.packing, "SendFailure while a part is in flight or packing"
                 assert self.fail is None
                 self.fail = a.failed
             elif isinstance(a, Done):
@@ -402,7 +402,7 @@ def test_cancel_stops_packs_and_posts_but_waits_for_what_flies() -> None:
     assert _drain(job, job.ready(4, None, None, 2.0)) == [], "posted after the cancel, or ended with a WRITE in flight"
     (h,) = job.flying
     fail, done = job.written(h, XferState.DONE, 3.0)  # and nothing after them
-    assert isinstance(fail, Fail) and fail.failed.cause is Cause.ABORTED
+    assert isinstance(fail, SendFailure) and fail.failed.cause is Cause.ABORTED
     assert isinstance(done, Done) and done.failed == fail.failed and _drain(job, job.check_packs()) == []
 
 
@@ -411,7 +411,7 @@ def test_a_failed_write_fails_the_job_with_its_stage_and_cause() -> None:
     _drain(job, job.ready(2, None, None, 1.0))
     (h,) = job.flying
     fail = job.written(h, XferState.ERR, 2.0)[0]
-    assert isinstance(fail, Fail) and (fail.failed.stage, fail.failed.cause) == (Stage.WRITE, Cause.WRITE_ERROR)
+    assert isinstance(fail, SendFailure) and (fail.failed.stage, fail.failed.cause) == (Stage.WRITE, Cause.WRITE_ERROR)
     assert "WRITE to D D rank 0 failed" in fail.failed.reason
 
 
@@ -421,7 +421,7 @@ def test_prebuilt_writes_are_posted_or_given_back() -> None:
     job.peer_gone("D D rank 0 said hello again")
     a, fail, done = job.ready(0, None, None, 1.0)  # the shell drives the job right after
     assert isinstance(a, ReleaseMade) and set(a.handles) == {h for h, _ in made.values()}
-    assert isinstance(fail, Fail) and isinstance(done, Done)
+    assert isinstance(fail, SendFailure) and isinstance(done, Done)
 
 
 def test_every_wake_up_report_starts_a_part() -> None:
@@ -474,7 +474,7 @@ def test_a_push_d_gave_up_while_its_write_flew_fails() -> None:
     (h,) = job.flying
     job.cancel(Cause.ABORTED, "aborted by D: client went away", discard=True)
     fail, done = job.written(h, XferState.DONE, 0.2)
-    assert isinstance(fail, Fail) and isinstance(done, Done) and done.failed == fail.failed
+    assert isinstance(fail, SendFailure) and isinstance(done, Done) and done.failed == fail.failed
     assert done.failed.stage is Stage.WRITE and "does not count" in done.failed.reason
 
 
@@ -487,7 +487,7 @@ def test_a_push_p_made_while_frozen_past_peer_dead_fails() -> None:
     job.heard(0.1, 0.1 + 3 * DEAD_S)  # looked at before reading the side channel: D's last word is old
     job.heard(0.1 + 3 * DEAD_S, 0.1 + 3 * DEAD_S)  # a word D sent before giving up, read only now
     fail, done = job.written(h, XferState.DONE, 0.2 + 3 * DEAD_S)
-    assert isinstance(fail, Fail) and isinstance(done, Done)
+    assert isinstance(fail, SendFailure) and isinstance(done, Done)
     assert done.failed.cause is Cause.DEAD_PEER and "silent for" in done.failed.reason
 
 
@@ -517,7 +517,7 @@ def test_a_forgotten_d_rank_gets_its_prebuilt_writes_back_before_what_flies_ends
 
 def test_a_fault_stops_the_job_and_fails_it_once_nothing_flies() -> None:
     """An error outside the job's questions (``fault``): nothing more is posted, what flies still ends, then
-    D hears ``Fail`` and the job is ``Done`` with that failure."""
+    D is sent its ``Failure`` and the job is ``Done`` with that failure."""
     _, job, _ = _job(PlanKind.DIRECT, 4, 1, 1, False, 0, 1, False)
     acts = _drain(job, job.ready(3, None, None, 1.0))  # three layers, one left: posted at once
     assert [(a.r0, a.r1) for a in acts if isinstance(a, Post)] == [(0, 3)]
@@ -525,5 +525,5 @@ def test_a_fault_stops_the_job_and_fails_it_once_nothing_flies() -> None:
     assert _drain(job, job.ready(4, None, None, 2.0)) == [], "posted after a fault, or ended with a WRITE in flight"
     (h,) = job.flying
     fail, done = job.written(h, XferState.DONE, 3.0)
-    assert isinstance(fail, Fail) and fail.failed.reason == "push failed: boom" and fail.reg is job.reg
+    assert isinstance(fail, SendFailure) and fail.failed.reason == "push failed: boom" and fail.reg is job.reg
     assert isinstance(done, Done) and done.failed == fail.failed and done.slot == job.slot
