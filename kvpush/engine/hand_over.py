@@ -23,8 +23,8 @@ from kvpush.core.layout import KVLayout
 from kvpush.core.payload import pack_pieces
 from kvpush.engine.ports import Counter
 from kvpush.observability.metrics import Count
+from kvpush.prefill.decisions import Prefill
 from kvpush.prefill.prepack import Prepack
-from kvpush.prefill.rendezvous import Prefill
 from kvpush.prefill.slots import PackParked, StagingSlots
 from kvpush.prefill.transfer import PackAhead, Transfer
 

@@ -26,6 +26,7 @@ from kvpush.core.parts import PartSchedule, split_regions
 from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
+from kvpush.prefill.decisions import Prefill
 from kvpush.prefill.job_plan import JobPlan, Prepacked
 from kvpush.prefill.push_actions import (
     QUESTIONS,
@@ -39,7 +40,6 @@ from kvpush.prefill.push_actions import (
     StartPack,
 )
 from kvpush.prefill.push_job import PushJob
-from kvpush.prefill.rendezvous import Prefill
 from kvpush.prefill.slots import Evicted, Grant, SlotAction, StagingSlots
 from kvpush.prefill.transfer import Transfer
 from kvpush.transport.nixl_agent import Agent

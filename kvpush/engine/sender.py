@@ -35,9 +35,9 @@ from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
 from kvpush.engine.waiter import MarkerWaiter
 from kvpush.observability.metrics import Count
-from kvpush.prefill.decisions import Acknowledge
+from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release
 from kvpush.prefill.push_job import DKey, PushJob
-from kvpush.prefill.rendezvous import Decision, Hold, Prefill, Push, Refuse, Release, Rendezvous
+from kvpush.prefill.rendezvous import Rendezvous
 from kvpush.prefill.slots import StagingSlots
 from kvpush.transport.key_set import DeclaredRanks
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys

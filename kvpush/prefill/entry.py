@@ -9,7 +9,8 @@ entry is data only; the rules that change it are the rendezvous's.
 ``holding`` is what the entry holds per D rank (registrations and their
 block ids): the rendezvous settles its per-rank ``Holdings`` by the change
 in it across every event, so the limits always count what the entries hold,
-never a separate tally that could drift from them.
+never a separate tally that could drift from them. The entry also answers
+read-only questions about itself (where it stands, what is left to start).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from kvpush.core.limits import Holdings
 from kvpush.core.outcome import PrefillState
 from kvpush.core.protocol import Register
-from kvpush.prefill.decisions import Prefill
+from kvpush.prefill.decisions import Prefill, Push, TransferState
 from kvpush.prefill.push_job import DKey
 from kvpush.prefill.transfer import Transfer
 
@@ -41,6 +42,22 @@ class Entry:
     owner: str | None = None  # the D key whose registration came first: only it may register again or abort
     bound: bool = False  # the owner's registration carried the transfer's capability
     acked: dict[DKey, PrefillState] = field(default_factory=dict)  # the state each registration was last told
+
+    def stage(self) -> TransferState:
+        """Where the transfer stands on P."""
+        if self.in_flight:
+            return TransferState.TRANSFERRING
+        return TransferState.WAITING_FOR_PREFILL if self.prefill is None else TransferState.WAITING_FOR_REGISTRATION
+
+    def unstarted(self) -> list[Push]:
+        """Pushes decided and not started yet (no job in the record)."""
+        if self.prefill is None:
+            return []
+        return [Push(self.prefill, self.regs[k]) for k in sorted(self.in_flight) if k not in self.record.jobs]
+
+    def registrations(self) -> list[tuple[Register, bool]]:
+        """The registrations not done yet, and whether each is being written now."""
+        return [(r, k in self.in_flight) for k, r in self.regs.items() if k not in self.done]
 
 
 def rank_key(reg: Register) -> DKey:

@@ -25,7 +25,7 @@ reports, and P keeps the registration while the prefill is on its way.
 Each entry (``kvpush.prefill.entry``) owns the transfer's whole record on P (``Transfer``:
 readiness, its push jobs, stats, stage times), so everything P knows of a
 transfer is created with its entry and goes with it. The decision types
-live in ``kvpush.prefill.decisions`` and are importable from here too.
+live in ``kvpush.prefill.decisions``.
 """
 
 from __future__ import annotations
@@ -344,13 +344,7 @@ class Rendezvous:
     def stage(self, transfer_id: str) -> TransferState | None:
         """Where the transfer stands on P (None: P does not know it); ``pending`` counts transfers by it."""
         e = self._entries.get(transfer_id)
-        if e is None:
-            return None
-        if e.in_flight:
-            return TransferState.TRANSFERRING
-        if e.prefill is None:
-            return TransferState.WAITING_FOR_PREFILL
-        return TransferState.WAITING_FOR_REGISTRATION
+        return e.stage() if e is not None else None
 
     def record(self, transfer_id: str) -> Transfer | None:
         """The transfer's record, if P knows the transfer."""
@@ -371,23 +365,19 @@ class Rendezvous:
             yield tid, e.record
 
     def unstarted(self, transfer_id: str) -> list[Push]:
-        """Pushes decided and not started yet (no job in the record): the engine starts them at its step's end,
-        after every message read in the step, so an abort that came with the registration cancels them."""
+        """Pushes decided and not started yet: the engine starts them at its step's end, after every message
+        read in the step, so an abort that came with the registration cancels them."""
         e = self._entries.get(transfer_id)
-        if e is None or e.prefill is None:
-            return []
-        return [Push(e.prefill, e.regs[k]) for k in sorted(e.in_flight) if k not in e.record.jobs]
+        return e.unstarted() if e is not None else []
 
     def registrations(self, transfer_id: str) -> list[tuple[Register, bool]]:
         """The transfer's registrations and whether each is being written now."""
         e = self._entries.get(transfer_id)
-        if e is None:
-            return []
-        return [(r, k in e.in_flight) for k, r in e.regs.items() if k not in e.done]
+        return e.registrations() if e is not None else []
 
     def pending(self) -> dict[str, int]:
         """Counts for metrics: parked prefills, waiting registrations, transfers in flight."""
-        stages = Counter(self.stage(tid) for tid in self._entries)
+        stages = Counter(e.stage() for e in self._entries.values())
         parked = stages[TransferState.WAITING_FOR_REGISTRATION]
         waiting = stages[TransferState.WAITING_FOR_PREFILL]
         flying = sum(len(e.in_flight) for e in self._pushing.values())

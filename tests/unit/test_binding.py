@@ -25,7 +25,8 @@ from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import UNKNOWN_SENDER, Cancel, Foreign, Report, SendRegister, Stale
 from kvpush.decode.incoming import Asked
 from kvpush.observability.metrics import Count
-from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Rendezvous
+from kvpush.prefill.decisions import Prefill, Push, Refuse
+from kvpush.prefill.rendezvous import Rendezvous
 
 KEY = derive_key(b"P" * 40)
 OTHER = derive_key(b"Q" * 40)

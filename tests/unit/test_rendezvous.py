@@ -23,11 +23,11 @@ from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, Stage, Xf
 from kvpush.core.parts import PartSchedule
 from kvpush.core.plan import Plan
 from kvpush.core.protocol import Register
-from kvpush.prefill.decisions import Acknowledge
+from kvpush.prefill.decisions import Acknowledge, Hold, Prefill, Push, Refuse, Release, TransferState
 from kvpush.prefill.job_plan import JobPlan
 from kvpush.prefill.push_actions import Done, Post
 from kvpush.prefill.push_job import PushJob
-from kvpush.prefill.rendezvous import Hold, Prefill, Push, Refuse, Release, Rendezvous, TransferState
+from kvpush.prefill.rendezvous import Rendezvous
 
 LEASE_S = 10.0
 
@@ -566,7 +566,8 @@ def test_all_arrival_orders_two_ranks(order) -> None:
 def test_prefill_finishing_after_an_abort_is_released_at_once() -> None:
     """A transfer D aborted before P's prefill finished must not hold P's blocks for a lease."""
     from kvpush.core.protocol import Register
-    from kvpush.prefill.rendezvous import Prefill, Release, Rendezvous
+    from kvpush.prefill.decisions import Prefill, Release
+    from kvpush.prefill.rendezvous import Rendezvous
 
     r = Rendezvous(prefill_lease_s=60)
     reg = Register(transfer_id="t", request_id="d", engine_id="D", rank=0, block_ids=((1,),), num_tokens=8)

@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpush.core.limits import PeerLimits
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.protocol import Register
-from kvpush.prefill.rendezvous import Prefill, Push, Refuse, Release, Rendezvous
+from kvpush.prefill.decisions import Prefill, Push, Refuse, Release
+from kvpush.prefill.rendezvous import Rendezvous
 
 TIDS = ("t0", "t1", "t2")
 EXPECTED = {"t0": 1, "t1": 2, "t2": 1}  # t1 waits for two D ranks: a lease can run out with one pushed

@@ -17,7 +17,8 @@ from kvpush.core.topology import targets_for, writers_for
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import Cancel, Report, SendRegister
 from kvpush.decode.incoming import Asked
-from kvpush.prefill.rendezvous import Prefill, Release, Rendezvous
+from kvpush.prefill.decisions import Prefill, Release
+from kvpush.prefill.rendezvous import Rendezvous
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (4, 1), (4, 2), (1, 2), (2, 2), (8, 3)])
