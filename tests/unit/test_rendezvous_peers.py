@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+from helpers_rendezvous import check_holdings
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -177,14 +178,7 @@ class PeersMachine(RuleBasedStateMachine):
 
     @invariant()
     def holdings_are_what_the_entries_hold(self) -> None:
-        expected: dict[object, list[int]] = {}
-        for tid in TIDS:
-            for k, (n, ids) in self.rv.holding(tid).items():
-                h = expected.setdefault(k, [0, 0])
-                h[0] += n
-                h[1] += ids
-        for k in {*expected, *RANKS}:
-            assert self.rv.holdings.held(k) == tuple(expected.get(k, (0, 0))), k
+        check_holdings(self.rv, TIDS, RANKS)
 
     @invariant()
     def tombstones_are_bounded_and_counted(self) -> None:
