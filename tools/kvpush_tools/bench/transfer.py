@@ -328,7 +328,11 @@ class _Side:
     def op_register(self, plan: str, tid: str, peer: tuple[str, int], blocks: list[int]) -> float:
         """Register; returns when it was asked (the start of a ``finished`` transfer)."""
         from kvpush.engine import PeerAddress
-        from kvpush.transport.key_set import session_capability
+
+        try:
+            from kvpush.transport.key_set import session_capability
+        except ModuleNotFoundError:  # a tree from before the key set had its own module
+            from kvpush.transport.auth import session_capability
 
         cap = session_capability(tid)  # the harness plays the router
         self.cpu0 = _engine_cpu(self.engines[plan])
