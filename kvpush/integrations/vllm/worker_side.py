@@ -206,37 +206,7 @@ class WorkerSide:
                     )
                 self._done_sending.add(res.request_id)
         if self.receiver is not None:
-            for res in self.receiver.poll():
-                if not res.fenced:
-                    # A writer declared dead may be frozen mid-WRITE: its blocks stay withheld from vLLM, which
-                    # would recompute into them or hand them to another request. The fenced Result follows.
-                    log.warning(
-                        "kvpush: KV for request %s (transfer %s) failed (%s); its blocks are held until P is fenced",
-                        res.request_id,
-                        res.transfer_id,
-                        res.reason,
-                    )
-                    continue
-                if res.request_id in self._fencing:
-                    self._fencing.discard(res.request_id)
-                    self._loads.pop(res.request_id, None)
-                    self._done_sending.add(res.request_id)
-                    continue
-                recving.add(res.request_id)
-                if res.ok:
-                    self._loads.pop(res.request_id, None)
-                r = self._regs.pop(res.request_id, None)
-                if DEBUG_CHECKSUM and r is not None and self.layout is not None:
-                    sha = kv_checksum(self.layout, r.block_ids[0], r.num_tokens, r.start_token)
-                    log.info("kvpush D %s kv sha %s ok=%s", r.transfer_id, sha, res.ok)
-                if not res.ok:
-                    log.error(
-                        "kvpush: KV for request %s (transfer %s) did not arrive: %s",
-                        res.request_id,
-                        res.transfer_id,
-                        res.reason,
-                    )
-                    failed.add(res.request_id)
+            self._take_received(recving, failed)
         # vLLM accepts a finished_sending id only once it has listed the request as finished.
         ready = self._done_sending & self._finished_seen
         self._done_sending -= ready
@@ -246,6 +216,42 @@ class WorkerSide:
         if sending or recving or failed:
             log.debug("kvpush worker: finished_sending=%s finished_recving=%s failed=%s", sending, recving, failed)
         return sending, recving, failed
+
+    def _take_received(self, recving: set[str], failed: set[str]) -> None:
+        """D's Results into ``recving`` (and ``failed``), each request once and only fenced: a request whose
+        blocks a P declared dead may still write is held until its fenced Result comes."""
+        assert self.receiver is not None
+        for res in self.receiver.poll():
+            if not res.fenced:
+                # A writer declared dead may be frozen mid-WRITE: its blocks stay withheld from vLLM, which
+                # would recompute into them or hand them to another request. The fenced Result follows.
+                log.warning(
+                    "kvpush: KV for request %s (transfer %s) failed (%s); its blocks are held until P is fenced",
+                    res.request_id,
+                    res.transfer_id,
+                    res.reason,
+                )
+                continue
+            if res.request_id in self._fencing:
+                self._fencing.discard(res.request_id)
+                self._loads.pop(res.request_id, None)
+                self._done_sending.add(res.request_id)
+                continue
+            recving.add(res.request_id)
+            if res.ok:
+                self._loads.pop(res.request_id, None)
+            r = self._regs.pop(res.request_id, None)
+            if DEBUG_CHECKSUM and r is not None and self.layout is not None:
+                sha = kv_checksum(self.layout, r.block_ids[0], r.num_tokens, r.start_token)
+                log.info("kvpush D %s kv sha %s ok=%s", r.transfer_id, sha, res.ok)
+            if not res.ok:
+                log.error(
+                    "kvpush: KV for request %s (transfer %s) did not arrive: %s",
+                    res.request_id,
+                    res.transfer_id,
+                    res.reason,
+                )
+                failed.add(res.request_id)
 
     def load_error_blocks(self, failed: set[str], block_size: int) -> set[int]:
         """Block ids (group 0) the failed receives ``failed`` were to fill, for vLLM's
