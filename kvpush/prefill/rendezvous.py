@@ -41,6 +41,7 @@ from kvpush.prefill.decisions import Decision, Hold, Prefill, Push, Refuse, Rele
 from kvpush.prefill.entry import Entry, block_count, holding, rank_key, settle
 from kvpush.prefill.prefill_states import PrefillStates
 from kvpush.prefill.push_job import DKey
+from kvpush.prefill.released import Released
 from kvpush.prefill.tombstones import Tombstones
 from kvpush.prefill.transfer import Transfer
 
@@ -72,12 +73,16 @@ class Rendezvous:
         later is released at once instead of holding its blocks for a whole lease."""
         self._states = PrefillStates()
         """What P's scheduler said of prefills not finished yet (``kvpush.prefill.prefill_states``)."""
+        self._released = Released()
+        """Transfers lately pushed and released (``kvpush.prefill.released``): a registration for one is late."""
+        """What P's scheduler said of prefills not finished yet (``kvpush.prefill.prefill_states``)."""
 
     # -- events ---------------------------------------------------------
     def on_prefill(self, prefill: Prefill, now: float) -> list[Decision]:
         """P finished a prefill whose KV D will want."""
         out: list[Decision] = []
         self._states.forget(prefill.transfer_id)
+        self._released.forget(prefill.transfer_id)  # finished again: a new transfer under the same id
         if prefill.transfer_id in self._buried and prefill.transfer_id not in self._entries:
             cause = self._buried.cause(prefill.transfer_id)
             if cause is Cause.NOT_NEEDED:
@@ -123,6 +128,9 @@ class Rendezvous:
         if e is not None and e.aborted:
             # Aborted while a write was in flight; the entry lives on only until it lands.
             return [Refuse(reg, "transfer was aborted", Cause.ABORTED)]
+        if e is None and reg.transfer_id in self._released:
+            why = "P pushed this transfer to an earlier attempt and released its KV before this registration came"
+            return [Refuse(reg, why, Cause.SUPERSEDED)]
         k = rank_key(reg)
         replaced = None if e is None else (e.held.get(k) if k in e.in_flight else e.regs.get(k))
         why = self.holdings.admit(
@@ -429,4 +437,5 @@ class Rendezvous:
         if e.in_flight or len(e.done) < e.expected or e.prefill is None:
             return []
         self._drop(tid)
+        self._released.add(tid)
         return [Release(e.prefill, "pushed", None, e.record)]

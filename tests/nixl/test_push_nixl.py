@@ -510,6 +510,9 @@ def test_d_reregisters_while_the_old_attempt_is_written(nodes: tuple[Node, Node]
     P must not report the old blocks fenced before that WRITE ends, and must
     still push into the new blocks afterwards. Whether the race is hit depends
     on timing; the outcome must be right either way (the counter says which).
+    On a loaded host the re-registration may even reach P after the push ended
+    and P released the KV: it is then refused at once (D fails the attempt and
+    recomputes), never parked until its lease.
     """
     p, d = nodes
     # 16 KiB per block and region, 8 MiB per request: the first WRITE to a new
@@ -531,17 +534,43 @@ def test_d_reregisters_while_the_old_attempt_is_written(nodes: tuple[Node, Node]
         p.call("prefill", k + "p", "t", "r", pblocks, n)
         d.call("register", k + "d", new.tid, new.d_rid, peer, new.d_blocks, n, 0)
         dr = by_rid(d.call("results", k + "d", 2, 20.0))
-        assert set(dr) == {"d-old", "d-new"} and dr["d-new"].ok and not dr["d-old"].ok, dr
+        assert set(dr) == {"d-old", "d-new"} and not dr["d-old"].ok, dr
+        late = not dr["d-new"].ok  # came after P had let the KV go
+        assert not late or "earlier attempt and released" in dr["d-new"].reason, dr
         [pr] = p.call("results", k + "p", 1, 10.0)
         assert pr.ok, pr
         src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
         exp = make_cache(dg, None)
-        apply_push(exp, dg, src, g, new)
+        if not late:
+            apply_push(exp, dg, src, g, new)
         raced = p.call("stats", k + "p").get("deferred_registrations_total", 0) > 0
-        if raced:
+        if raced or late:
             apply_push(exp, dg, src, g, old)  # the old WRITE landed, and was waited for
         assert_same(got, exp, dg)
-        print("re-registration raced with the WRITE:", raced)
+        print("re-registration raced with the WRITE:", raced, "| came after the release:", late)
+
+
+def test_a_registration_after_the_push_was_released_is_refused_at_once(nodes: tuple[Node, Node]) -> None:
+    """D registers a transfer P already pushed and released (a re-registration that came late): P refuses it
+    at once, naming why, so D fails the attempt and recomputes instead of waiting out the lease."""
+    p, d = nodes
+    g = Geom(num_blocks=16)
+    k = _key("late")
+    with (
+        engines(p, "sender", [(k + "p", g, _cfg(plan="direct"), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", g, _cfg(plan="direct", registration_lease_s=60.0), "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        d.call("register", k + "d", "t", "d-1", peer, [1, 2], 30, 0)
+        p.call("prefill", k + "p", "t", "r", [3, 4], 30)
+        [first] = d.call("results", k + "d", 1, 10.0)
+        [pr] = p.call("results", k + "p", 1, 10.0)
+        assert first.ok and pr.ok, (first, pr)
+        d.call("register", k + "d", "t", "d-2", peer, [5, 6], 30, 0)
+        [late] = d.call("results", k + "d", 1, 10.0)
+        assert late.request_id == "d-2" and not late.ok and "earlier attempt and released" in late.reason, late
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
 
 
 def test_d_goes_away_mid_write(nodes: tuple[Node, Node]) -> None:

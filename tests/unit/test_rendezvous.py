@@ -207,6 +207,29 @@ def test_new_attempt_while_the_old_is_written_waits_for_it() -> None:
     assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
 
 
+def test_new_attempt_after_the_push_was_released_is_refused_at_once() -> None:
+    """D re-allocated while P wrote the old attempt, but its registration came after the push ended and P had
+    released the KV: it is refused at once (D fails the attempt and recomputes), not parked for a prefill that
+    will never finish again; a prefill finishing again under the id is a new transfer, paired as any other."""
+    rv = Rendezvous(prefill_lease_s=LEASE_S)
+    p, first = prefill(), reg()
+    rv.on_prefill(p, 0.0)
+    assert rv.on_register(first, 0.0) == [Push(p, first)]
+    assert rv.on_pushed("t1", "d", 0) == [Release(p, "pushed")]
+    late = msgspec_replace(reg(blocks=(2,)), attempt=1)
+    out = rv.on_register(late, 0.1)
+    assert kinds(out) == ["Refuse"] and out[0].reg == late and out[0].cause is Cause.SUPERSEDED, out
+    assert len(rv) == 0 and rv.pending()["waiting_registrations"] == 0
+    again = prefill(rid="p-req-2")
+    assert rv.on_prefill(again, 1.0) == []
+    assert rv.on_register(late, 1.1) == [Push(again, late)]
+    rv.on_pushed("t1", "d", 0)
+    # A prefill finished again and expired unpaired was never pushed: a registration for it waits as any does.
+    rv.on_prefill(again, 2.0)
+    assert kinds(rv.expire(3.0 + LEASE_S)) == ["Release"]
+    assert rv.on_register(msgspec_replace(late, attempt=2), 20.0) == []
+
+
 # -- several D ranks ------------------------------------------------------------------------
 
 
