@@ -207,12 +207,13 @@ class Fencing:
         return sum(inc.quarantined_blocks() for inc in [*self.current.values(), *self.superseded])
 
     def posting(self, transfer_id: str, p_rank: int, attempt: int) -> list[Action]:
-        """P rank says it starts writing: poll this transfer busily (``drains``; unless not a current writer)."""
+        """P rank says it starts writing: poll this transfer busily (``drains``). Each counts as received; one for a
+        transfer not current (reported: its completion overtook it) or not this writer's changes nothing else."""
+        self._bump(Count.POSTINGS)
         inc = self.current.get(transfer_id)
         if inc is None or inc.attempt != attempt or p_rank not in inc.writers:
             return []
         self.hot.add(transfer_id)
-        self._bump(Count.POSTINGS)
         inc.acknowledged(p_rank, PrefillState.PUSHING, 0)
         return []
 
