@@ -46,32 +46,7 @@ _PUBLIC: dict[str, str] = {
     "TransferStats": "kvpush.observability.metrics",
 }
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Backend",
-    "BackendError",
-    "CacheSpec",
-    "Capabilities",
-    "Cause",
-    "Config",
-    "ConfigError",
-    "KVLayout",
-    "KVPushError",
-    "LayoutError",
-    "MemKind",
-    "MemRegistration",
-    "PeerAddress",
-    "ProtocolError",
-    "Receiver",
-    "Region",
-    "Result",
-    "Sender",
-    "Stage",
-    "StagingBuffer",
-    "TransferStats",
-    "__version__",
-    "load_backend",
-]
+__all__ = ["__version__", *_PUBLIC]
 
 
 def __getattr__(name: str) -> Any:
@@ -88,12 +63,26 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from kvpush.backends.base import Backend, CacheSpec, Capabilities, MemRegistration, StagingBuffer
-    from kvpush.backends.registry import load_backend
-    from kvpush.config import Config
-    from kvpush.core.errors import BackendError, ConfigError, KVPushError, LayoutError, ProtocolError
-    from kvpush.core.layout import KVLayout, MemKind, Region
-    from kvpush.core.outcome import Cause, Result, Stage
-    from kvpush.core.protocol import PROTOCOL_VERSION
-    from kvpush.engine import PeerAddress, Receiver, Sender
-    from kvpush.observability.metrics import TransferStats
+    from kvpush.backends.base import Backend as Backend
+    from kvpush.backends.base import CacheSpec as CacheSpec
+    from kvpush.backends.base import Capabilities as Capabilities
+    from kvpush.backends.base import MemRegistration as MemRegistration
+    from kvpush.backends.base import StagingBuffer as StagingBuffer
+    from kvpush.backends.registry import load_backend as load_backend
+    from kvpush.config import Config as Config
+    from kvpush.core.errors import BackendError as BackendError
+    from kvpush.core.errors import ConfigError as ConfigError
+    from kvpush.core.errors import KVPushError as KVPushError
+    from kvpush.core.errors import LayoutError as LayoutError
+    from kvpush.core.errors import ProtocolError as ProtocolError
+    from kvpush.core.layout import KVLayout as KVLayout
+    from kvpush.core.layout import MemKind as MemKind
+    from kvpush.core.layout import Region as Region
+    from kvpush.core.outcome import Cause as Cause
+    from kvpush.core.outcome import Result as Result
+    from kvpush.core.outcome import Stage as Stage
+    from kvpush.core.protocol import PROTOCOL_VERSION as PROTOCOL_VERSION
+    from kvpush.engine import PeerAddress as PeerAddress
+    from kvpush.engine import Receiver as Receiver
+    from kvpush.engine import Sender as Sender
+    from kvpush.observability.metrics import TransferStats as TransferStats
