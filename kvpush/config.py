@@ -107,10 +107,17 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     ``descriptor_cost_s``; measurements: docs/benchmarks.md, "Descriptor cost")."""
     link_gbps: Pos = 25.0
     """Link bandwidth in GB/s for the cost model."""
-    push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
-    """Most WRITEs a staged push whose KV is ready at once is cut into (each >= 16 MiB; the first and
-    last half as large), so packing, the wire and D's unpacking overlap; 1 disables the pipelining.
-    Measurements behind the default: docs/cuda.md, "Engine defaults"."""
+    push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16
+    """Most WRITEs a staged push whose KV is ready at once is cut into, so packing, the wire and D's
+    unpacking overlap (the first and last part half as large); how many, up to this, is the cost model's
+    choice (``part_cost_us``, ``kvpush.core.parts.part_count``). 1 disables the pipelining."""
+    min_part_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
+    """A staged push is cut only into parts at least this large."""
+    part_cost_us: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    """What one more part of a staged push costs in fixed host work (its post, its notification, D's
+    unpack launch), in microseconds: the cost model cuts a push into more parts only where their overlap
+    saves more than this adds per part. 0: always the most parts allowed. Measurements behind the
+    default: docs/benchmarks.md, "Parts"."""
 
 
 class PerLayer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

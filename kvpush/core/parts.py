@@ -13,21 +13,70 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
+from kvpush.config import Config
 from kvpush.core.layout import KVLayout
 
 MIN_PART_BYTES = 16 << 20
-"""A staged push is pipelined only in parts at least this large."""
+"""The default of ``staging.min_part_bytes``: a staged push is pipelined only in parts at least this large."""
 
 
-def part_count(push_parts: int, nbytes: int) -> int:
-    """How many WRITEs a staged push of ``nbytes`` is cut into: at most ``push_parts``, each >= ``MIN_PART_BYTES``.
+@dataclass(frozen=True)
+class PartCosts:
+    """What the part count is chosen from: the stages' throughputs and what each part costs on top.
 
-    A staged push is pipelined (P packs part k+1 and D unpacks part k while
-    part k flies); a part is kept large enough that its fixed costs (a pack
-    launch, a post, a notification) stay small next to its bytes. D uses the
-    same rule to guess P's cut when it prepares its unpacks.
+    ``pack_bps``, ``wire_bps``, ``unpack_bps``: bytes per second of P's pack,
+    the link and D's unpack; ``part_s``: the fixed host cost one more part
+    adds (its post, its notification, its unpack's launch), paid in series;
+    ``pack_overlaps``: P's packs run beside its posts (an asynchronous copy
+    backend), not on the thread that posts.
     """
-    return max(1, min(push_parts, nbytes // max(1, MIN_PART_BYTES)))
+
+    pack_bps: float
+    wire_bps: float
+    unpack_bps: float
+    part_s: float
+    pack_overlaps: bool = True
+
+    def stages(self, nbytes: int) -> tuple[float, ...]:
+        """Seconds of each pipelined stage for ``nbytes`` in one part (stages that share a thread merged)."""
+        pack, wire, unpack = (nbytes / max(bps, 1.0) for bps in (self.pack_bps, self.wire_bps, self.unpack_bps))
+        return (pack, wire, unpack) if self.pack_overlaps else (pack + wire, unpack)
+
+    def seconds(self, nbytes: int, parts: int) -> float:
+        """The model's time for ``nbytes`` in ``parts`` equal parts: the first part through every stage,
+        then one part per slowest stage, plus each part's fixed cost."""
+        stages = self.stages(nbytes)
+        k = max(1, parts)
+        return sum(stages) / k + (k - 1) * max(stages) / k + k * self.part_s
+
+
+def part_count(
+    push_parts: int, nbytes: int, min_part_bytes: int = MIN_PART_BYTES, costs: PartCosts | None = None
+) -> int:
+    """How many WRITEs a staged push of ``nbytes`` is cut into.
+
+    At most ``push_parts``, each at least ``min_part_bytes``; within that,
+    the count the cost model (``costs``) says is fastest, the fewest on a tie,
+    so more parts are chosen only where their overlap saves more than their
+    fixed costs add (without ``costs``: the most allowed). D uses the same
+    rule to guess P's cut when it prepares its unpacks.
+    """
+    most = max(1, min(push_parts, nbytes // max(1, min_part_bytes)))
+    if costs is None:
+        return most
+    return min(range(1, most + 1), key=lambda k: (costs.seconds(nbytes, k), k))
+
+
+def costs_of(cfg: Config, copy_bps: float, pack_overlaps: bool) -> PartCosts:
+    """The cost model's inputs from the configuration and this side's backend (``copy_bps``: its pack
+    bandwidth, taken for the other side's unpack or pack too: P and D usually run one device kind)."""
+    st = cfg.staging
+    return PartCosts(copy_bps, st.link_gbps * 1e9, copy_bps, st.part_cost_us * 1e-6, pack_overlaps)
+
+
+def cut(cfg: Config, nbytes: int, costs: PartCosts | None) -> int:
+    """``part_count`` with the configuration's bounds."""
+    return part_count(cfg.staging.push_parts, nbytes, cfg.staging.min_part_bytes, costs)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import numpy as np
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
-from kvpush.core.parts import part_count, split_regions
+from kvpush.core.parts import PartCosts, cut, split_regions
 from kvpush.core.payload import block_runs, check_unpack, unpack_pieces
 from kvpush.decode.fencing_actions import Asked
 
@@ -56,11 +56,13 @@ def register_message(
     )
 
 
-def guess_parts(cfg: Config, num_regions: int, pieces: np.ndarray, base: int) -> list[tuple[int, int, int]]:
-    """The parts P will most likely cut a whole-request push into (its rule, D's own config), as
+def guess_parts(
+    cfg: Config, num_regions: int, pieces: np.ndarray, base: int, costs: PartCosts | None = None
+) -> list[tuple[int, int, int]]:
+    """The parts P will most likely cut a whole-request push into (its rule, D's own config and costs), as
     ``(r0, r1, staging_addr)`` from the slot at ``base``; a part cut otherwise is unpacked all the same."""
     region_bytes = int(pieces[:, 1].sum()) if pieces.size else 0
-    k = part_count(cfg.staging.push_parts, num_regions * region_bytes)
+    k = cut(cfg, num_regions * region_bytes, costs)
     return [(r0, r1, base + r0 * region_bytes) for r0, r1 in split_regions(0, num_regions, k)]
 
 

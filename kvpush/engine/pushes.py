@@ -22,7 +22,7 @@ from kvpush.core import protocol
 from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout, heads_overlap
 from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
-from kvpush.core.parts import PartSchedule, split_regions
+from kvpush.core.parts import PartSchedule, costs_of, split_regions
 from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
@@ -227,7 +227,8 @@ class PushRunner:
             cfg.per_layer.layerwise_lead_layers,
         )
         chain = plan.kind is PlanKind.STAGED and self.backend.capabilities.chained_ready
-        jp = JobPlan(plan, sched, cfg.staging.push_parts, chain)
+        costs = costs_of(cfg, self.backend.pack_bandwidth(), self.copy.asynchronous)
+        jp = JobPlan(plan, sched, cfg.staging.push_parts, chain, cfg.staging.min_part_bytes, costs)
         made = {}
         if plan.kind is PlanKind.STAGED and prepacked is None:
             made = self._prepare(jp, prefill, rec, peer, reg, slot)

@@ -23,6 +23,7 @@ from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Cause, Failed, Stage
+from kvpush.core.parts import costs_of
 from kvpush.core.plan import staged_bytes
 from kvpush.core.staging import SlotAllocator
 from kvpush.decode.fencing import Fencing
@@ -73,7 +74,8 @@ class UnpackRunner:
         """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
         left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
         assert self.staging is not None
-        parts = guess_parts(self.cfg, len(self.layout.regions), pieces, self.staging.addr + offset)
+        costs = costs_of(self.cfg, self.backend.pack_bandwidth(), self.copy.asynchronous)
+        parts = guess_parts(self.cfg, len(self.layout.regions), pieces, self.staging.addr + offset, costs)
         try:
             self.copy.prepare_unpack(self.region_bases, pieces, parts=parts)
         except Exception:

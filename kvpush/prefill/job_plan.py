@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpush.core.outcome import PlanKind
-from kvpush.core.parts import PartSchedule, part_count
+from kvpush.core.parts import MIN_PART_BYTES, PartCosts, PartSchedule, part_count
 from kvpush.core.plan import Plan
 
 
@@ -33,8 +33,9 @@ class Prepacked:
 class JobPlan:
     """A job's plan and how its parts are cut and scheduled.
 
-    ``push_parts``: most parts a staged run of ready regions is cut into
-    (``parts.part_count``); ``chain``: the backend queues packs behind the KV's
+    ``push_parts``: most parts a staged run of ready regions is cut into, each
+    at least ``min_part_bytes``, as many as ``costs`` says is fastest
+    (``parts.part_count``; None: the most); ``chain``: the backend queues packs behind the KV's
     marker on the device, so a staged job need not see the marker reached.
     """
 
@@ -42,6 +43,8 @@ class JobPlan:
     schedule: PartSchedule
     push_parts: int = 1
     chain: bool = False
+    min_part_bytes: int = MIN_PART_BYTES
+    costs: PartCosts | None = None
 
     @property
     def kind(self) -> PlanKind:
@@ -59,4 +62,4 @@ class JobPlan:
         """How many WRITEs a run of ``nregions`` ready regions is cut into."""
         if self.kind is not PlanKind.STAGED:
             return 1
-        return part_count(self.push_parts, nregions * self.region_bytes)
+        return part_count(self.push_parts, nregions * self.region_bytes, self.min_part_bytes, self.costs)

@@ -149,13 +149,6 @@ class Worker(conformance.Worker):
     def op_layer_written(self, key: str, tids: list[str], layer: int) -> None:
         self.ranks[key].engine.layer_written(tids, layer)
 
-    def op_min_part_bytes(self, nbytes: int) -> int:
-        """Lower the size under which staged pushes are not split (test caches are small); returns the old one."""
-        from kvpush.core import parts
-
-        old, parts.MIN_PART_BYTES = parts.MIN_PART_BYTES, nbytes
-        return old
-
     def op_receiver(
         self,
         key: str,

@@ -23,17 +23,17 @@ from test_push_nixl import _cfg, _key, assert_idle, by_rid, engines
 from kvpush.conformance.model import Req, apply_push
 
 DEFERRED = "helpers_deferred_backend:DeferredHostBackend"
+SMALL_PARTS = {"min_part_bytes": 0, "part_cost_us": 0}
+"""Test caches are small: cut a staged push into exactly ``push_parts`` parts whatever its size."""
 
 
 @contextmanager
 def deferred(p: Node, d: Node) -> Iterator[None]:
     for n in (p, d):
         n.call("use_backend", DEFERRED)
-    old = p.call("min_part_bytes", 0)
     try:
         yield
     finally:
-        p.call("min_part_bytes", old)
         for n in (p, d):
             n.call("use_backend", None)
 
@@ -59,7 +59,9 @@ def test_parts_are_posted_and_reported_only_once_copied(
     with (
         deferred(p, d),
         engines(
-            p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=3, busy_poll_max_s=busy_poll), "P" + k)]
+            p,
+            "sender",
+            [(k + "p", pg, _cfg(plan="staged", push_parts=3, busy_poll_max_s=busy_poll, **SMALL_PARTS), "P" + k)],
         ) as [addr],
         engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
     ):
@@ -184,7 +186,7 @@ def test_pack_at_hand_over_on_the_device_is_waited_for(nodes: tuple[Node, Node])
     reqs = _reqs(k, np.random.default_rng(9), 3)
     with (
         deferred(p, d),
-        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=2), "P" + k)]) as [addr],
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", push_parts=2, **SMALL_PARTS), "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1), "D" + k)]),
     ):
         for r in reqs:

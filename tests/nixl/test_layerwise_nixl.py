@@ -313,20 +313,18 @@ def test_large_staged_push_is_pipelined_in_parts(nodes: tuple[Node, Node]) -> No
         Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(64)[:8].tolist(), [2 * i, 2 * i + 1, 40 + i], 80)
         for i in range(3)
     ]
-    old = p.call("min_part_bytes", 0)
-    try:
-        with (
-            engines(p, "sender", [(k + "p", pg, _p_cfg("staged", push_parts=5), "P" + k)]) as [addr],
-            engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
-        ):
-            for r in reqs:
-                d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
-                p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-            d_res, p_res = _pushed_intact(p, d, k, pg, dg, reqs)
-            for r in reqs:
-                assert p_res[r.p_rid].stats.parts == 5 and d_res[r.d_rid].stats.parts == 5
-    finally:
-        p.call("min_part_bytes", old)
+    with (
+        engines(
+            p, "sender", [(k + "p", pg, _p_cfg("staged", push_parts=5, min_part_bytes=0, part_cost_us=0), "P" + k)]
+        ) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _d_cfg("staged"), "D" + k)]),
+    ):
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        d_res, p_res = _pushed_intact(p, d, k, pg, dg, reqs)
+        for r in reqs:
+            assert p_res[r.p_rid].stats.parts == 5 and d_res[r.d_rid].stats.parts == 5
 
 
 @pytest.mark.parametrize("muted", [False, True])

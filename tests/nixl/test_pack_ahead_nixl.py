@@ -22,6 +22,9 @@ from test_push_nixl import _cfg, _key, assert_idle, assert_same, by_rid, engines
 
 from kvpush.conformance.model import Req, apply_push
 
+SMALL = {"min_part_bytes": 0, "part_cost_us": 0}
+"""Test caches are small: cut a staged push into exactly ``push_parts`` parts whatever its size."""
+
 
 def _staged(**kw: object) -> dict[str, object]:
     return _cfg(plan="staged", **kw)
@@ -183,28 +186,24 @@ def test_finished_prefills_are_packed_at_hand_over_and_pushed_from_that_pack(
         Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(128)[:8].tolist(), [4 * i + j for j in range(4)], n)
         for i, n in enumerate((128, 100, 37))
     ]
-    old = [n.call("min_part_bytes", 1) for n in (p, d)]  # a small payload cut in `parts` parts on both sides
-    try:
-        with (
-            engines(p, "sender", [(k + "p", pg, _staged(push_parts=parts), "P" + k)]) as [addr],
-            engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1, push_parts=parts), "D" + k)]),
-        ):
-            for r in reqs:
-                p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
-            assert p.call("wait_stat", k + "p", "packs_at_hand_over_total", len(reqs), 10.0)
-            assert _parked_slots(p, k + "p") == (len(reqs), len(reqs))
-            src = p.call("snapshot", k + "p")
-            p.call("fill", k + "p", sorted({b for r in reqs for b in r.p_blocks}), 0x3C)  # after the pack
-            for r in reqs:
-                d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
-            p_res = _check(p, d, k + "p", k + "d", dg, pg, reqs, src)
-            st = p.call("stats", k + "p")
-            assert st.get("packs_at_hand_over_used_total") == len(reqs), st
-            assert st.get("parts_total") == parts * len(reqs), st
-            assert all(x.times.packed < x.times.registered for x in p_res.values()), p_res
-    finally:
-        for n, o in zip((p, d), old, strict=True):
-            n.call("min_part_bytes", o)
+    # a small payload cut in `parts` parts on both sides
+    with (
+        engines(p, "sender", [(k + "p", pg, _staged(push_parts=parts, **SMALL), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _staged(staged_min_descriptors=1, push_parts=parts, **SMALL), "D" + k)]),
+    ):
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        assert p.call("wait_stat", k + "p", "packs_at_hand_over_total", len(reqs), 10.0)
+        assert _parked_slots(p, k + "p") == (len(reqs), len(reqs))
+        src = p.call("snapshot", k + "p")
+        p.call("fill", k + "p", sorted({b for r in reqs for b in r.p_blocks}), 0x3C)  # after the pack
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        p_res = _check(p, d, k + "p", k + "d", dg, pg, reqs, src)
+        st = p.call("stats", k + "p")
+        assert st.get("packs_at_hand_over_used_total") == len(reqs), st
+        assert st.get("parts_total") == parts * len(reqs), st
+        assert all(x.times.packed < x.times.registered for x in p_res.values()), p_res
 
 
 def test_a_packed_slot_comes_back_on_every_end(nodes: tuple[Node, Node]) -> None:

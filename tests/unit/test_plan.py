@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.config import Config
-from kvpush.core.parts import MIN_PART_BYTES, PartSchedule, part_count, split_regions
+from kvpush.core.parts import MIN_PART_BYTES, PartCosts, PartSchedule, part_count, split_regions
 from kvpush.core.plan import build_plan, part_descriptors
 
 
@@ -75,6 +75,47 @@ def test_part_count_keeps_parts_large_and_at_most_push_parts() -> None:
     assert part_count(4, 10 * mib) == 1
     assert part_count(1, 512 * mib) == 1
     assert part_count(4, 0) == 1
+    assert part_count(4, 40 * mib, min_part_bytes=mib) == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 64),
+    st.integers(0, 1 << 32),
+    st.floats(1e8, 1e13),
+    st.floats(1e8, 1e13),
+    st.floats(1e8, 1e13),
+    st.floats(0, 1e-3),
+    st.booleans(),
+)
+def test_the_cost_model_picks_the_fastest_count_and_never_more_parts_than_one_costs(
+    most: int, nbytes: int, pack: float, wire: float, unpack: float, part_s: float, overlaps: bool
+) -> None:
+    """The chosen count is within the bounds, fastest by the model (the fewest on a tie), so never slower
+    than one part; with no fixed cost per part, the most parts allowed."""
+    costs = PartCosts(pack, wire, unpack, part_s, overlaps)
+    k = part_count(most, nbytes, 1 << 20, costs)
+    bound = part_count(most, nbytes, 1 << 20)
+    assert 1 <= k <= bound
+    t = [costs.seconds(nbytes, i) for i in range(1, bound + 1)]
+    assert t[k - 1] <= min(t) * (1 + 1e-9) and t[k - 1] <= t[0]
+    assert all(ti > t[k - 1] * (1 + 1e-12) or i + 1 >= k for i, ti in enumerate(t[: k - 1]))
+    if part_s == 0 and nbytes:
+        assert k == bound
+
+
+def test_the_cost_model_cuts_a_long_push_where_the_overlap_pays_and_a_short_one_not_at_all() -> None:
+    mib = 1 << 20
+    gpu = PartCosts(1.8e12, 1.25e12, 1.8e12, 100e-6)  # one H200's copies and NVLink-like wire, 0.1 ms a part
+    assert part_count(16, 512 * mib, MIN_PART_BYTES, gpu) == 2
+    assert part_count(16, 512 * mib, MIN_PART_BYTES, PartCosts(1.8e12, 1.25e12, 1.8e12, 0.0)) == 16
+    host = PartCosts(5e9, 25e9, 5e9, 100e-6, pack_overlaps=False)  # packs on the posting thread
+    assert part_count(16, 4 * mib, 0, host) == 3
+    assert part_count(16, 64 * mib, MIN_PART_BYTES, host) == 4
+    # A pack that does not overlap the wire saves less by cutting than one that does.
+    assert host.seconds(64 * mib, 4) - host.seconds(64 * mib, 1) > PartCosts(5e9, 25e9, 5e9, 100e-6).seconds(
+        64 * mib, 4
+    ) - PartCosts(5e9, 25e9, 5e9, 100e-6).seconds(64 * mib, 1)
 
 
 STREAM = 1 << 30

@@ -194,6 +194,9 @@ class _Side:
         extra: dict[str, Any] = {"staged_min_descriptors": 1} if mode == "staged" else {}
         if self.knobs.get("push_parts") is not None:
             extra["push_parts"] = self.knobs["push_parts"]
+        for knob in ("min_part_bytes", "part_cost_us"):  # config keys since the cost model of parts
+            if self.knobs.get(knob) is not None and hasattr(Config, "flat") and knob in Config().flat():
+                extra[knob] = self.knobs[knob]
         # Flat keys through ``from_dict``: what every tree's config takes (``--tree`` A/B across config changes).
         flat = {
             "plan": mode,
@@ -608,7 +611,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for pat in args.patterns
     }
     nets = transports(args)
-    knobs = {"push_parts": args.push_parts, "min_part_bytes": args.min_part_bytes}
+    knobs = {"push_parts": args.push_parts, "min_part_bytes": args.min_part_bytes, "part_cost_us": args.part_cost_us}
     # A lane: one transport in one kvpush tree (``--tree``: this checkout's engine against another's, side by side)
     lanes = [(tree, t) for tree in (args.tree or [None]) for t in nets]
     load_start = os.getloadavg()
@@ -882,8 +885,13 @@ def parser() -> argparse.ArgumentParser:
         "--min-part-bytes",
         type=int,
         default=None,
-        help="smallest part of a staged push (kvpush.core.parts.MIN_PART_BYTES; lower it to cut small payloads "
-        "into parts)",
+        help="smallest part of a staged push (config min_part_bytes; lower it to cut small payloads into parts)",
+    )
+    ap.add_argument(
+        "--part-cost-us",
+        type=float,
+        default=None,
+        help="the cost model's fixed cost of a part (config part_cost_us; 0: always --push-parts parts)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
     ap.add_argument("--no-plot", action="store_true")
