@@ -232,6 +232,8 @@ class PushRunner:
         made = {}
         if plan.kind is PlanKind.STAGED and prepacked is None:
             made = self._prepare(jp, prefill, rec, peer, reg, slot)
+        elif plan.kind is PlanKind.DIRECT and self._ahead(prefill, rec):
+            made = self._build_ahead(plan, reg, peer, [(0, plan.nregions)])
         t_plan = time.monotonic()
         job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=cfg.polling.peer_dead_s)
         job.heard(peer.last_seen, t_plan)
@@ -260,8 +262,7 @@ class PushRunner:
         otherwise (layers) is built when posted, unused ones are given back with the job."""
         plan = jp.plan
         assert plan.pack is not None
-        ahead = bool(prefill.num_tokens) and not rec.milestones
-        cut = split_regions(0, plan.nregions, jp.parts(plan.nregions)) if ahead else []
+        cut = split_regions(0, plan.nregions, jp.parts(plan.nregions)) if self._ahead(prefill, rec) else []
         parts = []
         if self.staging is not None and slot is not None:
             base = self.staging.addr + slot
@@ -273,6 +274,19 @@ class PushRunner:
                 self.copy.prepare_pack(self.region_bases, plan.pack, parts=parts)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", self.name)
+        return self._build_ahead(plan, reg, peer, cut)
+
+    @staticmethod
+    def _ahead(prefill: Prefill, rec: Transfer) -> bool:
+        """The push is planned before its KV was reported: most likely reported whole, later, so the WRITEs
+        of its parts can be built now, off the path from "KV ready" to D."""
+        return bool(prefill.num_tokens) and not rec.milestones
+
+    def _build_ahead(
+        self, plan: Plan, reg: protocol.Register, peer: Any, cut: list[tuple[int, int]]
+    ) -> dict[tuple[int, int], tuple[Any, int]]:
+        """The unposted WRITEs of ``cut``'s parts, by part; the job posts them as they are due and gives back
+        those its parts did not match (a layer-wise cut). A failure here only means building them when posted."""
         made: dict[tuple[int, int], tuple[Any, int]] = {}
         try:
             for r0, r1 in cut:

@@ -26,7 +26,7 @@ from procs import SENTINEL, Geom, Node, assert_same, dealer, make_cache
 from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
-from kvpush.core.outcome import Result
+from kvpush.core.outcome import PlanKind, Result
 from kvpush.transport import key_set
 from kvpush.transport.nixl_backends import traits
 
@@ -663,3 +663,45 @@ def test_agents_drive_the_traits_measured_on_the_running_nixl(nodes: tuple[Node,
         running, got = node.call("nixl_traits")
         assert running in {version(w) for w in ("nixl-cu13", "nixl-cu12", "nixl")}, running
         assert got == traits([nixl_backend], running), (running, got)
+
+
+@pytest.mark.parametrize("announced", [False, True])
+def test_a_direct_push_announced_ahead_posts_the_write_built_at_pairing(
+    nodes: tuple[Node, Node], announced: bool
+) -> None:
+    """A direct push paired before its KV is reported (D registered while P computes) builds its WRITE at
+    pairing, so "KV ready" only posts it; paired after the KV was reported, it is built when posted. Either
+    way D gets the bytes exactly and no handle is left behind."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32, order="HND")
+    k = _key("direct-ahead")
+    rng = np.random.default_rng(7)
+    reqs = [
+        Req(f"{k}-{i}", f"{k}-p{i}", f"{k}-d{i}", rng.permutation(64)[:8].tolist(), [3 * i, 3 * i + 1, 50 + i], 90)
+        for i in range(3)
+    ]
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="direct"), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan="direct"), "D" + k)]),
+    ):
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+            if announced:
+                p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            else:
+                p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        if announced:
+            assert p.call("wait_stat", k + "p", "in_flight", len(reqs), 20.0)  # paired: WRITEs built
+            p.call("layer_written", k + "p", [r.tid for r in reqs], pg.layers - 1)
+        d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+        p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+        assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
+        assert all(p_res[r.p_rid].stats.plan is PlanKind.DIRECT for r in reqs)
+        src = p.call("snapshot", k + "p")
+        exp = make_cache(dg, None)
+        for r in reqs:
+            apply_push(exp, dg, src, pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        assert p.call("stats", k + "p").get("parts_prebuilt_total", 0) == (len(reqs) if announced else 0)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
