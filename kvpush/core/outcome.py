@@ -104,10 +104,39 @@ def _add(a: float | None, b: float | None) -> float | None:
 
 @dataclass
 class _Record:
-    """Fields that are ``None`` did not happen; ``as_dict`` leaves them out (JSON, benchmarks, logs)."""
+    """Fields that are ``None`` did not happen; ``as_dict`` leaves them out (JSON, benchmarks, logs), and the
+    per-part times too (``parts``: read them from the field)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in asdict(self).items() if v is not None}
+        out = asdict(self)
+        out.pop("parts", None)
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in out.items() if v is not None}
+
+
+@dataclass
+class PartTimes:
+    """When each stage of one part (regions ``[r0, r1)``, written by P rank or to D rank ``rank``) happened on
+    one side (``time.monotonic()``): P's ``pack``, ``packed``, ``posted``, ``written`` (its WRITE over); D's
+    ``notified`` (the part's notification read), ``unpack`` (launched), ``unpacked``. Where a push's time goes
+    part by part is what decides how many parts pay (``kvpush.core.parts``)."""
+
+    r0: int
+    r1: int
+    rank: int = 0
+    t: dict[str, float] = field(default_factory=dict)
+
+    def stamp(self, stage: str, now: float) -> None:
+        """Stamp ``stage`` unless it happened already."""
+        self.t.setdefault(stage, now)
+
+
+def part_of(parts: list[PartTimes], r0: int, r1: int, rank: int = 0) -> PartTimes:
+    """The times of part ``[r0, r1)`` of ``rank`` in ``parts``, added when new."""
+    for pt in parts:
+        if pt.r0 == r0 and pt.r1 == r1 and pt.rank == rank:
+            return pt
+    parts.append(PartTimes(r0, r1, rank))
+    return parts[-1]
 
 
 @dataclass
@@ -165,6 +194,11 @@ class PushTimes(_Record):
     posted: float | None = None
     completed: float | None = None
     released: float | None = None
+    parts: list[PartTimes] = field(default_factory=list)
+
+    def part(self, r0: int, r1: int, rank: int = 0) -> PartTimes:
+        """The times of part ``[r0, r1)`` pushed to D rank ``rank``."""
+        return part_of(self.parts, r0, r1, rank)
 
     def first(self, name: str, t: float) -> None:
         """Stamp ``name`` unless it happened already."""
@@ -187,6 +221,11 @@ class ReceiveTimes(_Record):
     last_part: float | None = None
     completed: float | None = None
     result: float | None = None
+    parts: list[PartTimes] = field(default_factory=list)
+
+    def part(self, r0: int, r1: int, rank: int = 0) -> PartTimes:
+        """The times of part ``[r0, r1)`` written by P rank ``rank``."""
+        return part_of(self.parts, r0, r1, rank)
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,7 @@ class Incoming:
             why = "outside D's regions" if r1 > n else "announced twice"
             msg_ = f"completion for regions [{r0}, {r1}) {why} ({n} regions)"
             return self._final(w, Failed(Stage.TRANSFER, Cause.OTHER, msg_), now)
+        self.times.part(r0, r1, w.p_rank).stamp("notified", now)
         if msg.plan is PlanKind.STAGED:
             if w.grant is None or msg.staging != w.grant or w.unpack is None:
                 why = "staged completion does not match the granted slot"
@@ -192,6 +193,7 @@ class Incoming:
         self.stats.unpack_s = (self.stats.unpack_s or 0.0) + seconds
         w.covered[a.r0 : a.r1] = b"\x02" * (a.r1 - a.r0)
         w.unpacking.append((a.r0, a.r1, marker))
+        self.times.part(a.r0, a.r1, a.p_rank).stamp("unpack", now - seconds)
         self._account(a.part, now)
         return [self.await_unpacks(w.p_rank, block=not w.covered.count(0))]
 
@@ -199,6 +201,7 @@ class Incoming:
         """The writer's oldest unpack is done."""
         w = self.writers[p]
         r0, r1, _ = w.unpacking.popleft()
+        self.times.part(r0, r1, p).stamp("unpacked", now)
         assert w.covered is not None
         w.covered[r0:r1] = b"\x01" * (r1 - r0)
         return [] if w.unpacking else self._check_covered(w, now)

@@ -21,7 +21,7 @@ from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout, heads_overlap
-from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
+from kvpush.core.outcome import Cause, Failed, PartTimes, PlanKind, Stage, XferState
 from kvpush.core.parts import PartSchedule, costs_of, split_regions
 from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
 from kvpush.engine.ports import PeerLookup, PushPort
@@ -69,6 +69,7 @@ class PushRunner:
 
     def __post_init__(self) -> None:
         self.region_bases = [r.base for r in self.layout.regions]
+        self._parts: dict[int, PartTimes] = {}  # the times of each flying WRITE's part, by handle
         self.layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
 
     def drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
@@ -84,7 +85,11 @@ class PushRunner:
                 state = self.agent.state(handle)
                 if state is not XferState.PROC:
                     self.agent.release(handle)
-                    self._apply(tid, rec, job, job.written(handle, state, time.monotonic()))
+                    now = time.monotonic()
+                    part = self._parts.pop(id(handle), None)
+                    if part is not None:
+                        part.stamp("written", now)
+                    self._apply(tid, rec, job, job.written(handle, state, now))
         except Exception as exc:
             # A bug or a backend failure must end this push (D is told), not wedge the loop.
             log.exception("%s: push %s failed", self.name, tid)
@@ -148,6 +153,7 @@ class PushRunner:
                 marker = self.copy.start_pack(self.region_bases[a.r0 : a.r1], pack, staging)
         except Exception as exc:
             return job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
+        job.times.part(a.r0, a.r1, job.key[1]).stamp("pack", t0)
         return job.pack_started(marker, time.monotonic() - t0)
 
     def _check_pack(self, job: PushJob, a: CheckPack) -> list[Action]:
@@ -159,7 +165,11 @@ class PushRunner:
                 done = self.backend.poll_ready(a.marker)
         except Exception as exc:
             return job.failed(Failed(Stage.PACK, Cause.POST_ERROR, f"pack failed: {exc}"))
-        return job.packed() if done else job.pack_pending()
+        if not done:
+            return job.pack_pending()
+        if (head := job.oldest_pack) is not None:
+            job.times.part(*head, job.key[1]).stamp("packed", time.monotonic())
+        return job.packed()
 
     def _post(self, job: PushJob, a: Post) -> list[Action]:
         peer = self.peers.get(job.key)
@@ -178,6 +188,12 @@ class PushRunner:
             return job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
         t2 = time.monotonic()
         if handle is not None:
+            part = job.times.part(a.r0, a.r1, job.key[1])
+            part.stamp("posted", t2)
+            if state is XferState.PROC:
+                self._parts[id(handle)] = part
+            else:
+                part.stamp("written", t2)
             self.port.bump(Count.PARTS)
             self.port.bump(Count.BYTES, a.nbytes)
             self.port.bump(Count.DESCRIPTORS, ndesc)
@@ -198,6 +214,7 @@ class PushRunner:
         """Shutdown: give back the handles of WRITEs still in flight."""
         for job in jobs:
             for handle in job.flying:
+                self._parts.pop(id(handle), None)
                 self.agent.release(handle)
 
     def start_job(self, tid: str, rec: Transfer, prefill: Prefill, reg: protocol.Register) -> None:

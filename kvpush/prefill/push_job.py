@@ -136,6 +136,11 @@ class PushJob:
         """The device marker this job waits for (the oldest pack, else the KV), or None."""
         return self.packing[0].marker if self.packing else self.waiting
 
+    @property
+    def oldest_pack(self) -> tuple[int, int] | None:
+        """The regions ``(r0, r1)`` of the oldest pack running, or None."""
+        return (self.packing[0].r0, self.packing[0].r1) if self.packing else None
+
     def wake_at(self) -> int:
         """Fewest ready regions that can start this job's next part (0: any report may)."""
         if self.stopped or self.sent >= self.plan.nregions:

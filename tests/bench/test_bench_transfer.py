@@ -91,7 +91,7 @@ def test_trees_side_by_side_with_parts_and_stage_times(tmp_path: Path) -> None:
     tree = str(Path(__file__).resolve().parents[2])
     argv = ["--tokens", "64", "--layers", "2", "--iters", "1", "--warmup", "0", "--quiet", "--no-plot"]
     argv += ["--patterns", "shuffled", "--plans", "staged", "--orders", "ahead", "--out", str(tmp_path)]
-    argv += ["--tree", tree, "--push-parts", "2", "--min-part-bytes", "1"]
+    argv += ["--tree", tree, "--push-parts", "2", "--min-part-bytes", "1", "--part-cost-us", "0"]
     assert main(argv) == 0
     report = json.loads((tmp_path / "transfer_64tok.json").read_text())
     [row] = report["results"]
@@ -99,4 +99,14 @@ def test_trees_side_by_side_with_parts_and_stage_times(tmp_path: Path) -> None:
     assert row["descriptors_after"] == 2  # two parts, one descriptor each
     assert 0 < row["at_p_ready_s_median"] <= row["at_p_posted_s_median"] < row["at_d_result_s_median"]
     assert row["at_d_first_part_s_median"] <= row["at_d_last_part_s_median"]
+    # Per part, each side's stages in order, and D unpacks a part only after P packed it and D was notified.
+    for run in row["iters"]:
+        for i in range(2):
+            t = {
+                k.replace(f"part{i}_", "").removeprefix("at_").removesuffix("_s"): v
+                for k, v in run.items()
+                if f"_part{i}_" in k
+            }
+            assert t["p_pack"] <= t["p_packed"] <= t["p_posted"] <= t["p_written"], t
+            assert t["d_notified"] <= t["d_unpack"] <= t["d_unpacked"] and t["p_packed"] <= t["d_unpack"], t
     assert row["p_cpu_s_median"] > 0 and row["d_cpu_s_median"] > 0

@@ -62,6 +62,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpush_tools.bench import stages
+
 PATTERNS = ("shuffled", "runs16", "contiguous")
 PLANS = ("per-block", "coalesced", "staged", "auto")
 ORDERS = ("registered", "finished", "ahead")
@@ -281,7 +283,8 @@ class _Side:
             for r in engine.poll():
                 if r.transfer_id == tid:
                     cpu = _engine_cpu(engine) - getattr(self, "cpu0", 0.0)
-                    out = {"ok": r.ok, "reason": r.reason, "times": _times(r.times, "p_"), "cpu": cpu}
+                    times = {**_times(r.times, "p_"), **part_times(r.times, "p_")}
+                    out = {"ok": r.ok, "reason": r.reason, "times": times, "cpu": cpu}
                     return {**out, **_record(r.stats)}
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tid}: P never released the request")
@@ -351,7 +354,7 @@ class _Side:
             for r in self.engines[plan].poll():
                 if r.transfer_id == tid:
                     done = _times(r.times, "").get("result") or time.monotonic()
-                    times = _times(r.times, "d_")
+                    times = {**_times(r.times, "d_"), **part_times(r.times, "d_")}
                     out = {"t_done": done, "t_sent": times.get("d_sent"), "ok": r.ok, "reason": r.reason}
                     out["cpu"] = _engine_cpu(self.engines[plan]) - getattr(self, "cpu0", 0.0)
                     return {**out, **_record(r.stats), "times": times}
@@ -390,6 +393,13 @@ def _times(rec: Any, prefix: str) -> dict[str, float]:
     """A result's stage times (``time.monotonic()``) that are set, their names prefixed."""
     d = dict(rec) if isinstance(rec, dict) else rec.as_dict()
     return {prefix + k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and v}
+
+
+def part_times(rec: Any, prefix: str) -> dict[str, float]:
+    """A result's per-part stage times (trees since ``PartTimes``), as ``<prefix>part<i>_<stage>``, parts
+    numbered by their first region."""
+    parts = sorted(getattr(rec, "parts", None) or [], key=lambda pt: (pt.r0, pt.rank))
+    return {f"{prefix}part{i}_{stage}": float(t) for i, pt in enumerate(parts) for stage, t in pt.t.items()}
 
 
 def _enc(obj: Any) -> bytes:
@@ -737,6 +747,17 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def timeline_rows(report: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    """Each engine case's median stage times (ms after its start), labelled, for ``stages``."""
+    rows = []
+    for r in report["results"]:
+        marks = stages.medians_ms(r)
+        if marks:
+            label = f"{r.get('nixl', '')} {r['pattern']} {r['plan']}/{r.get('order', '')} ({r['plan_chosen']})"
+            rows.append((label.strip(), marks))
+    return rows
+
+
 def order_ratios(results: list[dict[str, Any]]) -> None:
     """Mark each ``finished`` case with its total over the ``ahead`` case of the same transport, pattern and plan."""
     ahead = {
@@ -912,12 +933,17 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"transfer_{args.tokens}tok"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
     print(table(report))
+    print("\nstage timeline (median ms after the start; ahead: P's KV ready, else the order's first call):")
+    rows = timeline_rows(report)
+    for label, marks in rows:
+        print("\n".join(stages.lines(label, marks)))
     h = report["host"]
     print(f"(host load average {h['loadavg_1m_start']:.1f} -> {h['loadavg_1m_end']:.1f} on {h['cpus']} CPUs)")
     print(f"\nwrote {args.out / (stem + '.json')}", end="")
     if not args.no_plot:
         plot(report, args.out / f"{stem}.png")
-        print(f" and {args.out / (stem + '.png')}", end="")
+        stages.plot(rows, args.out / f"{stem}_timeline.png", f"kvpush bench transfer: {args.tokens} tokens, stages")
+        print(f" and {args.out / (stem + '.png')}, {stem}_timeline.png", end="")
     print()
     return 0
 
