@@ -122,3 +122,10 @@ def medians_ms(result: Mapping[str, Any]) -> dict[str, float]:
         if k.startswith("at_") and k.endswith("_s_median"):
             out[k[3 : -len("_s_median")]] = 1e3 * v
     return out
+
+
+def part_times(rec: Any, prefix: str) -> dict[str, float]:
+    """A result's per-part stage times (trees since ``PartTimes``), as ``<prefix>part<i>_<stage>``, parts
+    numbered by their first region."""
+    parts = sorted(getattr(rec, "parts", None) or [], key=lambda pt: (pt.r0, pt.rank))
+    return {f"{prefix}part{i}_{stage}": float(t) for i, pt in enumerate(parts) for stage, t in pt.t.items()}

@@ -283,7 +283,7 @@ class _Side:
             for r in engine.poll():
                 if r.transfer_id == tid:
                     cpu = _engine_cpu(engine) - getattr(self, "cpu0", 0.0)
-                    times = {**_times(r.times, "p_"), **part_times(r.times, "p_")}
+                    times = {**_times(r.times, "p_"), **stages.part_times(r.times, "p_")}
                     out = {"ok": r.ok, "reason": r.reason, "times": times, "cpu": cpu}
                     return {**out, **_record(r.stats)}
             if time.monotonic() > deadline:
@@ -354,7 +354,7 @@ class _Side:
             for r in self.engines[plan].poll():
                 if r.transfer_id == tid:
                     done = _times(r.times, "").get("result") or time.monotonic()
-                    times = {**_times(r.times, "d_"), **part_times(r.times, "d_")}
+                    times = {**_times(r.times, "d_"), **stages.part_times(r.times, "d_")}
                     out = {"t_done": done, "t_sent": times.get("d_sent"), "ok": r.ok, "reason": r.reason}
                     out["cpu"] = _engine_cpu(self.engines[plan]) - getattr(self, "cpu0", 0.0)
                     return {**out, **_record(r.stats), "times": times}
@@ -393,13 +393,6 @@ def _times(rec: Any, prefix: str) -> dict[str, float]:
     """A result's stage times (``time.monotonic()``) that are set, their names prefixed."""
     d = dict(rec) if isinstance(rec, dict) else rec.as_dict()
     return {prefix + k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and v}
-
-
-def part_times(rec: Any, prefix: str) -> dict[str, float]:
-    """A result's per-part stage times (trees since ``PartTimes``), as ``<prefix>part<i>_<stage>``, parts
-    numbered by their first region."""
-    parts = sorted(getattr(rec, "parts", None) or [], key=lambda pt: (pt.r0, pt.rank))
-    return {f"{prefix}part{i}_{stage}": float(t) for i, pt in enumerate(parts) for stage, t in pt.t.items()}
 
 
 def _enc(obj: Any) -> bytes:

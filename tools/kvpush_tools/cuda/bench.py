@@ -59,6 +59,7 @@ import numpy as np
 from kvpush.core.geometry import KVGeometry
 from kvpush.core.outcome import XferState
 from kvpush.transport.key_set import session_capability
+from kvpush_tools.bench import stages
 from kvpush_tools.cuda.standin_layer import QWEN3_32B_TP8, TINY, StandInLayer
 
 POISON = 0xA5
@@ -539,7 +540,8 @@ class DServer:
         ok, detail = self.verify(src, dst) if res.ok else (False, res.reason)
         result_t = res.times.result or 0.0
         stats = {**res.stats.as_dict(), **copier}
-        self.conn.send(("done", (result_t - t0) * 1e3, stats, ok, detail, result_t, res.times.as_dict(), t0))
+        times = {**res.times.as_dict(), **stages.part_times(res.times, "")}
+        self.conn.send(("done", (result_t - t0) * 1e3, stats, ok, detail, result_t, times, t0))
 
 
 # --------------------------------------------------------------------------- P
@@ -768,7 +770,8 @@ class PDriver:
             "busy_poll_max_s": o.busy_poll_us * 1e-6,
             "link_gbps": 200.0,
             "side_channel_port": 0,  # a free port: D learns it from the sender
-            "push_parts": parts,
+            # parts > 0: exactly that many (no fixed cost per part in the cost model); 0: the cost model's choice
+            **({"push_parts": parts, "part_cost_us": 0.0} if parts > 0 else {}),
         }
 
     def _sender(self, parts: int) -> Any:
@@ -870,7 +873,8 @@ class PDriver:
         if p_res is not None:
             # P's stages before the timed start too (negative): in the finished order the pack at hand-over
             # (``p_ready``, ``p_packed``) comes before D's register call.
-            marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_res.times.as_dict().items()})
+            p_times = {**p_res.times.as_dict(), **stages.part_times(p_res.times, "")}
+            marks.update({f"p_{k}": (v - t0) * 1e3 for k, v in p_times.items()})
             marks.update({f"p_{k}_ms": v * 1e3 for k, v in p_res.stats.as_dict().items() if k.endswith("_s")})
         ok = ok and p_res is not None
         det = det or ("" if p_res is not None else "P never released the blocks")
@@ -1310,6 +1314,17 @@ def worker(role: str, opts: Options, conn: Any, results: Any) -> None:
         results.put((role, {"error": tb}))
 
 
+def timeline_rows(res: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    """Each engine row's median stage times (ms after its start), labelled, for ``stages``; parts 0 is the
+    cost model's choice."""
+    rows = []
+    for e in res.get("engine") or []:
+        marks = {k: v for k, v in e.get("timeline_median", {}).items() if not k.endswith("_ms")}
+        parts = e["parts"] or f"auto({len(stages.parts_of(marks))})"
+        rows.append((f"{e['pattern']} {e['mode']} parts={parts} ({e['plan']}) {e['median_ms']:.2f} ms", marks))
+    return rows
+
+
 def summarize(opts: Options, res: dict[str, Any]) -> dict[str, Any]:
     """Attach ratios to peer copy and build the printed table."""
     peer = res["micro"]["peer_copy_ms"]
@@ -1593,14 +1608,19 @@ def main(argv: list[str] | None = None) -> int:
     res.update(got["P"])
     summarize(opts, res)
     print("\n".join(res["table"]), flush=True)
+    rows = timeline_rows(res)
+    for label, marks in rows:
+        print("\n".join(stages.lines(label, marks)), flush=True)
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1, default=str)
     if a.plot:
         plot(res, a.plot)
+        base, ext = os.path.splitext(a.plot)
+        if rows:
+            stages.plot(rows, f"{base}_timeline{ext or '.png'}", "kvpush engine on the GPU: stages (median ms)")
         if res.get("layerwise"):
-            base, ext = os.path.splitext(a.plot)
             plot_layerwise(res, f"{base}_layerwise{ext or '.png'}")
     bad = [c for c in res["cases"] if not c["verified"]] + [e for e in res["engine"] if not e["verified"]]
     bad += [r for r in res.get("layerwise") or [] if not r["verified"]]
