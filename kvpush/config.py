@@ -113,7 +113,7 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     choice (``part_cost_us``, ``kvpush.core.parts.part_count``). 1 disables the pipelining."""
     min_part_bytes: Annotated[int, msgspec.Meta(ge=0)] = 16 << 20
     """A staged push is cut only into parts at least this large."""
-    part_cost_us: Annotated[float, msgspec.Meta(ge=0)] = 100.0
+    part_cost_us: Annotated[float, msgspec.Meta(ge=0)] = 200.0
     """What one more part of a staged push costs in fixed host work (its post, its notification, D's
     unpack launch), in microseconds: the cost model cuts a push into more parts only where their overlap
     saves more than this adds per part. 0: always the most parts allowed. Measurements behind the

@@ -116,7 +116,8 @@ class _Record:
 @dataclass
 class PartTimes:
     """When each stage of one part (regions ``[r0, r1)``, written by P rank or to D rank ``rank``) happened on
-    one side (``time.monotonic()``): P's ``pack``, ``packed``, ``posted``, ``written`` (its WRITE over); D's
+    one side (``time.monotonic()``): P's ``pack``, ``packed``, ``post`` (built and posted from here), ``posted``,
+    ``written`` (its WRITE over); D's
     ``notified`` (the part's notification read), ``unpack`` (launched), ``unpacked``. Where a push's time goes
     part by part is what decides how many parts pay (``kvpush.core.parts``)."""
 

@@ -189,6 +189,7 @@ class PushRunner:
         t2 = time.monotonic()
         if handle is not None:
             part = job.times.part(a.r0, a.r1, job.key[1])
+            part.stamp("post", t1)
             part.stamp("posted", t2)
             if state is XferState.PROC:
                 self._parts[id(handle)] = part

@@ -32,7 +32,7 @@ STAGES: tuple[tuple[str, str], ...] = (
 
 PART_STAGES: tuple[tuple[str, str, str], ...] = (
     ("p", "pack", "packed"),
-    ("p", "packed", "written"),
+    ("p", "post", "written"),
     ("d", "unpack", "unpacked"),
 )
 """A part's spans drawn as bars: (side, start stage, end stage)."""
@@ -69,7 +69,7 @@ def plot(rows: Sequence[tuple[str, Mapping[str, float]]], path: Path, title: str
 
     if not rows:
         return
-    colors = {"p_pack": "tab:orange", "p_packed": "tab:blue", "d_unpack": "tab:green"}
+    colors = {"p_pack": "tab:orange", "p_post": "tab:blue", "d_unpack": "tab:green"}
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.8))
     seen: set[str] = set()
     for y, (_label, marks) in enumerate(rows):
@@ -81,8 +81,8 @@ def plot(rows: Sequence[tuple[str, Mapping[str, float]]], path: Path, title: str
                 if t0 is None or t1 is None:
                     continue
                 key = f"{side}_{a}"
-                off = {"p_pack": -0.3, "p_packed": -0.1, "d_unpack": 0.1}[key] + 0.18 * i / n
-                lab = {"p_pack": "pack (P)", "p_packed": "post and WRITE (P)", "d_unpack": "unpack (D)"}[key]
+                off = {"p_pack": -0.3, "p_post": -0.1, "d_unpack": 0.1}[key] + 0.18 * i / n
+                lab = {"p_pack": "pack (P)", "p_post": "post and WRITE (P)", "d_unpack": "unpack (D)"}[key]
                 ax.barh(
                     y + off,
                     max(t1 - t0, 1e-3),
@@ -109,8 +109,8 @@ def plot(rows: Sequence[tuple[str, Mapping[str, float]]], path: Path, title: str
     ax.set_xlabel("ms after the run's start (ahead: P's KV ready; finished: D's register call)")
     ax.set_title(title)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(rows) / 10))
-    fig.tight_layout()
+    fig.legend(fontsize=7, ncol=4, loc="lower center")
+    fig.tight_layout(rect=(0, 0.1 if len(rows) > 4 else 0.2, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
