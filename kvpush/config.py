@@ -117,7 +117,7 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """What one more part of a staged push costs in fixed host work (its post, its notification, D's
     unpack launch), in microseconds: the cost model cuts a push into more parts only where their overlap
     saves more than this adds per part. 0: always the most parts allowed. Measurements behind the
-    default: docs/benchmarks.md, "Parts"."""
+    default: docs/benchmarks.md, section 14, "Parts"."""
 
 
 class PerLayer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -9,6 +9,8 @@ compute the same answer without asking each other.
 
 from __future__ import annotations
 
+import functools
+
 ConnKey = tuple[str, int]
 """A P rank's side channel, (host, port): what D keys its link to that rank by (rank r of a P instance
 listens on the instance's port + r)."""
@@ -22,18 +24,31 @@ def head_range(rank: int, tp: int, num_heads: int) -> tuple[int, int]:
 
 def writers_for(d_rank: int, d_tp: int, p_tp: int, num_heads: int) -> list[int]:
     """P ranks that write into D rank ``d_rank``."""
+    return list(_writers(d_rank, d_tp, p_tp, num_heads))
+
+
+def targets_for(p_rank: int, p_tp: int, d_tp: int, num_heads: int) -> list[int]:
+    """D ranks that P rank ``p_rank`` writes into."""
+    return list(_targets(p_rank, p_tp, d_tp, num_heads))
+
+
+@functools.lru_cache(maxsize=4096)
+def _writers(d_rank: int, d_tp: int, p_tp: int, num_heads: int) -> tuple[int, ...]:
+    """``writers_for``, remembered: P asks it on every registration (tens of microseconds at TP 8), and
+    its inputs are a handful of small integers per deployment."""
     dlo, dhi = head_range(d_rank, d_tp, num_heads)
     groups: dict[tuple[int, int], list[int]] = {}
     for p in range(p_tp):
         lo, hi = head_range(p, p_tp, num_heads)
         if max(lo, dlo) < min(hi, dhi):
             groups.setdefault((lo, hi), []).append(p)
-    return sorted(ranks[d_rank % len(ranks)] for ranks in groups.values())
+    return tuple(sorted(ranks[d_rank % len(ranks)] for ranks in groups.values()))
 
 
-def targets_for(p_rank: int, p_tp: int, d_tp: int, num_heads: int) -> list[int]:
-    """D ranks that P rank ``p_rank`` writes into."""
-    return [d for d in range(d_tp) if p_rank in writers_for(d, d_tp, p_tp, num_heads)]
+@functools.lru_cache(maxsize=4096)
+def _targets(p_rank: int, p_tp: int, d_tp: int, num_heads: int) -> tuple[int, ...]:
+    """``targets_for``, remembered (see ``_writers``)."""
+    return tuple(d for d in range(d_tp) if p_rank in _writers(d, d_tp, p_tp, num_heads))
 
 
 def writer_channels(host: str, port: int, p_tp: int, d_rank: int, d_tp: int, num_heads: int) -> dict[int, ConnKey]:
