@@ -48,6 +48,7 @@ Agg = Mapping[tuple[int, float, str], Mapping[str, Any]]
 
 
 ROUTER_STYLES = {"kvpush": "-", "vllm-router": "--"}
+ROUTER_MARKERS = {"kvpush": "o", "vllm-router": "s"}  # filled / hollow, so a lone point still shows its router
 ROUTER_LABELS = {"kvpush": "kvpush router", "vllm-router": "vllm-router"}
 
 
@@ -103,7 +104,8 @@ def plot_metric(aggs: Mapping[str, Agg], metric: str, path: Path, title: str = "
                     qps,
                     p50,
                     yerr=err,
-                    fmt="o",
+                    marker=ROUTER_MARKERS.get(router, "^") if several else "o",
+                    mfc="white" if several and router != "kvpush" else COLORS[mode],
                     ls=ROUTER_STYLES.get(router, ":"),
                     color=COLORS[mode],
                     capsize=3,
@@ -141,7 +143,8 @@ def plot_metric(aggs: Mapping[str, Agg], metric: str, path: Path, title: str = "
                     [p[1] for p in pts],
                     yerr=[lo, hi],
                     ls=ROUTER_STYLES.get(router, style) if several else style,
-                    marker=marks[i % len(marks)],
+                    marker=ROUTER_MARKERS.get(router, "^") if several else marks[i % len(marks)],
+                    mfc="white" if several and router != "kvpush" else COLORS[other],
                     color=COLORS[other],
                     capsize=3,
                     label=f"kvpush/{other.removeprefix('vllm-')}, in {inp}"
@@ -153,6 +156,11 @@ def plot_metric(aggs: Mapping[str, Agg], metric: str, path: Path, title: str = "
     ax.set_ylabel("ratio")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
+    qps_all = sorted({k[1] for k in every})
+    for a in flat[:npanels]:
+        a.set_xticks(qps_all, [loadgen.fmt_qps(q) for q in qps_all])  # the routers' side-by-side shift hidden
+        if len(qps_all) == 1:
+            a.set_xlim(qps_all[0] * 0.8, qps_all[0] * 1.2)
     for extra in flat[npanels:]:
         extra.set_visible(False)
     handles, labels = flat[0].get_legend_handles_labels()

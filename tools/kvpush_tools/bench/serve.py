@@ -37,7 +37,7 @@ between runs, so a ratio is only worth its spread.
 Examples::
 
     kvpush bench serve --quick                       # one point, one iteration (~5 min with startup)
-    kvpush bench serve                               # the default sweep (~30-40 min on 2 busy cores)
+    kvpush bench serve                               # the default sweep, 3 iterations (~45-60 min on 2 busy cores)
     kvpush bench serve --inputs 1024 --qps 1,2 --iterations 3
     kvpush bench serve --modes kvpush,vllm-pull --routers kvpush,vllm-router --inputs 1024 --qps 1
     kvpush bench serve --attach kvpush=http://127.0.0.1:8000 --modes kvpush
