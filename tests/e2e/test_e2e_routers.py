@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -62,13 +61,7 @@ class Servers:
 
 
 def vllm_router_process(p: str, d: str, log_dir: Path) -> srv.ServerProcess:
-    port, prom = srv.free_port(), srv.free_port()
-    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation"]
-    cmd += ["--prefill", p, "--decode", d, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--prometheus-port", str(prom), "--policy", "round_robin", "--log-level", "info"]
-    return srv.ServerProcess(
-        name="vllm-router", cmd=cmd, url=f"http://127.0.0.1:{port}", log_path=log_dir / "vllm-router.log"
-    )
+    return srv.vllm_router_server(p, d, srv.free_port(), log_dir=log_dir)
 
 
 @pytest.fixture(scope="module")

@@ -25,17 +25,27 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
 DEFAULT_MODES = MODES[:3]
 """What a sweep compares unless told otherwise: the connectors (``kvpush-selective`` differs only in its router)."""
+ROUTERS = ("kvpush", "vllm-router")
+"""The routers a sweep can put in front of a pair: kvpush's own (``kvpush router``) and the vLLM project's
+``vllm-router`` (Rust, from PyPI) in its vLLM P/D mode."""
+DEFAULT_ROUTER = "kvpush"
+ROUTER_MODES = {"kvpush": MODES, "vllm-router": ("kvpush", "vllm-pull")}
+"""The modes each router drives. vllm-router speaks only vLLM's P/D protocol (P with ``max_tokens: 1``,
+then D with the ``kv_transfer_params`` P returned): kvpush answers it unchanged and vLLM's pull connector
+is what it was written for, but vLLM's push connector needs D's address given to P before the prefill
+(``kvpush router --mode vllm-push`` does that) and ``kvpush-selective`` is a flag of kvpush's router."""
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _NAME_RE = re.compile(
-    r"^(?P<mode>[A-Za-z0-9-]+)_qps(?P<qps>[0-9.]+|inf)_in(?P<inp>\d+)_out(?P<out>\d+)_iter(?P<it>\d+)\.json$"
+    r"^(?P<mode>[A-Za-z0-9-]+?)(?:_via-(?P<router>[A-Za-z0-9-]+))?"
+    r"_qps(?P<qps>[0-9.]+|inf)_in(?P<inp>\d+)_out(?P<out>\d+)_iter(?P<it>\d+)\.json$"
 )
 
 
@@ -203,25 +213,40 @@ def fmt_qps(qps: float) -> str:
     return "inf" if math.isinf(qps) else f"{qps:g}"
 
 
-def result_name(mode: str, qps: float, input_len: int, output_len: int, iteration: int) -> str:
-    """``<mode>_qps<q>_in<in>_out<out>_iter<i>.json``, the seed's naming."""
+def result_name(
+    mode: str, qps: float, input_len: int, output_len: int, iteration: int, router: str | None = None
+) -> str:
+    """``<mode>[_via-<router>]_qps<q>_in<in>_out<out>_iter<i>.json``: the seed's naming, plus the router
+    when one is named (a sweep always names it; files without it, the seed's and ``vllm bench serve``'s
+    renamed ones, count as :data:`DEFAULT_ROUTER`'s)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    return f"{mode}_qps{fmt_qps(qps)}_in{input_len}_out{output_len}_iter{iteration}.json"
+    if router is not None and router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; expected one of {ROUTERS}")
+    via = f"_via-{router}" if router is not None else ""
+    return f"{mode}{via}_qps{fmt_qps(qps)}_in{input_len}_out{output_len}_iter{iteration}.json"
 
 
 def parse_result_name(name: str) -> tuple[str, float, int, int, int] | None:
-    """Inverse of :func:`result_name`; None for other file names."""
+    """Inverse of :func:`result_name` but the router (:func:`router_of_name`); None for other file names."""
     m = _NAME_RE.match(Path(name).name)
-    if m is None or m["mode"] not in MODES:
+    if m is None or m["mode"] not in MODES or (m["router"] is not None and m["router"] not in ROUTERS):
         return None
     return m["mode"], float(m["qps"]), int(m["inp"]), int(m["out"]), int(m["it"])
+
+
+def router_of_name(name: str) -> str:
+    """The router a run file's name says (:data:`DEFAULT_ROUTER` when it names none)."""
+    m = _NAME_RE.match(Path(name).name)
+    return (m["router"] if m is not None else None) or DEFAULT_ROUTER
 
 
 def write_result(directory: Path, result: Mapping[str, Any]) -> Path:
     """Write one run's JSON under its canonical name (from ``result["kvpush"]``)."""
     k = result["kvpush"]
-    path = Path(directory) / result_name(k["mode"], k["qps"], k["input_len"], k["output_len"], k["iteration"])
+    path = Path(directory) / result_name(
+        k["mode"], k["qps"], k["input_len"], k["output_len"], k["iteration"], k.get("router")
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, allow_nan=True) + "\n")
     return path
@@ -241,7 +266,14 @@ def load_results(directory: Path) -> list[dict[str, Any]]:
         data = json.loads(path.read_text())
         mode, qps, inp, outl, it = key
         data.setdefault("kvpush", {}).update(
-            {"mode": mode, "qps": qps, "input_len": inp, "output_len": outl, "iteration": it}
+            {
+                "mode": mode,
+                "router": router_of_name(path.name),
+                "qps": qps,
+                "input_len": inp,
+                "output_len": outl,
+                "iteration": it,
+            }
         )
         out.append(data)
     return out
@@ -332,6 +364,7 @@ def aggregate(results: Iterable[Mapping[str, Any]]) -> dict[tuple[int, float, st
             row[f"median_{name}_ms"] = row[f"p50_{name}_ms"]
         row["median_itl_ms"] = statistics.median(agg["itl_p50"]) if agg["itl_p50"] else 0.0
         its = [agg["iters"][i] for i in sorted(agg["iters"])]
+        row["iterations"] = sorted(agg["iters"])
         row["iter_median_ttft_ms"] = [x["median_ttft_ms"] for x in its]
         row["iter_median_tpot_ms"] = [x["median_tpot_ms"] for x in its]
         if agg.get("server"):
@@ -429,3 +462,111 @@ def summary_json(agg: Mapping[tuple[int, float, str], Mapping[str, Any]]) -> dic
         "ratios_p90_ttft": ratios(agg, "p90_ttft_ms"),
         "ratios_p99_ttft": ratios(agg, "p99_ttft_ms"),
     }
+
+
+# --------------------------------------------------------------------------- #
+# The router dimension: cells, and ratios with their spread over iterations
+# --------------------------------------------------------------------------- #
+
+
+class Cell(NamedTuple):
+    """One thing a sweep measures at every point: a KV connector mode behind one router."""
+
+    mode: str
+    router: str
+
+    @property
+    def label(self) -> str:
+        """``kvpush`` behind kvpush's router (the seed's label), else ``<mode> via <router>``."""
+        return self.mode if self.router == DEFAULT_ROUTER else f"{self.mode} via {self.router}"
+
+
+def unsupported(mode: str, router: str) -> str | None:
+    """Why ``router`` cannot drive ``mode`` (None when it can)."""
+    if router not in ROUTERS:
+        return f"unknown router {router!r}; expected one of {ROUTERS}"
+    if mode not in ROUTER_MODES[router]:
+        return f"{router} does not drive mode {mode} (it drives {', '.join(ROUTER_MODES[router])})"
+    return None
+
+
+def plan_cells(modes: Sequence[str], routers: Sequence[str]) -> tuple[list[Cell], list[tuple[Cell, str]]]:
+    """(cells to run, (cell, reason) skipped): every mode behind every router that drives it.
+
+    Router-major order (all of the first router's modes, then the next's), so
+    with one router the cells are the modes in the order given, as before.
+    The caller decides whether a skipped cell is an error (the user named
+    that combination) or a stated skip (a sweep over all modes)."""
+    cells: list[Cell] = []
+    skipped: list[tuple[Cell, str]] = []
+    for router in routers:
+        for mode in modes:
+            why = unsupported(mode, router)
+            if why is None:
+                cells.append(Cell(mode, router))
+            else:
+                skipped.append((Cell(mode, router), why))
+    return cells, skipped
+
+
+def split_by_router(results: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Run records per router (:data:`DEFAULT_ROUTER` for records without one), routers in :data:`ROUTERS` order."""
+    by: dict[str, list[Mapping[str, Any]]] = {}
+    for r in results:
+        by.setdefault(str(r["kvpush"].get("router") or DEFAULT_ROUTER), []).append(r)
+    order = [*ROUTERS, *sorted(set(by) - set(ROUTERS))]
+    return {k: by[k] for k in order if k in by}
+
+
+def ratio_spread(
+    agg: Mapping[tuple[int, float, str], Mapping[str, Any]], metric: str = "ttft", base: str = "vllm-pull"
+) -> list[dict[str, Any]]:
+    """Per point: kvpush/``base`` of the median ``metric``, pooled and per iteration, with min..max.
+
+    The per-iteration ratio divides kvpush's median of one iteration by
+    ``base``'s median of the *same* iteration: the two ran back to back at
+    that point (interleaved), so they shared that moment's load, and the
+    spread over iterations is how far one run's ratio can be trusted. Points
+    where either mode is missing are left out."""
+    rows = []
+    for inp, qps in sorted({(k[0], k[1]) for k in agg}):
+        a, b = agg.get((inp, qps, "kvpush")), agg.get((inp, qps, base))
+        if a is None or b is None:
+            continue
+        key = f"iter_median_{metric}_ms"
+        ia = dict(zip(a.get("iterations", range(len(a[key]))), a[key], strict=True))
+        ib = dict(zip(b.get("iterations", range(len(b[key]))), b[key], strict=True))
+        per = [ratio(ia[i], ib[i]) for i in sorted(set(ia) & set(ib))]
+        vals = [x for x in per if x is not None]
+        rows.append(
+            {
+                "input_len": inp,
+                "qps": qps,
+                "metric": f"median_{metric}_ms",
+                f"kvpush/{base}": ratio(a[f"median_{metric}_ms"], b[f"median_{metric}_ms"]),
+                "iterations": sorted(set(ia) & set(ib)),
+                "per_iteration": per,
+                "min": min(vals) if vals else None,
+                "max": max(vals) if vals else None,
+                "kvpush_iter_medians_ms": [ia[i] for i in sorted(ia)],
+                f"{base}_iter_medians_ms": [ib[i] for i in sorted(ib)],
+            }
+        )
+    return rows
+
+
+def spread_table(router: str, agg: Mapping[tuple[int, float, str], Mapping[str, Any]]) -> str:
+    """Per point behind ``router``: each iteration's median TTFT and TPOT of kvpush and vllm-pull, and
+    their ratio per iteration (min..max), next to the pooled ratio."""
+    lines = [f"behind {router}: per-iteration medians (ms) and kvpush/vllm-pull per iteration, pooled [min..max]"]
+    for metric in ("ttft", "tpot"):
+        for r in ratio_spread(agg, metric):
+            ks = " ".join(f"{x:.1f}" for x in r["kvpush_iter_medians_ms"])
+            ps = " ".join(f"{x:.1f}" for x in r["vllm-pull_iter_medians_ms"])
+            per = " ".join(_f(x, "4.2f") for x in r["per_iteration"])
+            lines.append(
+                f"  {metric.upper():4} in {r['input_len']:>5} qps {fmt_qps(r['qps']):>4}: kvpush [{ks}] pull [{ps}]"
+                f" -> ratios [{per}], pooled {_f(r['kvpush/vllm-pull'], '4.2f')}"
+                f" [{_f(r['min'], '4.2f')}..{_f(r['max'], '4.2f')}]"
+            )
+    return "\n".join(lines)

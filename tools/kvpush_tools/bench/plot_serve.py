@@ -1,17 +1,23 @@
 """``kvpush bench plot``: summary table and TTFT/TPOT-vs-QPS figures of a ``bench serve`` folder.
 
-Reads every ``<mode>_qps<q>_in<in>_out<out>_iter<i>.json`` in the folder
-(ours, or ``vllm bench serve`` files renamed to that scheme), pools the
-requests of all iterations per (input length, QPS, mode), and writes:
+Reads every ``<mode>[_via-<router>]_qps<q>_in<in>_out<out>_iter<i>.json`` in
+the folder (ours, or ``vllm bench serve`` files renamed to that scheme: no
+router named means kvpush's), pools the requests of all iterations per
+(router, input length, QPS, mode), and writes:
 
-* ``summary.json``: per point and mode the p50/p90/p99 of TTFT, TPOT and E2E,
-  completed and failed counts, per-iteration medians; the ratios
-  kvpush/vllm-pull and kvpush/vllm-push of the median TTFT and TPOT (and of
-  the p90/p99 TTFT) per point;
-* ``summary.txt``: the table printed at the end of a sweep;
+* ``summary.json``: per router (``routers``), per point and mode the
+  p50/p90/p99 of TTFT, TPOT and E2E, completed and failed counts,
+  per-iteration medians; the ratios kvpush/vllm-pull and kvpush/vllm-push of
+  the median TTFT and TPOT (and of the p90/p99 TTFT) per point; and the
+  kvpush/vllm-pull ratio of each iteration's medians with its min..max (a
+  ratio is only worth its spread). With one router, its rows and ratios are
+  also at the top level, as before the router was a dimension;
+* ``summary.txt``: the table printed at the end of a sweep (a block per router);
 * ``ttft_vs_qps.png`` and ``tpot_vs_qps.png``: the seed's four-panel figures,
-  one panel per input length with one line per mode (median solid, p90
-  dashed), and a last panel with the kvpush/vLLM median ratios.
+  one panel per input length with one colour per mode and one line style per
+  router (the median, error bars from the lowest to the highest iteration's
+  median; p90 dashed when there is one router), and a last panel with the
+  kvpush/vLLM median ratios, error bars over the iterations' ratios.
 
 ``--compact-to DIR`` copies the run files without their per-token ``itls``
 (the bulk of each file) plus the summary and figures, which is what
@@ -41,41 +47,75 @@ LABELS = {
 Agg = Mapping[tuple[int, float, str], Mapping[str, Any]]
 
 
-def plot_metric(agg: Agg, metric: str, path: Path, title: str = "") -> Path:
-    """One figure: a panel per input length (``metric`` vs QPS, one line per
-    mode; median solid, p90 dashed), then a panel of kvpush/vLLM median ratios.
+ROUTER_STYLES = {"kvpush": "-", "vllm-router": "--"}
+ROUTER_MARKERS = {"kvpush": "o", "vllm-router": "s"}  # filled / hollow, so a lone point still shows its router
+ROUTER_LABELS = {"kvpush": "kvpush router", "vllm-router": "vllm-router"}
 
+
+def _spread(row: Mapping[str, Any], metric: str) -> tuple[float, float]:
+    """(below, above) the pooled median: down to the lowest and up to the highest iteration's median."""
+    mid = float(row[f"p50_{metric}_ms"])
+    its = row.get(f"iter_median_{metric}_ms") or [mid]
+    return max(0.0, mid - min(its)), max(0.0, max(its) - mid)
+
+
+def plot_metric(aggs: Mapping[str, Agg], metric: str, path: Path, title: str = "") -> Path:
+    """One figure: a panel per input length (``metric`` vs QPS, one colour
+    per mode, one line style per router; the median with error bars from the
+    lowest to the highest iteration's median; p90 dashed when there is one
+    router), then a panel of the kvpush/vLLM median ratios per router, each
+    with error bars over the per-iteration ratios (min..max).
+
+    ``aggs``: per router, :func:`kvpush_tools.bench.loadgen.aggregate` of its runs.
     With three input lengths that is the seed's four panels (2 x 2)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    inputs = sorted({k[0] for k in agg})
-    modes = [m for m in MODES if any(k[2] == m for k in agg)]
+    every = [k for agg in aggs.values() for k in agg]
+    inputs = sorted({k[0] for k in every})
+    modes = [m for m in MODES if any(k[2] == m for k in every)]
+    routers = list(aggs)
+    several = len(routers) > 1
     npanels = len(inputs) + 1
     ncols = 2 if npanels > 1 else 1
     nrows = math.ceil(npanels / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.2 * nrows), squeeze=False)
     flat = [ax for row in axes for ax in row]
     name = metric.upper()
+
+    def shift(qps: float, i: int) -> float:
+        """Routers side by side at one QPS, so their error bars do not hide each other."""
+        return qps * (1 + 0.04 * (i - (len(routers) - 1) / 2))
+
     for ax, inp in zip(flat, inputs, strict=False):
-        for mode in modes:
-            rows = sorted((r for k, r in agg.items() if k[0] == inp and k[2] == mode), key=lambda r: r["qps"])
-            if not rows:
-                continue
-            qps = [r["qps"] for r in rows]
-            ax.plot(
-                qps,
-                [r[f"p50_{metric}_ms"] for r in rows],
-                "o-",
-                color=COLORS[mode],
-                label=f"{LABELS[mode]} p50",
-            )
-            ax.plot(qps, [r[f"p90_{metric}_ms"] for r in rows], "--", color=COLORS[mode], alpha=0.6, lw=1)
-            for r in rows:
-                if r["failed"]:
-                    ax.annotate(f"{r['failed']} failed", (r["qps"], r[f"p50_{metric}_ms"]), fontsize=7)
+        for ri, router in enumerate(routers):
+            agg = aggs[router]
+            for mode in modes:
+                rows = sorted((r for k, r in agg.items() if k[0] == inp and k[2] == mode), key=lambda r: r["qps"])
+                if not rows:
+                    continue
+                qps = [shift(r["qps"], ri) for r in rows]
+                p50 = [r[f"p50_{metric}_ms"] for r in rows]
+                err = list(zip(*(_spread(r, metric) for r in rows), strict=True))
+                label = LABELS[mode] + (f", {ROUTER_LABELS.get(router, router)}" if several else "") + " p50"
+                ax.errorbar(
+                    qps,
+                    p50,
+                    yerr=err,
+                    marker=ROUTER_MARKERS.get(router, "^") if several else "o",
+                    mfc="white" if several and router != "kvpush" else COLORS[mode],
+                    ls=ROUTER_STYLES.get(router, ":"),
+                    color=COLORS[mode],
+                    capsize=3,
+                    label=label,
+                )
+                if not several:
+                    ax.plot(qps, [r[f"p90_{metric}_ms"] for r in rows], "--", color=COLORS[mode], alpha=0.6, lw=1)
+                for r, x in zip(rows, qps, strict=True):
+                    if r["failed"]:
+                        ax.annotate(f"{r['failed']} failed", (x, r[f"p50_{metric}_ms"]), fontsize=7)
         ax.set_title(f"{name}, input {inp} tokens")
         ax.set_xlabel("request rate (QPS)")
         ax.set_ylabel(f"{name} (ms)")
@@ -83,29 +123,44 @@ def plot_metric(agg: Agg, metric: str, path: Path, title: str = "") -> Path:
         ax.set_ylim(bottom=0)
     ax = flat[len(inputs)]
     marks = "osd^v<>"
-    for i, inp in enumerate(inputs):
-        sub = {k: v for k, v in agg.items() if k[0] == inp}
-        for other, style in (("vllm-pull", "-"), ("vllm-push", ":")):
-            pts = [
-                (r["qps"], r[f"kvpush/{other}"])
-                for r in loadgen.ratios(sub, f"median_{metric}_ms")
-                if r[f"kvpush/{other}"] is not None
-            ]
-            if pts:
-                ax.plot(
-                    [p[0] for p in pts],
+    for ri, router in enumerate(routers):
+        agg = aggs[router]
+        for i, inp in enumerate(inputs):
+            sub = {k: v for k, v in agg.items() if k[0] == inp}
+            for other, style in (("vllm-pull", "-"), ("vllm-push", ":")):
+                spreads = {(r["input_len"], r["qps"]): r for r in loadgen.ratio_spread(sub, metric, other)}
+                pts = [
+                    (r["qps"], r[f"kvpush/{other}"], spreads.get((inp, r["qps"])))
+                    for r in loadgen.ratios(sub, f"median_{metric}_ms")
+                    if r[f"kvpush/{other}"] is not None
+                ]
+                if not pts:
+                    continue
+                lo = [max(0.0, y - (s["min"] if s and s["min"] is not None else y)) for _, y, s in pts]
+                hi = [max(0.0, (s["max"] if s and s["max"] is not None else y) - y) for _, y, s in pts]
+                ax.errorbar(
+                    [shift(p[0], ri) for p in pts],
                     [p[1] for p in pts],
-                    style,
-                    marker=marks[i % len(marks)],
+                    yerr=[lo, hi],
+                    ls=ROUTER_STYLES.get(router, style) if several else style,
+                    marker=ROUTER_MARKERS.get(router, "^") if several else marks[i % len(marks)],
+                    mfc="white" if several and router != "kvpush" else COLORS[other],
                     color=COLORS[other],
-                    label=f"kvpush/{other.removeprefix('vllm-')}, in {inp}",
+                    capsize=3,
+                    label=f"kvpush/{other.removeprefix('vllm-')}, in {inp}"
+                    + (f", {ROUTER_LABELS.get(router, router)}" if several else ""),
                 )
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_title(f"median {name} ratio (< 1: kvpush lower)")
+    ax.set_title(f"median {name} ratio (< 1: kvpush lower; bars: min..max over iterations)", fontsize=9)
     ax.set_xlabel("request rate (QPS)")
     ax.set_ylabel("ratio")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
+    qps_all = sorted({k[1] for k in every})
+    for a in flat[:npanels]:
+        a.set_xticks(qps_all, [loadgen.fmt_qps(q) for q in qps_all])  # the routers' side-by-side shift hidden
+        if len(qps_all) == 1:
+            a.set_xlim(qps_all[0] * 0.8, qps_all[0] * 1.2)
     for extra in flat[npanels:]:
         extra.set_visible(False)
     handles, labels = flat[0].get_legend_handles_labels()
@@ -115,35 +170,69 @@ def plot_metric(agg: Agg, metric: str, path: Path, title: str = "") -> Path:
             labels,
             loc="upper center",
             bbox_to_anchor=(0.5, 0.962),
-            ncol=len(handles),
+            ncol=min(len(handles), 3 if several else len(handles)),
             fontsize=8,
             frameon=False,
         )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.suptitle(title or f"{name} vs QPS (solid: median, dashed: p90)", y=0.99, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(path, dpi=110)
+    fig.suptitle(title or f"{name} vs QPS (median, bars: min..max of the iterations' medians)", y=0.99, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.86 if several else 0.92))
+    fig.savefig(path, dpi=90 if several else 110)
     plt.close(fig)
     return path
+
+
+def summary(results: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], str]:
+    """(``summary.json``'s document, the printed table) of some runs.
+
+    Per router (``routers``): the aggregated rows, the ratios of kvpush to
+    vLLM's connectors, and ``spread_median_ttft``/``spread_median_tpot``,
+    the kvpush/vllm-pull ratio per iteration with its min..max. With one
+    router its rows and ratios are also at the top level, where the seed's
+    summary had them."""
+    aggs = {router: loadgen.aggregate(rs) for router, rs in loadgen.split_by_router(results).items()}
+    doc: dict[str, Any] = {"sweep": _sweep_info(results)}
+    if len(aggs) == 1:
+        doc.update(loadgen.summary_json(next(iter(aggs.values()))))
+    doc["routers"] = {
+        router: {
+            **loadgen.summary_json(agg),
+            "spread_median_ttft": loadgen.ratio_spread(agg, "ttft"),
+            "spread_median_tpot": loadgen.ratio_spread(agg, "tpot"),
+        }
+        for router, agg in aggs.items()
+    }
+    blocks = []
+    for router, agg in aggs.items():
+        head = f"=== behind {ROUTER_LABELS.get(router, router)} ===\n" if len(aggs) > 1 else ""
+        blocks.append(head + loadgen.summary_table(agg) + "\n\n" + loadgen.spread_table(router, agg))
+    return doc, "\n\n".join(blocks)
 
 
 def write_outputs(results: Sequence[Mapping[str, Any]], out_dir: Path, plot: bool = True) -> tuple[str, int]:
     """summary.json, summary.txt and (``plot``) the two figures; returns the
     table and the total number of failed requests."""
-    agg = loadgen.aggregate(results)
+    aggs = {router: loadgen.aggregate(rs) for router, rs in loadgen.split_by_router(results).items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = loadgen.summary_table(agg)
-    info = _sweep_info(results)
-    (out_dir / "summary.json").write_text(json.dumps({"sweep": info, **loadgen.summary_json(agg)}, indent=1) + "\n")
+    doc, table = summary(results)
+    info = doc["sweep"]
+    (out_dir / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out_dir / "summary.txt").write_text(table + "\n")
-    if plot and agg:
+    if plot and any(aggs.values()):
         outs = "/".join(map(str, info["output_lens"]))
         its = info["iterations"]
-        subtitle = f"{outs} output tokens, {its} iteration{'s' if its != 1 else ''}, 1P1D"
-        plot_metric(agg, "ttft", out_dir / "ttft_vs_qps.png", f"TTFT vs QPS ({subtitle}; solid: median, dashed: p90)")
-        plot_metric(agg, "tpot", out_dir / "tpot_vs_qps.png", f"TPOT vs QPS ({subtitle}; solid: median, dashed: p90)")
-    return table, sum(int(r["failed"]) for r in agg.values())
+        via = ", behind " + " / ".join(ROUTER_LABELS.get(r, r) for r in aggs) if len(aggs) > 1 else ""
+        subtitle = f"{outs} output tokens, {its} iteration{'s' if its != 1 else ''}, 1P1D{via}"
+        lines = "line style: router" if len(aggs) > 1 else "solid: median, dashed: p90"
+        for metric in ("ttft", "tpot"):
+            plot_metric(
+                aggs,
+                metric,
+                out_dir / f"{metric}_vs_qps.png",
+                f"{metric.upper()} vs QPS ({subtitle}; {lines}; bars: min..max of the iterations' medians)",
+            )
+    return table, sum(int(r["failed"]) for agg in aggs.values() for r in agg.values())
 
 
 def _sweep_info(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -181,7 +270,10 @@ def report(results_dir: Path, plot: bool = True, out_dir: Path | None = None) ->
     out = out_dir or results_dir
     table, failed = write_outputs(results, out, plot)
     print(table)
-    print("\nratios are kvpush / vLLM of the medians over all iterations' requests: below 1 means kvpush is faster.")
+    print(
+        "\nratios are kvpush / vLLM of the medians over all iterations' requests (per iteration: of that "
+        "iteration's medians): below 1 means kvpush is faster."
+    )
     print(f"summary, table{' and figures' if plot else ''} in {out}")
     return 1 if failed else 0
 

@@ -16,17 +16,30 @@ not being measured are paused (SIGSTOP), so they cost neither CPU nor
 restarts. Every mode of a point sees the same arrival times and the same
 prompts.
 
-Each run is written as ``<mode>_qps<q>_in<in>_out<out>_iter<i>.json``
+The router is a dimension too (``--routers kvpush,vllm-router``): a *cell*
+is (mode, router), and every cell of a point runs once per iteration, the
+cells' order rotated as the modes' is. kvpush's own router drives every
+mode; vllm-router (the vLLM project's, in its P/D mode) drives ``kvpush``
+and ``vllm-pull`` only (:data:`kvpush_tools.bench.loadgen.ROUTER_MODES`): naming
+another mode with it is refused, a sweep over the default modes skips it and
+says so. The two routers of one mode share that mode's P and D
+(:func:`kvpush_tools.bench.stacks.behind_vllm_router` says why that is sound).
+
+Each run is written as ``<mode>_via-<router>_qps<q>_in<in>_out<out>_iter<i>.json``
 (fields of ``vllm bench serve`` where they overlap, see
-:mod:`kvpush_tools.bench.loadgen`); at the end come ``summary.json``, a table with
-the ratios kvpush/vllm-pull and kvpush/vllm-push per point, and the
-TTFT/TPOT-vs-QPS figures (:mod:`kvpush_tools.bench.plot_serve`).
+:mod:`kvpush_tools.bench.loadgen`); at the end come ``summary.json``, a table with,
+per router, the ratios kvpush/vllm-pull and kvpush/vllm-push per point and
+each iteration's kvpush/vllm-pull ratio with its min..max, and the
+TTFT/TPOT-vs-QPS figures (:mod:`kvpush_tools.bench.plot_serve`). Three
+iterations by default: one load cell of a 2-core host moves several fold
+between runs, so a ratio is only worth its spread.
 
 Examples::
 
     kvpush bench serve --quick                       # one point, one iteration (~5 min with startup)
-    kvpush bench serve                               # the default sweep (~30-40 min on 2 busy cores)
+    kvpush bench serve                               # the default sweep, 3 iterations (~45-60 min on 2 busy cores)
     kvpush bench serve --inputs 1024 --qps 1,2 --iterations 3
+    kvpush bench serve --modes kvpush,vllm-pull --routers kvpush,vllm-router --inputs 1024 --qps 1
     kvpush bench serve --attach kvpush=http://127.0.0.1:8000 --modes kvpush
 """
 
@@ -40,18 +53,20 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpush_tools.bench import loadgen, overload
 from kvpush_tools.bench.client import run_load, wait_drained, warm_up
-from kvpush_tools.bench.loadgen import DEFAULT_MODES, MODES, RequestOutput
+from kvpush_tools.bench.loadgen import DEFAULT_MODES, DEFAULT_ROUTER, MODES, ROUTERS, Cell, RequestOutput
 from kvpush_tools.bench.stacks import (
     MODEL_NAME,
     Stack,
+    StackOptions,
     activate,
     add_stack_arguments,
+    behind_vllm_router,
     build_stacks,
     comma_list,
     floats,
@@ -67,6 +82,8 @@ from kvpush_tools.bench.stacks import (
 DEFAULT_INPUTS = (256, 1024, 2048)
 DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0)
 DEFAULT_OUTPUT = 64
+DEFAULT_ITERATIONS = 3
+T = TypeVar("T")
 
 
 def say(msg: str) -> None:
@@ -86,13 +103,14 @@ def say(msg: str) -> None:
 
 
 def sweep_plan(
-    inputs: Sequence[int], qps: Sequence[float], modes: Sequence[str], iterations: int
-) -> list[tuple[int, int, float, list[str]]]:
-    """(iteration, input_len, qps, mode order) for every run group, in run order.
+    inputs: Sequence[int], qps: Sequence[float], modes: Sequence[T], iterations: int
+) -> list[tuple[int, int, float, list[T]]]:
+    """(iteration, input_len, qps, cell order) for every run group, in run order.
 
-    Points go by input length, then QPS; the mode order rotates by one per
-    point, so over any three consecutive points each mode runs first, second
-    and third once.
+    ``modes`` are the cells (a mode, or a (mode, router) :class:`~kvpush_tools.bench.loadgen.Cell`).
+    Points go by input length, then QPS; the order rotates by one per point
+    (and on across iterations), so over any ``len(modes)`` consecutive points
+    each cell runs first, second, ... once.
     """
     out = []
     k = 0
@@ -105,11 +123,11 @@ def sweep_plan(
     return out
 
 
-def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path) -> list[Path]:
-    """Run every (iteration, point, mode); returns the JSON files written."""
+def run_sweep(args: argparse.Namespace, stacks: Mapping[Cell, Stack], out_dir: Path) -> list[Path]:
+    """Run every (iteration, point, cell); returns the JSON files written."""
     from kvpush_tools.demo.tiny_model import prompt_words
 
-    plan = sweep_plan(args.inputs, args.qps, args.modes, args.iterations)
+    plan = sweep_plan(args.inputs, args.qps, list(stacks), args.iterations)
     sizes = {q: loadgen.requests_for(q, args.window, args.min_requests) for q in args.qps}
     sizes = {q: min(n, args.max_requests) for q, n in sizes.items()}
     total = sum(sizes[q] * len(order) for _, _, q, order in plan)
@@ -122,12 +140,12 @@ def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path)
             arrivals = loadgen.poisson_arrivals(n, q, seed, args.burstiness)
             lens = mixed_lengths(inp, n, args.mix, seed)
             prompts = [prompt_words(k, seed=seed * 1000 + j) for j, k in enumerate(lens)]
-            for pos, mode in enumerate(order):
-                stack = stacks[mode]
+            for pos, cell in enumerate(order):
+                stack = stacks[cell]
                 activate(stacks, stack)
                 warm = warm_up(stack, inp, seed + 7919)
                 time.sleep(args.settle)
-                bar.set_description(f"iter {it} in {inp} qps {loadgen.fmt_qps(q)} {mode}")
+                bar.set_description(f"iter {it} in {inp} qps {loadgen.fmt_qps(q)} {cell.label}")
                 src0 = prompt_token_sources(stack.d_url)
                 h0 = {side: server_histograms(u) for side, u in _server_urls(stack).items()}
                 load0 = os.getloadavg()
@@ -147,7 +165,7 @@ def run_sweep(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path)
                 stack.pause()
                 fails = result["failed"]
                 say(
-                    f"iter {it} in {inp:>5} qps {loadgen.fmt_qps(q):>4} {mode:<9}: "
+                    f"iter {it} in {inp:>5} qps {loadgen.fmt_qps(q):>4} {cell.label:<22}: "
                     f"TTFT p50 {result['median_ttft_ms']:7.0f} ms p99 {result['p99_ttft_ms']:7.0f} ms, "
                     f"TPOT p50 {result['median_tpot_ms']:6.1f} ms, {result['completed']}/{n} ok"
                     + (f", {fails} FAILED ({_first_error(outs)})" if fails else "")
@@ -198,7 +216,7 @@ def _result(
     q: float,
     seed: int,
     pos: int,
-    order: list[str],
+    order: Sequence[Cell],
     warm: dict[str, Any],
     src0: dict[str, float],
     src1: dict[str, float],
@@ -210,7 +228,7 @@ def _result(
         "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(t_wall)),
         "endpoint_type": "openai",
         "backend": "openai",
-        "label": stack.mode,
+        "label": stack.mode if stack.router_name == DEFAULT_ROUTER else f"{stack.mode}_via-{stack.router_name}",
         "model_id": MODEL_NAME,
         "tokenizer_id": MODEL_NAME,
         "num_prompts": len(outs),
@@ -221,13 +239,15 @@ def _result(
     res.update(loadgen.summarize(outs, dur, loadgen.DEFAULT_PERCENTILES))
     res["kvpush"] = {
         "mode": stack.mode,
+        "router": stack.router_name,
         "qps": q,
         "input_len": inp,
         "output_len": args.output,
         "iteration": it,
         "seed": seed,
         "position_in_point": pos,
-        "mode_order": order,
+        "mode_order": [c.mode for c in order],
+        "cell_order": [list(c) for c in order],
         "warmup": warm,
         "settle_s": args.settle,
         "d_prompt_tokens_by_source": {k: src1.get(k, 0.0) - src0.get(k, 0.0) for k in sorted(set(src0) | set(src1))},
@@ -267,13 +287,61 @@ def _bar(total: int, disabled: bool) -> Any:
 # --------------------------------------------------------------------------- #
 
 
+def choose_cells(modes: Sequence[str], routers: Sequence[str], named_modes: bool) -> tuple[list[Cell], str | None]:
+    """The cells of a sweep, or an error: (cells, None) or ([], why).
+
+    A combination no router drives is refused when the user named the modes
+    (they asked for it: running something else silently would answer another
+    question), and skipped with the reason said when the modes are the
+    default set (a sweep "over all" means all that exist)."""
+    bad = [r for r in routers if r not in ROUTERS]
+    if bad or not routers:
+        return [], f"unknown router(s) {bad or routers}; choose from {ROUTERS}"
+    cells, skipped = loadgen.plan_cells(modes, routers)
+    if skipped and named_modes:
+        return [], "refused: " + "; ".join(f"{c.mode} behind {c.router}: {why}" for c, why in skipped)
+    for c, why in skipped:
+        say(f"skipping {c.mode} behind {c.router}: {why}")
+    if not cells:
+        return [], "nothing to run"
+    return cells, None
+
+
+def build_cells(
+    cells: Sequence[Cell],
+    model: Callable[[], str | os.PathLike[str]],
+    log_dir: Path,
+    opts: StackOptions,
+    attached: Mapping[str, str] | None = None,
+) -> dict[Cell, Stack]:
+    """A stack per cell, in the cells' order: one P/D pair per mode, behind
+    kvpush's router and/or a vllm-router sharing that pair
+    (:func:`~kvpush_tools.bench.stacks.behind_vllm_router`). An attached
+    stack (``--attach MODE=URL``) is its mode's kvpush-router cell only."""
+    base = build_stacks(list(dict.fromkeys(c.mode for c in cells)), model, log_dir, opts, attached)
+    out: dict[Cell, Stack] = {}
+    for c in cells:
+        out[c] = base[c.mode] if c.router == DEFAULT_ROUTER else behind_vllm_router(base[c.mode], log_dir)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvpush bench serve",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ", ".join(MODES))
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated subset of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)}: the modes a router "
+        "does not drive are then skipped, with the reason; named ones are refused)",
+    )
+    ap.add_argument(
+        "--routers",
+        default=DEFAULT_ROUTER,
+        help=f"comma-separated subset of {', '.join(ROUTERS)}: each mode runs behind each router that drives it",
+    )
     ap.add_argument("--inputs", type=ints, default=list(DEFAULT_INPUTS), help="input lengths in tokens")
     ap.add_argument(
         "--mix",
@@ -285,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--qps", type=floats, default=list(DEFAULT_QPS), help="request rates (requests/s)")
     ap.add_argument("--output", type=int, default=DEFAULT_OUTPUT, help="output tokens per request (ignore_eos)")
-    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument(
+        "--iterations", type=int, default=DEFAULT_ITERATIONS, help="interleaved repeats; the spread shown is over them"
+    )
     ap.add_argument("--window", type=float, default=10.0, help="seconds of arrivals per point: N = ceil(qps*window)")
     ap.add_argument("--min-requests", type=int, default=6, help="at least this many requests per point")
     ap.add_argument("--max-requests", type=int, default=24, help="at most this many requests per point")
@@ -331,10 +401,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep; 0 when every request of every run succeeded, 1 if some failed."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.modes = comma_list(args.modes)
+    named_modes = args.modes is not None
+    args.modes = comma_list(args.modes) if named_modes else list(DEFAULT_MODES)
+    args.routers = comma_list(args.routers)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         print(f"unknown mode(s) {bad}; choose from {MODES}", file=sys.stderr)
+        return 2
+    cells, why_not = choose_cells(args.modes, args.routers, named_modes)
+    if not why_not and args.profile == "overload" and args.routers != [DEFAULT_ROUTER]:
+        why_not = "--profile overload runs behind kvpush's router only"
+    if why_not:
+        print(why_not, file=sys.stderr)
         return 2
     if args.quick:
         args.inputs, args.qps, args.iterations = [1024], [1.0], 1
@@ -357,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return make_tiny_model(args.model_dir)
 
-    stacks = build_stacks(args.modes, make_model, out_dir / "logs", opts, attached)
+    try:
+        stacks = build_cells(cells, make_model, out_dir / "logs", opts, attached)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
 
     def run() -> None:
         t0 = time.monotonic()
@@ -368,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "argv": sys.argv[1:] if argv is None else argv,
                     "modes": args.modes,
+                    "routers": args.routers,
+                    "cells": [list(c) for c in stacks],
                     "inputs": args.inputs,
                     "mix": args.mix,
                     "qps": args.qps,
@@ -376,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                     "window_s": args.window,
                     "min_requests": args.min_requests,
                     "max_requests": args.max_requests,
-                    "stacks": {m: s.info for m, s in stacks.items()},
+                    "stacks": {c.label: s.info for c, s in stacks.items()},
                     "source": source_state(),
                 },
                 indent=1,
@@ -385,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         t1 = time.monotonic()
         if args.profile == "overload":
-            overload.run(args, stacks, out_dir, say)
+            overload.run(args, {c.mode: s for c, s in stacks.items()}, out_dir, say)
             return
         run_sweep(args, stacks, out_dir)
         say(f"sweep done in {(time.monotonic() - t1) / 60:.1f} min")

@@ -39,11 +39,12 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush_tools.bench.loadgen import unsupported
 from kvpush_tools.demo import servers as srv
 
 MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
@@ -118,6 +119,7 @@ class Stack:
     d_url: str | None = None  # D's own URL, for its /metrics
     paused: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    router_name: str = "kvpush"  # which router: kvpush's own, or "vllm-router"
 
     @property
     def attached(self) -> bool:
@@ -179,7 +181,13 @@ def stop_stacks(stacks: Sequence[Stack]) -> None:
     for st in owned:
         with contextlib.suppress(Exception):
             st.resume()
-    srv.stop_all([s for st in owned for s in (*st.servers, st.router) if s is not None])
+    # Once each: a second SIGINT makes vLLM quit without cleaning up.
+    srv.stop_all(_unique(s for st in owned for s in (*st.servers, st.router) if s is not None))
+
+
+def _unique(servers: Iterable[srv.ServerProcess]) -> list[srv.ServerProcess]:
+    """Each server once, in first-seen order (two stacks may share P and D)."""
+    return list({id(s): s for s in servers}.values())
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -327,10 +335,11 @@ def start_stacks(stacks: Sequence[Stack], say: Say, timeout: float = 1500.0, eve
     (stack resumed for that) and the stack is checked healthy end to end.
     """
     owned = [s for s in stacks if not s.attached]
-    for st in owned:
-        for server in st.servers:
-            server.start()
-    say(f"starting {2 * len(owned)} vLLM servers ({', '.join(st.mode for st in owned)}); minutes on 2 cores")
+    servers = _unique(s for st in owned for s in st.servers)  # stacks behind two routers share P and D
+    for server in servers:
+        server.start()
+    names = ", ".join(dict.fromkeys(st.mode for st in owned))
+    say(f"starting {len(servers)} vLLM servers ({names}); minutes on 2 cores")
     pending = list(owned)
     t0 = time.monotonic()
     next_note = t0 + every
@@ -352,11 +361,11 @@ def start_stacks(stacks: Sequence[Stack], say: Say, timeout: float = 1500.0, eve
                 pending.remove(st)
         now = time.monotonic()
         if pending and now - t0 > timeout:
-            names = ", ".join(s.name for st in pending for s in st.servers if s.ready_after is None)
+            names = ", ".join(s.name for s in _unique(s for st in pending for s in st.servers if s.ready_after is None))
             raise srv.ServerError(f"{names} not healthy after {timeout:.0f} s (logs in {pending[0].info['log_dir']})")
         if pending and now >= next_note:
             next_note = now + every
-            waiting = [s for st in pending for s in st.servers if s.ready_after is None]
+            waiting = _unique(s for st in pending for s in st.servers if s.ready_after is None)
             say(f"{now - t0:4.0f} s: waiting for " + ", ".join(s.name for s in waiting))
         time.sleep(1.0)
     for st in owned:
@@ -517,6 +526,36 @@ def stack_options(args: argparse.Namespace, **override: Any) -> StackOptions:
     }
     opts.update(override)
     return StackOptions(**opts)
+
+
+def behind_vllm_router(base: Stack, log_dir: Path) -> Stack:
+    """A stack of ``base``'s mode behind vllm-router, sharing ``base``'s P and D (not started).
+
+    Why share one P/D pair between the two routers rather than start a pair
+    per router: only one router is ever active (the other is paused with
+    SIGSTOP, as an idle stack is), every run waits until the pair has drained
+    before the next cell starts, and neither router keeps per-request state in
+    P or D that the other could trip on: kvpush's router only tells D where
+    P's KV side channel is and signs a capability, vllm-router tells D
+    nothing before P answers; P and D serve both conventions (kvpush by
+    design, vLLM's pull connector is vllm-router's own protocol). Sharing
+    halves the servers (each ~2 GB and minutes to start on 2 cores) and
+    takes one confound out of the comparison: the two routers of a mode
+    drive the very same P and D processes, so a router difference is not a
+    server difference. What differs per router is only the router process
+    and its protocol (vllm-router: P to the end of its one-token prefill,
+    then D; kvpush's router: D and P at once)."""
+    if base.attached or base.prefill is None or base.decode is None:
+        raise ValueError(f"{base.mode}: vllm-router needs a stack with its own P and D")
+    why = unsupported(base.mode, "vllm-router")
+    if why:
+        raise ValueError(why)
+    logs = Path(log_dir) / f"{base.mode}-vllm-router"
+    router = srv.vllm_router_server(base.prefill.url, base.decode.url, srv.free_port(), log_dir=logs)
+    info = {**base.info, "router": "vllm-router", "router_args": router.cmd[1:], "router_log_dir": str(logs)}
+    return Stack(
+        base.mode, router.url, base.prefill, base.decode, router, base.d_url, info=info, router_name="vllm-router"
+    )
 
 
 def build_stacks(

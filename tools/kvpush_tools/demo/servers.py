@@ -564,5 +564,21 @@ def router_server(
     )
 
 
+def vllm_router_server(prefill: str, decode: str, port: int, *, log_dir: str | os.PathLike[str]) -> ServerProcess:
+    """The vLLM project's router (``vllm-router``, Rust) in its vLLM P/D mode as a subprocess: P first with
+    ``max_tokens: 1``, then D with the ``kv_transfer_params`` P returned; round robin, a free Prometheus port."""
+    prom = free_port()
+    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation"]
+    cmd += ["--prefill", prefill, "--decode", decode, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--prometheus-port", str(prom), "--policy", "round_robin", "--log-level", "info"]
+    return ServerProcess(
+        name="vllm-router",
+        cmd=cmd,
+        url=f"http://127.0.0.1:{port}",
+        log_path=Path(log_dir) / "vllm-router.log",
+        ports=(port,),
+    )
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--guard"]:
     sys.exit(_guard(sys.argv[2:]))
