@@ -6,11 +6,16 @@ that posted a staged WRITE before its pack landed would send stale staging
 bytes, and a D that reported a transfer before its unpack landed would hand
 back blocks still holding the sentinel (or see them written after it let go
 of them): the tests that run on this backend fail in each case.
+
+Every copy is kept with when it started and landed (``timeline``), so a test
+can see which copies overlapped, across processes (``time.monotonic`` is the
+host's clock).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,13 +28,18 @@ DELAY_S = 0.25
 
 
 class _Later:
-    """A copy that runs ``DELAY_S`` from now; its marker."""
+    """A copy that runs ``DELAY_S`` from now; its marker. ``kind``: pack or unpack; ``staging_addr``: where in
+    the staging buffer its part sits (a part's place tells which part it is)."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    def __init__(self, fn: Callable[[], None], kind: str, staging_addr: int) -> None:
         self.done = threading.Event()
+        self.kind, self.staging_addr = kind, staging_addr
+        self.started = time.monotonic()
+        self.landed: float | None = None
 
         def run() -> None:
             fn()
+            self.landed = time.monotonic()
             self.done.set()
 
         self._timer = threading.Timer(DELAY_S, run)
@@ -45,6 +55,7 @@ class DeferredHostBackend(HostBackend):
     def __init__(self) -> None:
         super().__init__()
         self.started = 0
+        self.copies: list[_Later] = []
 
     def start_pack(self, regions: list[int], pieces: np.ndarray, staging_addr: int, after: Any = None) -> Any:
         self.started += 1
@@ -54,11 +65,20 @@ class DeferredHostBackend(HostBackend):
                 self.wait_ready(after)
             self.pack(list(regions), pieces, staging_addr)
 
-        return _Later(copy)
+        return self._later(copy, "pack", staging_addr)
 
     def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
         self.started += 1
-        return _Later(lambda: self.unpack(list(regions), pieces, staging_addr))
+        return self._later(lambda: self.unpack(list(regions), pieces, staging_addr), "unpack", staging_addr)
+
+    def _later(self, fn: Callable[[], None], kind: str, staging_addr: int) -> _Later:
+        later = _Later(fn, kind, staging_addr)
+        self.copies.append(later)
+        return later
+
+    def timeline(self) -> list[tuple[str, int, float, float | None]]:
+        """Every copy so far: (kind, staging address, started, landed or None), in the order started."""
+        return [(c.kind, c.staging_addr, c.started, c.landed) for c in self.copies]
 
     def poll_ready(self, marker: Any) -> bool:
         if isinstance(marker, _Later):

@@ -191,6 +191,12 @@ class Worker(conformance.Worker):
 
         agent.post = stop_then_post
 
+    def op_copies(self, key: str) -> list[tuple[str, int, float, float | None]]:
+        """The copies this engine's backend made, when each started and landed (``DeferredHostBackend.timeline``;
+        [] for a backend that copies synchronously)."""
+        timeline = getattr(self.ranks[key].backend, "timeline", None)
+        return timeline() if timeline is not None else []
+
     def op_loops(self, key: str) -> int:
         return int(self.ranks[key].engine.loops)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -213,3 +213,71 @@ def test_pack_at_hand_over_on_the_device_is_waited_for(nodes: tuple[Node, Node])
         time.sleep(DELAY_S + 0.2)
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
+
+
+PART_LAYERS = 10
+"""Layers of the parts test: 20 regions (K and V of each layer), enough for 16 parts."""
+
+
+@pytest.mark.parametrize("copies", ["sync", "deferred"])
+@pytest.mark.parametrize("parts", [1, 4, 16])
+def test_a_push_in_overlapping_parts_lands_byte_exact(nodes: tuple[Node, Node], parts: int, copies: str) -> None:
+    """A staged push cut into exactly ``parts`` WRITEs (P and D: ``push_parts``, no minimum size, no cost per
+    part) lands byte-exact, each part unpacked on its own, on the host backend's synchronous copies and on
+    ``DeferredHostBackend``'s late ones, whose copies keep running after the call: then the parts overlap,
+    seen on the backends' clocks (``_overlapped``)."""
+    p, d = nodes
+    pg = Geom(layers=PART_LAYERS, num_blocks=64)
+    dg = Geom(layers=PART_LAYERS, num_blocks=96, block_size=32, order="HND")
+    k = _key(f"parts{parts}{copies}")
+    [r] = _reqs(k, np.random.default_rng(11), 1)
+    cut = {"push_parts": parts, **SMALL_PARTS}
+    use = deferred(p, d) if copies == "deferred" else nullcontext()
+    with (
+        use,
+        engines(p, "sender", [(k + "p", pg, _cfg(plan="staged", **cut), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(plan="staged", staged_min_descriptors=1, **cut), "D" + k)]),
+    ):
+        d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        # The registration waits at P when the prefill finishes, so the push packs part by part (a prefill
+        # that finished first is packed whole at hand-over).
+        assert p.call("wait_stat", k + "p", "waiting_registrations", 1, 20.0)
+        p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        [d_res] = d.call("results", k + "d", 1, 20.0)
+        [p_res] = p.call("results", k + "p", 1, 10.0)
+        assert d_res.ok and p_res.ok, (d_res, p_res)
+        assert p_res.stats.plan == d_res.stats.plan == "staged", (p_res.stats, d_res.stats)
+        assert p_res.stats.parts == d_res.stats.parts == parts, (p_res.stats, d_res.stats)
+        assert p.call("stats", k + "p")["parts_total"] == parts
+        exp = make_cache(dg, None)
+        apply_push(exp, dg, p.call("snapshot", k + "p"), pg, r)
+        assert_same(d.call("snapshot", k + "d"), exp, dg)
+        if copies == "deferred":
+            _overlapped(p.call("copies", k + "p"), d.call("copies", k + "d"), parts)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+def _most_at_once(copies: list[tuple[int, float, float]]) -> int:
+    """The most of these copies (staging address, started, landed) running at one time."""
+    edges = sorted([(t0, 1) for _, t0, _ in copies] + [(t1, -1) for _, _, t1 in copies])
+    most = running = 0
+    for _, step in edges:  # a landing sorts before a start at the same instant
+        running += step
+        most = max(most, running)
+    return most
+
+
+def _overlapped(p_copies: list, d_copies: list, parts: int) -> None:
+    """One pack on P and one unpack on D per part (told apart by their place in the slot); with several parts,
+    P had more than one pack running at once (it packs the next part while the one before is still being
+    packed, then posted) and D more than one unpack (it starts each part's on its own notification and does not
+    wait for the one before)."""
+    packs = sorted((addr, t0, t1) for kind, addr, t0, t1 in p_copies if kind == "pack")
+    unpacks = sorted((addr, t0, t1) for kind, addr, t0, t1 in d_copies if kind == "unpack")
+    assert len(packs) == len(unpacks) == parts, (packs, unpacks)
+    assert len({a for a, _, _ in packs}) == len({a for a, _, _ in unpacks}) == parts, "two parts at one place"
+    assert all(t1 is not None for _, _, t1 in packs + unpacks), "a copy never landed"
+    want = min(parts, 2)
+    assert _most_at_once(packs) >= want, f"P packed the parts one after another: {packs}"
+    assert _most_at_once(unpacks) >= want, f"D unpacked the parts one after another: {unpacks}"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvpush.backends.base import Backend
+from kvpush.backends.copy import copier
 from kvpush.config import Config
 from kvpush.conformance.model import Geom, apply_push, assert_same, make_requests, payload
 from kvpush.conformance.target import Target
@@ -21,6 +22,7 @@ from kvpush.conformance.worker import Pair
 from kvpush.core.errors import BackendError
 from kvpush.core.geometry import DTYPE_BYTES
 from kvpush.core.layout import KVLayout, MemKind, check_compatible
+from kvpush.core.parts import split_regions
 from kvpush.core.payload import unpack_pieces
 from kvpush.core.plan import build_plan
 
@@ -185,6 +187,57 @@ def test_pack_unpack_move_exactly_the_mapped_bytes(
         apply_push(expected, dg, src, pg, req)
     assert_same(snapshot(kvpush_backend, dst_kv, dg), expected, dg)
     assert_same(snapshot(kvpush_backend, src_kv, pg), src, pg, "P's cache after pack")
+
+
+def test_parts_pack_and_unpack_back_to_back(kvpush_backend: Backend, caches: Callable[..., Cache]) -> None:
+    """Contract (parts): a staged push cut into parts packs each part into its own place in the staging buffer
+    and starts the next pack before the one before landed; D starts each part's unpack on its own. So packs
+    (and unpacks) of disjoint parts started back to back, without waiting (``start_pack``/``start_unpack``
+    where the backend copies asynchronously, else its synchronous copies), must not disturb each other, and
+    each marker must be reached on its own: waited for last part first, part k's bytes are in the staging
+    buffer once part k's marker is reached (read at once by a synchronous unpack), whatever the markers of
+    the parts before it; D's cache ends exactly as the logical model says."""
+    pg, dg = Geom(layers=4, num_blocks=48), Geom(layers=4, block_size=32, num_blocks=32, order="HND")
+    src_kv, now_kv, dst_kv = caches(pg, seed=30), caches(dg, seed=40), caches(dg, seed=40)
+    lp, ld = kvpush_backend.describe(src_kv, pg.spec()), kvpush_backend.describe(dst_kv, dg.spec())
+    ld_now = kvpush_backend.describe(now_kv, dg.spec())
+    staging = kvpush_backend.alloc_staging(1 << 20, lp.regions[0].device_id)
+    reqs = make_requests(np.random.default_rng(4), 6, pg, dg, "parts", max_tokens=120)
+    req = max(reqs, key=lambda r: r.n - r.start)
+    plan = build_plan(
+        Config.of(plan="staged"),
+        lp,
+        ld,
+        req.p_blocks,
+        req.d_blocks,
+        req.n,
+        req.start,
+        staging_local=(staging.addr, staging.device_id),
+        staging_remote=(staging.addr, staging.size, staging.device_id),
+    )
+    assert plan.kind == "staged" and plan.pack is not None
+    cut = split_regions(0, plan.nregions, 4)
+    assert len(cut) >= 3, (plan.nregions, cut)
+    copy = copier(kvpush_backend)
+    p_bases, d_bases, now_bases = ([r.base for r in lay.regions] for lay in (lp, ld, ld_now))
+    pieces = unpack_pieces(lp, ld, req.d_blocks, req.n, req.start)
+    at = [staging.addr + r0 * plan.region_bytes for r0, _ in cut]
+    packs = [copy.start_pack(p_bases[r0:r1], plan.pack, at[k]) for k, (r0, r1) in enumerate(cut)]
+    assert all(isinstance(kvpush_backend.poll_ready(m), bool) for m in packs), "poll_ready of a running pack"
+    for k in reversed(range(len(cut))):
+        r0, r1 = cut[k]
+        kvpush_backend.wait_ready(packs[k])
+        kvpush_backend.unpack(now_bases[r0:r1], pieces, at[k])  # what the slot holds of part k now
+    assert all(kvpush_backend.poll_ready(m) for m in packs), "a pack's marker not reached after it was waited for"
+    unpacks = [copy.start_unpack(d_bases[r0:r1], pieces, at[k]) for k, (r0, r1) in enumerate(cut)]
+    for m in reversed(unpacks):
+        kvpush_backend.wait_ready(m)
+    assert all(kvpush_backend.poll_ready(m) for m in unpacks), "an unpack's marker not reached after it was waited for"
+    expected = payload(dg, 40)
+    apply_push(expected, dg, payload(pg, 30), pg, req)
+    assert_same(snapshot(kvpush_backend, now_kv, dg), expected, dg, "part k's bytes once its own pack's marker")
+    assert_same(snapshot(kvpush_backend, dst_kv, dg), expected, dg, "D's cache after the parts' unpacks")
+    assert_same(snapshot(kvpush_backend, src_kv, pg), payload(pg, 30), pg, "P's cache after the packs")
 
 
 def test_ready_markers(kvpush_backend: Backend, caches: Callable[..., Cache]) -> None:
