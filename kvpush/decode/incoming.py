@@ -207,10 +207,12 @@ class Incoming:
         return [] if w.unpacking else self._check_covered(w, now)
 
     def writer_failed(self, p: int, failed: Failed, now: float) -> list[Action]:
-        """A writer will not complete (P's Failure, an unpack or a send that failed, a dead connection)."""
+        """A writer will not complete (P's Failure, an unpack or a send that failed, a dead connection).
+
+        Its unpacks still running are waited for before its slot and blocks go back (``_final``), also when
+        the failure is one of its unpacks: with overlapping parts, the parts before it may still be
+        writing the blocks and reading the slot (waiting for a marker that failed ends at once)."""
         w = self.writers[p]
-        if failed.stage is Stage.UNPACK:
-            w.unpacking.clear()  # a failed unpack cannot be waited for
         return [] if w.final or w.quarantined else self._final(w, failed, now)
 
     def abort(self, why: Failed, now: float, answer_s: float) -> list[Action]:

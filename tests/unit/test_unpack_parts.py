@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -66,9 +65,8 @@ class Marker:
 
 
 class UnpackPartsMachine(RuleBasedStateMachine):
-    UNPACK_FAILURES = False
-    """Whether the backend may refuse an unpack. Off: D then reports while the other parts' unpacks still
-    run (``test_a_refused_unpack_waits_for_the_parts_unpacking``)."""
+    UNPACK_FAILURES = True
+    """Whether the backend may refuse an unpack (``test_a_refused_unpack_waits_for_the_parts_unpacking``)."""
 
     @initialize(n=st.integers(1, 40), parts=st.integers(1, 16))
     def setup(self, n: int, parts: int) -> None:
@@ -271,13 +269,12 @@ UnpackPartsMachine.TestCase.settings = settings(max_examples=400, stateful_step_
 test_unpack_parts_state_machine = UnpackPartsMachine.TestCase
 
 
-@pytest.mark.xfail(strict=True, reason="Incoming.writer_failed drops every unpack running when one fails (see below)")
 def test_a_refused_unpack_waits_for_the_parts_unpacking() -> None:
     """Part 0's unpack runs; the backend refuses part 1's (``StartUnpack`` answered ``writer_failed`` at stage
     UNPACK). The writer fails, but part 0's unpack still writes the blocks and reads the slot: D must wait for
     it before the slot goes back and the blocks are reported. ``Incoming.writer_failed`` clears the writer's
-    running unpacks on any UNPACK failure ("a failed unpack cannot be waited for"), so with overlapping parts
-    it lets go of the slot and the blocks under a running unpack. Strict: remove the mark once fixed."""
+    running unpacks on any UNPACK failure ("a failed unpack cannot be waited for") before, so with overlapping parts
+    it let go of the slot and the blocks under a running unpack."""
     m = UnpackPartsMachine()
     m.setup(n=2, parts=2)
     m.a_write_lands(0)
