@@ -353,15 +353,19 @@ class PushJob:
 
         In the tail (every region is packing or posted) the thread waits for
         each pack instead of polling: packs are short kernels of ours, and a
-        poll's sleep would add to the critical path per part. Before that
-        (layers still computing) it polls, so a pack slowed by the forward
-        blocks nothing.
+        poll's sleep would add to the critical path per part. But not while a
+        part's WRITE flies: NIXL completes it and sends its notification only
+        when this thread drives NIXL, so waiting for pack k+1 would hold part
+        k's notification back by that pack (D would unpack nothing while P
+        packs); then it polls, and the WRITE is driven between polls. Before
+        the tail (layers still computing) it polls, so a pack slowed by the
+        forward blocks nothing.
         """
         if len(self.packing) <= keep:
             return None
         self._keep = keep
         head = self.packing[0]
-        block = self.sent == self.plan.nregions and not self.stopped
+        block = self.sent == self.plan.nregions and not self.stopped and not self.flying
         return CheckPack(head.marker, head.after, block)
 
     def _answer(self, kind: type) -> Any:

@@ -281,3 +281,7 @@ def _overlapped(p_copies: list, d_copies: list, parts: int) -> None:
     want = min(parts, 2)
     assert _most_at_once(packs) >= want, f"P packed the parts one after another: {packs}"
     assert _most_at_once(unpacks) >= want, f"D unpacked the parts one after another: {unpacks}"
+    if parts > 1:
+        # The wire and D's unpacks overlap P's packing: D starts the first part's unpack before P's last pack
+        # lands (P drives the flying WRITEs while it waits for its packs, instead of blocking on them).
+        assert unpacks[0][1] < packs[-1][2], f"D unpacked nothing until P had packed everything: {packs} {unpacks}"

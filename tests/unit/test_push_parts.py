@@ -159,6 +159,9 @@ class PartsPushMachine(RuleBasedStateMachine):
         i = running[0]
         sp, m = self.packs[i]
         assert a.marker is m, "CheckPack is not about the oldest pack running"
+        # Waiting for a pack would hold back the flying WRITEs' completions and notifications (only P's
+        # thread drives NIXL): the job polls then.
+        assert not (a.block and self.flying), "the shell is told to wait for a pack while a WRITE flies"
         if self._fails(15):
             self.answered.add(i)
             self.stopped = self.disturbed = True
