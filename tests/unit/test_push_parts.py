@@ -25,12 +25,12 @@ up at any point. Its promises, checked on every action:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_push_job import Handle, Marker
 
 from kvpush.core.outcome import Cause, Failed, PlanKind, Stage, XferState
 from kvpush.core.parts import PartSchedule, split_regions
@@ -46,22 +46,6 @@ RB = 64
 
 SLOT = 4096
 """The job's staging slot."""
-
-
-@dataclass(eq=False)
-class Marker:
-    """A device event: the KV, or a pack."""
-
-    reached: bool = False
-
-
-@dataclass(eq=False)
-class Handle:
-    """A posted NIXL WRITE."""
-
-    r0: int
-    r1: int
-    state: XferState = XferState.PROC
 
 
 def job_of(n: int, parts: int, chain: bool) -> tuple[Transfer, PushJob, JobPlan]:
