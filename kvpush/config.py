@@ -94,6 +94,11 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
     plan: Literal["auto", "direct", "staged"] = "auto"
     """Transfer plan: the cost model's choice, or forced."""
+    peer_copy: bool = False
+    """Where P and D share a host and the backend can (``kvpush.backends.peer``), P's device copies the
+    pieces straight into D's blocks in one pass, NIXL carrying only the notification. D offers it (sends
+    what maps its KV) and P uses it only when both set this; otherwise, and for a D on another host, the
+    plan is direct or staged. Off by default: it lets P's process write D's memory."""
     staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
     """Size of each rank's staging region for packed transfers (0 disables)."""
     staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512

@@ -73,6 +73,8 @@ class PlanKind(enum.StrEnum):
     DIRECT = "direct"
     STAGED = "staged"
     EMPTY = "empty"
+    PEER = "peer"
+    """P's device writes D's blocks itself (same host, ``kvpush.backends.peer``); D takes it as direct."""
 
 
 class XferState(enum.Enum):

@@ -121,6 +121,9 @@ class Hello(_Msg, tag="hello"):
     """D's NIXL version, and below its NIXL backends: P refuses a D its NIXL cannot write to
     (``kvpush.transport.interop``)."""
     nixl_backends: Annotated[tuple[Name, ...], msgspec.Meta(max_length=16)] = ()
+    peer: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""
+    """What lets a process on D's host write D's KV (its backend's ``export_peer``); empty: D offers no
+    peer copies (``Config.peer_copy``)."""
 
 
 class HelloReply(_Msg, tag="hello_reply"):

@@ -67,6 +67,7 @@ class Count(enum.StrEnum):
     PLAN_DIRECT = "plan_direct_total"
     PLAN_STAGED = "plan_staged_total"
     PLAN_EMPTY = "plan_empty_total"
+    PLAN_PEER = "plan_peer_total"  # P: pushes its device copied into a same-host D's blocks itself
     STAGING_FULL = "staging_full_total"
     POSTINGS = "postings_total"
     COMPLETED = "completed_total"
