@@ -7,7 +7,11 @@ docs/benchmarks.md, "Descriptor cost"). The plan is either
 
 - ``direct``: the pieces, coalesced, written straight into D's blocks; or
 - ``staged``: P packs the pieces into a contiguous staging slot, one WRITE
-  moves it into a slot D reserved in its staging region, D unpacks.
+  moves it into a slot D reserved in its staging region, D unpacks; or
+- ``peer``: where P's backend reaches D's memory (same host,
+  ``kvpush.backends.peer``), P's device copies the direct plan's pieces into
+  D's blocks itself: one pass over the bytes and no descriptors, so it beats
+  both whenever it is there and the cost model is not asked.
 
 Staging payload format: ``kvpush.core.payload`` (each side derives its half from
 its own block ids, so P's pack list can be built before D registers).
@@ -133,10 +137,17 @@ def _group_pieces(src: KVLayout, dst: KVLayout, gt: GroupTokens, g: int, num_tok
 
 
 def _hybrid_plan(
-    cfg: Config, src: KVLayout, dst: KVLayout, groups: list[GroupTokens], num_tokens: int, pack_bw: float
+    cfg: Config,
+    src: KVLayout,
+    dst: KVLayout,
+    groups: list[GroupTokens],
+    num_tokens: int,
+    pack_bw: float,
+    kind: PlanKind = PlanKind.DIRECT,
 ) -> Plan:
-    """A direct plan whose regions carry their group's pieces (staging needs one piece list for all regions)."""
-    if not (src.direct and dst.direct):
+    """A direct (or peer) plan whose regions carry their group's pieces (staging needs one piece list for all
+    regions)."""
+    if kind is PlanKind.DIRECT and not (src.direct and dst.direct):
         raise LayoutError("a hybrid model's KV (several KV-cache groups) is pushed directly; a side cannot be")
     region_group = tuple(r.group for r in src.regions)
     merged = tuple(coalesce_in_dst_order(_group_pieces(src, dst, gt, g, num_tokens)) for g, gt in enumerate(groups))
@@ -148,7 +159,7 @@ def _hybrid_plan(
     ndesc = sum(m.shape[0] * c for m, c in zip(merged, count, strict=True))
     est = estimate(cfg, ndesc, nbytes, ndesc, pack_bw)
     return Plan(
-        PlanKind.DIRECT,
+        kind,
         nbytes,
         ndesc,
         ndesc,
@@ -184,6 +195,7 @@ def build_plan(
     pack_bw: float = 5e9,
     groups: list[GroupTokens] | None = None,
     pack: np.ndarray | None = None,
+    peer: bool = False,
 ) -> Plan:
     """Choose and build the plan for one (request, D rank).
 
@@ -202,11 +214,17 @@ def build_plan(
     when staging wins even against that, the direct plan (sorting and
     coalescing every piece) is never built, and ``estimate.direct_s`` is that
     bound's. This is the path of a registration arriving after the prefill.
+
+    ``peer``: P's backend reaches this D rank's memory (``kvpush.backends.peer``): the plan is ``PEER``
+    (the direct plan's pieces, which P's device copies itself), staging and the cost model unused.
     """
+    kind = PlanKind.PEER if peer else PlanKind.DIRECT
     if src.hybrid:
         if groups is None or len(groups) != 1 + max(r.group for r in src.regions):
             raise LayoutError("a hybrid layout (several KV-cache groups) needs every group's blocks to plan")
-        return _hybrid_plan(cfg, src, dst, groups, num_tokens, pack_bw)
+        return _hybrid_plan(cfg, src, dst, groups, num_tokens, pack_bw, kind)
+    if peer:
+        return _peer_plan(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     return _one_group_plan(
         cfg, src, dst, src_blocks, dst_blocks, num_tokens, start_token, staging_local, staging_remote, pack_bw, pack
     )
@@ -266,6 +284,25 @@ def _one_group_plan(
         remote = (staging_remote[0], staging_remote[2])
         return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est)
     return Plan(PlanKind.DIRECT, nbytes, npieces, ndesc, nregions, merged, estimate=est)
+
+
+def _peer_plan(
+    src: KVLayout,
+    dst: KVLayout,
+    src_blocks: list[int] | np.ndarray,
+    dst_blocks: list[int] | np.ndarray,
+    num_tokens: int,
+    start_token: int,
+) -> Plan:
+    """The pieces of a one-group layout, coalesced in D's order, for P's device to copy into D's blocks."""
+    src_ids, dst_ids = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
+    pieces = map_pieces(src, dst, src_ids, dst_ids, num_tokens, start_token)
+    nregions = len(src.regions)
+    if pieces.shape[0] == 0:
+        return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+    merged = coalesce_in_dst_order(pieces)
+    nbytes = int(merged[:, 2].sum()) * nregions
+    return Plan(PlanKind.PEER, nbytes, pieces.shape[0] * nregions, merged.shape[0] * nregions, nregions, merged)
 
 
 def _unstageable(src: KVLayout, staging_remote: tuple[int, int, int] | None, nbytes: int) -> LayoutError:

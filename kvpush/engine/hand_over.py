@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 class HandOver:
     """The I/O half of one P rank's hand-overs, made with the engine's staging region (``Sender.setup``).
 
-    ``staging``: P's staging region; ``slots``: the rule of its slots; ``port``: the engine's counters.
+    ``staging``: P's staging region; ``slots``: the rule of its slots; ``port``: the engine's counters;
+    ``peer_copies_only``: whether every D rank P knows takes peer copies (then no push is staged, and a
+    pack list or a pack at hand-over would be work for nothing).
     """
 
     name: str
@@ -46,6 +48,7 @@ class HandOver:
     staging: StagingBuffer | None
     slots: StagingSlots
     port: Counter
+    peer_copies_only: Callable[[], bool] = lambda: False
 
     @property
     def region_bases(self) -> list[int]:
@@ -67,6 +70,7 @@ class HandOver:
         if (
             self.staging is None
             or self.cfg.staging.plan == "direct"
+            or self.peer_copies_only()
             or prefill.num_tokens <= 0
             or not prefill.block_ids
         ):

@@ -30,7 +30,7 @@ from kvpush.core import peek, protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
 from kvpush.core.topology import targets_for
-from kvpush.engine.ports import PeerPort
+from kvpush.engine.ports import PeerMaps, PeerPort
 from kvpush.observability.metrics import Count
 from kvpush.prefill.admission import Admission, KeyLimits
 from kvpush.prefill.hello import (
@@ -77,6 +77,7 @@ class PeerTable:
         rendezvous: Rendezvous,
         port: PeerPort,
         declared_ranks: Callable[[str], int | None] = lambda key: None,
+        maps: PeerMaps | None = None,
     ) -> None:
         self.name, self.cfg, self.engine_id, self.rank, self.tp_size = name, cfg, engine_id, rank, tp_size
         self.server, self.agent, self.rendezvous, self.port = server, agent, rendezvous, port
@@ -88,6 +89,8 @@ class PeerTable:
         self.admission = Admission(KeyLimits(cfg.limits.peer_key_bytes, cfg.limits.peer_max_ranks))
         """What each D key makes this P rank hold, as a whole (``kvpush.prefill.admission``)."""
         self.declared = declared_ranks
+        self.maps = maps
+        """Maps a D rank's KV for peer copies from its hello, and lets it go when the rank is forgotten."""
         """The ranks a D key's key set declares (None: it declares none); ``kvpush.transport.auth``."""
         self.local = Local(cfg.model, layout, agent.nixl_version, tuple(agent.backends), cfg.polling.peer_dead_s)
         """This P rank, as a hello is judged against it (``kvpush.prefill.hello``)."""
@@ -101,6 +104,11 @@ class PeerTable:
     def ident_of(self, key: DKey) -> bytes | None:
         peer = self._peers.get(key)
         return peer.ident if peer is not None else None
+
+    def all_mapped(self) -> bool:
+        """Whether every D rank this P rank knows takes peer copies (and it knows one): then nothing it pushes
+        now is staged."""
+        return bool(self._peers) and all(p.mapped is not None for p in self._peers.values())
 
     def writes_to(self, peer: Peer | None) -> bool:
         """Whether this P rank writes into any D rank of ``peer``'s instance (unknown peer: assume so)."""
@@ -216,6 +224,8 @@ class PeerTable:
         self.port.drop_peer(key, f"D {key[0]} rank {key[1]} {why}", now)
         if not any(p.agent == peer.agent for p in self._peers.values()):
             self.agent.remove_peer(peer.agent)
+        if self.maps is not None and peer.mapped is not None:
+            self.maps.retire(peer.mapped)
 
     def _on_hello(self, ident: bytes, key: str, msg: protocol.Hello, now: float) -> None:
         """A hello judged (``kvpush.prefill.hello.judge_hello``), then carried out: a refusal answered (and
@@ -263,6 +273,7 @@ class PeerTable:
             msg.staging,
             now,
             msg.staging_mem or msg.layout.mem,
+            self.maps.open(msg.peer, msg.layout) if self.maps is not None and msg.peer else None,
         )
         self.server.send(ident, self._welcome(msg.epoch))
 

@@ -13,9 +13,22 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvpush.core import protocol
+from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Failed
 from kvpush.observability.metrics import Count
 from kvpush.prefill.push_job import DKey
+
+
+class PeerMaps(Protocol):
+    """What the peer table asks of the mappings for peer copies (``kvpush.engine.peer_writes.Writes``)."""
+
+    def open(self, blob: bytes, layout: KVLayout) -> Any:
+        """Map a D rank's KV from its hello's blob; None: that rank gets NIXL WRITEs."""
+        ...
+
+    def retire(self, mapped: Any) -> None:
+        """The D rank was forgotten: let its mapping go once nothing writes through it."""
+        ...
 
 
 class PeerPort(Protocol):

@@ -1,4 +1,4 @@
-"""Carrying out P's push jobs: the backend's packs, NIXL's WRITEs, the plan made at pairing.
+"""Carrying out P's push jobs: the backend's packs, the WRITEs (NIXL's or peer writes), the plan made at pairing.
 
 The sender's engine thread calls ``start_job`` for each push the rendezvous
 decided and ``drive`` for each job on every step; the rules of what to do
@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvpush.backends.base import Backend, StagingBuffer
 from kvpush.backends.copy import Copier
 from kvpush.config import Config
@@ -24,6 +26,7 @@ from kvpush.core.layout import KVLayout, heads_overlap
 from kvpush.core.outcome import Cause, Failed, PartTimes, PlanKind, Stage, XferState
 from kvpush.core.parts import PartSchedule, costs_of, split_regions
 from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
+from kvpush.engine.peer_writes import Writes
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
 from kvpush.prefill.decisions import Prefill
@@ -52,7 +55,8 @@ class PushRunner:
     """The I/O half of one P rank's push jobs, made with the engine's agent (``Sender.setup``).
 
     ``staging``: P's staging region; ``slots``: the rule of its slots (``kvpush.prefill.slots``); ``peers``:
-    the D ranks that said hello; ``port``: what the jobs tell the engine.
+    the D ranks that said hello; ``port``: what the jobs tell the engine; ``writes``: posts, polls and gives
+    back the WRITEs (``kvpush.engine.peer_writes``).
     """
 
     name: str
@@ -66,6 +70,7 @@ class PushRunner:
     slots: StagingSlots
     peers: PeerLookup
     port: PushPort
+    writes: Writes
 
     def __post_init__(self) -> None:
         self.region_bases = [r.base for r in self.layout.regions]
@@ -82,9 +87,9 @@ class PushRunner:
             self._apply(tid, rec, job, job.ready(*rec.readiness(job.sent, chain), time.monotonic()))
             self._apply(tid, rec, job, job.check_packs())
             for handle in list(job.flying):
-                state = self.agent.state(handle)
+                state = self.writes.state(handle)
                 if state is not XferState.PROC:
-                    self.agent.release(handle)
+                    self.writes.release(handle)
                     now = time.monotonic()
                     part = self._parts.pop(id(handle), None)
                     if part is not None:
@@ -128,7 +133,7 @@ class PushRunner:
                 self.port.tell_posting(a.reg, peer)
         elif isinstance(a, ReleaseMade):
             for handle in a.handles:
-                self.agent.release(handle)
+                self.writes.release(handle)
         elif isinstance(a, SendFailure):
             ident = self.peers.ident_of((a.reg.engine_id, a.reg.rank))
             if ident is not None:
@@ -182,7 +187,7 @@ class PushRunner:
                 self.agent.send_notif(peer.agent, _completion(job.plan.plan, job.reg, self.rank, a.r0, a.r1, 0))
             else:
                 handle, ndesc = a.made if a.made is not None else self._build_part(job.plan.plan, job.reg, peer, a)
-                state = self.agent.post(handle)
+                state = self.writes.post(handle)
                 job.heard(peer.last_seen, time.monotonic())  # a post may return after a freeze
         except Exception as exc:
             return job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
@@ -201,7 +206,7 @@ class PushRunner:
             if a.made is not None:
                 self.port.bump(Count.PARTS_PREBUILT)
             if state is not XferState.PROC:
-                self.agent.release(handle)
+                self.writes.release(handle)
         return job.posted(handle, ndesc, state, t1, t2)
 
     def look_at_silence(self, jobs: list[PushJob], now: float) -> None:
@@ -216,7 +221,7 @@ class PushRunner:
         for job in jobs:
             for handle in job.flying:
                 self._parts.pop(id(handle), None)
-                self.agent.release(handle)
+                self.writes.release(handle)
 
     def start_job(self, tid: str, rec: Transfer, prefill: Prefill, reg: protocol.Register) -> None:
         """Pair made: plan now (often before the KV exists); the job posts parts as regions become ready."""
@@ -250,7 +255,7 @@ class PushRunner:
         made = {}
         if plan.kind is PlanKind.STAGED and prepacked is None:
             made = self._prepare(jp, prefill, rec, peer, reg, slot)
-        elif plan.kind is PlanKind.DIRECT and self._ahead(prefill, rec):
+        elif plan.kind in (PlanKind.DIRECT, PlanKind.PEER) and self._ahead(prefill, rec):
             made = self._build_ahead(plan, reg, peer, [(0, plan.nregions)])
         t_plan = time.monotonic()
         job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=cfg.polling.peer_dead_s)
@@ -312,7 +317,7 @@ class PushRunner:
         except Exception:
             log.exception("%s: building %s's WRITEs ahead failed (built when posted)", self.name, reg.transfer_id)
             for handle, _ in made.values():
-                self.agent.release(handle)
+                self.writes.release(handle)
             made = {}
         return made
 
@@ -320,7 +325,11 @@ class PushRunner:
         return self._build_part_of(plan, reg, peer, a.r0, a.r1)
 
     def _build_part_of(self, plan: Plan, reg: protocol.Register, peer: Any, r0: int, r1: int) -> tuple[Any, int]:
-        """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count."""
+        """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count
+        (a peer write's: none, its pieces go to the backend's copy)."""
+        if plan.kind is PlanKind.PEER:
+            notif = _completion(plan, reg, self.rank, r0, r1, 0)
+            return self.writes.peer_write(peer.mapped, self._peer_copies(plan, peer, r0, r1), peer.agent, notif), 0
         local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
         notif = _completion(plan, reg, self.rank, r0, r1, local.shape[0])
         lmem, rmem = self.layout.mem, peer.layout.mem
@@ -329,6 +338,19 @@ class PushRunner:
         handle = self.agent.prepare_write(local, str(lmem), remote, str(rmem), peer.agent, notif)
         return handle, local.shape[0]
 
+    def _peer_copies(self, plan: Plan, peer: Any, r0: int, r1: int) -> list[tuple[list[int], list[int], np.ndarray]]:
+        """The copies of regions ``[r0, r1)`` of a peer plan: (P's bases, D's bases, pieces), one per run of
+        regions that share their pieces (a hybrid model's group)."""
+        dst = [r.base for r in peer.layout.regions]
+        if not plan.group_merged:
+            return [(self.region_bases[r0:r1], dst[r0:r1], plan.merged)]
+        out, a = [], r0
+        for r in range(r0 + 1, r1 + 1):
+            if r == r1 or plan.region_group[r] != plan.region_group[a]:
+                out.append((self.region_bases[a:r], dst[a:r], plan.group_merged[plan.region_group[a]]))
+                a = r
+        return out
+
     def _plan(
         self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer
     ) -> tuple[Plan, int | None, Prepacked | None]:
@@ -336,7 +358,8 @@ class PushRunner:
         which slot, if any, is the slot rule's (``slots.StagingSlots``)."""
         tid = prefill.transfer_id
         ahead = self._pack_ahead(prefill, reg, peer, rec)
-        both = reg.staging is not None and peer.staging is not None and self.staging is not None
+        mapped = peer.mapped is not None  # a peer copy needs no slot
+        both = reg.staging is not None and peer.staging is not None and self.staging is not None and not mapped
         grant = self._slot(self.slots.pair(tid, reg.staging.size if both else None, ahead))
         local = remote = None
         if grant is not None:
@@ -358,7 +381,8 @@ class PushRunner:
                 staging_remote=remote,
                 pack_bw=self.backend.pack_bandwidth(),
                 groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
-                pack=ahead,
+                pack=None if mapped else ahead,
+                peer=mapped,
             )
         except Exception:
             self.slots.plan_failed(tid, grant.offset if grant is not None else None)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import Backend
+from kvpush.backends.peer import PeerCopy
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.errors import ProtocolError
@@ -95,6 +96,7 @@ class Receiver(EngineLoop):
         self.conns: Conns  # made with the agent (``setup``), before any call reaches the thread
         self.unpacks: UnpackRunner  # likewise: the staging region comes with the agent
         self._next_timer = 0.0
+        self._peer_blob = b""  # what lets a same-host P rank write this rank's KV (``setup``)
         self.start()
 
     # -- caller API ----------------------------------------------------
@@ -160,6 +162,7 @@ class Receiver(EngineLoop):
     def setup(self) -> None:
         keys = client_keys(self.cfg)  # before the agent: missing keys are a start-up error
         self.open_agent("d")
+        self._peer_blob = self._export_peer()
         self.conns = Conns(
             self.name,
             self.cfg,
@@ -183,6 +186,20 @@ class Receiver(EngineLoop):
             self.bump,
         )
 
+    def _export_peer(self) -> bytes:
+        """What lets a P rank on this host write this rank's KV (``kvpush.backends.peer``), when
+        ``peer_copy`` is set and the backend can offer it; empty otherwise."""
+        if not self.cfg.staging.peer_copy:
+            return b""
+        if not isinstance(self.backend, PeerCopy):
+            log.warning("%s: peer_copy is set but backend %s cannot offer its KV", self.name, self.backend.name)
+            return b""
+        try:
+            return self.backend.export_peer(self.layout) or b""
+        except Exception:
+            log.exception("%s: export_peer failed (P ranks write with NIXL)", self.name)
+            return b""
+
     def _hello(self, epoch: int) -> protocol.Hello:
         """This D rank's hello: who it is, its NIXL agent, its KV layout and staging region."""
         staging = None
@@ -201,6 +218,7 @@ class Receiver(EngineLoop):
             staging_mem=self._staging.mem if self._staging is not None else None,
             nixl_version=self.agent.nixl_version,
             nixl_backends=self.agent.backends,
+            peer=self._peer_blob,
         )
 
     def teardown(self) -> None:

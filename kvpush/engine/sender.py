@@ -31,6 +31,7 @@ from kvpush.core.outcome import Cause, Failed, PrefillState, PushStats, PushTime
 from kvpush.engine.answers import Answers
 from kvpush.engine.hand_over import HandOver
 from kvpush.engine.loop import EngineLoop
+from kvpush.engine.peer_writes import Writes
 from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
 from kvpush.engine.waiter import MarkerWaiter
@@ -192,6 +193,7 @@ class Sender(EngineLoop):
             self.cfg.limits.peer_max_ranks,
         )
         declared = DeclaredRanks(keys.decoders_dir) if keys is not None else lambda key: None
+        self.writes = Writes(self.name, self.agent, self.backend, self.cfg.staging.peer_copy)
         self.peers = PeerTable(
             self.name,
             self.cfg,
@@ -204,6 +206,7 @@ class Sender(EngineLoop):
             rendezvous=self.rendezvous,
             port=self,
             declared_ranks=declared,
+            maps=self.writes,
         )
         self._make_pushes()
         self.poller.register(self.server.sock, 1)
@@ -225,9 +228,18 @@ class Sender(EngineLoop):
             slots=self.slots,
             peers=self.peers,
             port=self,
+            writes=self.writes,
         )
         self.hand_over = HandOver(
-            self.name, self.cfg, self.layout, self.backend, self.copy, self._staging, self.slots, self
+            self.name,
+            self.cfg,
+            self.layout,
+            self.backend,
+            self.copy,
+            self._staging,
+            self.slots,
+            self,
+            peer_copies_only=self.peers.all_mapped,
         )
         self.answers = Answers(self.name, self.rank, self.server, self.peers, self)
 

@@ -58,6 +58,9 @@ class Peer:
     last_seen: float
     staging_mem: MemKind = MemKind.DRAM
     """Memory kind of ``staging``: what NIXL is told for the remote side of a staged WRITE."""
+    mapped: Any = None
+    """P's backend's handle on this D rank's KV (``PeerCopy.open_peer``): its pushes are peer copies; None:
+    NIXL WRITEs."""
 
 
 @dataclass(frozen=True)

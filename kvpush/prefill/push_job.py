@@ -96,8 +96,8 @@ class PushJob:
         self.made = dict(made or {})
         self.stats = PushStats(plan=plan.kind, plan_s=plan_s, pieces=plan.plan.pieces)
         self.prepacked = prepacked if plan.kind is PlanKind.STAGED else None
-        if plan.kind is PlanKind.DIRECT or self.prepacked is not None:
-            self.stats.pack_s = 0.0  # a direct push, or one packed at hand-over, has no pack stage of its own
+        if plan.kind in (PlanKind.DIRECT, PlanKind.PEER) or self.prepacked is not None:
+            self.stats.pack_s = 0.0  # a direct or peer push, or one packed at hand-over, has no pack stage
         self.sent = 0  # regions [0, sent) are posted or being packed
         self.nposted = 0  # regions posted (a cancel may drop packed parts)
         self.packing: deque[_Packing] = deque()

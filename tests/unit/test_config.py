@@ -53,6 +53,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "push_parts": 2,
         "min_part_bytes": 1 << 20,
         "part_cost_us": 50.0,
+        "peer_copy": True,
         "busy_poll_max_s": 1e-4,
         "layerwise": True,
         "layerwise_min_tokens": 0,

@@ -188,3 +188,29 @@ def test_wake_at_is_the_first_report_that_starts_a_part() -> None:
                         sched = PartSchedule(ends, 10, min_bytes, lead)
                         starts = [r for r in ends if r > sent and sched.part_end(sent, r) > sent]
                         assert sched.wake_at(sent) == starts[0], (total, sent, step, min_bytes, lead)
+
+
+@settings(max_examples=80, deadline=None)
+@given(scenarios(), st.sampled_from(["auto", "direct", "staged"]))
+def test_a_peer_plan_copies_exactly_the_reference_bytes_whatever_plan_is_configured(scn: Scenario, cfg: str) -> None:
+    """A peer plan (P's device writes D's blocks) is chosen over staging and the cost model, and its pieces,
+    copied region by region from P's bases to D's as the backend's peer copy does, write exactly the bytes a
+    direct push writes."""
+    plan = build_plan(
+        Config.of(plan=cfg),
+        *scn.call_args(),
+        staging_local=(1 << 20, 0),
+        staging_remote=(1 << 30, 1 << 40, 1),
+        peer=True,
+    )
+    direct = build_plan(Config.of(plan="direct"), *scn.call_args())
+    out = scn.dst.arena.copy()
+    if direct.kind == "empty":
+        assert plan.kind == "empty"
+    else:
+        assert plan.kind == "peer" and plan.nbytes == direct.nbytes and plan.pack is None
+        for rs, rd in zip(scn.src.layout.regions, scn.dst.layout.regions, strict=True):
+            local = np.stack([rs.base + plan.merged[:, 0], plan.merged[:, 2], np.zeros_like(plan.merged[:, 2])], 1)
+            remote = np.stack([rd.base + plan.merged[:, 1], plan.merged[:, 2], np.zeros_like(plan.merged[:, 2])], 1)
+            apply_descriptors(local, remote, scn.src, out, scn.dst)
+    np.testing.assert_array_equal(out, reference_dst(scn))

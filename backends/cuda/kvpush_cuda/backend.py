@@ -32,6 +32,7 @@ from kvpush.backends.tensors import allocation_registrations, describe_strided
 from kvpush.backends.testing import TestSupport, cache_shape
 from kvpush.core.errors import BackendError
 from kvpush.core.layout import KVLayout, MemKind
+from kvpush_cuda import ipc
 from kvpush_cuda._torch import cuda_torch
 from kvpush_cuda.copy import Kernel, PieceCopier
 
@@ -116,6 +117,7 @@ class CudaBackend(TestSupport, Backend):
         self._spans: dict[int, tuple[int, int]] = {}
         self._staging: dict[int, tuple[int, int]] = {}  # addr -> (size, device)
         self._copiers: dict[int, PieceCopier] = {}
+        self._ipc: ipc.Driver | None = None
 
     @property
     def device(self) -> int:
@@ -281,6 +283,38 @@ class CudaBackend(TestSupport, Backend):
     ) -> None:
         """Optional hint: upload the piece table of a coming ``unpack`` now (D knows it when it registers)."""
         self._copier_on(self.device if device_id is None else device_id).prepare_scatter(regions, pieces, parts)
+
+    # -- peer copies (kvpush.backends.peer) ---------------------------------------
+    def export_peer(self, layout: KVLayout) -> bytes | None:
+        """CUDA IPC handles of the allocations ``layout``'s regions lie in (``ipc``); None where the memory
+        cannot be exported (a virtual-memory allocation) or there is no driver to ask."""
+        try:
+            uuid = str(self._torch.cuda.get_device_properties(self.device).uuid)
+            return ipc.export(self._driver(), layout, uuid)
+        except BackendError as exc:
+            log.warning("cuda backend: no peer copies into this rank's KV: %s", exc)
+            return None
+
+    def open_peer(self, blob: bytes, layout: KVLayout) -> Any:
+        """D's allocations mapped into this process (``ipc.open_export``), or None when out of reach."""
+        return ipc.open_export(self._driver(), blob, layout)
+
+    def prepare_peer_copy(self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> None:
+        """Optional hint: upload the tables of a coming ``start_peer_copy`` now (P builds its parts ahead)."""
+        self._copier_on(self.device).prepare_copy(src_bases, peer.local(dst_bases), pieces)
+
+    def start_peer_copy(self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> Any:
+        """One gather-scatter launch on the copier's stream, from this rank's regions into D's mapped ones;
+        returns the CUDA event ending it."""
+        return self._copier_on(self.device).start_copy(src_bases, peer.local(dst_bases), pieces)
+
+    def close_peer(self, peer: Any) -> None:
+        ipc.close(self._driver(), peer)
+
+    def _driver(self) -> ipc.Driver:
+        if self._ipc is None:
+            self._ipc = ipc.Driver()
+        return self._ipc
 
     def copy_stats(self) -> dict[str, float]:
         """Pack/unpack counters summed over devices (calls, host prep, launch, wait seconds, uploads)."""

@@ -372,6 +372,20 @@ class PieceCopier:
             raise BackendError(f"copy: {len(src_bases)} source regions but {len(dst_bases)} destinations")
         self._copy(Bases.of(src_bases), np.asarray(src_offs), Bases.of(dst_bases), np.asarray(dst_offs), lens)
 
+    def start_copy(self, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> Any:
+        """``copy`` of ``(n, 3)`` pieces (source offset, destination offset, length) that returns the CUDA
+        event ending it instead of waiting (a peer copy: the destination is another process's mapped KV)."""
+        if len(src_bases) != len(dst_bases):
+            raise BackendError(f"copy: {len(src_bases)} source regions but {len(dst_bases)} destinations")
+        return self._copy(Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2], False)
+
+    def prepare_copy(self, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> None:
+        """Upload what ``start_copy`` of these arguments needs now, off the critical path."""
+        if self.kernel != "triton" or not src_bases or pieces.shape[0] == 0:
+            return
+        with self._context():
+            self._triton_launch(Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2])
+
     def _copy(
         self,
         src: Bases,

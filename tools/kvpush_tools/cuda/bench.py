@@ -770,8 +770,10 @@ class PDriver:
             "busy_poll_max_s": o.busy_poll_us * 1e-6,
             "link_gbps": 200.0,
             "side_channel_port": 0,  # a free port: D learns it from the sender
-            # parts > 0: exactly that many (no fixed cost per part in the cost model); 0: the cost model's choice
+            # parts > 0: exactly that many (no fixed cost per part in the cost model); 0: the cost model's choice;
+            # -1: peer copies (both sides on this host: P's device writes D's blocks, kvpush.backends.peer)
             **({"push_parts": parts, "part_cost_us": 0.0} if parts > 0 else {}),
+            **({"peer_copy": True} if parts < 0 else {}),
         }
 
     def _sender(self, parts: int) -> Any:
@@ -1491,7 +1493,11 @@ def parse(argv: list[str] | None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--write-descs", default=",".join(map(str, d.write_descs)))
     ap.add_argument("--warm-ms", type=float, default=d.warm_ms)
     ap.add_argument("--no-engine", action="store_true")
-    ap.add_argument("--engine-parts", default=",".join(map(str, d.engine_parts)), help="push_parts values")
+    ap.add_argument(
+        "--engine-parts",
+        default=",".join(map(str, d.engine_parts)),
+        help="push_parts values (0: the cost model's; -1: peer copies, P's device writing D's blocks)",
+    )
     ap.add_argument(
         "--engine-orders",
         default=",".join(d.engine_orders),
