@@ -297,7 +297,7 @@ class CudaBackend(TestSupport, Backend):
 
     def open_peer(self, blob: bytes, layout: KVLayout) -> Any:
         """D's allocations mapped into this process (``ipc.open_export``), or None when out of reach."""
-        return ipc.open_export(self._driver(), blob, layout)
+        return ipc.open_export(self._driver(), blob, layout, self.device)
 
     def prepare_peer_copy(self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> None:
         """Optional hint: upload the tables of a coming ``start_peer_copy`` now (P builds its parts ahead)."""
@@ -309,7 +309,9 @@ class CudaBackend(TestSupport, Backend):
         return self._copier_on(self.device).start_copy(src_bases, peer.local(dst_bases), pieces)
 
     def close_peer(self, peer: Any) -> None:
-        ipc.close(self._driver(), peer)
+        driver = self._driver()
+        driver.bind(self.device)
+        ipc.close(driver, peer)
 
     def _driver(self) -> ipc.Driver:
         if self._ipc is None:

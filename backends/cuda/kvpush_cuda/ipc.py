@@ -29,7 +29,9 @@ _VERSION = 1
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    """``CUipcMemHandle``: 64 opaque bytes (read whole with ``bytes(h)``: the field would stop at a NUL)."""
+
+    _fields_ = [("reserved", ctypes.c_byte * 64)]
 
 
 class Alloc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -95,9 +97,31 @@ class Driver:
 
     def __init__(self) -> None:
         try:
-            self._lib = ctypes.CDLL("libcuda.so.1")
+            lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise BackendError(f"CUDA driver not loadable for peer copies: {exc}") from None
+        u64, p64 = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)
+        # Declared, not guessed: the handle goes by value (64 bytes) and pointers are 64-bit.
+        lib.cuMemGetAddressRange_v2.argtypes = [p64, ctypes.POINTER(ctypes.c_size_t), u64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), u64]
+        lib.cuIpcOpenMemHandle_v2.argtypes = [p64, _Handle, ctypes.c_uint]
+        lib.cuIpcCloseMemHandle.argtypes = [u64]
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        for f in (lib.cuMemGetAddressRange_v2, lib.cuIpcGetMemHandle, lib.cuIpcOpenMemHandle_v2):
+            f.restype = ctypes.c_int
+        lib.cuIpcCloseMemHandle.restype = ctypes.c_int
+        self._lib = lib
+        self._check(lib.cuInit(0), "cuInit")
+
+    def bind(self, device: int) -> None:
+        """Make ``device``'s primary context (the one torch uses) current on this thread if none is: a
+        thread that only ever called torch may have none yet, and the driver calls below need one."""
+        ctx = ctypes.c_void_p()
+        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if ctx.value:
+            return
+        self._check(self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ctypes.c_int(device)), "PrimaryCtxRetain")
+        self._check(self._lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -117,11 +141,12 @@ class Driver:
     def ipc_handle(self, base: int) -> bytes:
         h = _Handle()
         self._check(self._lib.cuIpcGetMemHandle(ctypes.byref(h), ctypes.c_uint64(base)), "cuIpcGetMemHandle")
-        return bytes(h.reserved)
+        return bytes(h)
 
     def open(self, handle: bytes) -> int:
-        h = _Handle()
-        h.reserved = handle
+        if len(handle) != 64:
+            raise BackendError(f"a CUDA IPC handle is 64 bytes, this one {len(handle)}")
+        h = _Handle.from_buffer_copy(handle)
         ptr = ctypes.c_uint64()
         self._check(
             self._lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS)),
@@ -135,6 +160,7 @@ class Driver:
 
 def export(driver: Driver, layout: KVLayout, device_uuid: str) -> bytes:
     """The blob D sends: an IPC handle per allocation its regions lie in."""
+    driver.bind(layout.regions[0].device_id if layout.regions else 0)
     allocs: dict[int, Alloc] = {}
     for r in layout.regions:
         base, size = driver.address_range(r.base)
@@ -144,9 +170,9 @@ def export(driver: Driver, layout: KVLayout, device_uuid: str) -> bytes:
     return msgspec.msgpack.encode(exp)
 
 
-def open_export(driver: Driver, blob: bytes, layout: KVLayout) -> Mapped | None:
-    """P's mapping of the allocations D exported, or None when they are out of reach (another host, a
-    region outside them, a handle this process cannot open)."""
+def open_export(driver: Driver, blob: bytes, layout: KVLayout, device: int) -> Mapped | None:
+    """P's mapping (on its ``device``) of the allocations D exported, or None when they are out of reach
+    (another host, a region outside them, a handle this process cannot open)."""
     try:
         exp = msgspec.msgpack.decode(blob, type=Export)
     except msgspec.DecodeError as exc:
@@ -155,6 +181,7 @@ def open_export(driver: Driver, blob: bytes, layout: KVLayout) -> Mapped | None:
         raise BackendError(f"peer copy: export {exp.kind!r} version {exp.version}, this reads cuda-ipc {_VERSION}")
     if exp.boot_id != boot_id() or not exp.boot_id:
         return None  # another host (or one that cannot tell): NIXL writes
+    driver.bind(device)
     if exp.pid == os.getpid():
         mapped = Mapped(exp.pid, [(a.base, a.size, a.base) for a in exp.allocs])
     else:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -59,3 +62,36 @@ def blocks_equal(dst_kv: dict, dst_variant: str, dst_ids, src_kv: dict, src_vari
         if not torch.equal(a.cpu(), b.cpu()):
             return False
     return True
+
+
+def region_bytes(torch_mod: Any, addr: int, size: int, dev: int) -> np.ndarray:
+    """The bytes of device memory ``[addr, addr + size)`` on ``dev``, copied to the host."""
+    from kvpush_cuda.copy import _RawCuda
+
+    return torch_mod.as_tensor(_RawCuda(addr, size, 1), device=f"cuda:{dev}").cpu().numpy()
+
+
+def peer_child(conn: Any, dev: int) -> None:
+    """D's process of the peer copy test: a zeroed KV cache on ``dev`` exported for peer copies; sends
+    (blob, layout), then each region's bytes when asked."""
+    import torch as t
+
+    from kvpush_cuda import CudaBackend
+    from kvpush_cuda.variants import make_kv
+
+    t.cuda.set_device(dev)
+    be = CudaBackend(device=dev)
+    kv = make_kv(t, "LBNHC", 3, 32, 16, 2, 64, t.bfloat16, f"cuda:{dev}")
+    for x in kv.values():
+        x.zero_()
+    layout = be.describe(kv, spec_for("LBNHC", 16, 2, 64))
+    # Exported from a thread that never touched CUDA, as D's engine thread does.
+    box: list[Any] = []
+    th = threading.Thread(target=lambda: box.append(be.export_peer(layout)))
+    th.start()
+    th.join()
+    conn.send((box[0], layout))
+    if conn.recv() == "read":
+        t.cuda.synchronize(dev)
+        conn.send([region_bytes(t, r.base, r.size, dev) for r in layout.regions])
+        conn.recv()

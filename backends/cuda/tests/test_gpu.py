@@ -290,7 +290,7 @@ def test_push_between_processes_through_nixl() -> None:
             "--write-descs",
             "1,4",
             "--engine-parts",
-            "2,1",
+            "2,1,-1",
             "--lw-tokens",
             "256",
             "--lw-iters",
@@ -298,3 +298,61 @@ def test_push_between_processes_through_nixl() -> None:
         ]
     )
     assert rc == 0, "a transfer was not byte-exact on D (see the table above)"
+
+
+def test_peer_copy_writes_another_process_kv_in_place() -> None:
+    """CUDA IPC peer copy: D's process exports its KV, P's maps it and copies block pieces straight into
+    D's blocks in one launch; D's regions then hold exactly P's blocks there and zeros elsewhere. A blob from
+    another host is out of reach (None), a malformed one an error."""
+    import multiprocessing as mp
+
+    import msgspec
+    from cuda_helpers import peer_child, region_bytes
+
+    from kvpush_cuda import ipc
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=peer_child, args=(child, D_DEV))
+    proc.start()
+    try:
+        blob, d_layout = parent.recv()
+        assert blob, "export_peer gave nothing"
+        be = CudaBackend(device=0)
+        kv = _cuda_kv("LBNHC", 32, 0)
+        fill_random(kv, 5)
+        p_layout = be.describe(kv, spec_for("LBNHC", 16, 2, 64))
+        peer = be.open_peer(blob, d_layout)
+        assert peer is not None, "a same-host D's export did not map"
+        src_blocks, dst_blocks = [3, 7, 1, 30], [9, 2, 20, 5]
+        n = p_layout.block_bytes
+        pieces = np.array(
+            [
+                [s * p_layout.block_stride, d * d_layout.block_stride, n]
+                for s, d in zip(src_blocks, dst_blocks, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        src_bases = [r.base for r in p_layout.regions]
+        dst_bases = [r.base for r in d_layout.regions]
+        be.wait_ready(be.start_peer_copy(peer, src_bases, dst_bases, pieces))
+        parent.send("read")
+        got = parent.recv()
+        want = [region_bytes(torch, r.base, r.size, 0) for r in p_layout.regions]
+        for r, (g, w) in enumerate(zip(got, want, strict=True)):
+            exp = np.zeros_like(g)
+            for s, d in zip(src_blocks, dst_blocks, strict=True):
+                so, do = s * p_layout.block_stride, d * d_layout.block_stride
+                exp[do : do + n] = w[so : so + n]
+            np.testing.assert_array_equal(g, exp, err_msg=f"region {r}")
+        be.close_peer(peer)
+        exp_blob = msgspec.msgpack.decode(blob, type=ipc.Export)
+        other = msgspec.msgpack.encode(msgspec.structs.replace(exp_blob, boot_id="another-host"))
+        assert be.open_peer(other, d_layout) is None
+        with pytest.raises(BackendError, match="malformed"):
+            be.open_peer(b"\x01garbage", d_layout)
+    finally:
+        parent.send("bye")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
