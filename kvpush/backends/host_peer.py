@@ -142,6 +142,8 @@ def merge_spans(spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def inside(lo: np.ndarray, hi: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """For each range ``[start, end)`` (uint64), whether one merged span ``[lo, hi)`` holds it whole."""
+    if lo.size == 0:
+        return np.zeros(start.shape, dtype=bool)  # nothing exported: nothing lies inside
     idx = np.searchsorted(lo, start, side="right").astype(np.int64) - 1
     ok = idx >= 0
     safe = np.maximum(idx, 0)

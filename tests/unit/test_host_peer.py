@@ -210,6 +210,8 @@ def test_region_outside_the_exported_spans_is_out_of_reach(d: D) -> None:
     shrunk = [(int(a), int(b - a)) for a, b in zip(lo, hi, strict=True)]
     shrunk[-1] = (shrunk[-1][0], shrunk[-1][1] - 1)
     assert HostBackend().open_peer(_reencode(d.blob, spans=tuple(shrunk)), d.layout) is None
+    # Nothing exported at all.
+    assert HostBackend().open_peer(_reencode(d.blob, spans=()), d.layout) is None
     # A layout naming a region one byte past the exported spans, with the blob intact.
     r = d.layout.regions[0]
     moved = msgspec.structs.replace(d.layout, regions=(Region(int(hi[-1]) - r.size + 1, r.size), *d.layout.regions[1:]))
