@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvpush.backends import host_peer
 from kvpush.backends.base import Backend, CacheSpec, MemRegistration, StagingBuffer
 from kvpush.backends.tensors import allocation_registrations, describe_strided, tensor_info
 from kvpush.backends.testing import TestSupport, cache_shape
@@ -107,13 +108,15 @@ def _move(regions: list[int], pieces: np.ndarray, buf: np.ndarray, to_staging: b
 
 
 class HostBackend(TestSupport, Backend):
-    """CPU memory registered as NIXL DRAM."""
+    """CPU memory registered as NIXL DRAM; peer copies (``kvpush.backends.peer``) by cross-memory attach."""
 
     name = "host"
     mem = MemKind.DRAM
 
     def __init__(self) -> None:
         self._spans: dict[int, tuple[int, int]] = {}
+        self._exporter = host_peer.Exporter()
+        self._opener = host_peer.Opener()
 
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
         if spec.attention not in ATTENTION:
@@ -151,6 +154,24 @@ class HostBackend(TestSupport, Backend):
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:
         total = int(pieces[:, 1].sum()) * len(regions) if pieces.size else 0
         scatter(regions, pieces, _view(staging_addr, total) if total else np.zeros(0, np.uint8))
+
+    # -- peer copies (kvpush.backends.peer.PeerCopy) -----------------------
+    def export_peer(self, layout: KVLayout) -> bytes | None:
+        """This process's id and the spans NIXL would register for ``layout`` (``kvpush.backends.host_peer``):
+        P may write exactly what D would let NIXL write, no more."""
+        return self._exporter.export([(r.addr, r.size) for r in self.registrations(layout)])
+
+    def open_peer(self, blob: bytes, layout: KVLayout) -> host_peer.PeerHandle | None:
+        return self._opener.open(blob, layout)
+
+    def start_peer_copy(
+        self, peer: host_peer.PeerHandle, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray
+    ) -> None:
+        """Synchronous (the kernel copies in the call, the GIL released): None, reached at once."""
+        host_peer.copy(peer, src_bases, dst_bases, pieces)
+
+    def close_peer(self, peer: host_peer.PeerHandle) -> None:
+        """Nothing to release: the handle maps nothing, each copy names the pid anew."""
 
     # -- test support (kvpush.conformance) ---------------------------------
     def make_test_cache(self, spec: CacheSpec, num_layers: int, num_blocks: int, device: int = 0) -> dict[str, Any]:

@@ -49,7 +49,7 @@ class _Capture(logging.Handler):
 
 @dataclass
 class Rank:
-    """One engine with the backend and cache it runs on."""
+    """One engine with the backend and cache it runs on (no engine: a peer copy's backend-only rank)."""
 
     engine: Any
     backend: Any
@@ -208,16 +208,89 @@ class Worker:
                 raise AssertionError(f"read_bytes of layer {i} gave {raw.size} bytes, expected {r.geom.layer_bytes}")
         return np.stack(layers).reshape(r.geom.shape())
 
+    def op_peer_export(self, key: str, geom: Geom, seed: int) -> tuple[Any, bytes | None] | None:
+        """D of a peer copy: rank ``key``, a cache of ``geom`` filled from ``seed`` and no engine; returns its
+        layout and the backend's ``export_peer`` blob, or None when the backend has no ``PeerCopy``."""
+        from kvpush.backends.peer import PeerCopy
+
+        backend = self.target.make()
+        if not isinstance(backend, PeerCopy):
+            backend.close()
+            return None
+        kv: dict[str, Any] = {}
+        try:
+            kv = self.rank_cache(backend, geom, self.target.d_device, seed)
+            layout = backend.describe(kv, geom.spec())
+            blob = backend.export_peer(layout)
+        except BaseException:
+            backend.free_test_cache(kv)
+            backend.close()
+            raise
+        self.ranks[key] = Rank(None, backend, kv, geom)
+        return layout, blob
+
+    def op_peer_copy(
+        self, key: str, geom: Geom, seed: int, blob: bytes, d_layout: Any, reqs: list[tuple[Any, ...]]
+    ) -> bool:
+        """P of a peer copy: rank ``key`` over a cache of ``geom`` filled from ``seed``, no engine; opens D's
+        ``blob`` and copies each request ``(P blocks, D blocks, tokens, start)`` as the engine would (the
+        direct plan's merged pieces, one ``start_peer_copy`` each, all in flight before the first wait),
+        then waits for every marker. False when ``open_peer`` answered None."""
+        from kvpush.core.pieces import coalesce_in_dst_order, map_pieces
+
+        backend = self.target.make()
+        kv: dict[str, Any] = {}
+        try:
+            kv = self.rank_cache(backend, geom, self.target.p_device, seed)
+            layout = backend.describe(kv, geom.spec())
+        except BaseException:
+            backend.free_test_cache(kv)
+            backend.close()
+            raise
+        self.ranks[key] = Rank(None, backend, kv, geom)
+        peer = backend.open_peer(blob, d_layout)
+        if peer is None:
+            return False
+        try:
+            markers = []
+            src, dst = [r.base for r in layout.regions], [r.base for r in d_layout.regions]
+            for p_blocks, d_blocks, n, start in reqs:
+                pieces = coalesce_in_dst_order(map_pieces(layout, d_layout, p_blocks, d_blocks, n, start))
+                if pieces.shape[0]:
+                    markers.append(backend.start_peer_copy(peer, src, dst, pieces))
+            for m in markers:
+                backend.wait_ready(m)
+        finally:
+            backend.close_peer(peer)
+        return True
+
+    def op_peer_open(self, key: str, blob: bytes, d_layout: Any) -> str:
+        """What rank ``key``'s backend answers to ``open_peer(blob, d_layout)``: ``"none"``, ``"handle"``
+        (closed again at once), or ``"BackendError: ..."``; any other exception fails the op."""
+        from kvpush.core.errors import BackendError
+
+        backend = self.ranks[key].backend
+        try:
+            peer = backend.open_peer(blob, d_layout)
+        except BackendError as exc:
+            return f"BackendError: {exc}"
+        if peer is None:
+            return "none"
+        backend.close_peer(peer)
+        return "handle"
+
     def op_close(self, key: str) -> dict[str, Any]:
-        """Close an engine and its backend; report what is left of them."""
+        """Close an engine (if the rank has one) and its backend; report what is left of them."""
         r = self.ranks.pop(key)
-        name = f"kvpush-{r.engine.name}"
-        r.engine.close()
-        agent = getattr(r.engine, "agent", None)
-        report = {
-            "registered_after_close": agent.registered if agent is not None else 0,
-            "thread_alive": any(t.name == name for t in threading.enumerate()),
-        }
+        report = {"registered_after_close": 0, "thread_alive": False}
+        if r.engine is not None:
+            name = f"kvpush-{r.engine.name}"
+            r.engine.close()
+            agent = getattr(r.engine, "agent", None)
+            report = {
+                "registered_after_close": agent.registered if agent is not None else 0,
+                "thread_alive": any(t.name == name for t in threading.enumerate()),
+            }
         r.backend.free_test_cache(r.kv)
         r.backend.close()
         return report
