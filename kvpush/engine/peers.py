@@ -262,6 +262,11 @@ class PeerTable:
             self.server.send(ident, protocol.HelloReply(ok=False, reason=reason, epoch=msg.epoch))
             return
         self.admission.add(key, dkey, len(msg.agent_metadata))
+        mapped = self.maps.open(msg.peer, msg.layout) if self.maps is not None and msg.peer else None
+        if mapped is not None:
+            # No WRITE will connect to this D rank: the greeting starts the connection its first part's
+            # notification needs (D ignores it), while the hello is answered.
+            self.agent.send_notif(agent_name, greeting)
         self._peers[dkey] = Peer(
             ident,
             key,
@@ -273,7 +278,7 @@ class PeerTable:
             msg.staging,
             now,
             msg.staging_mem or msg.layout.mem,
-            self.maps.open(msg.peer, msg.layout) if self.maps is not None and msg.peer else None,
+            mapped,
         )
         self.server.send(ident, self._welcome(msg.epoch))
 

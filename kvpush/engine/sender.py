@@ -256,6 +256,8 @@ class Sender(EngineLoop):
         self.runner.look_at_silence(self._jobs(), now)
         self.server.deliver(lambda ident, key, msg: self.peers.on_message(ident, key, msg, now), self.peers.admits)
         self._progress()
+        if self.agent.flushing(now):
+            self.agent.progress()  # a notification sent without a WRITE (peer write, empty push) still leaving
         if self.slots.markers():
             self.hand_over.packs_ended(self.rendezvous.record)
         if now >= self._next_timer:
@@ -277,7 +279,7 @@ class Sender(EngineLoop):
         from here would take the GIL from the forward's launches (``waiter.py``).
         """
         jobs = self._jobs()
-        if any(j.flying for j in jobs):
+        if any(j.flying for j in jobs) or self.agent.flushing(time.monotonic()):
             return True
         marker = next((j.watch for j in jobs if j.watch is not None), None)
         if marker is None:

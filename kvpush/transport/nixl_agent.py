@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,14 @@ from kvpush.core.outcome import XferState
 from kvpush.transport.nixl_backends import traits
 
 log = logging.getLogger(__name__)
+
+EARLY_NOTIFS_MAX = 4096
+"""Notifications ``progress`` keeps for ``notifs`` at most (P expects none: a bound, not a queue)."""
+
+NOTIF_FLUSH_S = 0.25
+"""How long after a ``send_notif`` the engine keeps progressing the agent (``flushing``): a notification
+is queued until the backend progresses, and one to a peer this agent never wrote to also waits for the
+connection to be set up (on UCX, several progress calls on both sides)."""
 
 SUPPORTED = ((1, 3, 2), (1, 6))
 """NIXL versions kvpush supports: from the first, below the second (pyproject.toml's ``nixl>=1.3.2,<1.6``)."""
@@ -184,6 +193,7 @@ class Agent:
         self._retired: dict[str, bytes] = {}
         """Peers given up with ``remove_peer`` but kept loaded (``traits.reloads_live_peer`` False), oldest first."""
         self._early: list[tuple[str, bytes]] = []
+        self._flush_until = 0.0  # progress until then: a notification may still be queued
         self._writes: dict[int, str] = {}
         """WRITEs made and not yet released: ``id`` of the handle -> the peer written to."""
 
@@ -370,6 +380,19 @@ class Agent:
             except Exception as exc:
                 log.debug("%s: read a failed completion: %s", self.name, exc)
 
+    def progress(self) -> None:
+        """Progress the backend once without taking notifications (kept for ``notifs``): a notification sent
+        with ``send_notif`` leaves only as the sender's agent progresses, which a P with no WRITE in flight
+        otherwise never does."""
+        try:
+            got = _pairs(self._agent.get_new_notifs())
+        except Exception as exc:
+            log.debug("%s: progress: %s", self.name, exc)
+            return
+        if got:
+            self._early.extend(got)
+            del self._early[:-EARLY_NOTIFS_MAX]
+
     def notifs(self, drain: bool = False) -> list[tuple[str, bytes]]:
         """Notifications received since the last call, as ``(peer agent, message)``. ``drain``: a
         transfer is being written to us, so progress the backend as many times as it needs for that
@@ -384,7 +407,15 @@ class Agent:
         return out
 
     def send_notif(self, peer: str, msg: bytes) -> None:
+        """Send a notification without a WRITE. It leaves only as this agent progresses: the engine calls
+        ``progress`` while ``flushing`` says so (no WRITE of its own may be in flight to do it)."""
         self._agent.send_notif(peer, msg)
+        self._flush_until = time.monotonic() + NOTIF_FLUSH_S
+        self.progress()
+
+    def flushing(self, now: float) -> bool:
+        """Whether a notification sent lately may still be queued (``NOTIF_FLUSH_S``)."""
+        return now < self._flush_until
 
     def close(self) -> None:
         for name in [*self._peers, *self._retired]:

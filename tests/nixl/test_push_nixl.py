@@ -705,3 +705,25 @@ def test_a_direct_push_announced_ahead_posts_the_write_built_at_pairing(
         assert p.call("stats", k + "p").get("parts_prebuilt_total", 0) == (len(reqs) if announced else 0)
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
+
+
+def test_notifications_without_a_write_leave_even_when_p_never_writes(nodes: tuple[Node, Node]) -> None:
+    """Empty pushes (D already holds every token) send a bare notification; with no WRITE in flight to
+    progress P's agent, P must progress it itself until the notification left (``Agent.flushing``), or D
+    waits for a completion queued on P forever."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=64)
+    k = _key("bare")
+    reqs = [Req(f"{k}-t{i}", f"{k}-p{i}", f"{k}-d{i}", [i], [i], 10, 10) for i in range(3)]
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(), "D" + k)]),
+    ):
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+        d_res = d.call("results", k + "d", len(reqs), 10.0)
+        assert len(d_res) == len(reqs) and all(x.ok and x.stats.bytes == 0 for x in d_res), d_res
+        assert len(p.call("results", k + "p", len(reqs), 10.0)) == len(reqs)
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
