@@ -374,17 +374,35 @@ class PieceCopier:
 
     def start_copy(self, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> Any:
         """``copy`` of ``(n, 3)`` pieces (source offset, destination offset, length) that returns the CUDA
-        event ending it instead of waiting (a peer copy: the destination is another process's mapped KV)."""
+        event ending it instead of waiting (a peer copy: the destination is another process's mapped KV).
+        A call ``prepare_copy`` saw (the same ``pieces`` object and bases) only launches."""
         if len(src_bases) != len(dst_bases):
             raise BackendError(f"copy: {len(src_bases)} source regions but {len(dst_bases)} destinations")
+        hit = self._prepared.pop(_copy_key(src_bases, dst_bases, pieces), None) if src_bases else None
+        if hit is not None and hit[0] is pieces:
+            t0 = time.perf_counter()
+            self._launch.launch(*hit[1], self.num_warps, self.stream, self._context)
+            t1 = time.perf_counter()
+            out = self._finish(False)
+            self.stats["calls"] += 1
+            self.stats["prepared_calls"] += 1
+            self.stats["launch_s"] += t1 - t0
+            self.stats["call_s"] += time.perf_counter() - t0
+            return out
         return self._copy(Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2], False)
 
     def prepare_copy(self, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> None:
-        """Upload what ``start_copy`` of these arguments needs now, off the critical path."""
+        """Upload what ``start_copy`` of these arguments needs and compute its launch now, off the critical
+        path (kept for the call with this very ``pieces`` object)."""
         if self.kernel != "triton" or not src_bases or pieces.shape[0] == 0:
             return
         with self._context():
-            self._triton_launch(Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2])
+            launch = self._triton_launch(
+                Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2]
+            )
+        self._prepared[_copy_key(src_bases, dst_bases, pieces)] = (pieces, launch)
+        while len(self._prepared) > 8 * self._cache_entries:
+            self._prepared.popitem(last=False)
 
     def _copy(
         self,
@@ -660,6 +678,11 @@ class PieceCopier:
                 src = self._view(sb, s_rows * per_row, width).view(s_rows, per_row)
                 dst = self._view(db, d_rows * per_row, width).view(d_rows, per_row)
                 dst.index_copy_(0, di, src.index_select(0, si))
+
+
+def _copy_key(src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> tuple[Any, ...]:
+    """What a prepared ``start_copy`` is found by: the pieces' identity and the bases' ends and count."""
+    return ("copy", id(pieces), src_bases[0], src_bases[-1], dst_bases[0], dst_bases[-1], len(src_bases))
 
 
 def _unpack_pieces(pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

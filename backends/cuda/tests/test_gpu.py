@@ -335,7 +335,11 @@ def test_peer_copy_writes_another_process_kv_in_place() -> None:
         )
         src_bases = [r.base for r in p_layout.regions]
         dst_bases = [r.base for r in d_layout.regions]
-        be.wait_ready(be.start_peer_copy(peer, src_bases, dst_bases, pieces))
+        first, rest = pieces[:2], pieces[2:]  # one prepared launch (tables uploaded ahead), one not
+        be.prepare_peer_copy(peer, src_bases, dst_bases, first)
+        be.wait_ready(be.start_peer_copy(peer, src_bases, dst_bases, first))
+        assert be.copy_stats()["prepared_calls"] == 1
+        be.wait_ready(be.start_peer_copy(peer, src_bases, dst_bases, rest))
         parent.send("read")
         got = parent.recv()
         want = [region_bytes(torch, r.base, r.size, 0) for r in p_layout.regions]
