@@ -42,13 +42,17 @@ class PeerCopy(Protocol):
         ``BackendError`` naming what is wrong.
         """
 
-    def start_peer_copy(self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> Any:
+    def start_peer_copy(
+        self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray, after: Any = None
+    ) -> Any:
         """Copy, for every ``r``, the pieces (``(n, 3)``: source offset, destination offset, length) from
         this process's region ``src_bases[r]`` to D's region ``dst_bases[r]`` (an address in D's process),
         through ``peer`` (``open_peer``'s handle).
 
         Returns a marker for ``poll_ready``/``wait_ready``, reached once every byte is in D's memory
-        (None: already there). P sends the part's notification only then.
+        (None: already there). P sends the part's notification only then. ``after`` (passed only when
+        ``capabilities.chained_ready``, as for ``AsyncCopy.start_pack``): a ``record_ready`` marker the copy
+        must run after, so P posts a part as its KV is reported instead of once it sees it written.
         """
 
     def close_peer(self, peer: Any) -> None:

@@ -103,14 +103,20 @@ class Writes:
                 log.exception("%s: prepare_peer_copy failed (the copy will do it)", self.name)
         return PeerWrite(mapped, copies, agent, notif)
 
-    def post(self, handle: Any) -> XferState:
-        """Post a NIXL WRITE, or start a peer write's copies (its state then says when D was told)."""
+    def post(self, handle: Any, after: Any = None) -> XferState:
+        """Post a NIXL WRITE, or start a peer write's copies (its state then says when D was told); ``after``:
+        the KV marker the copies queue behind (a backend that chains), never given for a NIXL WRITE."""
         if not isinstance(handle, PeerWrite):
+            if after is not None:
+                raise ValueError("a NIXL WRITE cannot queue behind a device marker")
             return self.agent.post(handle)
         assert self.peer is not None and handle.state is None
         marker = None
-        for src, dst, pieces in handle.copies:
-            marker = self.peer.start_peer_copy(handle.mapped, src, dst, pieces)  # one stream: the last ends last
+        for src, dst, pieces in handle.copies:  # one stream: the last ends last
+            if after is None:
+                marker = self.peer.start_peer_copy(handle.mapped, src, dst, pieces)
+            else:
+                marker = self.peer.start_peer_copy(handle.mapped, src, dst, pieces, after=after)
         handle.marker = marker
         handle.state = XferState.PROC
         self._running[id(handle.mapped)] = self._running.get(id(handle.mapped), 0) + 1

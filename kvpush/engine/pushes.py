@@ -187,7 +187,7 @@ class PushRunner:
                 self.agent.send_notif(peer.agent, _completion(job.plan.plan, job.reg, self.rank, a.r0, a.r1, 0))
             else:
                 handle, ndesc = a.made if a.made is not None else self._build_part(job.plan.plan, job.reg, peer, a)
-                state = self.writes.post(handle)
+                state = self.writes.post(handle, a.after)
                 job.heard(peer.last_seen, time.monotonic())  # a post may return after a freeze
         except Exception as exc:
             return job.failed(Failed(Stage.POST, Cause.POST_ERROR, f"post failed: {exc}"))
@@ -249,7 +249,8 @@ class PushRunner:
             cfg.per_layer.layerwise_min_part_bytes,
             cfg.per_layer.layerwise_lead_layers,
         )
-        chain = plan.kind is PlanKind.STAGED and self.backend.capabilities.chained_ready
+        # A backend that chains queues packs and peer copies behind the KV's marker on the device.
+        chain = plan.kind in (PlanKind.STAGED, PlanKind.PEER) and self.backend.capabilities.chained_ready
         costs = costs_of(cfg, self.backend.pack_bandwidth(), self.copy.asynchronous)
         jp = JobPlan(plan, sched, cfg.staging.push_parts, chain, cfg.staging.min_part_bytes, costs)
         made = {}

@@ -64,13 +64,15 @@ class Post:
     """Post the WRITE of regions ``[r0, r1)`` (``made``: its handle built ahead, or None to build it now).
 
     Answer ``posted`` or ``failed``. For an empty plan the post is the bare completion notification.
-    ``nbytes``: the part's payload bytes.
+    ``nbytes``: the part's payload bytes. ``after``: a peer copy of a backend that chains queues behind
+    this KV marker on the device (the KV may not be written yet); None: the KV is written.
     """
 
     r0: int
     r1: int
     made: tuple[Any, int] | None
     nbytes: int = 0
+    after: Any = None
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,8 @@ class PushJob:
 
     # -- events (each returns the actions due now) ---------------------------
     def ready(self, ready: int, after: Any, waiting: Any, now: float) -> list[Action]:
-        """Regions ``[0, ready)`` are written (packs queue behind ``after``); ``waiting``: the next KV marker.
+        """Regions ``[0, ready)`` are written (packs and peer copies queue behind ``after``); ``waiting``: the
+        next KV marker.
 
         Queues the parts the schedule posts now; an empty plan announces
         itself at once (it has no bytes to wait for).
@@ -183,7 +184,7 @@ class PushJob:
                 # first pack's launch, so it is sent while the device packs.
                 self._todo.extend([("pack", r0, r1, after), ("notify",), ("check", 1)])
             else:
-                self._todo.extend([("notify",), ("post", r0, r1)])
+                self._todo.extend([("notify",), ("post", r0, r1, after)])
 
     def _prepacked_parts(self, now: float) -> None:
         """Packed at hand-over (the parts are queued as packing since the job began): tell D, then post each
@@ -340,7 +341,8 @@ class PushJob:
         if kind == "post":
             r0, r1 = item[1], item[2]
             nbytes = self.plan.plan.bytes_of(r0, r1) if self.plan.kind is not PlanKind.EMPTY else 0
-            return Post(r0, r1, self.made.pop((r0, r1), None), nbytes)
+            after = item[3] if len(item) > 3 else None
+            return Post(r0, r1, self.made.pop((r0, r1), None), nbytes, after)
         if kind == "check":
             return self._check(item[1])
         if kind == "release":

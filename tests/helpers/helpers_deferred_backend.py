@@ -1,6 +1,6 @@
 """The host backend with an asynchronous pack/unpack, like a device copier on a side stream.
 
-``start_pack``/``start_unpack`` return at once and do the copy ``DELAY_S``
+``start_pack``/``start_unpack``/``start_peer_copy`` return at once and do the copy ``DELAY_S``
 later on a timer thread; ``poll_ready`` says whether it happened. An engine
 that posted a staged WRITE before its pack landed would send stale staging
 bytes, and a D that reported a transfer before its unpack landed would hand
@@ -70,6 +70,20 @@ class DeferredHostBackend(HostBackend):
     def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
         self.started += 1
         return self._later(lambda: self.unpack(list(regions), pieces, staging_addr), "unpack", staging_addr)
+
+    def start_peer_copy(
+        self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray, after: Any = None
+    ) -> Any:
+        """A peer copy that lands ``DELAY_S`` later (behind ``after``): a P that told D before it landed would
+        have D report blocks still holding the sentinel."""
+        self.started += 1
+
+        def copy() -> None:
+            if after is not None:
+                self.wait_ready(after)
+            super(DeferredHostBackend, self).start_peer_copy(peer, src_bases, dst_bases, pieces)
+
+        return self._later(copy, "peer", 0)
 
     def _later(self, fn: Callable[[], None], kind: str, staging_addr: int) -> _Later:
         later = _Later(fn, kind, staging_addr)

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 from procs import Geom, Node, make_cache
+from test_async_copy_nixl import deferred
 from test_push_nixl import _cfg, _key, assert_idle, assert_same, by_rid, engines
 
 from kvpush.conformance.model import apply_push, make_requests
@@ -83,3 +84,39 @@ def test_a_d_that_does_not_offer_gets_nixl_writes(nodes: tuple[Node, Node]) -> N
         assert_same(got, exp, dg)
         st = p.call("stats", k + "p")
         assert st.get("plan_peer_total", 0) == 0 and st.get("descriptors_total", 0) > 0, st
+
+
+@pytest.mark.parametrize("announced", [False, True])
+def test_d_is_told_of_a_peer_copy_only_once_it_landed(nodes: tuple[Node, Node], announced: bool) -> None:
+    """A backend whose peer copies land later (and that queues them behind the KV's marker): P notifies D
+    only once the copy's marker is reached, so D never reports blocks that still hold the sentinel."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64), Geom(num_blocks=96, block_size=32, order="HND")
+    k = _key("peerlate")
+    # No empty request: announced, its bare completion ends the transfer before the prefill is reported
+    # finished, which P then parks until its lease (an existing edge, not the peer copy's).
+    reqs = [r for r in make_requests(np.random.default_rng(11), 6, pg, dg, k, max_tokens=200) if r.n > r.start]
+    cfg = _cfg(peer_copy=True)
+    with (
+        deferred(p, d),
+        engines(p, "sender", [(k + "p", pg, cfg, "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, cfg, "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        for r in reqs:
+            if announced:
+                p.call("prefill_started", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            d.call("register", k + "d", r.tid, r.d_rid, peer, r.d_blocks, r.n, r.start)
+        time.sleep(0.2)
+        for r in reqs:
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        d_res = by_rid(d.call("results", k + "d", len(reqs), 20.0))
+        assert len(d_res) == len(reqs) and all(x.ok for x in d_res.values()), d_res
+        assert len(p.call("results", k + "p", len(reqs), 10.0)) == len(reqs)
+        src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
+        exp = make_cache(dg, None)
+        for r in reqs:
+            apply_push(exp, dg, src, pg, r)
+        assert_same(got, exp, dg)
+        assert p.call("stats", k + "p").get("plan_peer_total", 0) == sum(r.n > r.start for r in reqs)
+        assert_idle(p, k + "p")

@@ -248,13 +248,19 @@ class CudaBackend(TestSupport, Backend):
         wrote the KV may still run: the device orders them, no host round trip); returns the CUDA event
         that ends the gather (``poll_ready``)."""
         copier = self._copier(staging_addr)
-        if after is not None:
-            events: Iterable[Any] = after if isinstance(after, list | tuple) else (after,)
-            for ev in events:
-                if not hasattr(ev, "record"):
-                    raise BackendError(f"start_pack got {type(ev).__name__} to wait on, expected a record_ready marker")
-                copier.stream.wait_event(ev)
+        self._wait_on(copier, after)
         return copier.gather(regions, pieces, staging_addr, wait=False)
+
+    @staticmethod
+    def _wait_on(copier: PieceCopier, after: Any) -> None:
+        """Queue the copier's stream behind ``after``'s event(s) (``record_ready`` markers), if given."""
+        if after is None:
+            return
+        events: Iterable[Any] = after if isinstance(after, list | tuple) else (after,)
+        for ev in events:
+            if not hasattr(ev, "record"):
+                raise BackendError(f"a copy got {type(ev).__name__} to wait on, expected a record_ready marker")
+            copier.stream.wait_event(ev)
 
     def start_unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> Any:
         """The scatter queued on the copier's stream; returns the CUDA event that ends it."""
@@ -303,10 +309,14 @@ class CudaBackend(TestSupport, Backend):
         """Optional hint: upload the tables of a coming ``start_peer_copy`` now (P builds its parts ahead)."""
         self._copier_on(self.device).prepare_copy(src_bases, peer.local(dst_bases), pieces)
 
-    def start_peer_copy(self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> Any:
-        """One gather-scatter launch on the copier's stream, from this rank's regions into D's mapped ones;
-        returns the CUDA event ending it."""
-        return self._copier_on(self.device).start_copy(src_bases, peer.local(dst_bases), pieces)
+    def start_peer_copy(
+        self, peer: Any, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray, after: Any = None
+    ) -> Any:
+        """One gather-scatter launch on the copier's stream, from this rank's regions into D's mapped ones,
+        behind ``after``'s event(s) if given; returns the CUDA event ending it."""
+        copier = self._copier_on(self.device)
+        self._wait_on(copier, after)
+        return copier.start_copy(src_bases, peer.local(dst_bases), pieces)
 
     def close_peer(self, peer: Any) -> None:
         driver = self._driver()
