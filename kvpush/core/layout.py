@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 
 import msgspec
 
@@ -69,7 +70,7 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layer: int = 0
 
 
-class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=True):
     """Shape of one rank's KV cache: every region shares block geometry.
 
     ``head_bytes`` is one head of one token (``head_dim * dtype size``); the
@@ -77,6 +78,13 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``num_heads`` KV heads. ``block_stride`` is the distance between two
     consecutive blocks in a region, at least ``block_bytes`` (it is larger when
     K and V of a block are interleaved in one tensor).
+
+    What is read off the regions (their groups, ``hybrid``, ``token_group``) is
+    computed once per layout and kept (``dict=True`` gives the frozen struct a
+    ``__dict__`` for those ``cached_property`` values; it is not encoded): a
+    registration's checks and plan ask for them several times on each side, and
+    walking a hundred region objects after the host copies have evicted them
+    from the caches costs tens of microseconds each time.
     """
 
     block_size: int
@@ -97,16 +105,33 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """KV-cache groups of recurrent-state layers (Mamba, GDN): their regions hold one state per block
     (``kvpush.core.recurrent``), not ``block_size`` tokens; the geometry above is the attention groups'."""
 
-    @property
+    @functools.cached_property
+    def region_groups(self) -> tuple[int, ...]:
+        """Each region's KV-cache group, in region order."""
+        return tuple(r.group for r in self.regions)
+
+    @functools.cached_property
+    def num_groups(self) -> int:
+        """KV-cache groups the regions hold (groups are numbered from 0)."""
+        return 1 + max(self.region_groups)
+
+    @functools.cached_property
     def hybrid(self) -> bool:
         """Several KV-cache groups, or recurrent state: such a push is planned group by group, direct, never staged."""
-        return len({r.group for r in self.regions}) > 1 or bool(self.states)
+        return len(set(self.region_groups)) > 1 or bool(self.states)
 
-    @property
+    @functools.cached_property
+    def compatible_with(self) -> dict[int, KVLayout]:
+        """Layouts that passed ``check_compatible`` as D's against this one as P's, by ``id`` (the entry holds
+        the layout, so its id is not reused while it is here): both are immutable, so the same pair passes
+        again, and each registration's checks and plan on either side ask for its peer's pair again."""
+        return {}
+
+    @functools.cached_property
     def token_group(self) -> int:
         """The first KV-cache group holding per-token KV (0 unless state groups come first)."""
         held = {s.group for s in self.states}
-        return next((r.group for r in self.regions if r.group not in held), 0)
+        return next((g for g in self.region_groups if g not in held), 0)
 
     def state_of(self, group: int) -> StateGroup | None:
         """The state group ``group``, or None when it holds attention KV."""
@@ -174,8 +199,19 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self
 
 
+COMPATIBLE_KEPT = 64
+"""The most peer layouts one layout remembers as compatible (``KVLayout.compatible_with``); past it, it
+forgets them all."""
+
+
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
-    """Raise ``LayoutError`` naming the first difference that makes a push impossible."""
+    """Raise ``LayoutError`` naming the first difference that makes a push impossible.
+
+    A pair that passed is remembered on ``src`` (``KVLayout.compatible_with``) and not checked again.
+    """
+    seen = src.compatible_with
+    if seen.get(id(dst)) is dst:
+        return
     diffs = [
         ("dtype", src.dtype, dst.dtype),
         ("head_bytes (head_dim x dtype size)", src.head_bytes, dst.head_bytes),
@@ -185,9 +221,7 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     for what, a, b in diffs:
         if a != b:
             raise LayoutError(f"incompatible KV layouts: {what} differs: P has {a}, D has {b}")
-    groups_p = [r.group for r in src.regions]
-    groups_d = [r.group for r in dst.regions]
-    if groups_p != groups_d:
+    if src.region_groups != dst.region_groups:
         raise LayoutError("incompatible KV layouts: region groups differ between P and D")
     check_states_compatible(src.states, dst.states, (src.head_start, src.head_end), (dst.head_start, dst.head_end))
     if max(src.head_start, dst.head_start) >= min(src.head_end, dst.head_end):
@@ -195,6 +229,9 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
             f"P heads [{src.head_start}, {src.head_end}) and D heads "
             f"[{dst.head_start}, {dst.head_end}) do not overlap: this P rank does not write to this D rank"
         )
+    if len(seen) >= COMPATIBLE_KEPT:
+        seen.clear()
+    seen[id(dst)] = dst
 
 
 def heads_overlap(src: KVLayout, dst: KVLayout) -> tuple[int, int]:

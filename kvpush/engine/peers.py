@@ -82,7 +82,7 @@ class PeerTable:
         self.name, self.cfg, self.engine_id, self.rank, self.tp_size = name, cfg, engine_id, rank, tp_size
         self.server, self.agent, self.rendezvous, self.port = server, agent, rendezvous, port
         self.layout = layout
-        self.groups = 1 + max(r.group for r in layout.regions)
+        self.groups = layout.num_groups
         """KV-cache groups of this P's layout (once: every registration is checked against it)."""
         self._peers: dict[DKey, Peer] = {}
         self._throttle = Throttle(LOG_EVERY_S)

@@ -17,6 +17,7 @@ the actions, never a machine's insides.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -66,6 +67,19 @@ WARM_POLL_S = 1e-3
 """How often D polls NIXL notifications for registrations no P rank has said it is writing (``Posting``):
 a fallback for a lost heads-up and for failures P sends as notifications. Transfers being written are
 polled every ``busy_poll_max_s``."""
+
+
+def _yield_core() -> None:
+    """Let the threads waiting for a core run before this one goes on (``sched_yield``; a no-op elsewhere).
+
+    Called right after the Register is handed to ZMQ: its I/O thread, not this one, puts it on the wire,
+    and what this thread does next (D's unpack list) is off the path. On a host with no idle core that
+    work would otherwise keep the I/O thread, and the Register, waiting; with an idle core it costs a
+    system call.
+    """
+    sched_yield = getattr(os, "sched_yield", None)
+    if sched_yield is not None:
+        sched_yield()
 
 
 class Receiver(EngineLoop):
@@ -378,6 +392,8 @@ class Receiver(EngineLoop):
         t_send = time.monotonic()  # before the send: P may read the message before this thread runs again
         msg = register_message(self.cfg, ask, a.attempt, self.engine_id, self.rank, grant)
         ok = self.conns.send(a.conn, msg)
+        if ok:
+            _yield_core()
         unpack, region_bytes = None, 0
         if grant is not None and ok:
             # After the send, while P pairs, plans and packs: this thread handles P's first part only later.

@@ -214,7 +214,7 @@ def registration_problem(
 ) -> str:
     """What is wrong with D's registration given what D said it has ("" if nothing); ``groups``: the
     layout's KV-cache groups, when the caller knows them."""
-    groups = groups or 1 + max(r.group for r in layout.regions)
+    groups = groups or layout.num_groups
     if len(reg.block_ids) != groups:
         return f"registration has {len(reg.block_ids)} block groups, layout has {groups}"
     need = -(-reg.num_tokens // d_layout.block_size)

@@ -88,6 +88,8 @@ class Rendezvous:
             if cause is Cause.NOT_NEEDED:
                 return [Release(prefill, "no D rank takes this rank's copy of the KV", cause)]
             return [Release(prefill, "transfer was aborted before the prefill finished", cause)]
+        if self.binding is not None:
+            self.binding.expect(prefill.transfer_id)  # its registration's check, when it comes, only compares
         e = self._entries.setdefault(prefill.transfer_id, Entry())
         if e.prefill is not None and e.prefill.request_id != prefill.request_id:
             if e.in_flight:

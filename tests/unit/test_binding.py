@@ -102,6 +102,29 @@ def test_a_parked_prefill_goes_only_to_a_registration_with_its_capability() -> N
     assert isinstance(push, Push) and push.reg.engine_id == "dA"
 
 
+def test_a_prefill_handed_over_has_its_capability_minted_before_its_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P mints a parked prefill's capability (and its shared id's) at hand-over (``Binding.expect``), so the
+    registration's check makes no HMAC; its verdicts are those of ``valid``."""
+    capmod._kept.cache_clear()
+    rv = Rendezvous(binding=Binding(KEY))
+    rv.on_prefill(Prefill("tx/0.1", "p", ((5, 6),), 32), 0.0)
+    wrong, shared, own = reg("tx/0.1", "dX", mint(OTHER, "tx")), reg("tx/0.1", cap=mint(KEY, "tx")), reg("tx/0.1")
+
+    def no_hmac(*args: object, **kw: object) -> bytes:
+        raise AssertionError("an HMAC while checking a registration")
+
+    monkeypatch.setattr(capmod.hmac, "digest", no_hmac)
+    [r] = rv.on_register(wrong, 0.1, owner="key-X")
+    assert isinstance(r, Refuse) and r.cause is Cause.REFUSED
+    [push] = rv.on_register(shared, 0.2, owner="key-A")
+    assert isinstance(push, Push)
+    assert Binding(KEY).check("tx/0.1", own.capability, "registration") == ""
+    with pytest.raises(AssertionError, match="an HMAC"):
+        Binding(KEY).check("never-handed-over", own.capability, "registration")
+
+
 def test_a_second_key_registering_first_without_the_capability_does_not_take_the_transfer() -> None:
     rv = Rendezvous(binding=Binding(KEY))
     rv.on_register(reg("t", "dX", mint(KEY, "mine")), 0.0, owner="key-X")  # its own transfer's capability

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 from helpers_layout import (
@@ -27,6 +28,7 @@ from helpers_layout import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpush.core import layout as layout_mod
 from kvpush.core.errors import LayoutError
 from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder, check_compatible, heads_overlap
 from kvpush.core.pieces import coalesce, coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
@@ -284,6 +286,36 @@ def test_check_compatible_names_the_difference(changes: dict, words: list[str]) 
         assert w in str(info.value)
     with pytest.raises(LayoutError):
         map_pieces(src, dst, [0], [0], 1)
+
+
+def test_a_compatible_pair_is_remembered_and_an_incompatible_one_still_refused() -> None:
+    """``check_compatible`` remembers a pair that passed on P's layout (by identity), never a verdict for
+    another layout, however many it saw."""
+    src, ok = _layout(), _layout(block_size=8, block_stride=999, head_start=1, local_heads=3)
+    check_compatible(src, ok)
+    assert src.compatible_with[id(ok)] is ok
+    for bad in (_layout(dtype="float16"), _layout(head_start=2), _layout(regions=(Region(4096, 1024),))):
+        with pytest.raises(LayoutError):
+            check_compatible(src, bad)
+        assert id(bad) not in src.compatible_with
+    for i in range(layout_mod.COMPATIBLE_KEPT + 1):
+        check_compatible(src, _layout(num_blocks=5 + i))
+    assert len(src.compatible_with) <= layout_mod.COMPATIBLE_KEPT
+    with pytest.raises(LayoutError):
+        check_compatible(src, _layout(num_heads=8))
+
+
+def test_region_facts_are_kept_per_layout_and_not_sent() -> None:
+    """``region_groups``, ``num_groups``, ``hybrid`` and ``token_group`` are read off each layout's own regions
+    (a layout made from another by ``replace`` has its own), and what is kept is not on the wire."""
+    two = _layout(regions=(Region(4096, 1024, group=0), Region(8192, 1024, group=1)))
+    fresh = msgspec.msgpack.encode(two)
+    assert (two.region_groups, two.num_groups, two.hybrid, two.token_group) == ((0, 1), 2, True, 0)
+    check_compatible(two, two)
+    one = msgspec.structs.replace(two, regions=(Region(4096, 1024), Region(8192, 1024)))
+    assert (one.region_groups, one.num_groups, one.hybrid, one.token_group) == ((0, 0), 1, False, 0)
+    assert msgspec.msgpack.encode(two) == fresh
+    assert msgspec.msgpack.decode(fresh, type=KVLayout) == two
 
 
 def test_compatible_layouts_pass() -> None:
