@@ -165,7 +165,9 @@ class PushJobMachine(RuleBasedStateMachine):
             assert not isinstance(a, QUESTIONS) or not todo, f"{a} does not end its list"
             assert self.done is None, f"{a} after Done"
             if isinstance(a, Notify):
-                assert not self.posted and not self.cancelled, "heads-up after a post or a cancel"
+                # A peer push tells D after its first copy's launch; every other kind before any post.
+                first = self.kind is PlanKind.PEER and len(self.posted) <= 1
+                assert (not self.posted or first) and not self.cancelled, "heads-up after a post or a cancel"
                 assert a.reg is job.reg
                 self.notified += 1
             elif isinstance(a, StartPack):
