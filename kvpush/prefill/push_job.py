@@ -183,10 +183,6 @@ class PushJob:
                 # One pack ahead: part k is posted while part k+1 packs; the heads-up goes after the
                 # first pack's launch, so it is sent while the device packs.
                 self._todo.extend([("pack", r0, r1, after), ("notify",), ("check", 1)])
-            elif plan.kind is PlanKind.PEER:
-                # A peer copy's launch returns at once and its bytes take the device a while: the heads-up
-                # goes after the first launch, sent while the device copies (as a staged push's pack).
-                self._todo.extend([("post", r0, r1, after), ("notify",)])
             else:
                 self._todo.extend([("notify",), ("post", r0, r1, after)])
 

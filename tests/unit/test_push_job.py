@@ -165,9 +165,7 @@ class PushJobMachine(RuleBasedStateMachine):
             assert not isinstance(a, QUESTIONS) or not todo, f"{a} does not end its list"
             assert self.done is None, f"{a} after Done"
             if isinstance(a, Notify):
-                # A peer push tells D after its first copy's launch; every other kind before any post.
-                first = self.kind is PlanKind.PEER and len(self.posted) <= 1
-                assert (not self.posted or first) and not self.cancelled, "heads-up after a post or a cancel"
+                assert not self.posted and not self.cancelled, "heads-up after a post or a cancel"
                 assert a.reg is job.reg
                 self.notified += 1
             elif isinstance(a, StartPack):
