@@ -22,7 +22,7 @@ from kvpush.core.errors import LayoutError, ProtocolError
 from kvpush.core.layout import KVLayout, MemKind, Region
 from kvpush.core.outcome import Cause, PlanKind, PrefillState, Stage
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """The wire version both sides must speak; raised on any change to a message's fields or meaning."""
 MAX_FRAME_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
