@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 EARLY_NOTIFS_MAX = 4096
 """Notifications ``progress`` keeps for ``notifs`` at most (P expects none: a bound, not a queue)."""
 
-NOTIF_FLUSH_S = 0.25
+NOTIF_FLUSH_S = 0.05
 """How long after a ``send_notif`` the engine keeps progressing the agent (``flushing``): a notification
 is queued until the backend progresses, and one to a peer this agent never wrote to also waits for the
 connection to be set up (on UCX, several progress calls on both sides)."""
