@@ -339,6 +339,17 @@ def _staged_early(
     return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, empty, pack, staging_local, remote, est)
 
 
+def group_runs(plan: Plan, r0: int, r1: int) -> list[tuple[int, int]]:
+    """Regions ``[r0, r1)`` of a hybrid plan cut where the group changes: consecutive regions of one group
+    share its pieces (``group_merged``), so each run is moved with one piece list."""
+    runs, a = [], r0
+    for r in range(r0 + 1, r1 + 1):
+        if r == r1 or plan.region_group[r] != plan.region_group[a]:
+            runs.append((a, r))
+            a = r
+    return runs
+
+
 def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptors (local, remote) moving regions ``[r0, r1)`` of ``plan``.
 
@@ -355,11 +366,8 @@ def part_descriptors(plan: Plan, src: KVLayout, dst: KVLayout, r0: int, r1: int)
         ro = np.array([[plan.staging_remote[0] + off, ln, plan.staging_remote[1]]], dtype=np.int64)
         return lo, ro
     if plan.group_merged:
-        runs, a = [], r0  # consecutive regions of one group share its pieces
-        for r in range(r0 + 1, r1 + 1):
-            if r == r1 or plan.region_group[r] != plan.region_group[a]:
-                runs.append((a, r))
-                a = r
-        parts = [descriptors(plan.group_merged[plan.region_group[a]], src, dst, a, b) for a, b in runs]
+        parts = [
+            descriptors(plan.group_merged[plan.region_group[a]], src, dst, a, b) for a, b in group_runs(plan, r0, r1)
+        ]
         return merge_descriptors(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     return merge_descriptors(*descriptors(plan.merged, src, dst, r0, r1))

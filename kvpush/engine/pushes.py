@@ -25,7 +25,7 @@ from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout, heads_overlap
 from kvpush.core.outcome import Cause, Failed, PartTimes, PlanKind, Stage, XferState
 from kvpush.core.parts import PartSchedule, costs_of, split_regions
-from kvpush.core.plan import Plan, build_plan, group_tokens, part_descriptors
+from kvpush.core.plan import Plan, build_plan, group_runs, group_tokens, part_descriptors
 from kvpush.engine.peer_writes import Writes
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
@@ -345,12 +345,10 @@ class PushRunner:
         dst = [r.base for r in peer.layout.regions]
         if not plan.group_merged:
             return [(self.region_bases[r0:r1], dst[r0:r1], plan.merged)]
-        out, a = [], r0
-        for r in range(r0 + 1, r1 + 1):
-            if r == r1 or plan.region_group[r] != plan.region_group[a]:
-                out.append((self.region_bases[a:r], dst[a:r], plan.group_merged[plan.region_group[a]]))
-                a = r
-        return out
+        return [
+            (self.region_bases[a:b], dst[a:b], plan.group_merged[plan.region_group[a]])
+            for a, b in group_runs(plan, r0, r1)
+        ]
 
     def _plan(
         self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer
