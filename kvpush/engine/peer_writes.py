@@ -90,11 +90,17 @@ class Writes:
 
     # -- writes ----------------------------------------------------------------
     def peer_write(
-        self, mapped: Any, copies: list[tuple[list[int], list[int], np.ndarray]], agent: str, notif: bytes
+        self,
+        mapped: Any,
+        copies: list[tuple[list[int], list[int], np.ndarray]],
+        agent: str,
+        notif: bytes,
+        prepare: bool = True,
     ) -> PeerWrite:
-        """An unposted peer write; a backend with the ``prepare_peer_copy`` hint uploads its tables now (a
-        part is built at pairing, before its KV is ready), a failing hint only leaves that to the post."""
-        hint = getattr(self.peer, "prepare_peer_copy", None)
+        """An unposted peer write; with ``prepare`` (a part built at pairing, before its KV is ready) a backend
+        with the ``prepare_peer_copy`` hint uploads its tables now, a failing hint only leaves that to the
+        post. A part built as it is posted skips the hint: the copy does the same work in one step."""
+        hint = getattr(self.peer, "prepare_peer_copy", None) if prepare else None
         if hint is not None:
             try:
                 for src, dst, pieces in copies:

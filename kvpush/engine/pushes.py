@@ -323,14 +323,18 @@ class PushRunner:
         return made
 
     def _build_part(self, plan: Plan, reg: protocol.Register, peer: Any, a: Post) -> tuple[Any, int]:
-        return self._build_part_of(plan, reg, peer, a.r0, a.r1)
+        return self._build_part_of(plan, reg, peer, a.r0, a.r1, ahead=False)
 
-    def _build_part_of(self, plan: Plan, reg: protocol.Register, peer: Any, r0: int, r1: int) -> tuple[Any, int]:
+    def _build_part_of(
+        self, plan: Plan, reg: protocol.Register, peer: Any, r0: int, r1: int, ahead: bool = True
+    ) -> tuple[Any, int]:
         """The unposted WRITE of regions ``[r0, r1)`` with its completion notification, and its descriptor count
-        (a peer write's: none, its pieces go to the backend's copy)."""
+        (a peer write's: none, its pieces go to the backend's copy). ``ahead``: built before it is due, so a
+        peer write has its copy prepared now; one built as it is posted launches without that extra step."""
         if plan.kind is PlanKind.PEER:
             notif = _completion(plan, reg, self.rank, r0, r1, 0)
-            return self.writes.peer_write(peer.mapped, self._peer_copies(plan, peer, r0, r1), peer.agent, notif), 0
+            copies = self._peer_copies(plan, peer, r0, r1)
+            return self.writes.peer_write(peer.mapped, copies, peer.agent, notif, prepare=ahead), 0
         local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
         notif = _completion(plan, reg, self.rank, r0, r1, local.shape[0])
         lmem, rmem = self.layout.mem, peer.layout.mem

@@ -224,6 +224,44 @@ class _Template:
         return _launch_spec(src, dst, self.table, self.tiles, n, g, tile_bytes)
 
 
+class PinnedRing:
+    """Page-locked host slots that piece tables are uploaded from.
+
+    ``pin_memory()`` per upload costs several times the upload itself on an
+    engine thread that just woke (the host allocator's bookkeeping), and the
+    upload is on the finished order's path: P builds a peer copy's table when
+    D's registration arrives. A slot is written again only once the upload
+    that read it has run (its event): a table queued behind a long copy, or
+    behind a wait for a layer still being computed, is never overwritten
+    before the device read it, and the caller is never made to wait for that
+    (``upload`` gives None: the caller pins a buffer of its own instead).
+    """
+
+    def __init__(self, torch: ModuleType, slots: int = 32, slot_elems: int = 8192) -> None:
+        self._torch = torch
+        self.slots, self.slot_elems = int(slots), int(slot_elems)
+        self._buf = torch.empty(self.slots * self.slot_elems, dtype=torch.int64, pin_memory=True)
+        self._host = self._buf.numpy()
+        self._events: list[Any] = [None] * self.slots
+        self._next = 0
+
+    def upload(self, arr: np.ndarray, device: Any, stream: Any) -> Any:
+        """``arr`` (int64, at most ``slot_elems``) in a new device tensor, copied on ``stream`` (the current
+        one); None when the next slot's last upload has not run yet."""
+        i, n = self._next, int(arr.size)
+        if (ev := self._events[i]) is not None and not ev.query():
+            return None
+        self._next = (i + 1) % self.slots
+        off = i * self.slot_elems
+        self._host[off : off + n] = arr
+        out = self._torch.empty(n, dtype=self._torch.int64, device=device)
+        out.copy_(self._buf[off : off + n], non_blocking=True)
+        ev = self._torch.cuda.Event()
+        ev.record(stream)
+        self._events[i] = ev
+        return out
+
+
 class PieceCopier:
     """Copies the same pieces of many regions between device memory areas, on one device.
 
@@ -265,6 +303,7 @@ class PieceCopier:
         # parts a push announced with prepare_*, launched without recomputing anything.
         self._prepared: OrderedDict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]] = OrderedDict()
         self._templates: OrderedDict[tuple[str, int], _Template] = OrderedDict()  # (kind, id(pieces))
+        self._ring: PinnedRing | None = None
         self.stats: dict[str, float] = {
             "calls": 0,
             "call_s": 0.0,  # whole _copy calls, host
@@ -389,7 +428,8 @@ class PieceCopier:
             self.stats["launch_s"] += t1 - t0
             self.stats["call_s"] += time.perf_counter() - t0
             return out
-        return self._copy(Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2], False)
+        src, dst = Bases.of(src_bases), Bases.of(dst_bases)
+        return self._copy(src, pieces[:, 0], dst, pieces[:, 1], pieces[:, 2], False, by_content=False)
 
     def prepare_copy(self, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> None:
         """Upload what ``start_copy`` of these arguments needs and compute its launch now, off the critical
@@ -398,7 +438,7 @@ class PieceCopier:
             return
         with self._context():
             launch = self._triton_launch(
-                Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2]
+                Bases.of(src_bases), pieces[:, 0], Bases.of(dst_bases), pieces[:, 1], pieces[:, 2], by_content=False
             )
         self._prepared[_copy_key(src_bases, dst_bases, pieces)] = (pieces, launch)
         while len(self._prepared) > 8 * self._cache_entries:
@@ -412,8 +452,10 @@ class PieceCopier:
         dst_offs: np.ndarray,
         lens: np.ndarray,
         wait: bool = True,
+        by_content: bool = True,
     ) -> Any:
-        """The copy on the copier's stream; then either wait for it or return an event recorded after it."""
+        """The copy on the copier's stream; then either wait for it or return an event recorded after it
+        (``by_content``: see ``_table``)."""
         lens = np.asarray(lens, dtype=np.int64)
         keep = lens > 0
         if not keep.all():
@@ -424,7 +466,7 @@ class PieceCopier:
         t0 = time.perf_counter()
         if self.kernel == "triton":
             try:
-                self._copy_triton(src, src_offs, dst, dst_offs, lens)
+                self._copy_triton(src, src_offs, dst, dst_offs, lens, by_content)
                 out = self._finish(wait)
                 self.stats["call_s"] += time.perf_counter() - t0
                 return out
@@ -467,31 +509,45 @@ class PieceCopier:
 
     def _upload(self, arr: np.ndarray) -> Any:
         """Host int64 array -> device tensor, through pinned memory so the copy is asynchronous."""
-        host = self._torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
         self.stats["uploads"] += 1
         if self.device.type != "cuda":
-            return host
+            return self._torch.from_numpy(arr)
         with self._context():  # queued on the copier's stream, ahead of the copies that read it
-            return host.pin_memory().to(self.device, non_blocking=True)
+            if self._ring is None:
+                self._ring = PinnedRing(self._torch)
+            ring = self._ring
+            if arr.size <= ring.slot_elems and (out := ring.upload(arr, self.device, self.stream)) is not None:
+                return out
+            return self._torch.from_numpy(arr).pin_memory().to(self.device, non_blocking=True)
 
-    def _table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
-        """(device table, tiles, gcd of its offsets and lengths), cached by identity, then by content."""
+    def _table(
+        self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray, by_content: bool = True
+    ) -> tuple[Any, int, int]:
+        """(device table, tiles, gcd of its offsets and lengths), cached by identity, then (``by_content``) by
+        content. A peer copy's table is new with every registration (D's blocks): hashing it only costs."""
         arrays = (src_offs, dst_offs, lens)
-        return self._remembered("table", arrays, lambda: self._table_by_content(*arrays))
+        return self._remembered("table", arrays, lambda: self._table_by_content(*arrays, by_content=by_content))
 
-    def _table_by_content(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
+    def _table_by_content(
+        self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray, by_content: bool = True
+    ) -> tuple[Any, int, int]:
         arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offs, dst_offs, lens)]
-        h = hashlib.blake2b(digest_size=16)
-        for a in arrs:
-            h.update(a.data)
-        key = h.digest()
-        hit = self._tables.get(key)
-        if hit is not None:
-            self._tables.move_to_end(key)
-            return hit
+        key = b""
+        if by_content:
+            h = hashlib.blake2b(digest_size=16)
+            for a in arrs:
+                h.update(a.data)
+            key = h.digest()
+            hit = self._tables.get(key)
+            if hit is not None:
+                self._tables.move_to_end(key)
+                return hit
         so, do, ln = split_pieces(*arrs, self.tile_bytes)
-        g = int(np.gcd.reduce(np.concatenate([so, do, ln])))
-        entry = (self._upload(np.concatenate([so, do, ln])), int(ln.size), g)
+        table = np.concatenate([so, do, ln])
+        entry = (self._upload(table), int(ln.size), int(np.gcd.reduce(table)))
+        if not by_content:
+            return entry
         self._tables[key] = entry
         while len(self._tables) > self._cache_entries:
             self._tables.popitem(last=False)
@@ -608,13 +664,19 @@ class PieceCopier:
         return True, out
 
     def _triton_launch(
-        self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray
+        self,
+        src: Bases,
+        src_offs: np.ndarray,
+        dst: Bases,
+        dst_offs: np.ndarray,
+        lens: np.ndarray,
+        by_content: bool = True,
     ) -> tuple[Any, ...]:
         """(grid, args, constexprs) of the Triton copy; uploads its tables if they are new."""
         r = src.count
         if r > 65535:
             raise BackendError(f"{r} regions exceed the kernel grid's 65535")
-        table, m, g = self._table(src_offs, dst_offs, lens)
+        table, m, g = self._table(src_offs, dst_offs, lens, by_content)
         sides = []
         for side in (src, dst):
             if side.addrs is not None:
@@ -627,11 +689,17 @@ class PieceCopier:
         return _launch_spec(sides[0], sides[1], table, m, r, g, self.tile_bytes)
 
     def _copy_triton(
-        self, src: Bases, src_offs: np.ndarray, dst: Bases, dst_offs: np.ndarray, lens: np.ndarray
+        self,
+        src: Bases,
+        src_offs: np.ndarray,
+        dst: Bases,
+        dst_offs: np.ndarray,
+        lens: np.ndarray,
+        by_content: bool = True,
     ) -> None:
         t0 = time.perf_counter()
         # The stream is made current only where needed (uploads, the JIT path), not around every launch.
-        launch = self._triton_launch(src, src_offs, dst, dst_offs, lens)
+        launch = self._triton_launch(src, src_offs, dst, dst_offs, lens, by_content)
         t1 = time.perf_counter()
         self._launch.launch(*launch, self.num_warps, self.stream, self._context)
         t2 = time.perf_counter()

@@ -252,6 +252,40 @@ def test_triton_copy_any_alignment(shift: int) -> None:
     assert torch.equal(dst, want)
 
 
+def test_peer_copy_tables_queued_behind_a_blocked_stream_are_not_overwritten() -> None:
+    """start_copy with new pieces each time (a peer copy: one table per registration) uploads its table
+    through the pinned ring; with the copier's stream held behind a long wait, more copies than the ring
+    has slots are queued, and each still copies its own pieces (a slot whose upload has not run is not
+    reused), byte-exact."""
+    from kvpush_cuda.copy import PieceCopier, PinnedRing
+
+    dev = torch.device("cuda", 0)
+    rng = np.random.default_rng(7)
+    block, nblocks, copies = 4096, 64, 5
+    src = torch.randint(0, 256, (nblocks * block,), dtype=torch.uint8, device=dev)
+    dsts = [torch.zeros_like(src) for _ in range(copies)]
+    c = PieceCopier(torch, "cuda:0", "triton")
+    c._ring = PinnedRing(torch, slots=2, slot_elems=3 * nblocks)
+    side = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # the copier's stream waits for this before any upload or copy runs
+    held = torch.cuda.Event()
+    held.record(side)
+    c.stream.wait_event(held)
+    orders, events = [], []
+    for k in range(copies):
+        order = rng.permutation(nblocks)
+        pieces = np.stack([order * block, np.arange(nblocks) * block, np.full(nblocks, block)], axis=1)
+        orders.append(order)
+        events.append(c.start_copy([src.data_ptr()], [dsts[k].data_ptr()], pieces.astype(np.int64)))
+    assert not held.query(), "the wait ended before the copies were queued: lengthen the sleep"
+    for ev in events:
+        ev.synchronize()
+    for k, order in enumerate(orders):
+        want = src.view(nblocks, block)[torch.as_tensor(order, device=dev)].reshape(-1)
+        assert torch.equal(dsts[k], want), f"copy {k} used another copy's table"
+
+
 def test_wait_ready_waits_for_the_producer_stream_only() -> None:
     be = CudaBackend(device=0)
     producer, other = torch.cuda.Stream(0), torch.cuda.Stream(0)

@@ -425,6 +425,8 @@ class DServer:
             msg = _recv(self.conn, 600)
             op = msg[0]
             if op == "stop":
+                if self.receiver is not None:
+                    self.receiver.close()
                 return
             if op == "raw":
                 _, tag = msg
@@ -1261,9 +1263,33 @@ def _env(side: Side) -> dict[str, Any]:
     return env
 
 
+def _profile_engine_threads(out_dir: str) -> None:
+    """cProfile every kvpush engine thread of this process into ``out_dir/<engine name>.prof`` (the
+    ``KVPUSH_BENCH_PROFILE`` variable: where P's and D's Python time goes, not how long it takes)."""
+    import cProfile
+
+    from kvpush.engine.loop import EngineLoop
+
+    run = EngineLoop._run
+
+    def profiled(self: EngineLoop) -> None:
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            run(self)
+        finally:
+            prof.disable()
+            os.makedirs(out_dir, exist_ok=True)
+            prof.dump_stats(os.path.join(out_dir, f"{self.name}.{os.getpid()}.prof"))
+
+    EngineLoop._run = profiled  # type: ignore[method-assign]
+
+
 def worker(role: str, opts: Options, conn: Any, results: Any) -> None:
     """Entry point of the P or D process (spawned)."""
     logging.basicConfig(level=logging.WARNING, format=f"[{role}] %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("KVPUSH_BENCH_PROFILE"):
+        _profile_engine_threads(os.environ["KVPUSH_BENCH_PROFILE"])
     try:
         side = Side(role, opts)
         if role == "D":
