@@ -22,7 +22,7 @@ from kvpush.core.errors import LayoutError, ProtocolError
 from kvpush.core.layout import KVLayout, MemKind, Region
 from kvpush.core.outcome import Cause, PlanKind, PrefillState, Stage
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """The wire version both sides must speak; raised on any change to a message's fields or meaning."""
 MAX_FRAME_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
@@ -141,6 +141,9 @@ class HelloReply(_Msg, tag="hello_reply"):
     busy: bool = False
     """``ok=False`` for now only: an earlier session of this D rank still has WRITEs in flight; D says hello
     again shortly (a refusal that fails nothing)."""
+    peer_copies: bool = False
+    """P mapped this D rank's KV (``Hello.peer``) and writes its pushes with peer copies: D grants them no
+    staging slot and builds no unpack list (``kvpush.backends.peer``)."""
 
 
 class Register(_Msg, tag="register"):

@@ -72,18 +72,21 @@ class Link:
     agent: str = ""
     layout: KVLayout | None = None
     busy: bool = False  # P answered "not yet" (an earlier session's WRITEs fly): hello again shortly
+    peer_copies: bool = False  # P writes this rank with peer copies (its hello reply said so)
 
 
 @dataclass(frozen=True)
 class Standing:
     """Where a link stands, for the receiver: may it register (``READY``, with P's ``layout``), must it fail
-    its writers (``REFUSED`` and not ``busy``, with the ``reason``), or wait for the hello's answer."""
+    its writers (``REFUSED`` and not ``busy``, with the ``reason``), or wait for the hello's answer;
+    ``peer_copies``: P writes this rank with peer copies (no staging, no unpack list)."""
 
     state: LinkState
     epoch: int
     reason: str
     busy: bool
     layout: KVLayout | None
+    peer_copies: bool = False
 
 
 # -- actions ------------------------------------------------------------------------------------------
@@ -174,7 +177,7 @@ class Links:
         link = self._links.get(key)
         if link is None:
             return None
-        return Standing(link.state, link.epoch, link.reason, link.busy, link.layout)
+        return Standing(link.state, link.epoch, link.reason, link.busy, link.layout, link.peer_copies)
 
     def ready(self) -> int:
         return sum(c.state is LinkState.READY for c in self._links.values())
@@ -221,6 +224,7 @@ class Links:
             link.since, link.busy = now, msg.busy
             return [Refused(key, link.reason, msg.busy)]
         link.state, link.p_rank, link.agent, link.layout = LinkState.READY, msg.rank, msg.agent_name, msg.layout
+        link.peer_copies = msg.peer_copies
         self._by_agent[msg.agent_name] = key
         return [Ready(key, link.epoch)]
 

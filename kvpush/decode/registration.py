@@ -19,15 +19,19 @@ from kvpush.decode.fencing_actions import Asked
 
 
 def unpack_choice(
-    cfg: Config, p_layout: KVLayout, d_layout: KVLayout, ask: Asked
+    cfg: Config, p_layout: KVLayout, d_layout: KVLayout, ask: Asked, peer_copies: bool = False
 ) -> tuple[np.ndarray, bool, np.ndarray | None]:
     """``(blocks, want_staging, pieces)`` for a registration; raises when P's layout cannot write these blocks.
 
     ``pieces`` (D's unpack list) is built only when the cheap rule cannot
-    decide the staging wish without it, and is ``None`` otherwise.
+    decide the staging wish without it, and is ``None`` otherwise. A writer
+    that said it writes with peer copies (``peer_copies``) gets no staging:
+    its bytes land in D's blocks, a slot would sit unused for the whole push.
     """
     blocks = np.asarray(ask.block_ids[d_layout.token_group], dtype=np.int64)  # once, for the checks and the list
     check_unpack(p_layout, d_layout, blocks, ask.num_tokens, ask.start_token)
+    if peer_copies:
+        return blocks, False, None
     want = staging_decided(cfg, d_layout, blocks, ask.num_tokens, ask.start_token)
     pieces = None
     if want is None:

@@ -280,7 +280,7 @@ class PeerTable:
             msg.staging_mem or msg.layout.mem,
             mapped,
         )
-        self.server.send(ident, self._welcome(msg.epoch))
+        self.server.send(ident, self._welcome(msg.epoch, mapped is not None))
 
     def _log_refused(self, key: str, msg: protocol.Hello, verdict: HelloRefused, now: float) -> None:
         """A refused hello, logged once per interval per key and kind (a busy one is not: D says it again)."""
@@ -298,8 +298,9 @@ class PeerTable:
         else:
             log.warning("%s: refused a hello: %s%s", self.name, verdict.reason, more)
 
-    def _welcome(self, epoch: int) -> protocol.HelloReply:
-        """The ok answer to a hello: who this P rank is, its NIXL agent and its KV layout."""
+    def _welcome(self, epoch: int, peer_copies: bool) -> protocol.HelloReply:
+        """The ok answer to a hello: who this P rank is, its NIXL agent, its KV layout and whether it writes
+        this D rank with peer copies."""
         return protocol.HelloReply(
             ok=True,
             engine_id=self.engine_id,
@@ -309,4 +310,5 @@ class PeerTable:
             agent_metadata=self.agent.metadata(),
             layout=self.layout,
             epoch=epoch,
+            peer_copies=peer_copies,
         )

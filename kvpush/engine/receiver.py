@@ -384,7 +384,7 @@ class Receiver(EngineLoop):
         assert link.layout is not None
         ask = a.asked
         try:
-            blocks, want, pieces = unpack_choice(self.cfg, link.layout, self.layout, ask)
+            blocks, want, pieces = unpack_choice(self.cfg, link.layout, self.layout, ask, link.peer_copies)
         except Exception as exc:
             why = Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, f"bad registration: {exc}")
             return self.fencing.writer_failed(a.incoming, a.p_rank, why, now)

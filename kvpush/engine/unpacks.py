@@ -68,6 +68,7 @@ class UnpackRunner:
         if off is None:
             self.bump(Count.STAGING_FULL)
             return None
+        self.bump(Count.STAGING_GRANTS)
         return protocol.StagingGrant(off, size)
 
     def prepare(self, pieces: np.ndarray, offset: int) -> None:

@@ -69,6 +69,7 @@ class Count(enum.StrEnum):
     PLAN_EMPTY = "plan_empty_total"
     PLAN_PEER = "plan_peer_total"  # P: pushes its device copied into a same-host D's blocks itself
     STAGING_FULL = "staging_full_total"
+    STAGING_GRANTS = "staging_grants_total"  # D: registrations sent with a slot of D's staging region
     POSTINGS = "postings_total"
     COMPLETED = "completed_total"
     FAILED = "failed_total"

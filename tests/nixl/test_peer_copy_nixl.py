@@ -62,6 +62,9 @@ def test_peer_copies_land_byte_exact_in_both_orders(nodes: tuple[Node, Node], pb
         assert st.get("plan_peer_total", 0) == nonempty, st
         assert st.get("plan_direct_total", 0) == 0 and st.get("plan_staged_total", 0) == 0, st
         assert st.get("descriptors_total", 0) == 0, st  # no byte went through a NIXL WRITE
+        # D wants staging for every push here (staged_min_descriptors=1), but P's hello reply said it maps
+        # D: no slot is held for bytes that land in D's blocks.
+        assert d.call("stats", k + "d").get("staging_grants_total", 0) == 0
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
 
@@ -73,10 +76,12 @@ def test_a_d_that_does_not_offer_gets_nixl_writes(nodes: tuple[Node, Node]) -> N
     reqs = make_requests(np.random.default_rng(3), 6, pg, dg, k, max_tokens=200)
     with (
         engines(p, "sender", [(k + "p", pg, _cfg(peer_copy=True), "P" + k)]) as [addr],
-        engines(d, "receiver", [(k + "d", dg, _cfg(), "D" + k)]),
+        engines(d, "receiver", [(k + "d", dg, _cfg(staged_min_descriptors=1), "D" + k)]),
     ):
         d_res, _ = _push_all(p, d, k, reqs, addr)
         assert all(x.ok for x in d_res.values()), d_res
+        # Not mapped: D keeps granting the staging it wants (the counter the peer test reads as 0 counts).
+        assert d.call("stats", k + "d").get("staging_grants_total", 0) > 0
         src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
         exp = make_cache(dg, None)
         for r in reqs:

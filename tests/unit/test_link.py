@@ -285,6 +285,20 @@ def test_a_late_ok_for_the_session_declared_dead_does_not_fence() -> None:
     assert links.hello_reply(KEYS[0], fenced, PEER_DEAD_S + 3.0) == [Ready(KEYS[0], 2)]
 
 
+def test_the_hello_reply_says_whether_p_writes_with_peer_copies() -> None:
+    """A ready link carries P's word on peer copies to the registrations sent on it; a new session's reply
+    replaces it."""
+    links = Links(PEER_DEAD_S, HEARTBEAT_S, FakeFences())
+    links.open(KEYS[0], 0.0)
+    links.hello_reply(KEYS[0], protocol.HelloReply(ok=True, layout=LAYOUT, epoch=1, peer_copies=True), 0.0)
+    standing = links.standing(KEYS[0])
+    assert standing is not None and standing.peer_copies
+    links.open(KEYS[0], 10 * PEER_DEAD_S)  # stale: a new hello
+    links.hello_reply(KEYS[0], protocol.HelloReply(ok=True, layout=LAYOUT, epoch=2), 10 * PEER_DEAD_S)
+    standing = links.standing(KEYS[0])
+    assert standing is not None and not standing.peer_copies
+
+
 def test_a_silent_link_nobody_waits_on_is_not_declared_dead() -> None:
     """A ready link with no writer waiting falls silent: nothing dies; the next registration says hello again."""
     links = Links(PEER_DEAD_S, HEARTBEAT_S, FakeFences())

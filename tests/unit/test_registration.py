@@ -44,6 +44,21 @@ def test_unpack_choice_refuses_more_tokens_than_the_blocks_hold(scn: Scenario, p
         unpack_choice(Config.of(plan=plan), scn.src.layout, scn.dst.layout, _asked(scn, too_many))
 
 
+@settings(max_examples=30, deadline=None)
+@given(scenarios(), st.sampled_from(["auto", "direct", "staged"]))
+def test_a_writer_with_peer_copies_gets_no_staging_but_the_same_checks(scn: Scenario, plan: str) -> None:
+    """P said it writes with peer copies: no staging wish and no unpack list, whatever the plan; the
+    registration is checked all the same."""
+    cfg = Config.of(plan=plan, staging_bytes=1 << 20, staged_min_descriptors=1)
+    p, d = scn.src.layout, scn.dst.layout
+    blocks, want, pieces = unpack_choice(cfg, p, d, _asked(scn), peer_copies=True)
+    assert (want, pieces) == (False, None)
+    np.testing.assert_array_equal(blocks, np.asarray(scn.dst_blocks, dtype=np.int64))
+    too_many = len(scn.dst_blocks) * d.block_size + 1
+    with pytest.raises(LayoutError):
+        unpack_choice(cfg, p, d, _asked(scn, too_many), peer_copies=True)
+
+
 @pytest.mark.parametrize("push_parts", [1, 3, 8])
 @pytest.mark.parametrize("regions", [1, 5, 64])
 def test_guessed_parts_tile_the_slot_region_by_region(push_parts: int, regions: int) -> None:
