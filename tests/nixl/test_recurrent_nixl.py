@@ -59,12 +59,14 @@ def reference(p_pool: np.ndarray, n: int) -> np.ndarray:
     return want
 
 
-@pytest.mark.parametrize("n", [1, 31, 33, 64])
-def test_state_and_attention_land_where_vllm_reads_them(nodes: tuple[Node, Node], n: int) -> None:
+@pytest.mark.parametrize(("n", "peer"), [(1, False), (31, False), (33, False), (64, False), (33, True), (64, True)])
+def test_state_and_attention_land_where_vllm_reads_them(nodes: tuple[Node, Node], n: int, peer: bool) -> None:
+    """``peer``: with peer copies on both sides (P's backend writes D's pool itself, every group's pieces in
+    one copy per run of regions that share them, ``core/plan.group_runs``)."""
     p, d = nodes
-    tid = f"gdn-{n}"
-    addr = p.call("gdn_engine", f"p{n}", "sender", {}, "gdn-p", 100 + n)
-    d.call("gdn_engine", f"d{n}", "receiver", {}, "gdn-d", None)
+    tid, cfg = f"gdn-{n}-{peer}", {"peer_copy": True} if peer else {}
+    addr = p.call("gdn_engine", f"p{n}", "sender", cfg, "gdn-p", 100 + n)
+    d.call("gdn_engine", f"d{n}", "receiver", cfg, "gdn-d", None)
     try:
         p_pool = p.call("gdn_pool", f"p{n}")
         p.call("gdn_prefill", f"p{n}", tid, "rp", P_BLOCKS, n)
@@ -76,6 +78,8 @@ def test_state_and_attention_land_where_vllm_reads_them(nodes: tuple[Node, Node]
         got, want = d.call("gdn_pool", f"d{n}"), reference(p_pool, n)
         bad = np.flatnonzero(got != want)
         assert bad.size == 0, f"{bad.size} bytes differ, first at page {bad[0] // gdn.PAGE} byte {bad[0] % gdn.PAGE}"
+        st = p.call("stats", f"p{n}")
+        assert (st.get("plan_peer_total", 0), st.get("descriptors_total", 0) == 0) == (int(peer), peer), st
     finally:
         p.call("close", f"p{n}")
         d.call("close", f"d{n}")
