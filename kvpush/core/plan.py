@@ -155,7 +155,7 @@ def _hybrid_plan(
     nbytes = sum(int(m[:, 2].sum()) * c for m, c in zip(merged, count, strict=True))
     nregions = len(src.regions)
     if nbytes == 0:
-        return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+        return _empty(nregions)
     ndesc = sum(m.shape[0] * c for m, c in zip(merged, count, strict=True))
     est = estimate(cfg, ndesc, nbytes, ndesc, pack_bw)
     return Plan(
@@ -230,6 +230,24 @@ def build_plan(
     )
 
 
+def _empty(nregions: int) -> Plan:
+    """The plan of a push with nothing to write (D already holds every token): only the notification goes."""
+    return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+
+
+def _mapped(
+    src: KVLayout,
+    dst: KVLayout,
+    src_blocks: list[int] | np.ndarray,
+    dst_blocks: list[int] | np.ndarray,
+    num_tokens: int,
+    start_token: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Both sides' block ids as int64 (once: each helper would convert a list again) and their pieces."""
+    src_ids, dst_ids = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
+    return src_ids, dst_ids, map_pieces(src, dst, src_ids, dst_ids, num_tokens, start_token)
+
+
 def _one_group_plan(
     cfg: Config,
     src: KVLayout,
@@ -248,13 +266,11 @@ def _one_group_plan(
     Staging is forced when either side cannot be written in place, and tried
     first against a lower bound of the direct plan when P's pack list is built.
     """
-    src_blocks = np.asarray(src_blocks, dtype=np.int64)  # once: each helper below would convert a list again
-    dst_blocks = np.asarray(dst_blocks, dtype=np.int64)
-    pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
+    src_blocks, dst_blocks, pieces = _mapped(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     nregions = len(src.regions)
     npieces = pieces.shape[0] * nregions
     if pieces.shape[0] == 0:
-        return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+        return _empty(nregions)
     if pack is not None and staging_local is not None and staging_remote is not None:
         # D's runs first (most often the fragmented side); P's only when D's do not decide.
         runs = block_runs(dst, dst_blocks, num_tokens, start_token)
@@ -295,11 +311,10 @@ def _peer_plan(
     start_token: int,
 ) -> Plan:
     """The pieces of a one-group layout, coalesced in D's order, for P's device to copy into D's blocks."""
-    src_ids, dst_ids = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
-    pieces = map_pieces(src, dst, src_ids, dst_ids, num_tokens, start_token)
+    _, _, pieces = _mapped(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     nregions = len(src.regions)
     if pieces.shape[0] == 0:
-        return Plan(PlanKind.EMPTY, 0, 0, 0, nregions, np.zeros((0, 3), dtype=np.int64))
+        return _empty(nregions)
     merged = coalesce_in_dst_order(pieces)
     nbytes = int(merged[:, 2].sum()) * nregions
     return Plan(PlanKind.PEER, nbytes, pieces.shape[0] * nregions, merged.shape[0] * nregions, nregions, merged)
