@@ -11,7 +11,6 @@ register must still hold the sentinel byte.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import PlanKind, Result
 from kvpush.transport import key_set
 from kvpush.transport.nixl_backends import traits
+from kvpush_tools.demo.servers import free_port
 
 STAGING = 4 << 20
 
@@ -67,27 +67,6 @@ def engines(node: Node, kind: str, specs: list[tuple[str, Geom, dict[str, Any], 
 
 def by_rid(results: list[Result]) -> dict[str, Result]:
     return {r.request_id: r for r in results}
-
-
-def free_port_base(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (P rank r binds base + r)."""
-    for _ in range(200):
-        # Below Linux's ephemeral range (32768-60999): a port probed free there can be taken by any
-        # outgoing connection (UCX, ZMQ) before P binds it, which failed a CI run.
-        base = int(np.random.default_rng().integers(20000, 32000))
-        socks = []
-        try:
-            for r in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + r))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def assert_idle(node: Node, key: str) -> None:
@@ -309,7 +288,7 @@ def test_two_p_ranks_write_one_d_rank(nodes: tuple[Node, Node], plan: str) -> No
     Staged, each P rank packs its head slice into its own slot of D's staging region.
     """
     p, d = nodes
-    base = free_port_base(2)
+    base = free_port(span=2)  # P rank r binds base + r
     pgs = [Geom(num_blocks=64, tp_rank=r, tp_size=2) for r in range(2)]
     dg = Geom(num_blocks=64, block_size=32, order="HND")
     k = _key("tp21")

@@ -14,17 +14,18 @@ import time
 
 import numpy as np
 from procs import Geom, Node, assert_same, make_cache
-from test_push_nixl import _cfg, _key, by_rid, engines, free_port_base
+from test_push_nixl import _cfg, _key, by_rid, engines
 
 from kvpush.conformance.model import apply_push, make_requests
 from kvpush.core.outcome import Cause
+from kvpush_tools.demo.servers import free_port
 
 LEASE_S = 60.0
 
 
 def test_replicated_kv_is_written_by_one_p_rank_and_the_other_lets_go(nodes: tuple[Node, Node]) -> None:
     p, d = nodes
-    base = free_port_base(2)
+    base = free_port(span=2)  # P rank r binds base + r
     pgs = [Geom(num_blocks=64, num_heads=1, tp_rank=r, tp_size=2) for r in range(2)]
     dg = Geom(num_blocks=64, num_heads=1, block_size=32)
     k = _key("mla21")

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import socket
-import time
-
 import msgspec
 import pytest
 import zmq
@@ -13,6 +9,7 @@ import zmq
 from kvpush.config import Config
 from kvpush.core.errors import ConfigError
 from kvpush.integrations.vllm.discovery import Announcer, announcement
+from kvpush_tools.demo.servers import free_port
 
 
 def test_payload_names_the_side_channel_and_asks_for_concurrent_dispatch() -> None:
@@ -36,44 +33,17 @@ def test_discovery_without_its_ports_is_named() -> None:
         announcement(Config.from_dict({"proxy_ip": "10.0.0.3"}), True, 1)
 
 
-def _unused_port() -> int:
-    """A port nothing listens on, below Linux's ephemeral range: a connect to a port in it with nothing
-    listening can end connected to itself (TCP simultaneous open), and the port is then taken when the router
-    binds it. Probed with a plain socket, whose close is done when it returns (a ZMQ socket's close is
-    finished later by its I/O thread, so binding the port again at once could find it still held)."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port in 20000-32000")
-
-
-def _bind(sock: zmq.Socket, port: int, within_s: float = 2.0) -> None:
-    """Bind, retrying while the port is briefly held (another test's socket being closed)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            sock.bind(f"tcp://127.0.0.1:{port}")
-            return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def test_announcer_beats_reach_a_router_that_starts_later() -> None:
     ctx = zmq.Context.instance()
-    port = _unused_port()  # nothing listens yet: beats are dropped, not queued
+    # Probed with a plain socket (closed when the probe returns; a ZMQ socket's close ends later, on its I/O
+    # thread, and its port was once found still held), below the ephemeral range. Nothing listens yet: beats
+    # are dropped, not queued.
+    port = free_port()
     payload = {"type": "D", "http_address": "h:1", "zmq_address": "h:2", "transfer_mode": "WRITE"}
     ann = Announcer(f"127.0.0.1:{port}", payload, period_s=0.05)
     try:
         router = ctx.socket(zmq.ROUTER)
-        _bind(router, port)
+        router.bind(f"tcp://127.0.0.1:{port}")
         assert router.poll(5000), "no heartbeat within 5 s"
         _ident, frame = router.recv_multipart()
         assert msgspec.msgpack.decode(frame) == payload
