@@ -527,31 +527,31 @@ class PieceCopier:
         """(device table, tiles, gcd of its offsets and lengths), cached by identity, then (``by_content``) by
         content. A peer copy's table is new with every registration (D's blocks): hashing it only costs."""
         arrays = (src_offs, dst_offs, lens)
-        return self._remembered("table", arrays, lambda: self._table_by_content(*arrays, by_content=by_content))
+        make = self._table_by_content if by_content else self._new_table
+        return self._remembered("table", arrays, lambda: make(*arrays))
 
-    def _table_by_content(
-        self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray, by_content: bool = True
-    ) -> tuple[Any, int, int]:
+    def _table_by_content(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
         arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offs, dst_offs, lens)]
-        key = b""
-        if by_content:
-            h = hashlib.blake2b(digest_size=16)
-            for a in arrs:
-                h.update(a.data)
-            key = h.digest()
-            hit = self._tables.get(key)
-            if hit is not None:
-                self._tables.move_to_end(key)
-                return hit
-        so, do, ln = split_pieces(*arrs, self.tile_bytes)
-        table = np.concatenate([so, do, ln])
-        entry = (self._upload(table), int(ln.size), int(np.gcd.reduce(table)))
-        if not by_content:
-            return entry
+        h = hashlib.blake2b(digest_size=16)
+        for a in arrs:
+            h.update(a.data)
+        key = h.digest()
+        hit = self._tables.get(key)
+        if hit is not None:
+            self._tables.move_to_end(key)
+            return hit
+        entry = self._new_table(*arrs)
         self._tables[key] = entry
         while len(self._tables) > self._cache_entries:
             self._tables.popitem(last=False)
         return entry
+
+    def _new_table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
+        """The table uploaded, its tile count and the gcd of its offsets and lengths (no cache)."""
+        arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offs, dst_offs, lens)]
+        so, do, ln = split_pieces(*arrs, self.tile_bytes)
+        table = np.concatenate([so, do, ln])
+        return self._upload(table), int(ln.size), int(np.gcd.reduce(table))
 
     def _bases_tensor(self, bases: Bases) -> tuple[Any, int]:
         """(device array of explicit bases, their gcd), cached: KV region bases never change.
