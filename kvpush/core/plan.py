@@ -30,7 +30,7 @@ from kvpush.core.errors import LayoutError
 from kvpush.core.layout import KVLayout, TokenOrder, heads_overlap
 from kvpush.core.outcome import PlanKind
 from kvpush.core.payload import block_runs, pack_pieces
-from kvpush.core.pieces import coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
+from kvpush.core.pieces import coalesce, coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
 
 
 @dataclass(frozen=True)
@@ -310,12 +310,19 @@ def _peer_plan(
     num_tokens: int,
     start_token: int,
 ) -> Plan:
-    """The pieces of a one-group layout, coalesced in D's order, for P's device to copy into D's blocks."""
-    _, _, pieces = _mapped(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
+    """The pieces of a one-group layout, coalesced in token order, for P's device to copy into D's blocks.
+
+    Not sorted by D's offsets first as a direct plan's are: a copy kernel takes its pieces in any order, and
+    the merges only that order finds (D's blocks contiguous but listed out of token order) are rare. This
+    plan is built as D's registration arrives in the finished order, on a thread that just woke, where each
+    numpy call costs several times what it does in a loop (docs/benchmarks.md, "The finished order's P path
+    on a woken thread").
+    """
+    pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     nregions = len(src.regions)
     if pieces.shape[0] == 0:
         return _empty(nregions)
-    merged = coalesce_in_dst_order(pieces)
+    merged = coalesce(pieces)
     nbytes = int(merged[:, 2].sum()) * nregions
     return Plan(PlanKind.PEER, nbytes, pieces.shape[0] * nregions, merged.shape[0] * nregions, nregions, merged)
 
