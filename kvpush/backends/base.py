@@ -144,6 +144,14 @@ class Backend(abc.ABC):
         backend from a thread of their own calls it first too. Default: nothing.
         """
 
+    def bind_engine_thread(self) -> None:
+        """``bind_thread`` for a thread the engine owns (push, receive, marker waiter), which runs only the
+        engine's calls: a backend may set per-thread state there that a caller's thread must not get (the
+        CUDA backend makes its copy stream current, so its copies skip a stream context). Default:
+        ``bind_thread``.
+        """
+        self.bind_thread()
+
     def registrations(self, layout: KVLayout) -> list[MemRegistration]:
         """Buffers to register: by default each region, merged when they overlap or touch."""
         spans = sorted((r.base, r.base + r.size, r.device_id) for r in layout.regions)

@@ -199,7 +199,7 @@ class EngineLoop:
         if self.low_latency:
             _set_timer_slack(TIGHT_TIMER_SLACK_NS)
         try:
-            self.backend.bind_thread()  # the backend's thread hook, before any other call from this thread
+            self.backend.bind_engine_thread()  # the backend's thread hook, before any other call from this thread
             self.setup()
         except BaseException as exc:
             self._start_error = exc

@@ -287,7 +287,7 @@ class Sender(EngineLoop):
         if marker is not None:
             be = self.backend
             if self._waiter is None:
-                self._waiter = MarkerWaiter(be.wait_ready, self.wake, self.name, bind=be.bind_thread)
+                self._waiter = MarkerWaiter(be.wait_ready, self.wake, self.name, bind=be.bind_engine_thread)
             self._waiter.watch(marker)
         return False
 

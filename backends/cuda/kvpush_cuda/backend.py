@@ -160,6 +160,12 @@ class CudaBackend(TestSupport, Backend):
         if torch.cuda.current_device() != self.device:
             torch.cuda.set_device(self.device)
 
+    def bind_engine_thread(self) -> None:
+        """``bind_thread``, and the device's copy stream made current there for good (``PieceCopier.bind_here``):
+        an engine thread launches nothing else, and its copies then skip a stream context each."""
+        self.bind_thread()
+        self._copier_on(self.device).bind_here()
+
     def registrations(self, layout: KVLayout) -> list[MemRegistration]:
         """One registration per allocation holding regions (regions we did not describe merged as by default);
         none with host staging, where only the staging buffers are registered."""

@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -86,7 +87,7 @@ class Bases:
 
     @classmethod
     def of(cls, addrs: list[int] | tuple[int, ...]) -> Bases:
-        t = tuple(int(a) for a in addrs)
+        t = tuple(map(int, addrs))
         return cls(t, count=len(t))
 
     @classmethod
@@ -225,7 +226,7 @@ class _Template:
 
 
 class PinnedRing:
-    """Page-locked host slots that piece tables are uploaded from.
+    """Page-locked host slots that piece tables are uploaded from, each with a device twin.
 
     ``pin_memory()`` per upload costs several times the upload itself on an
     engine thread that just woke (the host allocator's bookkeeping), and the
@@ -235,6 +236,13 @@ class PinnedRing:
     behind a wait for a layer still being computed, is never overwritten
     before the device read it, and the caller is never made to wait for that
     (``upload`` gives None: the caller pins a buffer of its own instead).
+
+    A table used by one launch only (a peer copy's, built as it is posted) is copied into the slot's
+    device twin instead of a new device tensor (``lend``), and ``hold`` keeps the slot, host and device,
+    until that launch's end event. That saves the allocation and the upload's own event, most of a
+    table's host cost on a woken thread. (Letting the kernel read the page-locked slot in place saved the
+    copy too, but every program then reads its piece over the host link, and the copy took 0.15 ms longer
+    than that saved: docs/benchmarks.md, "The finished order's P path on a woken thread".)
     """
 
     def __init__(self, torch: ModuleType, slots: int = 32, slot_elems: int = 8192) -> None:
@@ -242,24 +250,63 @@ class PinnedRing:
         self.slots, self.slot_elems = int(slots), int(slot_elems)
         self._buf = torch.empty(self.slots * self.slot_elems, dtype=torch.int64, pin_memory=True)
         self._host = self._buf.numpy()
-        self._events: list[Any] = [None] * self.slots
+        self._events: list[Any] = [None] * self.slots  # each slot's event, made once and recorded again
+        self._recorded = [False] * self.slots
+        self._held: list[Any] = [None] * self.slots  # a lent slot: the end event of the kernel reading it
+        self._dev: Any = None  # the device twins, one allocation, made at the first ``lend``
         self._next = 0
+
+    def _take(self, n: int) -> int | None:
+        """The next slot for ``n`` words, or None when they do not fit or it is still read (an upload that has
+        not run, a kernel reading it in place that has not ended)."""
+        i = self._next
+        if n > self.slot_elems or (self._recorded[i] and not self._events[i].query()):
+            return None
+        if (held := self._held[i]) is _LENT or (held is not None and not held.query()):
+            return None
+        self._held[i] = None
+        self._next = (i + 1) % self.slots
+        return i
+
+    def lend(self, arr: np.ndarray, device: Any) -> tuple[Any, int] | None:
+        """``arr`` (int64) in the next slot's device twin, copied on the current stream (the copier's), and the
+        slot's index for ``hold``; None when ``upload``'s None would be."""
+        n = int(arr.size)
+        if (i := self._take(n)) is None:
+            return None
+        if self._dev is None:
+            self._dev = self._torch.empty(self.slots * self.slot_elems, dtype=self._torch.int64, device=device)
+        self._held[i] = _LENT  # until ``hold``: no upload of this launch's bases may take the slot meanwhile
+        off = i * self.slot_elems
+        self._host[off : off + n] = arr
+        out = self._dev[off : off + n]
+        out.copy_(self._buf[off : off + n], non_blocking=True)
+        return out, i
+
+    def hold(self, i: int, end: Any) -> None:
+        """Slot ``i`` (from ``lend``) is read until event ``end``: not written again before it is reached (a launch
+        that failed holds it until the copy into its twin ran)."""
+        self._held[i] = end
 
     def upload(self, arr: np.ndarray, device: Any, stream: Any) -> Any:
         """``arr`` (int64, at most ``slot_elems``) in a new device tensor, copied on ``stream`` (the current
         one); None when the next slot's last upload has not run yet."""
-        i, n = self._next, int(arr.size)
-        if (ev := self._events[i]) is not None and not ev.query():
+        n = int(arr.size)
+        if (i := self._take(n)) is None:
             return None
-        self._next = (i + 1) % self.slots
         off = i * self.slot_elems
         self._host[off : off + n] = arr
         out = self._torch.empty(n, dtype=self._torch.int64, device=device)
         out.copy_(self._buf[off : off + n], non_blocking=True)
-        ev = self._torch.cuda.Event()
+        if (ev := self._events[i]) is None:
+            ev = self._events[i] = self._torch.cuda.Event()
         ev.record(stream)
-        self._events[i] = ev
+        self._recorded[i] = True
         return out
+
+
+_LENT = object()
+"""A lent slot whose launch is not queued yet: taken by nothing else."""
 
 
 class PieceCopier:
@@ -304,6 +351,7 @@ class PieceCopier:
         self._prepared: OrderedDict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]] = OrderedDict()
         self._templates: OrderedDict[tuple[str, int], _Template] = OrderedDict()  # (kind, id(pieces))
         self._ring: PinnedRing | None = None
+        self._bound: dict[int, Any] = {}  # thread id -> the stream ``bind_here`` made current on that thread
         self.stats: dict[str, float] = {
             "calls": 0,
             "call_s": 0.0,  # whole _copy calls, host
@@ -312,6 +360,7 @@ class PieceCopier:
             "event_s": 0.0,  # the end event created and recorded (asynchronous calls)
             "wait_s": 0.0,  # synchronous calls waiting for the copy
             "uploads": 0,
+            "lent": 0,  # tables copied into a ring slot's device twin, held until their launch ended
             "prepared_calls": 0,  # asynchronous calls launched as prepare_* computed them
         }
         if kernel in ("auto", "triton"):
@@ -338,6 +387,23 @@ class PieceCopier:
         if self._stream is None and self.device.type == "cuda":
             self._stream = self._torch.cuda.Stream(device=self.device, priority=self.stream_priority)
         return self._stream
+
+    def bind_here(self) -> None:
+        """Make the copier's stream the calling thread's current stream, for good: an engine's own thread
+        (the backend's thread hook), which runs nothing else on the device.
+
+        Its uploads and launches then skip entering and leaving a stream context, which costs more than the
+        upload it wraps on a thread that just woke (docs/benchmarks.md, "The finished order's P path on a
+        woken thread"). A stream made later (``set_stream_priority``) is not current there: calls go through
+        the context again.
+        """
+        if self.device.type != "cuda":
+            return
+        torch = self._torch
+        if torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(self.stream)
+        self._bound[threading.get_ident()] = self.stream
 
     def set_stream_priority(self, priority: int) -> None:
         """Use a new stream of this priority from the next copy on (the current one is drained first)."""
@@ -429,7 +495,7 @@ class PieceCopier:
             self.stats["call_s"] += time.perf_counter() - t0
             return out
         src, dst = Bases.of(src_bases), Bases.of(dst_bases)
-        return self._copy(src, pieces[:, 0], dst, pieces[:, 1], pieces[:, 2], False, by_content=False)
+        return self._copy(src, pieces[:, 0], dst, pieces[:, 1], pieces[:, 2], False, by_content=False, lend=True)
 
     def prepare_copy(self, src_bases: list[int], dst_bases: list[int], pieces: np.ndarray) -> None:
         """Upload what ``start_copy`` of these arguments needs and compute its launch now, off the critical
@@ -453,9 +519,10 @@ class PieceCopier:
         lens: np.ndarray,
         wait: bool = True,
         by_content: bool = True,
+        lend: bool = False,
     ) -> Any:
         """The copy on the copier's stream; then either wait for it or return an event recorded after it
-        (``by_content``: see ``_table``)."""
+        (``by_content``: see ``_table``; ``lend``: the table is used by this launch only, ``PinnedRing.lend``)."""
         lens = np.asarray(lens, dtype=np.int64)
         keep = lens > 0
         if not keep.all():
@@ -466,8 +533,10 @@ class PieceCopier:
         t0 = time.perf_counter()
         if self.kernel == "triton":
             try:
-                self._copy_triton(src, src_offs, dst, dst_offs, lens, by_content)
+                slot = self._copy_triton(src, src_offs, dst, dst_offs, lens, by_content, lend and not wait)
                 out = self._finish(wait)
+                if slot is not None and self._ring is not None:
+                    self._ring.hold(slot, out)
                 self.stats["call_s"] += time.perf_counter() - t0
                 return out
             except Exception as exc:
@@ -485,6 +554,8 @@ class PieceCopier:
         torch = self._torch
         if self.device.type != "cuda":
             return contextlib.nullcontext()
+        if self._stream is not None and self._bound.get(threading.get_ident()) is self._stream:
+            return contextlib.nullcontext()  # bind_here made the stream current on this thread
         if torch.cuda.current_device() == self.device.index:
             return torch.cuda.stream(self.stream)
         stack = contextlib.ExitStack()
@@ -548,10 +619,33 @@ class PieceCopier:
 
     def _new_table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[Any, int, int]:
         """The table uploaded, its tile count and the gcd of its offsets and lengths (no cache)."""
+        table, tiles, g = self._host_table(src_offs, dst_offs, lens)
+        return self._upload(table), tiles, g
+
+    def _host_table(self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """The table on the host (pieces cut to tiles, then every source offset, destination offset, length),
+        its tile count and the gcd of its words."""
         arrs = [np.ascontiguousarray(a, dtype=np.int64) for a in (src_offs, dst_offs, lens)]
         so, do, ln = split_pieces(*arrs, self.tile_bytes)
         table = np.concatenate([so, do, ln])
-        return self._upload(table), int(ln.size), int(np.gcd.reduce(table))
+        return table, int(ln.size), int(np.gcd.reduce(table))
+
+    def _lent_table(
+        self, src_offs: np.ndarray, dst_offs: np.ndarray, lens: np.ndarray
+    ) -> tuple[Any, int, int, int] | None:
+        """(the table in a ring slot's device twin, tiles, gcd, the slot's index), for one launch; None when no
+        slot is free (the caller uploads instead)."""
+        if self.device.type != "cuda":
+            return None
+        table, tiles, g = self._host_table(src_offs, dst_offs, lens)
+        if self._ring is None:
+            self._ring = PinnedRing(self._torch)
+        with self._context():  # queued on the copier's stream, ahead of the copy that reads it
+            got = self._ring.lend(table, self.device)
+        if got is None:
+            return None
+        self.stats["lent"] += 1
+        return got[0], tiles, g, got[1]
 
     def _bases_tensor(self, bases: Bases) -> tuple[Any, int]:
         """(device array of explicit bases, their gcd), cached: KV region bases never change.
@@ -671,12 +765,14 @@ class PieceCopier:
         dst_offs: np.ndarray,
         lens: np.ndarray,
         by_content: bool = True,
+        table: tuple[Any, int, int] | None = None,
     ) -> tuple[Any, ...]:
-        """(grid, args, constexprs) of the Triton copy; uploads its tables if they are new."""
+        """(grid, args, constexprs) of the Triton copy; uploads its tables if they are new (``table``: the piece
+        table, its tiles and gcd, already made)."""
         r = src.count
         if r > 65535:
             raise BackendError(f"{r} regions exceed the kernel grid's 65535")
-        table, m, g = self._table(src_offs, dst_offs, lens, by_content)
+        table, m, g = table if table is not None else self._table(src_offs, dst_offs, lens, by_content)
         sides = []
         for side in (src, dst):
             if side.addrs is not None:
@@ -696,15 +792,25 @@ class PieceCopier:
         dst_offs: np.ndarray,
         lens: np.ndarray,
         by_content: bool = True,
-    ) -> None:
+        lend: bool = False,
+    ) -> int | None:
+        """Launch the copy; returns the ring slot whose device twin holds its table (``lend``), to hold until its
+        end."""
         t0 = time.perf_counter()
-        # The stream is made current only where needed (uploads, the JIT path), not around every launch.
-        launch = self._triton_launch(src, src_offs, dst, dst_offs, lens, by_content)
-        t1 = time.perf_counter()
-        self._launch.launch(*launch, self.num_warps, self.stream, self._context)
+        lent = self._lent_table(src_offs, dst_offs, lens) if lend else None
+        try:
+            # The stream is made current only where needed (uploads, the JIT path), not around every launch.
+            launch = self._triton_launch(src, src_offs, dst, dst_offs, lens, by_content, lent[:3] if lent else None)
+            t1 = time.perf_counter()
+            self._launch.launch(*launch, self.num_warps, self.stream, self._context)
+        except BaseException:
+            if lent is not None and self._ring is not None:  # no launch reads the slot: free it again
+                self._ring.hold(lent[3], self._finish(False))
+            raise
         t2 = time.perf_counter()
         self.stats["prep_s"] += t1 - t0
         self.stats["launch_s"] += t2 - t1
+        return None if lent is None else lent[3]
 
     def _view(self, addr: int, count: int, width: int) -> Any:
         torch = self._torch

@@ -61,9 +61,20 @@ class Mapped:
     spans: list[tuple[int, int, int]]  # D base, size, P's address of that base
     opened: list[int] = field(default_factory=list)  # P's addresses to close (none when D is this process)
     bases: dict[int, int] = field(default_factory=dict)  # D region base -> P's address
+    lists: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # a part's D bases -> P's
 
     def local(self, addrs: list[int]) -> list[int]:
-        """P's addresses of D's region bases (every one was checked at ``open``)."""
+        """P's addresses of D's region bases (every one was checked at ``open``), remembered per list: a push's
+        parts ask for the same few lists again and again."""
+        key = tuple(addrs)
+        hit = self.lists.get(key)
+        if hit is None:
+            hit = self.lists[key] = self._local(addrs)
+            if len(self.lists) > 1024:  # a bound, not expected: a layout has as many ranges as parts can take
+                self.lists.clear()
+        return hit
+
+    def _local(self, addrs: list[int]) -> list[int]:
         out = []
         for a in addrs:
             hit = self.bases.get(a)

@@ -9,6 +9,7 @@ Skipped without CUDA. On a GPU host: ``python -m pytest backends/cuda/tests -m g
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,37 +254,108 @@ def test_triton_copy_any_alignment(shift: int) -> None:
 
 
 def test_peer_copy_tables_queued_behind_a_blocked_stream_are_not_overwritten() -> None:
-    """start_copy with new pieces each time (a peer copy: one table per registration) uploads its table
-    through the pinned ring; with the copier's stream held behind a long wait, more copies than the ring
-    has slots are queued, and each still copies its own pieces (a slot whose upload has not run is not
-    reused), byte-exact."""
+    """start_copy with new pieces each time (a peer copy: one table per registration) puts its table through
+    a slot of the pinned ring (into the slot's device twin, held until the copy ends) or uploads it; with the
+    copier's stream held behind a long wait, more copies than the ring has slots are queued, and each still
+    copies its own pieces (a slot whose copy or upload has not run is not reused), byte-exact. The first
+    copy uploads its bases as well, through the ring, while its own table holds a slot: that slot is not
+    taken for them."""
     from kvpush_cuda.copy import PieceCopier, PinnedRing
 
     dev = torch.device("cuda", 0)
     rng = np.random.default_rng(7)
     block, nblocks, copies = 4096, 64, 5
     src = torch.randint(0, 256, (nblocks * block,), dtype=torch.uint8, device=dev)
-    dsts = [torch.zeros_like(src) for _ in range(copies)]
+    # Copy k writes the k-th share of one buffer (one base: uploaded once, as a D rank's), the first copy the last.
+    dst = torch.zeros((copies + 1) * nblocks * block, dtype=torch.uint8, device=dev)
     c = PieceCopier(torch, "cuda:0", "triton")
     c._ring = PinnedRing(torch, slots=2, slot_elems=3 * nblocks)
     side = torch.cuda.Stream(device=dev)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # the copier's stream waits for this before any upload or copy runs
-    held = torch.cuda.Event()
-    held.record(side)
-    c.stream.wait_event(held)
+
+    def hold_stream() -> Any:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the copier's stream waits for this before any upload or copy runs
+        held = torch.cuda.Event()
+        held.record(side)
+        c.stream.wait_event(held)
+        return held
+
+    # One copy first, behind a wait too (its table is copied to the device only after its bases were put in
+    # the ring), then waited for: the kernel compiled and the bases uploaded, as a D rank's are once, so that
+    # the copies below are queued well within the wait and only their tables go through the ring.
+    same = np.arange(nblocks) * block
+    hold_stream()
+    c.start_copy(
+        [src.data_ptr()],
+        [dst.data_ptr()],
+        np.stack([same, copies * nblocks * block + same, np.full(nblocks, block)], 1),
+    ).synchronize()
+    got = dst.view(copies + 1, nblocks * block)
+    assert torch.equal(got[copies], src), "the first copy's table was overwritten by its own bases' upload"
+    lent = c.stats["lent"]
+    held = hold_stream()
     orders, events = [], []
     for k in range(copies):
         order = rng.permutation(nblocks)
-        pieces = np.stack([order * block, np.arange(nblocks) * block, np.full(nblocks, block)], axis=1)
+        at = (k * nblocks + np.arange(nblocks)) * block
+        pieces = np.stack([order * block, at, np.full(nblocks, block)], axis=1)
         orders.append(order)
-        events.append(c.start_copy([src.data_ptr()], [dsts[k].data_ptr()], pieces.astype(np.int64)))
-    assert not held.query(), "the wait ended before the copies were queued: lengthen the sleep"
+        events.append(c.start_copy([src.data_ptr()], [dst.data_ptr()], pieces.astype(np.int64)))
+    queued = not held.query()
     for ev in events:
         ev.synchronize()
+    assert queued, "the wait ended before the copies were queued: lengthen the sleep"
     for k, order in enumerate(orders):
         want = src.view(nblocks, block)[torch.as_tensor(order, device=dev)].reshape(-1)
-        assert torch.equal(dsts[k], want), f"copy {k} used another copy's table"
+        assert torch.equal(got[k], want), f"copy {k} used another copy's table"
+    assert c.stats["lent"] - lent == 2, c.stats  # a table in each slot's device twin; the others found both held
+
+
+def test_an_engine_thread_bound_to_the_copy_stream_copies_exactly_and_leaves_other_threads_alone() -> None:
+    """``bind_engine_thread`` makes the copier's stream current on the engine's thread (its copies then skip
+    a stream context): copies with a new table each are byte-exact there, the caller's thread keeps its own
+    current stream, and once the copier has a new stream (``set_stream_priority``) the thread's stale one is
+    not taken for it: a copy queued while that old stream is held still lands before its event is reached."""
+    import threading
+
+    dev = torch.device("cuda", 0)
+    rng = np.random.default_rng(5)
+    block, nblocks = 4096, 64
+    src = torch.randint(0, 256, (nblocks * block,), dtype=torch.uint8, device=dev)
+    dsts = [torch.zeros_like(src) for _ in range(4)]
+    orders = [rng.permutation(nblocks) for _ in dsts]
+    be = CudaBackend(device=0)
+    seen: dict[str, object] = {}
+
+    def pieces_of(order: np.ndarray) -> np.ndarray:
+        return np.stack([order * block, np.arange(nblocks) * block, np.full(nblocks, block)], axis=1).astype(np.int64)
+
+    def engine() -> None:
+        be.bind_engine_thread()
+        c = be._copier_on(0)
+        seen["bound"] = torch.cuda.current_stream(dev).cuda_stream == c.stream.cuda_stream
+        for k in range(3):
+            c.start_copy([src.data_ptr()], [dsts[k].data_ptr()], pieces_of(orders[k])).synchronize()
+        old = torch.cuda.current_stream(dev)
+        c.set_stream_priority(0)  # a new stream; ``old`` stays this thread's current one
+        torch.cuda._sleep(200_000_000)  # holds ``old``: nothing queued on it runs for a while
+        ev = c.start_copy([src.data_ptr()], [dsts[3].data_ptr()], pieces_of(orders[3]))
+        ev.synchronize()
+        seen["old_held"] = not old.query()
+        want = src.view(nblocks, block)[torch.as_tensor(orders[3], device=dev)].reshape(-1)
+        seen["last"] = torch.equal(dsts[3], want)
+        old.synchronize()
+
+    t = threading.Thread(target=engine)
+    t.start()
+    t.join(60)
+    assert seen.get("bound") is True, seen
+    assert torch.cuda.current_stream(dev).cuda_stream == torch.cuda.default_stream(dev).cuda_stream
+    for k in range(3):
+        want = src.view(nblocks, block)[torch.as_tensor(orders[k], device=dev)].reshape(-1)
+        assert torch.equal(dsts[k], want), f"copy {k} on the bound thread is wrong"
+    assert seen["old_held"], "the held stream ended before the copy's event: lengthen the sleep"
+    assert seen["last"], "after a new stream the copy's table went up on the thread's stale stream"
 
 
 def test_wait_ready_waits_for_the_producer_stream_only() -> None:
