@@ -138,10 +138,11 @@ class Backend(abc.ABC):
     def bind_thread(self) -> None:
         """Prepare the calling thread for this backend's calls.
 
-        The engine calls it once at the start of every thread it runs (push,
-        receive, marker waiter) before any other call from that thread; a
-        CUDA backend makes its device current there. Anyone else calling the
-        backend from a thread of their own calls it first too. Default: nothing.
+        The engine calls it (through ``bind_engine_thread``) once at the start
+        of every thread it runs (push, receive, marker waiter) before any other
+        call from that thread; a CUDA backend makes its device current there.
+        Anyone else calling the backend from a thread of their own calls it
+        first too. Default: nothing.
         """
 
     def bind_engine_thread(self) -> None:
