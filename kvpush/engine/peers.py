@@ -4,7 +4,8 @@ The shell of ``kvpush.prefill.hello``, whose rules judge each hello and
 registration: this table feeds them what it knows (the D ranks that said
 hello, what their keys hold, whether a WRITE flies), then answers, logs,
 loads or unloads D's NIXL metadata and hands accepted registrations to the
-engine. A D rank silent for ``peer_dead_s`` is forgotten, and so is one that
+engine. A D rank silent for ``peer_dead_s`` (as this P rank watched:
+``kvpush.core.liveness``) is forgotten, and so is one that
 says hello again (it restarted: its old registrations point into memory of a
 previous session). The transfer rules stay in the sender's machines; this
 table only decides who is heard.
@@ -29,6 +30,7 @@ from kvpush.config import Config
 from kvpush.core import peek, protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
+from kvpush.core.liveness import Lookout, stall_bar
 from kvpush.core.topology import targets_for
 from kvpush.engine.ports import PeerMaps, PeerPort
 from kvpush.observability.metrics import Count
@@ -89,9 +91,11 @@ class PeerTable:
         self.admission = Admission(KeyLimits(cfg.limits.peer_key_bytes, cfg.limits.peer_max_ranks))
         """What each D key makes this P rank hold, as a whole (``kvpush.prefill.admission``)."""
         self.declared = declared_ranks
+        """The ranks a D key's key set declares (None: it declares none); ``kvpush.transport.auth``."""
         self.maps = maps
         """Maps a D rank's KV for peer copies from its hello, and lets it go when the rank is forgotten."""
-        """The ranks a D key's key set declares (None: it declares none); ``kvpush.transport.auth``."""
+        self.lookout = Lookout(stall_bar(cfg.polling.peer_dead_s))
+        """This P rank's looks at its D ranks' silence (``check``)."""
         self.local = Local(cfg.model, layout, agent.nixl_version, tuple(agent.backends), cfg.polling.peer_dead_s)
         """This P rank, as a hello is judged against it (``kvpush.prefill.hello``)."""
 
@@ -210,11 +214,20 @@ class PeerTable:
             log.warning("%s: ignored an abort of %s from %s: %s%s", self.name, msg.transfer_id, who, why, more)
 
     def check(self, now: float) -> None:
-        """Forget D ranks silent for ``peer_dead_s``."""
+        """Forget D ranks silent for ``peer_dead_s``, as this P rank watched (``kvpush.core.liveness``): the
+        first look after its own stall blames nobody for it."""
+        stall = self.lookout.look(now)
+        if stall and self._peers:
+            log.warning(
+                "%s: looked at its D ranks again after %.1fs (this P rank stalled): their silence is counted from now",
+                self.name,
+                stall,
+            )
         for key, peer in list(self._peers.items()):
-            if now - peer.last_seen > self.cfg.polling.peer_dead_s:
+            silent = self.lookout.silence(peer.last_seen, now)
+            if silent > self.cfg.polling.peer_dead_s:
                 self.port.bump(Count.DEAD_PEERS)
-                self._drop(key, f"silent for {now - peer.last_seen:.1f}s: declared dead", now)
+                self._drop(key, f"silent for {silent:.1f}s: declared dead", now)
 
     def _drop(self, key: DKey, why: str, now: float) -> None:
         """Forget a D rank: abort the transfers it registered for and unload its NIXL agent."""

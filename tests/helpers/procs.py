@@ -175,18 +175,23 @@ class Worker(conformance.Worker):
         for layer in self.ranks[key].kv.values():
             layer[:, blocks] = value
 
-    def op_stop_at_post(self, key: str) -> None:
+    def op_stop_at_post(self, key: str, look_first: bool = False) -> None:
         """The engine's next WRITE post stops this whole process (SIGSTOP) just before it is handed to NIXL:
         a P frozen mid-push, its WRITE decided, at a moment the test does not have to guess (a WRITE already
-        handed over may complete at once, within the post, over a shared-memory transport)."""
+        handed over may complete at once, within the post, over a shared-memory transport). ``look_first``:
+        once resumed, P's peer table looks at its D ranks' silence before anything more is read from its side
+        channel, the order its timer meets when ZMQ's own thread has not yet moved what D sent meanwhile."""
         import signal
 
-        agent = self.ranks[key].engine.agent
+        engine = self.ranks[key].engine
+        agent = engine.agent
         post = agent.post
 
         def stop_then_post(handle: Any) -> Any:
             agent.post = post
             os.kill(os.getpid(), signal.SIGSTOP)
+            if look_first:
+                engine.peers.check(time.monotonic())  # on the engine's thread: the post is its call
             return post(handle)
 
         agent.post = stop_then_post
