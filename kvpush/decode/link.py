@@ -19,11 +19,6 @@ of a P rank declared dead are quarantined, that rank is said hello to again
 every ``heartbeat_s`` (a *fencing hello*): P answers ok only once nothing of
 D's earlier session is in flight (until then it answers *busy*, which fails
 nothing), and that answer (``Ready``) fences them.
-
-Silence is counted only while D was looking (``kvpush.core.liveness``): the
-first tick after D's own stall (a gap between ticks past the stall bar)
-reports it (``Stalled``) and counts each link's silence from then on, so P's
-words still queued in D's sockets are read before anyone is blamed.
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ from typing import Protocol
 
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
-from kvpush.core.liveness import Lookout, stall_bar
 from kvpush.core.topology import ConnKey
 from kvpush.decode.fencing_actions import UNKNOWN_SENDER
 
@@ -153,17 +147,10 @@ class StaleReply:
     expected: int
 
 
-@dataclass(frozen=True)
-class Stalled:
-    """This tick came ``gap`` seconds after the one before (D stalled): log it; silence before it is forgiven."""
-
-    gap: float
-
-
 LinkNews = Ready | Refused | Dead
 """What the links tell D's fencing (``Fencing.on_link``), through the shell."""
 
-LinkAction = Hello | Heartbeat | Ready | Refused | Dead | StaleReply | Stalled
+LinkAction = Hello | Heartbeat | Ready | Refused | Dead | StaleReply
 """What the links ask of their shell (``Hello``, ``Heartbeat``, and the logging and unloading of the others)
 and, through it, of D's fencing (``Ready``, ``Refused``, ``Dead``)."""
 
@@ -172,21 +159,14 @@ class Links:
     """Every link of one D rank, keyed by the P rank's side channel.
 
     ``fences``: D's fencing, asked whether writers wait on a link or are
-    quarantined on it (a link nobody waits on is never declared dead); ``stall_s``: the longest gap between
-    two ticks that is not D's own stall (default ``stall_bar(peer_dead_s)``).
+    quarantined on it (a link nobody waits on is never declared dead).
     """
 
     def __init__(
-        self,
-        peer_dead_s: float,
-        heartbeat_s: float,
-        fences: Fences,
-        refused_retry_s: float = REFUSED_RETRY_S,
-        stall_s: float | None = None,
+        self, peer_dead_s: float, heartbeat_s: float, fences: Fences, refused_retry_s: float = REFUSED_RETRY_S
     ) -> None:
         self.peer_dead_s, self.heartbeat_s, self.refused_retry_s = peer_dead_s, heartbeat_s, refused_retry_s
         self.fences = fences
-        self.lookout = Lookout(stall_bar(peer_dead_s) if stall_s is None else stall_s)
         self._links: dict[ConnKey, Link] = {}
         self._by_agent: dict[str, ConnKey] = {}
         self._epochs: dict[ConnKey, int] = {}
@@ -252,16 +232,9 @@ class Links:
         """Time passes: fencing hellos, heartbeats out, links declared dead. ``failures``: what the shell's
         sockets last failed with (a handshake that did not go through), said with a death."""
         out: list[LinkAction] = []
-        gap = self.lookout.look(now)
-        if gap:
-            out.append(Stalled(gap))
         for key in list(self._links):
             out += self._tick_one(key, now, (failures or {}).get(key, ""))
         return out
-
-    def _silence(self, link: Link, now: float) -> float:
-        """How long P has been silent on ``link``, as D watched."""
-        return self.lookout.silence(link.last_seen, now)
 
     # -- internals -----------------------------------------------------------------
     def _stale(self, link: Link, now: float) -> bool:
@@ -272,7 +245,7 @@ class Links:
             (link.state is LinkState.HELLO_SENT and link.fencing)
             or (link.state is LinkState.REFUSED and now - link.since >= self.refused_retry_s)
             # P stopped answering heartbeats (it restarted and does not know us): say hello again
-            or (link.state is LinkState.READY and self._silence(link, now) > self.peer_dead_s)
+            or (link.state is LinkState.READY and now - link.last_seen > self.peer_dead_s)
         )
 
     def _tick_one(self, key: ConnKey, now: float, failure: str) -> list[LinkAction]:
@@ -291,15 +264,14 @@ class Links:
             link.last_hb = now
             link.hb_seq += 1
             out.append(Heartbeat(key, link.hb_seq))
-        silence = self._silence(link, now)
-        silent = silence > self.peer_dead_s
+        silent = now - link.last_seen > self.peer_dead_s
         # A READY link nobody waits on is said hello to again at the next registration instead.
         waited_on = (link.state is LinkState.HELLO_SENT and not link.fencing) or (
             link.state is LinkState.READY and self.fences.writes_on(key)
         )
         if silent and waited_on:
             link.state, link.since = LinkState.DEAD, now
-            link.reason = f"P {key[0]}:{key[1]} silent for {silence:.1f}s: declared dead"
+            link.reason = f"P {key[0]}:{key[1]} silent for {now - link.last_seen:.1f}s: declared dead"
             if failure:
                 link.reason += f" ({failure})"
             out.append(Dead(key, link.reason, link.epoch, link.agent))

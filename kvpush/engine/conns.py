@@ -36,7 +36,6 @@ from kvpush.decode.link import (
     LinkState,
     Refused,
     StaleReply,
-    Stalled,
     Standing,
 )
 from kvpush.observability.metrics import Count
@@ -160,13 +159,6 @@ class Conns:
                 client.send(self.hello(a.epoch))
             elif isinstance(a, Heartbeat):
                 self.send(a.key, protocol.Heartbeat(self.engine_id, self.rank, a.seq, time.time()))
-            elif isinstance(a, Stalled):
-                log.warning(
-                    "%s: looked at its P ranks again after %.1fs (this D rank stalled): their silence is counted "
-                    "from now",
-                    self.name,
-                    a.gap,
-                )
             elif isinstance(a, StaleReply):
                 log.warning(
                     "%s: stale hello reply from P %s:%s (epoch %d, expected %d)", self.name, *a.key, a.epoch, a.expected

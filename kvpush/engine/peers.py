@@ -5,7 +5,7 @@ registration: this table feeds them what it knows (the D ranks that said
 hello, what their keys hold, whether a WRITE flies), then answers, logs,
 loads or unloads D's NIXL metadata and hands accepted registrations to the
 engine. A D rank silent for ``peer_dead_s`` (as this P rank watched:
-``kvpush.core.liveness``) is forgotten, and so is one that
+``kvpush.prefill.liveness``) is forgotten, and so is one that
 says hello again (it restarted: its old registrations point into memory of a
 previous session). The transfer rules stay in the sender's machines; this
 table only decides who is heard.
@@ -30,7 +30,6 @@ from kvpush.config import Config
 from kvpush.core import peek, protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
-from kvpush.core.liveness import Lookout, stall_bar
 from kvpush.core.topology import targets_for
 from kvpush.engine.ports import PeerMaps, PeerPort
 from kvpush.observability.metrics import Count
@@ -47,6 +46,7 @@ from kvpush.prefill.hello import (
     judge_register,
     most_blocks,
 )
+from kvpush.prefill.liveness import Lookout, stall_bar
 from kvpush.prefill.push_job import DKey
 from kvpush.prefill.rendezvous import Rendezvous
 from kvpush.transport.auth import LOG_EVERY_S
@@ -214,7 +214,7 @@ class PeerTable:
             log.warning("%s: ignored an abort of %s from %s: %s%s", self.name, msg.transfer_id, who, why, more)
 
     def check(self, now: float) -> None:
-        """Forget D ranks silent for ``peer_dead_s``, as this P rank watched (``kvpush.core.liveness``): the
+        """Forget D ranks silent for ``peer_dead_s``, as this P rank watched (``kvpush.prefill.liveness``): the
         first look after its own stall blames nobody for it."""
         stall = self.lookout.look(now)
         if stall and self._peers:

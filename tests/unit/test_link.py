@@ -13,8 +13,6 @@ properties of what the links ask for, without restating the code:
   changes nothing, so a late answer never fences a quarantined writer;
 - a P rank is declared dead only after ``peer_dead_s`` without a word, and
   only while something waits on it (a registration's hello, or a writer);
-  silence is counted only while D looked: a tick more than the stall bar after
-  the one before is D's own stall (``Stalled``), and silence counts from it;
 - while writers are quarantined on a dead (or refused) link, a fencing hello
   goes out every ``heartbeat_s``; one unanswered for ``peer_dead_s`` is sent
   again; a busy refusal is asked again while writers wait;
@@ -34,7 +32,6 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
-from kvpush.core.liveness import stall_bar
 from kvpush.core.topology import ConnKey
 from kvpush.decode.fencing_actions import UNKNOWN_SENDER
 from kvpush.decode.link import (
@@ -47,12 +44,10 @@ from kvpush.decode.link import (
     Ready,
     Refused,
     StaleReply,
-    Stalled,
 )
 
 PEER_DEAD_S = 5.0
 HEARTBEAT_S = 1.0
-STALL_S = stall_bar(PEER_DEAD_S)
 KEYS: tuple[ConnKey, ...] = (("p", 1), ("p", 2))
 LAYOUT = KVLayout(
     block_size=16,
@@ -110,19 +105,10 @@ class LinkMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.seen = {k: Seen() for k in KEYS}
         self.failures: dict[ConnKey, str] = {}
-        self.last_tick: float | None = None
-        self.resumed = float("-inf")  # the end of D's last stall (a tick long after the one before)
-
-    def _silence(self, s: Seen) -> float:
-        """How long P has been silent on a link, as D watched (from its last word or D's last stall)."""
-        return self.now - max(s.heard, self.resumed)
 
     # -- the shell: every action checked against the rules ---------------------------------------------
     def _take(self, actions: list, by_registration: bool) -> None:
         for a in actions:
-            if isinstance(a, Stalled):
-                assert not by_registration and self.resumed == self.now, f"a stall nobody had: {a}"
-                continue
             s = self.seen[a.key]
             if isinstance(a, Hello):
                 assert a.epoch == (s.epochs[-1] if s.epochs else 0) + 1, f"epochs skip or repeat: {s.epochs} {a}"
@@ -135,8 +121,8 @@ class LinkMachine(RuleBasedStateMachine):
                 assert a.seq == s.hb_seq + 1 and self.now - s.hb_at >= HEARTBEAT_S, (a, s)
                 s.hb_seq, s.hb_at = a.seq, self.now
             elif isinstance(a, Dead):
-                silent = self._silence(s)
-                assert silent > PEER_DEAD_S, f"declared dead after {silent}s of silence as D watched"
+                silent = self.now - s.heard
+                assert silent > PEER_DEAD_S, f"declared dead after {silent}s of silence"
                 registration = s.state == "hello" and (s.by_registration or s.waited_at_hello)
                 assert registration or (s.state == "ready" and a.key in self.fences.waits), f"nobody waited: {s}"
                 assert a.epoch == s.epochs[-1] and a.agent == (s.agent if s.state == "ready" else "")
@@ -152,7 +138,7 @@ class LinkMachine(RuleBasedStateMachine):
         """A registration needs the link to ``key``: it is ready and fresh, or a hello of its own goes out."""
         s = self.seen[key]
         before = s.epochs[-1] if s.epochs else 0
-        fine = s.state == "ready" and self._silence(s) <= PEER_DEAD_S
+        fine = s.state == "ready" and self.now - s.heard <= PEER_DEAD_S
         waiting = s.state == "hello" and (s.by_registration or s.waited_at_hello)
         refused_recently = s.state in ("refused", "busy") and self.now - s.since < REFUSED_RETRY_S
         self._take(self.links.open(key, self.now), by_registration=True)
@@ -233,22 +219,16 @@ class LinkMachine(RuleBasedStateMachine):
     def socket_fails(self, key: ConnKey, failure: str) -> None:
         self.failures[key] = failure
 
-    @rule(dt=st.sampled_from([0.0, 0.5, HEARTBEAT_S, STALL_S, PEER_DEAD_S, PEER_DEAD_S + 0.5, REFUSED_RETRY_S]))
+    @rule(dt=st.sampled_from([0.0, 0.5, HEARTBEAT_S, PEER_DEAD_S, PEER_DEAD_S + 0.5, REFUSED_RETRY_S]))
     def time_passes(self, dt: float) -> None:
-        """Time passes and the links tick (heartbeats, deaths, fencing hellos); a tick more than ``STALL_S``
-        after the one before ends D's stall."""
+        """Time passes and the links tick (heartbeats, deaths, fencing hellos)."""
         self.now += dt
-        stalled = self.last_tick is not None and self.now - self.last_tick > STALL_S
-        self.last_tick = self.now
-        if stalled:
-            self.resumed = self.now
         due = {k: self._fencing_hello_due(k) for k in KEYS}
         beat = {
             k: self.seen[k].state == "ready" and self.now - max(self.seen[k].hb_at, 0.0) >= HEARTBEAT_S for k in KEYS
         }
         dies = {k: self._death_due(k) for k in KEYS}
         out = self.links.tick(self.now, self.failures)
-        assert (Stalled(dt) in out) == stalled, (stalled, out)
         for a in out:
             assert not isinstance(a, Hello) or due[a.key], f"a fencing hello nothing asked for: {a}"
         self._take(out, by_registration=False)
@@ -265,7 +245,7 @@ class LinkMachine(RuleBasedStateMachine):
         waited = (s.state == "hello" and (s.by_registration or s.waited_at_hello)) or (
             s.state == "ready" and key in self.fences.waits
         )
-        return waited and self._silence(s) > PEER_DEAD_S
+        return waited and self.now - s.heard > PEER_DEAD_S
 
     def _fencing_hello_due(self, key: ConnKey) -> bool:
         """A tick now must say hello to ``key`` again: its fencing hello went unanswered for ``peer_dead_s``,

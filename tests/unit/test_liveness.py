@@ -1,4 +1,4 @@
-"""A peer's silence counted only while this side looked (``kvpush.core.liveness``), over any run of looks.
+"""A D rank's silence counted only while P looked (``kvpush.prefill.liveness``), over any run of looks.
 
 Looks come at arbitrary times (gaps from none to far past the stall bar) and
 the peer speaks between them at arbitrary times; at every look the silence
@@ -17,7 +17,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.core.liveness import Lookout, stall_bar
+from kvpush.prefill.liveness import Lookout, stall_bar
 
 PEER_DEAD_S = 6.0
 BAR = stall_bar(PEER_DEAD_S)
