@@ -25,6 +25,7 @@ from kvpush.decode.fencing_actions import (
     Acknowledged,
     Cancel,
     Foreign,
+    HelloAgain,
     Overdue,
     Report,
     Stale,
@@ -110,7 +111,9 @@ class Fencing:
     def register_sent(
         self, inc: Incoming, p: int, grant: StagingGrant | None, unpack: Any, region_bytes: int, ok: bool, t: float
     ) -> list[Action]:
-        """``SendRegister`` done: the registration left (``ok``), with this staging grant and unpack list."""
+        """``SendRegister`` done: the registration left (``ok``), with this staging grant and unpack list, in the
+        session of the link's latest hello."""
+        inc.writers[p].epoch = self.epochs.get(inc.writers[p].conn, 0)
         return self._settle(inc.register_sent(p, grant, unpack, region_bytes, ok, t))
 
     def refused(self, inc: Incoming, conn: ConnKey, reason: str, now: float) -> list[Action]:
@@ -148,14 +151,26 @@ class Fencing:
 
     def fenced(self, conn: ConnKey, epoch: int, now: float) -> list[Action]:
         """P rank ``conn`` answered the hello of ``epoch`` (P answers only once nothing of D's earlier
-        session is in flight and its registrations are dropped): writers quarantined before it are released."""
+        session is in flight and its registrations are dropped): writers quarantined before it are released,
+        and writers still waiting on a registration of an earlier session fail (P dropped it: it will never
+        be written nor answered)."""
         self.epochs[conn] = max(epoch, self.epochs.get(conn, 0))
         out: list[Action] = []
+        dropped = Failed(
+            Stage.REGISTER,
+            Cause.DEAD_PEER,
+            f"P {conn[0]}:{conn[1]} dropped the registration: it "
+            "had forgotten this D rank, or this D rank said hello again",
+        )
         for inc in [*self.current.values(), *self.superseded]:
             for w in inc.writers.values():
-                if w.conn == conn and w.quarantined and w.q_epoch < epoch:
+                if w.conn != conn or w.final:
+                    continue
+                if w.quarantined and w.q_epoch < epoch:
                     self._bump(Count.QUARANTINES_FENCED)
                     out += inc.release(w.p_rank, now)
+                elif not w.quarantined and w.sent and w.epoch < epoch:
+                    out += inc.writer_failed(w.p_rank, dropped, now)
         return self._settle(out)
 
     def acknowledged(self, msg: protocol.Ack) -> list[Action]:
@@ -251,6 +266,12 @@ class Fencing:
             # P answers a registration only once nothing of it is in flight: that writer is fenced.
             self._bump(Count.QUARANTINES_FENCED)
             return self._settle(out + inc.release(w.p_rank, now))
+        if msg.stage is Stage.HANDSHAKE:
+            # P has no hello of this D rank's session (it forgot D, silent past its peer_dead_s, while D's link
+            # still looked live to D): say hello again and register once more.
+            again = inc.forgotten(w.p_rank)
+            if again is not None:
+                return self._settle([*out, HelloAgain(w.conn), *again])
         why = Failed(msg.stage, msg.cause, f"P rank {msg.rank} failed at {msg.stage}: {msg.reason}")
         return self._settle(out + inc.writer_failed(w.p_rank, why, now))
 

@@ -88,6 +88,18 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class HelloAgain:
+    """P rank ``conn`` no longer knows this D rank (it refused a registration for want of a hello: it forgot
+    D, silent past its ``peer_dead_s``): the link's next registration says hello first
+    (``kvpush.decode.link.Links.forgotten``)."""
+
+    conn: ConnKey
+
+    def describe(self) -> str:
+        return f"P {self.conn[0]}:{self.conn[1]} no longer knows this D rank: saying hello again"
+
+
+@dataclass(frozen=True)
 class StartUnpack(Generic[A]):
     """Scatter regions ``[r0, r1)`` of this part from the writer's staging slot (at ``offset``; each region
     ``region_bytes`` of it) with the writer's unpack list: answer ``Fencing.unpack_started``, or
@@ -205,6 +217,7 @@ Action = (
     SendRegister[A]
     | SendAbort[A]
     | Cancel
+    | HelloAgain
     | StartUnpack[A]
     | AwaitUnpacks[A]
     | WaitUnpacks

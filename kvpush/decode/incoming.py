@@ -69,6 +69,8 @@ class Writer:
     q_until: float = float("inf")  # still quarantined by then: overdue (reported once, the blocks stay out)
     overdue: bool = False  # reported overdue (once)
     q_epoch: int = 0  # a hello of a later epoch answered by its P rank fences it
+    epoch: int = 0  # the session (its link's hello) its registration went out in
+    again: bool = False  # registered a second time, after P said it no longer knew this D rank (``forgotten``)
 
 
 class Incoming:
@@ -205,6 +207,21 @@ class Incoming:
         assert w.covered is not None
         w.covered[r0:r1] = b"\x01" * (r1 - r0)
         return [] if w.unpacking else self._check_covered(w, now)
+
+    def forgotten(self, p: int) -> list[Action] | None:
+        """P rank ``p`` refused the registration because it no longer knows this D rank (no hello of its
+        session: P forgot it). Nothing of the registration reached P's rendezvous, so nothing of it can be
+        written: the writer registers again, once, after a new hello (its staging slot goes back first; the
+        next registration is granted anew). None: not this time (final, quarantined, aborting, or already
+        registered again), and the refusal fails the writer."""
+        w = self.writers[p]
+        if w.final or w.quarantined or w.again or self.aborting is not None:
+            return None
+        out: list[Action] = []
+        if w.grant is not None:
+            out.append(FreeSlot(w.grant.offset))
+        w.again, w.sent, w.grant, w.unpack, w.region_bytes = True, False, None, None, 0
+        return [*out, self.send_register(p)]
 
     def writer_failed(self, p: int, failed: Failed, now: float) -> list[Action]:
         """A writer will not complete (P's Failure, an unpack or a send that failed, a dead connection).

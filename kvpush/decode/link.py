@@ -73,6 +73,7 @@ class Link:
     layout: KVLayout | None = None
     busy: bool = False  # P answered "not yet" (an earlier session's WRITEs fly): hello again shortly
     peer_copies: bool = False  # P writes this rank with peer copies (its hello reply said so)
+    forgotten: bool = False  # P said it no longer knows this D rank: the next registration says hello first
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,14 @@ class Links:
         if key is not None:
             self.heard(key, now)
 
+    def forgotten(self, key: ConnKey) -> None:
+        """P rank ``key`` refused a registration for want of a hello: it forgot this D rank (silent past its
+        ``peer_dead_s``) while the link still looked live here. A ready link says hello again at the next
+        registration (``open``); any other is saying it already, or will."""
+        link = self._links.get(key)
+        if link is not None and link.state is LinkState.READY:
+            link.forgotten = True
+
     def open(self, key: ConnKey, now: float, again: bool = False) -> list[LinkAction]:
         """The link to ``key``, saying hello first if there is none (or it is dead, stale, or long refused;
         ``again``: a fencing hello, whatever the link's state)."""
@@ -244,8 +253,8 @@ class Links:
             # hello's silence counts from now
             (link.state is LinkState.HELLO_SENT and link.fencing)
             or (link.state is LinkState.REFUSED and now - link.since >= self.refused_retry_s)
-            # P stopped answering heartbeats (it restarted and does not know us): say hello again
-            or (link.state is LinkState.READY and now - link.last_seen > self.peer_dead_s)
+            # P stopped answering heartbeats (it restarted and does not know us), or said it forgot us
+            or (link.state is LinkState.READY and (link.forgotten or now - link.last_seen > self.peer_dead_s))
         )
 
     def _tick_one(self, key: ConnKey, now: float, failure: str) -> list[LinkAction]:

@@ -131,6 +131,10 @@ class Conns:
         self.links.heard_from_agent(agent_name, now)
 
     # -- events, fed to the links ----------------------------------------------------
+    def forgotten(self, key: ConnKey) -> None:
+        """P rank ``key`` no longer knows this D rank: the next registration on its link says hello first."""
+        self.links.forgotten(key)
+
     def open(self, key: ConnKey, now: float) -> Standing:
         """The link to ``key``, saying hello first if need be (a Hello queued before anything sent on it)."""
         self._apply(self.links.open(key, now))

@@ -176,6 +176,7 @@ class EngineLoop:
     def open_agent(self, suffix: str) -> None:
         """NIXL agent with the KV cache and, unless plans are direct only, a staging region registered."""
         self.agent = Agent(f"{self.engine_id}-{suffix}{self.rank}", self.cfg.nixl_backends)
+        self.agent.stuck_grace_s = self.cfg.polling.peer_dead_s  # a peer only stalled is back within it
         self.agent.register(self.backend.registrations(self.layout))
         if self.cfg.staging.staging_bytes > 0 and (self.cfg.staging.plan != "direct" or not self.layout.direct):
             s = self.backend.alloc_staging(self.cfg.staging.staging_bytes, self.layout.regions[0].device_id)

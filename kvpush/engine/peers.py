@@ -236,7 +236,7 @@ class PeerTable:
         log.warning("%s: D %s rank %d %s", self.name, key[0], key[1], why)
         self.port.drop_peer(key, f"D {key[0]} rank {key[1]} {why}", now)
         if not any(p.agent == peer.agent for p in self._peers.values()):
-            self.agent.remove_peer(peer.agent)
+            self.agent.remove_peer(peer.agent, now)
         if self.maps is not None and peer.mapped is not None:
             self.maps.retire(peer.mapped)
 

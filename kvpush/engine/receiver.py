@@ -41,6 +41,7 @@ from kvpush.decode.fencing_actions import (
     AwaitUnpacks,
     Cancel,
     Foreign,
+    HelloAgain,
     Overdue,
     Report,
     SendAbort,
@@ -343,6 +344,9 @@ class Receiver(EngineLoop):
             # Queued behind the Hello on a new connection: P reads them in order.
             self.conns.open(a.conn, now)
             self.conns.send(a.conn, protocol.Abort(a.transfer_id, a.request_id, a.reason, 0, a.capability))
+        elif isinstance(a, HelloAgain):
+            log.info("%s: %s", self.name, a.describe())
+            self.conns.forgotten(a.conn)
         elif isinstance(a, StartUnpack):
             return self.unpacks.start(a)
         elif isinstance(a, AwaitUnpacks):

@@ -264,6 +264,7 @@ class Sender(EngineLoop):
             self._next_timer = now + TIMER_PERIOD_S
             self._apply(self.rendezvous.expire(now))
             self.peers.check(now)
+            self.agent.expire(now)
             self.refresh_gauges()
         return self._busy()
 

@@ -253,8 +253,10 @@ def judge_register(
     re-registration replaces one: it is counted so too, which errs on the side of P).
     """
     if peer is None or (peer.engine_id, peer.rank) != (reg.engine_id, reg.rank):
+        # A handshake failure: D says hello again and registers once more (P forgot it, silent past
+        # peer_dead_s, while D's link still looked live there); any other D fails the transfer.
         why = "registration before a successful hello from this D rank"
-        return Failed(Stage.REGISTER, Cause.REFUSED, why)
+        return Failed(Stage.HANDSHAKE, Cause.REFUSED, why)
     problem = registration_problem(layout, peer.layout, peer.staging, reg, groups)
     if not problem:
         most = most_blocks(layout, peer.layout)

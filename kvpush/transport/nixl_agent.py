@@ -192,6 +192,11 @@ class Agent:
         """Loaded peers in use: name -> the metadata they were loaded from."""
         self._retired: dict[str, bytes] = {}
         """Peers given up with ``remove_peer`` but kept loaded (``traits.reloads_live_peer`` False), oldest first."""
+        self._stuck_until: dict[str, float] = {}
+        """Retired peers given up with WRITEs that would not end if they died (``traits.dead_peer_writes_end``
+        False): unloaded at this time (``expire``) unless those WRITEs ended first."""
+        self.stuck_grace_s = 0.0
+        """How long a peer given up with such WRITEs stays loaded for them (the engine sets ``peer_dead_s``)."""
         self._early: list[tuple[str, bytes]] = []
         self._flush_until = 0.0  # progress until then: a notification may still be queued
         self._writes: dict[int, str] = {}
@@ -264,10 +269,12 @@ class Agent:
         for known, meta in (*self._peers.items(), *self._retired.items()):
             if meta == metadata:
                 self._retired.pop(known, None)
+                self._stuck_until.pop(known, None)
                 self._peers[known] = metadata
                 return known
         if name in self._retired:
             self._retired.pop(name)
+            self._stuck_until.pop(name, None)
             self._unload(name)
         loaded = self._agent.add_remote_agent(metadata)
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -280,23 +287,44 @@ class Agent:
         self._peers[loaded] = metadata
         return loaded
 
-    def remove_peer(self, name: str) -> None:
+    def remove_peer(self, name: str, now: float | None = None) -> None:
         """Give a peer up: nothing of it is posted any more. Unloaded where the backend can load a live
-        peer again (``traits.reloads_live_peer``), or where WRITEs to it are still unreleased and would not
-        end by themselves if it died (``traits.dead_peer_writes_end``); else kept loaded for its metadata's
-        return."""
+        peer again (``traits.reloads_live_peer``); else kept loaded for its metadata's return.
+
+        A peer given up with WRITEs still unreleased that would not end by themselves if it died
+        (``traits.dead_peer_writes_end`` False) is kept loaded too, but only until ``now`` plus
+        ``stuck_grace_s`` (``expire``): a peer only stalled (its process stopped, its link cut for a while)
+        comes back within it, its WRITEs end, and it is written to again on its old connection (loading it
+        anew would wait for a handshake it never sends, difference 10 of docs/libfabric.md); a dead one is
+        unloaded then, which ends its WRITEs, failed. Without ``now`` (a peer nothing is written to, or the
+        caller keeps no time) such a peer is unloaded at once."""
         metadata = self._peers.pop(name, None)
         if metadata is None:
             return
         stuck = not self.traits.dead_peer_writes_end and name in self._writes.values()
-        if self.traits.reloads_live_peer or stuck:
+        if self.traits.reloads_live_peer or (stuck and (now is None or self.stuck_grace_s <= 0)):
             self._unload(name)
             return
         self._retired[name] = metadata
+        if stuck:
+            assert now is not None
+            self._stuck_until[name] = now + self.stuck_grace_s
         while len(self._retired) > RETIRED_PEERS_MAX:
             oldest = next(iter(self._retired))
             del self._retired[oldest]
+            self._stuck_until.pop(oldest, None)
             self._unload(oldest)
+
+    def expire(self, now: float) -> None:
+        """Unload the peers given up with WRITEs that would not end, whose ``stuck_grace_s`` ran out with
+        those WRITEs still unreleased (they then end, failed); a peer whose WRITEs ended stays as retired."""
+        for name, until in list(self._stuck_until.items()):
+            if name not in self._writes.values():
+                del self._stuck_until[name]
+            elif now >= until:
+                del self._stuck_until[name]
+                self._retired.pop(name, None)
+                self._unload(name)
 
     def _unload(self, name: str) -> None:
         try:
@@ -422,5 +450,6 @@ class Agent:
             self._unload(name)
         self._peers.clear()
         self._retired.clear()
+        self._stuck_until.clear()
         self.deregister_all()
         self._agent = None

@@ -315,3 +315,64 @@ def test_p_frozen_past_quarantine_writes_nothing_into_reused_blocks(pair: tuple[
     assert st["pending"] == 0 and st["quarantined_blocks"] == 0, st
     p.call("close", "s")
     d.call("close", "r")
+
+
+def test_d_frozen_mid_push_is_written_again_once_back(pair: tuple[Node, Node]) -> None:
+    """D is stopped (SIGSTOP) while P writes 128 MiB to it, past ``peer_dead_s``, then resumed, and at once
+    registers its next request with the same P, as vLLM's scheduler would.
+
+    P gave D up (silent): it fails its push and forgets D, and D's next registration reaches a P that no
+    longer knows it, over a link that may look live to D (P's last words reached it as it resumed). D counts
+    the first transfer only if all of it landed before it looked (else it declares P dead in its turn and
+    withholds its blocks until P is fenced); the second is written exactly, whichever way D learns that P
+    forgot it: its link declared dead and said hello to again, or P refusing the registration for want of a
+    hello, to which D says hello again and registers once more (before, that refusal failed the transfer).
+    Over LIBFABRIC before NIXL 1.5 a WRITE to a peer given up does not end while the peer stays loaded, and
+    a live peer loaded again is never handshaken: P unloaded D at once, loaded it again at its hello, and
+    the next WRITE hung in its post (docs/libfabric.md, differences 10 and 11). P now keeps such a peer
+    loaded for ``peer_dead_s`` more (``Agent.remove_peer``), time for a D only stalled to come back.
+    """
+    p, d = pair
+    g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
+    cfg = {**FAST, "plan": "direct", "peer_dead_s": 3.0, "quarantine_s": 60.0}
+    addr = p.call("sender", "s", g, cfg, "P", 7)
+    peer = (addr[0], addr[1], 1)
+    d.call("receiver", "r", g, cfg, "D")
+    first = Req("t1", "p1", "d1", list(range(128)), list(range(128)), 128 * g.block_size)
+    second = Req("t2", "p2", "d2", list(range(128, 136)), list(range(128, 136)), 8 * g.block_size)
+    d.call("register", "r", first.tid, first.d_rid, peer, first.d_blocks, first.n, 0)
+    time.sleep(0.5)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        _wait_stopped(d.proc.pid)
+        p.call("prefill", "s", first.tid, first.p_rid, first.p_blocks, first.n)
+        assert p.call("wait_stat", "s", Count.DEAD_PEERS, 1, 15.0), "P did not give the silent D up"
+        time.sleep(0.5)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    d.call("register", "r", second.tid, second.d_rid, peer, second.d_blocks, second.n, 0)
+    p.call("prefill", "s", second.tid, second.p_rid, second.p_blocks, second.n)
+    [pres] = p.call("results", "s", 1, 30.0)
+    assert pres.request_id == "p1" and not pres.ok, pres  # P gave D up: its push failed
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + 40.0
+    while ("t2" not in got or not got.get("t1", got["t2"]).fenced) and time.monotonic() < deadline:
+        for res in d.call("results", "r", 1, 1.0):
+            got[res.transfer_id] = res
+    assert "t2" in got and got["t2"].ok, got  # P writes D again: its post did not hang, nor was it refused
+    assert "t1" in got and got["t1"].fenced, got  # the first transfer is over, its blocks given back
+    exp = make_cache(g, None)
+    src = p.call("snapshot", "s")
+    apply_push(exp, g, src, g, second)
+    req = [second]
+    if got["t1"].ok:  # all of it landed, and its notification, before D looked: D counts it, and it is whole
+        apply_push(exp, g, src, g, first)
+        req.append(first)
+    snap = d.call("snapshot", "r")
+    for r in req:
+        assert (snap[:, :, r.d_blocks] == exp[:, :, r.d_blocks]).all(), r.tid
+    _idle_sender(p, "s")
+    st = d.call("stats", "r")
+    assert st["pending"] == 0 and st["quarantined_blocks"] == 0, st
+    p.call("close", "s")
+    d.call("close", "r")

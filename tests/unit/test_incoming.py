@@ -4,7 +4,9 @@ The state machine plays the receiver thread, the network and an honest P
 around a real ``Fencing``: D registers (and re-registers, a new attempt),
 connections come up or are refused, P writes parts (direct or staged, in any
 order, each its own completion), acknowledges registrations (queued,
-running), answers aborts, supersedes old attempts the way P does (a new
+running), answers aborts, forgets D (dropping what it had not started and
+refusing D's next registrations for want of a hello, to which D says hello
+again and registers once more), supersedes old attempts the way P does (a new
 attempt is written only after the previous one's WRITE ended), or freezes
 and is declared dead -- and may then resume and go on writing, as a P
 stopped by SIGSTOP does; unpacks land whenever the device says so. The
@@ -40,6 +42,7 @@ from kvpush.decode.fencing_actions import (
     AwaitUnpacks,
     Cancel,
     Foreign,
+    HelloAgain,
     Overdue,
     Report,
     SendAbort,
@@ -107,6 +110,8 @@ class FencingMachine(RuleBasedStateMachine):
         self.dead: set[int] = set()  # P ranks killed (they never write nor answer again, until they restart)
         self.overdue: set[tuple[int, int]] = set()  # (id(incoming), P rank) reported overdue
         self.shape: dict[int, tuple[bool, bool]] = {}  # id(incoming) -> (staged, two parts)
+        self.forgot: set[int] = set()  # P ranks that forgot this D rank and have not had a hello from it since
+        self.refused_unknown: dict[tuple[str, int, int], int] = {}  # (tid, attempt, P rank) -> refusals for no hello
 
     # -- the receiver's shell -------------------------------------------------------
     def _do(self, actions: list) -> None:
@@ -152,6 +157,12 @@ class FencingMachine(RuleBasedStateMachine):
         elif isinstance(a, FreeSlot):
             assert self.granted.get(a.offset), f"slot {a.offset} freed twice or never granted"
             self.granted[a.offset] = False
+        elif isinstance(a, HelloAgain):
+            p = a.conn[1]
+            assert any(k[2] == p for k in self.refused_unknown), f"hello again without P's word: {a}"
+            if self.conns.get(p) == "ready":  # the link's next registration says hello (a new epoch)
+                self.conns[p] = "pending"
+                self.epoch[p] += 1
         elif isinstance(a, Report):
             self._on_report(a)
         elif isinstance(a, Overdue):
@@ -186,7 +197,14 @@ class FencingMachine(RuleBasedStateMachine):
         if grant is not None:
             self.granted[grant.offset] = True
         parts = [(0, 1), (1, NREGIONS)] if split else [(0, NREGIONS)]
-        self.sessions.append(Session(inc.transfer_id, inc.attempt, a.p_rank, staged, grant, parts))
+        s = Session(inc.transfer_id, inc.attempt, a.p_rank, staged, grant, parts)
+        self.sessions.append(s)
+        if a.p_rank in self.forgot:  # P knows no hello of this D rank: the registration goes nowhere
+            s.writing, s.answered = False, True
+            key = (inc.transfer_id, inc.attempt, a.p_rank)
+            self.refused_unknown[key] = self.refused_unknown.get(key, 0) + 1
+            why = "registration before a successful hello from this D rank"
+            self.net.msgs.append(protocol.Failure(s.tid, "p", s.p, Stage.HANDSHAKE, Cause.REFUSED, why, s.attempt))
         return self.fencing.register_sent(inc, a.p_rank, grant, "pieces", 16, True, self.now)
 
     def _sessions_of(self, inc: Incoming, p: int) -> list[Session]:
@@ -284,6 +302,7 @@ class FencingMachine(RuleBasedStateMachine):
         self.conns[p] = "ready" if ok else "refused"
         conn = ("p", p)
         if self.conns[p] == "ready":
+            self.forgot.discard(p)
             self.answered_ok.setdefault(p, []).append(self.epoch[p])
             for s in self.sessions:
                 if s.p == p:
@@ -316,6 +335,22 @@ class FencingMachine(RuleBasedStateMachine):
             return  # D declares a silent P dead only while a writer waits on it
         self.conns[p] = "dead"
         self._do(self.fencing.on_link(Dead(("p", p), f"P rank {p} declared dead", self.epoch[p], ""), self.now))
+
+    @precondition(lambda self: any(v == "ready" and k not in self.dead for k, v in self.conns.items()))
+    @rule(data=st.data())
+    def p_forgets_d(self, data) -> None:
+        """P gives this D rank up (D silent past P's ``peer_dead_s``, its link still live to D): P drops the
+        registrations it had not started writing, without a word, and refuses D's next ones for want of a
+        hello (the first refusal of a writer has D say hello again and register once more)."""
+        p = data.draw(st.sampled_from(sorted(k for k, v in self.conns.items() if v == "ready" and k not in self.dead)))
+        self.forgot.add(p)
+        for s in self.sessions:
+            full = [(0, 1), (1, NREGIONS)] if self.shape.get(self._inc_id(s), (False, False))[1] else [(0, NREGIONS)]
+            if s.p == p and s.writing and not s.answered and s.left == full:
+                s.writing, s.answered = False, True
+
+    def _inc_id(self, s: Session) -> int:
+        return next(id(i) for i in self.incomings if (i.transfer_id, i.attempt) == (s.tid, s.attempt))
 
     @precondition(lambda self: any(v in ("dead", "refused") for v in self.conns.values()))
     @rule(data=st.data())
@@ -460,6 +495,9 @@ class FencingMachine(RuleBasedStateMachine):
                     continue
                 if v in ("dead", "refused"):
                     self.fencing_hello(_Draws(p))
+                if v == "ready" and p in self.forgot:  # P answers no heartbeat: the next registration says hello
+                    self.conns[p] = "pending"
+                    self.epoch[p] += 1
                 if self.conns[p] == "pending":
                     self.hello_answered(_Draws(p), True)
             for ms in self.unpacks.values():
@@ -580,3 +618,42 @@ def test_unpacks_are_taken_oldest_first() -> None:
     assert fencing.unpacked(send.incoming, 0, markers[0], 2.0) == [] and len(w.unpacking) == 1
     [free, report] = fencing.unpacked(send.incoming, 0, markers[1], 2.0)
     assert free == FreeSlot(4096) and isinstance(report, Report) and report.result.ok
+
+
+def test_a_registration_p_refuses_for_want_of_a_hello_goes_again_once_after_a_new_hello() -> None:
+    """P forgot this D rank (D silent past P's ``peer_dead_s``) while D's link still looked live: P refuses the
+    registration as a handshake failure. The first time, D says hello again (``HelloAgain``) and registers
+    anew (its staging slot back first); the writer fails only if it is refused so again."""
+    fencing = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
+    conn = ("p", 0)
+    assert fencing.on_link(Ready(conn, 1), 0.0) == []
+    [send] = fencing.register(Asked("t0", "r-t0", ((1, 2),), 32), {0: conn}, 0.0)
+    inc = send.incoming
+    grant = protocol.StagingGrant(4096, 64)
+    assert fencing.register_sent(inc, 0, grant, "pieces", 16, True, 0.0) == []
+    why = "registration before a successful hello from this D rank"
+    refusal = protocol.Failure("t0", "r-t0", 0, Stage.HANDSHAKE, Cause.REFUSED, why, 0)
+    again = fencing.failure(refusal, 1.0, sender=conn)
+    assert again == [HelloAgain(conn), FreeSlot(4096), SendRegister(inc, 0, conn, inc.asked, 0)], again
+    assert fencing.on_link(Ready(conn, 2), 1.5) == [SendRegister(inc, 0, conn, inc.asked, 0)]  # sent after the hello
+    assert fencing.register_sent(inc, 0, None, None, 0, True, 1.5) == []
+    [report] = fencing.failure(refusal, 2.0, sender=conn)
+    assert isinstance(report, Report) and not report.result.ok and report.result.stage is Stage.HANDSHAKE
+    assert len(fencing) == 0
+
+
+def test_a_hello_answered_ok_fails_the_registrations_of_earlier_sessions() -> None:
+    """P answers a hello ok only once it dropped this D rank's earlier registrations (or had forgotten them):
+    a writer still waiting on one of those fails at once instead of waiting out its timeout; one registered
+    in the new session waits on."""
+    fencing = Fencing(NREGIONS, TIMEOUT_S, PEER_DEAD_S, HARD_CAP_S, QUARANTINE_S)
+    conn = ("p", 0)
+    fencing.on_link(Ready(conn, 1), 0.0)
+    [old] = fencing.register(Asked("t0", "r-t0", ((1, 2),), 32), {0: conn}, 0.0)
+    fencing.register_sent(old.incoming, 0, None, None, 0, True, 0.0)
+    out = fencing.on_link(Ready(conn, 2), 1.0)
+    [report] = [a for a in out if isinstance(a, Report)]
+    assert report.result.transfer_id == "t0" and not report.result.ok and report.result.fenced
+    [new] = fencing.register(Asked("t1", "r-t1", ((3, 4),), 32), {0: conn}, 1.0)
+    fencing.register_sent(new.incoming, 0, None, None, 0, True, 1.0)
+    assert fencing.on_link(Ready(conn, 2), 1.5) == [] and len(fencing) == 1

@@ -306,3 +306,19 @@ def test_a_silent_link_nobody_waits_on_is_not_declared_dead() -> None:
     links.hello_reply(KEYS[0], protocol.HelloReply(ok=True, layout=LAYOUT, epoch=1), 0.0)
     assert not [a for a in links.tick(10 * PEER_DEAD_S) if isinstance(a, Dead)]
     assert links.open(KEYS[0], 10 * PEER_DEAD_S) == [Hello(KEYS[0], 2)]
+
+
+def test_a_link_p_forgot_says_hello_again_at_the_next_registration() -> None:
+    """P refused a registration for want of a hello (it forgot this D rank): a ready link, fresh as it looks,
+    says hello again at the next registration; the next one after that uses the new session."""
+    links = Links(PEER_DEAD_S, HEARTBEAT_S, FakeFences())
+    links.open(KEYS[0], 0.0)
+    links.hello_reply(KEYS[0], protocol.HelloReply(ok=True, layout=LAYOUT, epoch=1), 0.0)
+    assert links.open(KEYS[0], 1.0) == []
+    links.forgotten(KEYS[1])  # no link: nothing to do
+    links.forgotten(KEYS[0])
+    assert links.open(KEYS[0], 1.0) == [Hello(KEYS[0], 2)]
+    links.forgotten(KEYS[0])  # waiting for its hello's answer: it is saying hello already
+    assert links.open(KEYS[0], 1.1) == []
+    links.hello_reply(KEYS[0], protocol.HelloReply(ok=True, layout=LAYOUT, epoch=2), 1.2)
+    assert links.open(KEYS[0], 1.3) == []
