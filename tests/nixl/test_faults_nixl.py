@@ -177,6 +177,17 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"process {pid} did not stop")
 
 
+def _big_transfer_pair(p: Node, d: Node, **polling: float) -> tuple[Geom, tuple[str, int, int]]:
+    """P (``s``) and D (``r``) over a cache whose block is 1 MiB over all layers (128 of them: a 128 MiB
+    transfer, whose WRITE lasts), direct plans, FAST but for ``polling``; returns the geometry and D's peer
+    address of P."""
+    g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)
+    cfg = {**FAST, "plan": "direct", **polling}
+    addr = p.call("sender", "s", g, cfg, "P", 7)
+    d.call("receiver", "r", g, cfg, "D")
+    return g, (addr[0], addr[1], 1)
+
+
 REUSED = 0x3C
 """What D's blocks hold once vLLM reused them for another request (the test fills them)."""
 
@@ -189,14 +200,10 @@ def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, N
     at the dead declaration and the resumed P wrote most of the transfer into them.
     """
     p, d = pair
-    g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
     # Once resumed, P must not look silent again: right after SIGCONT it reaps its failed WRITE, answers the
     # fencing hello and loads D's agent again, on a host whose cores other tests share. That took longer than
     # a 1 s bar there. The rule under test does not depend on the bar's length.
-    cfg = {**FAST, "plan": "direct", "peer_dead_s": 6.0, "quarantine_s": 60.0}
-    addr = p.call("sender", "s", g, cfg, "P", 7)
-    peer = (addr[0], addr[1], 1)
-    d.call("receiver", "r", g, cfg, "D")
+    g, peer = _big_transfer_pair(p, d, peer_dead_s=6.0, quarantine_s=60.0)
     blocks, other = list(range(128)), list(range(128, 136))
     n = len(blocks) * g.block_size
     d.call("register", "r", "t1", "d1", peer, blocks, n, 0)
@@ -258,11 +265,8 @@ def test_p_frozen_past_quarantine_writes_nothing_into_reused_blocks(pair: tuple[
     ``quarantine_s`` and the resumed P wrote most of the transfer into them, reporting success.
     """
     p, d = pair
-    g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
-    cfg = {**FAST, "plan": "direct", "peer_dead_s": 3.0, "quarantine_s": 3.0}  # the freeze outlasts both
-    addr = p.call("sender", "s", g, cfg, "P", 7)
-    peer = (addr[0], addr[1], 1)
-    d.call("receiver", "r", g, cfg, "D")
+    quarantine_s = 3.0
+    g, peer = _big_transfer_pair(p, d, peer_dead_s=3.0, quarantine_s=quarantine_s)  # the freeze outlasts both
     blocks, other = list(range(128)), list(range(128, 136))
     n = len(blocks) * g.block_size
     d.call("register", "r", "t1", "d1", peer, blocks, n, 0)
@@ -291,7 +295,7 @@ def test_p_frozen_past_quarantine_writes_nothing_into_reused_blocks(pair: tuple[
     finally:
         os.kill(p.proc.pid, signal.SIGCONT)
     p.answer(30.0)
-    assert frozen_s > 2 * cfg["quarantine_s"], frozen_s
+    assert frozen_s > 2 * quarantine_s, frozen_s
     released_frozen = bool(reused)
     # D goes on serving (the next request, for the same P): its agent progresses, P's fencing hello is answered
     d.call("register", "r", "t2", "d2", peer, other, len(other) * g.block_size, 0)
@@ -333,11 +337,7 @@ def test_d_frozen_mid_push_is_written_again_once_back(pair: tuple[Node, Node]) -
     loaded for ``peer_dead_s`` more (``Agent.remove_peer``), time for a D only stalled to come back.
     """
     p, d = pair
-    g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # a block is 1 MiB over all layers
-    cfg = {**FAST, "plan": "direct", "peer_dead_s": 3.0, "quarantine_s": 60.0}
-    addr = p.call("sender", "s", g, cfg, "P", 7)
-    peer = (addr[0], addr[1], 1)
-    d.call("receiver", "r", g, cfg, "D")
+    g, peer = _big_transfer_pair(p, d, peer_dead_s=3.0, quarantine_s=60.0)
     first = Req("t1", "p1", "d1", list(range(128)), list(range(128)), 128 * g.block_size)
     second = Req("t2", "p2", "d2", list(range(128, 136)), list(range(128, 136)), 8 * g.block_size)
     d.call("register", "r", first.tid, first.d_rid, peer, first.d_blocks, first.n, 0)
