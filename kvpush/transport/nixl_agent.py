@@ -23,6 +23,7 @@ import numpy as np
 from kvpush.backends.base import MemRegistration
 from kvpush.core.errors import ConfigError, KVPushError, MemoryKindError
 from kvpush.core.outcome import XferState
+from kvpush.core.peer_loads import LoadNew, PeerLoads, TakenBack, Unload
 from kvpush.transport.nixl_backends import traits
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,6 @@ SUPPORTED = ((1, 3, 2), (1, 6))
 NIXL_INSTALL = "pip install 'nixl>=1.3.2,<1.6' (after torch, so pip does not pull a CUDA torch)"
 """How to install a NIXL kvpush supports."""
 
-RETIRED_PEERS_MAX = 64
-"""Most unloaded peers an agent keeps loaded where a live peer cannot be reloaded
-(``traits.reloads_live_peer`` False); beyond it the oldest is really unloaded."""
 SETTLE_MAX_ERRORS = 4096
 """Most failed completions one ``Agent._settle_errors`` reads (a dead peer leaves one per descriptor)."""
 
@@ -188,15 +186,8 @@ class Agent:
         self.traits = traits(self.backends, self.nixl_version)
         self._mem_types = {b: set(inner.get_backend_mem_types(b)) for b in self.backends}
         self._regs: list[Any] = []
-        self._peers: dict[str, bytes] = {}
-        """Loaded peers in use: name -> the metadata they were loaded from."""
-        self._retired: dict[str, bytes] = {}
-        """Peers given up with ``remove_peer`` but kept loaded (``traits.reloads_live_peer`` False), oldest first."""
-        self._stuck_until: dict[str, float] = {}
-        """Retired peers given up with WRITEs that would not end if they died (``traits.dead_peer_writes_end``
-        False): unloaded at this time (``expire``) unless those WRITEs ended first."""
-        self.stuck_grace_s = 0.0
-        """How long a peer given up with such WRITEs stays loaded for them (the engine sets ``peer_dead_s``)."""
+        self._loads = PeerLoads(self.traits.reloads_live_peer, self.traits.dead_peer_writes_end)
+        """Which peers are loaded, in use or given up but kept (``kvpush.core.peer_loads``: the rules)."""
         self._early: list[tuple[str, bytes]] = []
         self._flush_until = 0.0  # progress until then: a notification may still be queued
         self._writes: dict[int, str] = {}
@@ -204,7 +195,17 @@ class Agent:
 
     def peers(self) -> tuple[str, ...]:
         """The peers in use (loaded with ``add_peer``, not given up with ``remove_peer``)."""
-        return tuple(self._peers)
+        return tuple(self._loads.in_use)
+
+    @property
+    def stuck_grace_s(self) -> float:
+        """How long a peer given up with WRITEs that would not end if it died stays loaded for them
+        (``kvpush.core.peer_loads``; the engine sets ``peer_dead_s``)."""
+        return self._loads.grace_s
+
+    @stuck_grace_s.setter
+    def stuck_grace_s(self, seconds: float) -> None:
+        self._loads.grace_s = seconds
 
     def unreleased_writes(self) -> int:
         """WRITEs made with ``prepare_write`` and not yet given back with ``release``."""
@@ -258,24 +259,18 @@ class Agent:
     def add_peer(self, metadata: bytes, name: str = "", greeting: bytes = b"") -> str:
         """Load a peer's metadata; returns its agent name. ``name``: the name the peer says it has.
 
-        Metadata identical to a peer kept loaded (given up but not unloaded) takes that peer back
-        without loading anything: the same peer, the same session. A peer kept loaded under ``name``
-        with other metadata (it restarted) is unloaded first.
+        Metadata of a peer still loaded (given up but kept) takes it back without loading anything; a peer
+        kept under ``name`` with other metadata (it restarted) is unloaded first (``kvpush.core.peer_loads``).
 
         ``greeting``: a notification for a peer known to progress its agent now (it just said hello),
         sent as it is loaded where loading does not connect to it (``traits.connects_on_load`` False):
         the send connects, so that no WRITE's post has to, which would block for as long as a peer dead
         by then never accepts. Returns once the peer accepted; a failed send unloads the peer and raises."""
-        for known, meta in (*self._peers.items(), *self._retired.items()):
-            if meta == metadata:
-                self._retired.pop(known, None)
-                self._stuck_until.pop(known, None)
-                self._peers[known] = metadata
-                return known
-        if name in self._retired:
-            self._retired.pop(name)
-            self._stuck_until.pop(name, None)
-            self._unload(name)
+        verdict = self._loads.add(metadata, name)
+        if isinstance(verdict, TakenBack):
+            return verdict.name
+        assert isinstance(verdict, LoadNew)
+        self._carry_out(verdict.unload_first)
         loaded = self._agent.add_remote_agent(metadata)
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if greeting and not self.traits.connects_on_load:
@@ -284,47 +279,25 @@ class Agent:
             except Exception:
                 self._unload(loaded)
                 raise
-        self._peers[loaded] = metadata
+        self._loads.loaded(loaded, metadata)
         return loaded
 
     def remove_peer(self, name: str, now: float | None = None) -> None:
-        """Give a peer up: nothing of it is posted any more. Unloaded where the backend can load a live
-        peer again (``traits.reloads_live_peer``); else kept loaded for its metadata's return.
-
-        A peer given up with WRITEs still unreleased that would not end by themselves if it died
-        (``traits.dead_peer_writes_end`` False) is kept loaded too, but only until ``now`` plus
-        ``stuck_grace_s`` (``expire``): a peer only stalled (its process stopped, its link cut for a while)
-        comes back within it, its WRITEs end, and it is written to again on its old connection (loading it
-        anew would wait for a handshake it never sends, difference 10 of docs/libfabric.md); a dead one is
-        unloaded then, which ends its WRITEs, failed. Without ``now`` (a peer nothing is written to, or the
-        caller keeps no time) such a peer is unloaded at once."""
-        metadata = self._peers.pop(name, None)
-        if metadata is None:
-            return
-        stuck = not self.traits.dead_peer_writes_end and name in self._writes.values()
-        if self.traits.reloads_live_peer or (stuck and (now is None or self.stuck_grace_s <= 0)):
-            self._unload(name)
-            return
-        self._retired[name] = metadata
-        if stuck:
-            assert now is not None
-            self._stuck_until[name] = now + self.stuck_grace_s
-        while len(self._retired) > RETIRED_PEERS_MAX:
-            oldest = next(iter(self._retired))
-            del self._retired[oldest]
-            self._stuck_until.pop(oldest, None)
-            self._unload(oldest)
+        """Give a peer up: nothing of it is posted any more. Whether it is unloaded now, kept loaded for its
+        metadata's return, or kept for ``stuck_grace_s`` because WRITEs to it would not end if it died, is
+        ``kvpush.core.peer_loads``' rule. Without ``now`` (the caller keeps no time) a peer kept for its WRITEs
+        is unloaded at once."""
+        self._carry_out(self._loads.remove(name, name in self._writes.values(), now))
 
     def expire(self, now: float) -> None:
-        """Unload the peers given up with WRITEs that would not end, whose ``stuck_grace_s`` ran out with
-        those WRITEs still unreleased (they then end, failed); a peer whose WRITEs ended stays as retired."""
-        for name, until in list(self._stuck_until.items()):
-            if name not in self._writes.values():
-                del self._stuck_until[name]
-            elif now >= until:
-                del self._stuck_until[name]
-                self._retired.pop(name, None)
-                self._unload(name)
+        """Unload the peers given up with WRITEs that would not end whose ``stuck_grace_s`` ran out with those
+        WRITEs still unreleased (they then end, failed)."""
+        if self._loads.stuck_until:
+            self._carry_out(self._loads.expire(now, set(self._writes.values())))
+
+    def _carry_out(self, unloads: tuple[Unload, ...] | list[Unload]) -> None:
+        for u in unloads:
+            self._unload(u.name)
 
     def _unload(self, name: str) -> None:
         try:
@@ -446,10 +419,6 @@ class Agent:
         return now < self._flush_until
 
     def close(self) -> None:
-        for name in [*self._peers, *self._retired]:
-            self._unload(name)
-        self._peers.clear()
-        self._retired.clear()
-        self._stuck_until.clear()
+        self._carry_out(self._loads.close())
         self.deregister_all()
         self._agent = None
