@@ -217,6 +217,8 @@ class PeerTable:
         """Forget D ranks silent for ``peer_dead_s``, as this P rank watched (``kvpush.prefill.liveness``): the
         first look after its own stall blames nobody for it."""
         stall = self.lookout.look(now)
+        if stall:
+            self.port.bump(Count.STALLS)
         if stall and self._peers:
             log.warning(
                 "%s: looked at its D ranks again after %.1fs (this P rank stalled): their silence is counted from now",

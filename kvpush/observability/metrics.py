@@ -45,6 +45,7 @@ class Count(enum.StrEnum):
     REGISTRATIONS = "registrations_total"
     ABORTS = "aborts_total"
     DEAD_PEERS = "dead_peers_total"
+    STALLS = "stalls_total"  # P: looks at its D ranks after a gap past the stall bar (its own stall)
     EXPIRED_PREFILLS = "expired_prefills_total"  # P: a parked prefill's lease ran out
     EXPIRED_REGISTRATIONS = "expired_registrations_total"  # P: a registration's lease ran out
     EXPIRED = "expired_total"  # D: no KV within transfer_timeout_s
@@ -90,6 +91,7 @@ COUNT_STAT: dict[Count, tuple[str, ...]] = {
     Count.REGISTRATIONS: ("registrations",),
     Count.ABORTS: ("aborts",),
     Count.DEAD_PEERS: ("dead_peers",),
+    Count.STALLS: ("stalls",),
     # Also on their own: prefills that held their blocks for a whole lease because no D came.
     Count.EXPIRED_PREFILLS: ("expirations", "prefills_released_at_lease"),
     Count.EXPIRED_REGISTRATIONS: ("expirations",),

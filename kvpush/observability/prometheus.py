@@ -183,6 +183,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "kvpush_dead_peers_total", "counter", "Peers declared dead after peer_dead_s of silence.", _count("dead_peers")
     ),
     _kv(
+        "kvpush_stalls_total",
+        "counter",
+        "P: its own stalls (process stopped, thread blocked, no core) longer than half of peer_dead_s, seen "
+        "between two looks at its D ranks; their silence is counted from the stall's end.",
+        _count("stalls"),
+    ),
+    _kv(
         "kvpush_engine_loop_iterations_total",
         "counter",
         "Engine thread loop iterations (idle polling shows as a steady rate).",

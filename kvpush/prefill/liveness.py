@@ -47,7 +47,6 @@ class Lookout:
         self.last_look: float | None = None
         self.resumed = float("-inf")
         """When this side's last stall ended (the first look after it); -inf: it never stalled."""
-        self.stalls = 0
 
     def look(self, now: float) -> float:
         """A look at ``now``: the length of the stall it ends (the silence before it is forgiven), 0.0 if none."""
@@ -56,7 +55,6 @@ class Lookout:
         if gap <= self.stall_s:
             return 0.0
         self.resumed = now
-        self.stalls += 1
         return gap
 
     def silence(self, last_word: float, now: float) -> float:

@@ -52,7 +52,6 @@ def test_silence_is_counted_only_while_this_side_looked(run: list[tuple[float, b
             assert silence == now - resumed, (silence, resumed)
         if spoke:
             word = now  # the peer's word, read at this look
-    assert lookout.stalls == sum(g > BAR for g, _ in run)
 
 
 def test_a_side_frozen_past_peer_dead_s_does_not_blame_its_peer_at_its_first_look() -> None:
