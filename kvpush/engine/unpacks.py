@@ -22,6 +22,7 @@ from kvpush.backends.copy import Copier
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
+from kvpush.core.limits import Throttle
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.parts import costs_of
 from kvpush.core.plan import staged_bytes
@@ -31,6 +32,7 @@ from kvpush.decode.fencing_actions import AwaitUnpacks, StartUnpack, WaitUnpacks
 from kvpush.decode.incoming import Action, Asked
 from kvpush.decode.registration import guess_parts
 from kvpush.observability.metrics import Count
+from kvpush.transport.auth import LOG_EVERY_S
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class UnpackRunner:
         self.name, self.cfg, self.layout, self.backend, self.copy = name, cfg, layout, backend, copy
         self.staging, self.slots, self.fencing, self.bump = staging, slots, fencing, bump
         self.region_bases = [r.base for r in layout.regions]
+        self._throttle = Throttle(LOG_EVERY_S)
 
     def grant(self, p_layout: KVLayout, ask: Asked, want: bool) -> protocol.StagingGrant | None:
         """A slot of D's staging region for this writer, when D's own fragmentation wants one."""
@@ -67,9 +70,30 @@ class UnpackRunner:
         off = self.slots.alloc(size)
         if off is None:
             self.bump(Count.STAGING_FULL)
+            if not self.slots.holds(size):
+                self._too_small(size)
             return None
         self.bump(Count.STAGING_GRANTS)
         return protocol.StagingGrant(off, size)
+
+    def _too_small(self, size: int) -> None:
+        """A push D wants staged is larger than D's whole staging region: it goes direct, paying the transport's
+        price per descriptor (a second-long post for a long prompt of a fragmented cache, docs/benchmarks.md
+        section 11). Counted, and said in a warning at most once per interval: it is configuration, not load."""
+        self.bump(Count.STAGING_TOO_SMALL)
+        held = self._throttle.note("too_small", time.monotonic())
+        if held is None:
+            return
+        more = f" ({held} more since the last line)" if held else ""
+        log.warning(
+            "%s: a push of %d bytes wants staging (its direct plan has many descriptors) but D's staging region "
+            "holds %d bytes (staging_bytes), so it goes direct%s; set staging_bytes above the largest request "
+            "on both P and D",
+            self.name,
+            size,
+            self.slots.capacity,
+            more,
+        )
 
     def prepare(self, pieces: np.ndarray, offset: int) -> None:
         """Hand the backend the unpack list (and the parts P will most likely cut) after the registration

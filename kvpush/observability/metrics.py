@@ -70,6 +70,7 @@ class Count(enum.StrEnum):
     PLAN_EMPTY = "plan_empty_total"
     PLAN_PEER = "plan_peer_total"  # P: pushes its device copied into a same-host D's blocks itself
     STAGING_FULL = "staging_full_total"
+    STAGING_TOO_SMALL = "staging_too_small_total"  # D: pushes it wanted staged, larger than its staging region
     STAGING_GRANTS = "staging_grants_total"  # D: registrations sent with a slot of D's staging region
     POSTINGS = "postings_total"
     COMPLETED = "completed_total"
@@ -92,6 +93,7 @@ COUNT_STAT: dict[Count, tuple[str, ...]] = {
     Count.ABORTS: ("aborts",),
     Count.DEAD_PEERS: ("dead_peers",),
     Count.STALLS: ("stalls",),
+    Count.STAGING_TOO_SMALL: ("staging_too_small",),
     # Also on their own: prefills that held their blocks for a whole lease because no D came.
     Count.EXPIRED_PREFILLS: ("expirations", "prefills_released_at_lease"),
     Count.EXPIRED_REGISTRATIONS: ("expirations",),

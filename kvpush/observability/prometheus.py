@@ -190,6 +190,13 @@ METRICS: tuple[MetricSpec, ...] = (
         _count("stalls"),
     ),
     _kv(
+        "kvpush_staging_too_small_total",
+        "counter",
+        "D: pushes it wanted staged (many descriptors direct) that are larger than its whole staging region, "
+        "so they went direct; staging_bytes is below the largest request.",
+        _count("staging_too_small"),
+    ),
+    _kv(
         "kvpush_engine_loop_iterations_total",
         "counter",
         "Engine thread loop iterations (idle polling shows as a steady rate).",

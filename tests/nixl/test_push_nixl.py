@@ -171,6 +171,43 @@ def test_many_concurrent_requests(nodes: tuple[Node, Node], plan: str) -> None:
         assert after[0] - before[0] < 150 and after[1] - before[1] < 150, (before, after)
 
 
+def test_a_push_larger_than_ds_staging_region_goes_direct_and_is_counted(nodes: tuple[Node, Node]) -> None:
+    """D wants every push staged (``staged_min_descriptors=1``) but its staging region is one 4 KiB page: the
+    pushes larger than it go direct, byte-exact, and D counts each one (``staging_too_small_total``, with the
+    warning operators read: configuration, not load); those that fit are staged and not counted."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=128), Geom(num_blocks=128)
+    k = _key("toosmall")
+    reqs = make_requests(np.random.default_rng(5), 10, pg, dg, k, max_tokens=120)
+    region = 4096
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(staged_min_descriptors=1, staging_bytes=region), "D" + k)]),
+    ):
+        peer = (addr[0], addr[1], 1)
+        for r in reqs:  # one at a time: a slot that fits is always free
+            d.call("register", k + "d", r.tid, r.d_rid, peer, r.d_blocks, r.n, r.start)
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            [res] = d.call("results", k + "d", 1, 30.0)
+            assert res.ok, res
+        p_res = by_rid(p.call("results", k + "p", len(reqs), 10.0))
+        assert all(x.ok for x in p_res.values()), p_res
+        src, got = p.call("snapshot", k + "p"), d.call("snapshot", k + "d")
+        exp = make_cache(dg, None)
+        for r in reqs:
+            apply_push(exp, dg, src, pg, r)
+        assert_same(got, exp, dg)
+        per_token = pg.num_heads * pg.head_dim * 2 * pg.layers
+        sizes = [(r.n - r.start) * per_token for r in reqs]
+        large, small = sum(b > region for b in sizes), sum(0 < b <= region for b in sizes)
+        assert large and small, sizes  # both kinds are in the run
+        assert d.call("stats", k + "d").get("staging_too_small_total", 0) == large
+        st = p.call("stats", k + "p")
+        assert st.get("plan_direct_total", 0) == large and st.get("plan_staged_total", 0) == small, st
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
 # -- different block sizes and in-block orders ------------------------------------------------------
 
 

@@ -307,3 +307,10 @@ def test_the_pack_at_hand_over_follows_the_last_plan_made_with_a_slot(scn: Scena
     assert slots.last_staging_plan is last
     want = on and not sl.hybrid and packs_at_hand_over(cfg, sl, scn.src_blocks, scn.num_tokens, pack, 5e9, last)
     assert slots.wants_pack(pack, scn.src_blocks, scn.num_tokens, 5e9) == want
+
+
+@given(st.integers(0, 8), st.integers(-ALIGN, 10 * ALIGN))
+def test_a_region_holds_a_slot_exactly_when_an_empty_region_grants_it(pages: int, size: int) -> None:
+    """``holds`` (D's "this push can never be staged here") agrees with what the empty region grants."""
+    empty = SlotAllocator(pages * ALIGN)
+    assert empty.holds(size) == (empty.alloc(size) is not None)
