@@ -88,6 +88,25 @@ def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int
     return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
 
 
+def staging_shortfall(cfg: Config, layout: KVLayout, max_tokens: int) -> tuple[int, int] | None:
+    """Where this rank's staging region cannot hold a push of ``max_tokens`` (the longest prompt served):
+    ``(tokens it holds, bytes the longest push needs)``, counted in whole blocks with a peer of this layout's
+    heads; None where it can, or where staging is off (``plan="direct"``, ``staging_bytes`` 0).
+
+    A push D wants staged (its blocks fragmented) that does not fit goes direct, one descriptor per piece at
+    the transport's price: the cost a long prompt pays in docs/benchmarks.md section 11. Said at start, so an
+    operator sizes the region before the first slow request instead of after.
+    """
+    region = cfg.staging.staging_bytes
+    if cfg.staging.plan == "direct" or region <= 0 or max_tokens <= 0 or layout.hybrid:
+        return None
+    per_block = staged_bytes(layout, layout, layout.block_size, 0)
+    need = -(-max_tokens // layout.block_size) * per_block
+    if per_block <= 0 or need <= region:
+        return None
+    return region // per_block * layout.block_size, need
+
+
 HOLE = recurrent.HOLE
 """A block id P no longer holds (its sliding window moved past it): never to be read."""
 

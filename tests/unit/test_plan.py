@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvpush.config import Config
 from kvpush.core.parts import MIN_PART_BYTES, PartCosts, PartSchedule, part_count, split_regions
-from kvpush.core.plan import build_plan, part_descriptors
+from kvpush.core.plan import build_plan, part_descriptors, staged_bytes, staging_shortfall
 
 
 @settings(max_examples=200, deadline=None)
@@ -214,3 +214,25 @@ def test_a_peer_plan_copies_exactly_the_reference_bytes_whatever_plan_is_configu
             remote = np.stack([rd.base + plan.merged[:, 1], plan.merged[:, 2], np.zeros_like(plan.merged[:, 2])], 1)
             apply_descriptors(local, remote, scn.src, out, scn.dst)
     np.testing.assert_array_equal(out, reference_dst(scn))
+
+
+@settings(max_examples=60, deadline=None)
+@given(scenarios(), st.integers(0, 8), st.integers(1, 4096))
+def test_staging_shortfall_says_exactly_when_the_longest_push_cannot_be_staged(
+    scn: Scenario, pages: int, max_tokens: int
+) -> None:
+    """The warning at start (``staging_shortfall``) agrees with what the region really holds: a push of
+    ``max_tokens`` with a peer of the same heads is staged size for size (``staged_bytes``), and the tokens it
+    names as held fit the region while one block more would not."""
+    lay = scn.src.layout
+    region = pages * 4096
+    cfg = Config.from_dict({"staging_bytes": region})
+    short = staging_shortfall(cfg, lay, max_tokens)
+    need = staged_bytes(lay, lay, -(-max_tokens // lay.block_size) * lay.block_size, 0)
+    assert (short is not None) == (region > 0 and need > region), (short, need, region)
+    if short is not None:
+        held, needed = short
+        assert needed == need
+        assert staged_bytes(lay, lay, held, 0) <= region < staged_bytes(lay, lay, held + lay.block_size, 0)
+    assert staging_shortfall(Config.from_dict({"staging_bytes": region, "plan": "direct"}), lay, max_tokens) is None
+    assert staging_shortfall(Config.from_dict({"staging_bytes": need}), lay, max_tokens) is None  # exactly fits

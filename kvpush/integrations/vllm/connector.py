@@ -163,6 +163,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             get_tensor_model_parallel_world_size(),
             producer=ktc.is_kv_producer,
             consumer=ktc.is_kv_consumer,
+            max_model_len=vllm_config.model_config.max_model_len,
         )
 
     # ---------------- scheduler hooks ----------------

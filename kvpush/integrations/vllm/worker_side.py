@@ -16,6 +16,7 @@ from kvpush.backends.base import Backend, CacheSpec
 from kvpush.config import Config
 from kvpush.core.layout import KVLayout
 from kvpush.core.pieces import map_pieces
+from kvpush.core.plan import staging_shortfall
 from kvpush.engine import PeerAddress, Receiver, Sender
 from kvpush.integrations.vllm.compat import load_error_blocks
 from kvpush.integrations.vllm.orders import Registration, StepOrders
@@ -42,9 +43,19 @@ def kv_checksum(layout: KVLayout, block_ids: tuple[int, ...], num_tokens: int, s
 
 class WorkerSide:
     def __init__(
-        self, cfg: Config, backend: Backend, engine_id: str, rank: int, tp_size: int, producer: bool, consumer: bool
+        self,
+        cfg: Config,
+        backend: Backend,
+        engine_id: str,
+        rank: int,
+        tp_size: int,
+        producer: bool,
+        consumer: bool,
+        max_model_len: int = 0,
     ) -> None:
         self.cfg = cfg
+        self.max_model_len = max_model_len
+        """vLLM's longest prompt plus output (0: unknown): what the staging region is checked against at start."""
         self.backend = backend
         self.engine_id = engine_id
         self.rank = rank
@@ -85,6 +96,20 @@ class WorkerSide:
             self.layout.order.value,
             self.layout.mem.value,
         )
+        short = staging_shortfall(self.cfg, self.layout, self.max_model_len)
+        if short is not None:
+            log.warning(
+                "kvpush worker %s rank %d: staging_bytes %d holds pushes of up to %d tokens of this KV; a longer "
+                "prompt whose blocks are fragmented is pushed direct, one descriptor per block and layer (slow: "
+                "docs/operability.md, kvpush_staging_too_small_total). Set staging_bytes to %d or more on P and D "
+                "to stage prompts up to max_model_len %d",
+                self.engine_id,
+                self.rank,
+                self.cfg.staging.staging_bytes,
+                short[0],
+                short[1],
+                self.max_model_len,
+            )
         if self.producer:
             self.sender = Sender(self.cfg, self.backend, self.layout, self.engine_id, self.rank, self.tp_size)
         if self.consumer:
