@@ -18,10 +18,17 @@ from typing import Any
 LABELS = {
     "kvpush": "kvpush (push)",
     "kvpush-staged": "kvpush, staged plan (3 GiB staging)",
+    "kvpush-peer": "kvpush, peer copies",
     "vllm-pull": "vLLM NixlConnector (pull)",
     "vllm-push": "vLLM NixlPushConnector",
 }
-COLORS = {"kvpush": "tab:red", "kvpush-staged": "tab:purple", "vllm-pull": "tab:blue", "vllm-push": "tab:green"}
+COLORS = {
+    "kvpush": "tab:red",
+    "kvpush-staged": "tab:purple",
+    "kvpush-peer": "tab:orange",
+    "vllm-pull": "tab:blue",
+    "vllm-push": "tab:green",
+}
 
 
 MARKERS = ("o", "s", "^", "D")
