@@ -46,6 +46,8 @@ MAX_TOKENS = 12
 PEER_DEAD_S = 5.0
 QUARANTINE_S = 3.0
 """A killed P is fenced only by a P started again at its address: past this, D's quarantine is overdue, and holds."""
+SMALL_STAGING = 4096
+"""decode-fail's staging region: one page, less than any prompt of max_model_len tokens of the tiny model."""
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -103,8 +105,10 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     model = model_dir()
     kv_port = srv.free_port()
 
-    def decode(name: str, cpus: str, **policy: str) -> srv.ServerProcess:
-        extra = {"peer_dead_s": PEER_DEAD_S, "quarantine_s": QUARANTINE_S}
+    def decode(name: str, cpus: str, staging_bytes: int | None = None, **policy: str) -> srv.ServerProcess:
+        extra: dict[str, float] = {"peer_dead_s": PEER_DEAD_S, "quarantine_s": QUARANTINE_S}
+        if staging_bytes is not None:
+            extra["staging_bytes"] = staging_bytes
         cfg = {**srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, **extra), **policy}
         return srv.vllm_server(
             name, model, srv.free_port(), log_dir=logs, cpus=cpus, kv_transfer_config=cfg, fast_start=True
@@ -125,7 +129,8 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     servers = [
         prefill("prefill"),
         decode("decode-recompute", "1", kv_load_failure_policy="recompute"),
-        decode("decode-fail", "1"),
+        # No push here is ever written: its staging region only has to be too small for the start-time check.
+        decode("decode-fail", "1", staging_bytes=SMALL_STAGING),
     ]
 
     def restart() -> None:
@@ -214,3 +219,14 @@ def test_logs_name_the_failure(trio: Trio) -> None:
     for s in (trio.d_recompute, trio.d_fail):
         text = Path(s.log_path).read_text(errors="replace")
         assert "did not arrive" in text, f"{s.name}: no kvpush failure line"
+
+
+def test_a_d_whose_staging_region_cannot_hold_the_longest_prompt_says_so_at_start(trio: Trio) -> None:
+    """The connector checks ``staging_bytes`` against vLLM's ``max_model_len`` as the caches are registered: the
+    D with a one-page staging region names the size that would stage every prompt, the D with the default
+    region (which holds this model's longest prompt) says nothing."""
+    small = Path(trio.d_fail.log_path).read_text(errors="replace")
+    default = Path(trio.d_recompute.log_path).read_text(errors="replace")
+    line = f"staging_bytes {SMALL_STAGING} holds pushes of up to"
+    assert line in small and "to stage prompts up to max_model_len" in small, "no staging warning at start"
+    assert "holds pushes of up to" not in default
