@@ -31,16 +31,20 @@ class SlotAllocator:
         self._free: list[tuple[int, int]] = [(0, capacity)] if capacity > 0 else []
         self._used: dict[int, int] = {}
 
+    def _aligned(self, size: int) -> int:
+        """``size`` rounded up to the alignment every slot has."""
+        return -(-size // self.align) * self.align
+
     def holds(self, size: int) -> bool:
         """Whether a slot of ``size`` bytes fits the region at all (free or not): one that does not is never
         granted, however long the push waits."""
-        return 0 < -(-size // self.align) * self.align <= self.capacity
+        return 0 < self._aligned(size) <= self.capacity
 
     def alloc(self, size: int) -> int | None:
         """Offset of a slot of at least ``size`` bytes, or None when none fits."""
         if size <= 0:
             return None
-        size = -(-size // self.align) * self.align
+        size = self._aligned(size)
         for i, (off, ln) in enumerate(self._free):
             if ln >= size:
                 if ln == size:
