@@ -99,8 +99,14 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     pieces straight into D's blocks in one pass, NIXL carrying only the notification. D offers it (sends
     what maps its KV) and P uses it only when both set this; otherwise, and for a D on another host, the
     plan is direct or staged. Off by default: it lets P's process write D's memory."""
-    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
-    """Size of each rank's staging region for packed transfers (0 disables)."""
+    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 128 << 20
+    """Size of each rank's staging region for packed transfers (0 disables). A push larger than a ring
+    (``ring_slots`` x ``min_part_bytes``) goes through one in rounds (``kvpush.core.rounds``), so no prompt
+    length needs a larger region: its size bounds how many pushes stage at once at full speed."""
+    ring_slots: Annotated[int, msgspec.Meta(ge=2, le=64)] = 4
+    """Slots of the ring a push in rounds goes through (each ``min_part_bytes``; D grants smaller ones when
+    its region is busy): parts in flight or being unpacked at once, D's credit for a part letting P write
+    its slot again. Two let pack, wire and unpack overlap; more hide a credit's round trip."""
     staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
     """D reserves staging only for transfers with at least this many descriptors."""
     pack_at_hand_over: bool = True
