@@ -124,20 +124,19 @@ def make_ring(nregions: int, region_bytes: int, part_bytes: int, d_slots: int, p
 
 def ring_sizes(slots: int, part_bytes: int) -> list[tuple[int, int]]:
     """The rings D tries to grant, as ``(slots, part_bytes)``, the preferred first: ``slots`` slots of
-    ``part_bytes`` (aligned), then of half as much, down to ``RING_MIN_PART_BYTES``, then two such slots.
+    ``part_bytes`` (aligned), then of half as much, down to ``RING_MIN_PART_BYTES``, then two of the
+    smallest.
 
     Halving rather than refusing: under many concurrent pushes each gets a smaller ring (more parts, each
     with its fixed costs), never the direct plan a fragmented push pays per descriptor.
     """
-    out: list[tuple[int, int]] = []
-    part = max(RING_MIN_PART_BYTES, _align(part_bytes))
-    while True:
-        out.append((slots, part))
-        if part <= RING_MIN_PART_BYTES:
-            break
+    part = _align(max(part_bytes, 1))
+    out = [(slots, part)]
+    while part > RING_MIN_PART_BYTES:
         part = max(RING_MIN_PART_BYTES, _align(part // 2))
+        out.append((slots, part))
     if slots > 2:
-        out.append((2, RING_MIN_PART_BYTES))
+        out.append((2, part))
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import Backend
-from kvpush.backends.peer import PeerCopy
+from kvpush.backends.peer import PeerCopy, peer_copies_on
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.errors import ProtocolError
@@ -206,10 +206,11 @@ class Receiver(EngineLoop):
     def _export_peer(self) -> bytes:
         """What lets a P rank on this host write this rank's KV (``kvpush.backends.peer``), when
         ``peer_copy`` is set and the backend can offer it; empty otherwise."""
-        if not self.cfg.staging.peer_copy:
+        if not peer_copies_on(self.cfg, self.backend):
             return b""
         if not isinstance(self.backend, PeerCopy):
-            log.warning("%s: peer_copy is set but backend %s cannot offer its KV", self.name, self.backend.name)
+            if self.cfg.staging.peer_copy is True:
+                log.warning("%s: peer_copy is set but backend %s cannot offer its KV", self.name, self.backend.name)
             return b""
         try:
             return self.backend.export_peer(self.layout) or b""

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from kvpush.backends.base import Backend
+from kvpush.backends.peer import peer_copies_on
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.capability import Binding, derive_key
@@ -194,7 +195,7 @@ class Sender(EngineLoop):
             self.cfg.limits.peer_max_ranks,
         )
         declared = DeclaredRanks(keys.decoders_dir) if keys is not None else lambda key: None
-        self.writes = Writes(self.name, self.agent, self.backend, self.cfg.staging.peer_copy)
+        self.writes = Writes(self.name, self.agent, self.backend, peer_copies_on(self.cfg, self.backend))
         self.peers = PeerTable(
             self.name,
             self.cfg,
