@@ -47,7 +47,7 @@ def direct_ok(kvpush_target: Target) -> bool:
 
 def cfg(plan: str, **extra: Any) -> dict[str, Any]:
     """Engine config forcing ``plan``; D reserves staging for every request when the plan is staged."""
-    return {"plan": plan, "staging_bytes": STAGING, "staged_min_descriptors": 1, **extra}
+    return {"plan": plan, "staging_bytes": STAGING, "staged_min_descriptors": 1, "peer_copy": False, **extra}
 
 
 def need_plan(plan: str, direct_ok: bool) -> None:
@@ -163,7 +163,7 @@ def test_pushes_larger_than_the_staging_region_go_through_it_in_rounds(nodes: tu
             )
         )
     ]
-    ring = {"staging_bytes": 16 << 10, "min_part_bytes": 4 << 10, "ring_slots": 4, "staged_min_descriptors": 1}
+    ring = {"staging_bytes": 16 << 10, "min_part_bytes": 4 << 10, "ring_slots": 4, "staged_min_descriptors": 1, "peer_copy": False}
     with engines(p, d, pg, dg, {**ring, "plan": "staged"}, ring, seeds, name="rounds") as (k, peer):
         for r in reqs:  # one at a time: each takes the whole region
             push(p, d, k, peer, [r])
@@ -234,7 +234,7 @@ def test_auto_plan_honours_capabilities(nodes: tuple[Node, Node], direct_ok: boo
     pg, dg = Geom(num_blocks=48), Geom(num_blocks=48)
     seeds = (700, 800)
     reqs = make_requests(np.random.default_rng(7), 5, pg, dg, "auto", contiguous=True)
-    auto = {"plan": "auto", "staging_bytes": STAGING}
+    auto = {"plan": "auto", "staging_bytes": STAGING, "peer_copy": False}
     with engines(p, d, pg, dg, auto, auto, seeds, name="auto") as (k, peer):
         push(p, d, k, peer, reqs)
         check_bytes(p, d, k, pg, dg, seeds, reqs)

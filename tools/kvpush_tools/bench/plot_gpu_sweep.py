@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 LABELS = {
-    "kvpush": "kvpush (push)",
+    "kvpush": "kvpush defaults",
+    "kvpush-hosts": "kvpush defaults, peer copies off (between hosts)",
     "kvpush-staged": "kvpush, staged plan (3 GiB staging)",
     "kvpush-peer": "kvpush, peer copies",
     "vllm-pull": "vLLM NixlConnector (pull)",
@@ -24,6 +25,7 @@ LABELS = {
 }
 COLORS = {
     "kvpush": "tab:red",
+    "kvpush-hosts": "tab:brown",
     "kvpush-staged": "tab:purple",
     "kvpush-peer": "tab:orange",
     "vllm-pull": "tab:blue",
