@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvpush.core.errors import ConfigError
-from kvpush.transport.nixl_backends import traits
+from kvpush.core.nixl_backends import traits
 
 Pos = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -108,7 +108,7 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     wins whatever D's blocks are and a slot is free (``kvpush.prefill.prepack``); False: P packs at pairing."""
     descriptor_cost_us: Pos | None = None
     """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
-    measured default of the first NIXL backend (``kvpush.transport.nixl_backends``; see
+    measured default of the first NIXL backend (``kvpush.core.nixl_backends``; see
     ``descriptor_cost_s``; measurements: docs/benchmarks.md, "Descriptor cost")."""
     link_gbps: Pos = 25.0
     """Link bandwidth in GB/s for the cost model."""

@@ -24,6 +24,7 @@ from kvpush.backends.base import Backend
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.capability import Binding, derive_key
+from kvpush.core.counts import Count
 from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import peer_limits
@@ -35,7 +36,6 @@ from kvpush.engine.peer_writes import Writes
 from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
 from kvpush.engine.waiter import MarkerWaiter
-from kvpush.observability.metrics import Count
 from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release
 from kvpush.prefill.push_job import DKey, PushJob
 from kvpush.prefill.rendezvous import Rendezvous

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpush.core import capability as capmod
 from kvpush.core import protocol
 from kvpush.core.capability import Binding, derive_key, mint, valid
+from kvpush.core.counts import Count
 from kvpush.core.errors import ConfigError
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.protocol import Register
@@ -25,7 +26,6 @@ from kvpush.decode.allow import Allowed, parse_entry
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import UNKNOWN_SENDER, Cancel, Foreign, Report, SendRegister, Stale
 from kvpush.decode.incoming import Asked
-from kvpush.observability.metrics import Count
 from kvpush.prefill.decisions import Prefill, Push, Refuse
 from kvpush.prefill.rendezvous import Rendezvous
 
