@@ -161,9 +161,12 @@ class Sender(EngineLoop):
                 "staging_slots_in_use": self.slots.in_use,
             }
             gate = self.server.gate
-            if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap
+            if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap,
+                # handshakes refused for a barred key, and every handshake whose key was checked
                 extra["key_connections_peak"] = gate.conns.peak
                 extra["key_connections_shut"] = gate.conns.shut_total
+                extra["key_handshakes_barred"] = gate.conns.barred_total
+                extra["handshakes_checked"] = gate.checked
             pending = {**self.rendezvous.pending(), **self.slots.gauges()}
             return {**self.counters, **pending, "queued": self.rendezvous.queued(), **extra}
 
