@@ -79,11 +79,12 @@ class Polling(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     idle_poll_max_s: Pos = 0.05
     """Longest sleep of the progress thread when it has nothing in flight (its timers run every 50 ms;
     messages and calls wake it at once)."""
-    busy_poll_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 1e-3
+    busy_poll_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] | None = None
     """Longest sleep between two NIXL polls while transfers are in flight (the back-off grows from 20 us
-    to this). Lower it where a core is cheap next to latency (GPU hosts: 5e-6): a push's tail is a few
-    polls. Below Linux's default timer slack (50 us) it also switches on low-latency mode, a tight timer
-    slack for the engine threads, without which a short sleep overshoots by the slack. Only WRITEs in
+    to this). None: the backend's (``Backend.busy_poll_s``: 1 ms for host memory, where a core is dear;
+    5 us for CUDA, where a push's tail is a few polls and a core is cheap next to the GPU's time). Below
+    Linux's default timer slack (50 us) it also switches on low-latency mode, a tight timer slack for the
+    engine threads, without which a short sleep overshoots by the slack. Only WRITEs in
     flight are polled: device markers are waited for by a helper thread that drops the GIL (a poll takes
     it from the forward's launches), and D polls this fast only for transfers P said it is writing
     (``Posting``), others every millisecond. Measurements: docs/cuda.md, "Engine defaults"."""
@@ -94,13 +95,21 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
     plan: Literal["auto", "direct", "staged"] = "auto"
     """Transfer plan: the cost model's choice, or forced."""
-    peer_copy: bool = False
+    peer_copy: bool | Literal["auto"] = "auto"
     """Where P and D share a host and the backend can (``kvpush.backends.peer``), P's device copies the
     pieces straight into D's blocks in one pass, NIXL carrying only the notification. D offers it (sends
-    what maps its KV) and P uses it only when both set this; otherwise, and for a D on another host, the
-    plan is direct or staged. Off by default: it lets P's process write D's memory."""
-    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
-    """Size of each rank's staging region for packed transfers (0 disables)."""
+    what maps its KV) and P uses it only when both allow it; for a D on another host (found, not
+    configured: the backend cannot map its blob) the plan is direct, staged or rounds. "auto": where the
+    backend offers it by default (``Capabilities.peer_by_default``: CUDA, whose IPC mapping reaches only the
+    memory D registered for NIXL WRITEs anyway); true or false force it either way."""
+    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 128 << 20
+    """Size of each rank's staging region for packed transfers (0 disables). A push larger than a ring
+    (``ring_slots`` x ``min_part_bytes``) goes through one in rounds (``kvpush.core.rounds``), so no prompt
+    length needs a larger region: its size bounds how many pushes stage at once at full speed."""
+    ring_slots: Annotated[int, msgspec.Meta(ge=2, le=64)] = 4
+    """Slots of the ring a push in rounds goes through (each ``min_part_bytes``; D grants smaller ones when
+    its region is busy): parts in flight or being unpacked at once, D's credit for a part letting P write
+    its slot again. Two let pack, wire and unpack overlap; more hide a credit's round trip."""
     staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
     """D reserves staging only for transfers with at least this many descriptors."""
     pack_at_hand_over: bool = True
@@ -128,9 +137,12 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 class PerLayer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Layer-wise pushes on P (the vLLM connector): each layer as the forward writes it. ``Config.per_layer``."""
 
-    layerwise: bool = False
+    layerwise: bool | Literal["auto"] = "auto"
     """vLLM connector: push each layer as soon as P's forward has written it (requests whose final
-    prefill chunk runs in a step, when D registered), instead of the whole request after the prefill."""
+    prefill chunk runs in a step, when D registered), instead of the whole request after the prefill.
+    "auto": on where the KV lives on a GPU (backend ``cuda``, found as ``backend`` "auto" finds it), whose
+    packs and copies run on their own stream beside the forward; off on CPU hosts, where they would take the
+    forward's cores. Prompts shorter than ``layerwise_min_tokens`` are pushed whole either way."""
     layerwise_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
     """With ``layerwise``, shorter prompts are still pushed whole: there the forward is bound by its
     kernel launches, and the parts' host work takes the GIL from them for longer than the push saves.

@@ -46,10 +46,14 @@ class Capabilities:
     ``chained_ready``: ``AsyncCopy.start_pack(..., after=marker)`` queues the
     pack behind a ``record_ready`` marker on the device (a CUDA stream waiting
     on an event), so P need not see the KV ready before it launches the pack.
+    ``peer_by_default``: with ``peer_copy`` "auto", P and D on one host use
+    peer copies (``kvpush.backends.peer``): the backend finds on its own whether
+    D is in reach, and its mapping reaches no more than NIXL's registration.
     """
 
     direct: bool = True
     chained_ready: bool = False
+    peer_by_default: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class Backend(abc.ABC):
     name: str = "abstract"
     mem: MemKind = MemKind.DRAM
     capabilities: Capabilities = Capabilities()
+    busy_poll_s: float = 1e-3
+    """The engines' longest sleep between polls of transfers in flight where ``busy_poll_max_s`` is not set:
+    a core is dear next to latency on a host that computes with its CPUs, cheap on one whose device does."""
 
     @abc.abstractmethod
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:

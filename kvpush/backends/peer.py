@@ -12,17 +12,29 @@ a process on its host can map: CUDA IPC handles, a process id); D sends it in
 its ``Hello``; P's backend ``open_peer`` s it, or answers None when D is out
 of its reach (another host, another device kind, a mapping refused), and
 P then plans that D rank's pushes ``PlanKind.PEER`` instead of direct or
-staged. Both sides opt in (``Config.peer_copy``): the blob lets P's process
-write D's memory, which only a D that offers it allows.
+staged. Both sides allow it (``Config.peer_copy``, by default where the
+backend says so: ``peer_copies_on``): the blob lets P's process write D's
+memory, which only a D that offers it allows.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from kvpush.core.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvpush.backends.base import Backend
+    from kvpush.config import Config
+
+
+def peer_copies_on(cfg: Config, backend: Backend) -> bool:
+    """Whether this side allows peer copies: ``peer_copy`` true, or "auto" with a backend that offers them by
+    default (``Capabilities.peer_by_default``)."""
+    setting = cfg.staging.peer_copy
+    return setting is True or (setting == "auto" and backend.capabilities.peer_by_default)
 
 
 @runtime_checkable

@@ -46,6 +46,7 @@ class Count(enum.StrEnum):
     PLAN_STAGED = "plan_staged_total"
     PLAN_EMPTY = "plan_empty_total"
     PLAN_PEER = "plan_peer_total"  # P: pushes its device copied into a same-host D's blocks itself
+    PLAN_ROUNDS = "plan_rounds_total"  # P: pushes staged through a ring of D's region, part by part
     STAGING_FULL = "staging_full_total"
     STAGING_TOO_SMALL = "staging_too_small_total"  # D: pushes it wanted staged, larger than its staging region
     STAGING_GRANTS = "staging_grants_total"  # D: registrations sent with a slot of D's staging region

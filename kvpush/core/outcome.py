@@ -75,6 +75,9 @@ class PlanKind(enum.StrEnum):
     EMPTY = "empty"
     PEER = "peer"
     """P's device writes D's blocks itself (same host, ``kvpush.backends.peer``); D takes it as direct."""
+    ROUNDS = "rounds"
+    """Staged through a ring of slots D granted, part by part, each slot written again once D credits the
+    part before it there (``kvpush.core.rounds``)."""
 
 
 class XferState(enum.Enum):

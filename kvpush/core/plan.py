@@ -8,6 +8,8 @@ docs/benchmarks.md, "Descriptor cost"). The plan is either
 - ``direct``: the pieces, coalesced, written straight into D's blocks; or
 - ``staged``: P packs the pieces into a contiguous staging slot, one WRITE
   moves it into a slot D reserved in its staging region, D unpacks; or
+- ``rounds``: staged through a ring of small slots D granted, part by part
+  (``kvpush.core.rounds``), when the payload is larger than a ring; or
 - ``peer``: where P's backend reaches D's memory (same host,
   ``kvpush.backends.peer``), P's device copies the direct plan's pieces into
   D's blocks itself: one pass over the bytes and no descriptors, so it beats
@@ -31,6 +33,7 @@ from kvpush.core.layout import KVLayout, TokenOrder, heads_overlap
 from kvpush.core.outcome import PlanKind
 from kvpush.core.payload import block_runs, pack_pieces
 from kvpush.core.pieces import coalesce, coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
+from kvpush.core.rounds import Ring, make_ring
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class Plan:
     """Hybrid models (several KV-cache groups, each with its own blocks): the merged pieces of each group's
     regions; ``merged`` is group 0's. Empty: one piece list serves every region."""
     region_group: tuple[int, ...] = ()  # each region's group, when ``group_merged`` is set
+    ring: Ring | None = None
+    """A push in rounds (``ROUNDS``): the ring's geometry and cut; ``staging_local``/``staging_remote`` are
+    then the start of P's and D's rings."""
 
     @property
     def region_bytes(self) -> int:
@@ -215,6 +221,7 @@ def build_plan(
     groups: list[GroupTokens] | None = None,
     pack: np.ndarray | None = None,
     peer: bool = False,
+    ring: tuple[int, int, int] | None = None,
 ) -> Plan:
     """Choose and build the plan for one (request, D rank).
 
@@ -236,6 +243,10 @@ def build_plan(
 
     ``peer``: P's backend reaches this D rank's memory (``kvpush.backends.peer``): the plan is ``PEER``
     (the direct plan's pieces, which P's device copies itself), staging and the cost model unused.
+
+    ``ring``: D granted a ring, ``(part_bytes, D's slots, P's slots)`` (P's ring at ``staging_local``, D's
+    at ``staging_remote``): a staged plan is then ``ROUNDS``, whatever the payload's size, its estimate
+    counting each part's fixed cost (``part_cost_us``).
     """
     kind = PlanKind.PEER if peer else PlanKind.DIRECT
     if src.hybrid:
@@ -245,7 +256,18 @@ def build_plan(
     if peer:
         return _peer_plan(src, dst, src_blocks, dst_blocks, num_tokens, start_token)
     return _one_group_plan(
-        cfg, src, dst, src_blocks, dst_blocks, num_tokens, start_token, staging_local, staging_remote, pack_bw, pack
+        cfg,
+        src,
+        dst,
+        src_blocks,
+        dst_blocks,
+        num_tokens,
+        start_token,
+        staging_local,
+        staging_remote,
+        pack_bw,
+        pack,
+        ring,
     )
 
 
@@ -279,8 +301,9 @@ def _one_group_plan(
     staging_remote: tuple[int, int, int] | None,
     pack_bw: float,
     pack: np.ndarray | None,
+    ring: tuple[int, int, int] | None = None,
 ) -> Plan:
-    """``build_plan`` for a layout of one KV-cache group: empty, direct or staged by the cost model.
+    """``build_plan`` for a layout of one KV-cache group: empty, direct or staged (or rounds) by the cost model.
 
     Staging is forced when either side cannot be written in place, and tried
     first against a lower bound of the direct plan when P's pack list is built.
@@ -293,21 +316,26 @@ def _one_group_plan(
     if pack is not None and staging_local is not None and staging_remote is not None:
         # D's runs first (most often the fragmented side); P's only when D's do not decide.
         runs = block_runs(dst, dst_blocks, num_tokens, start_token)
-        early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
+        early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw, ring)
         if early is None and cfg.staging.plan == "auto":
             runs = max(runs, block_runs(src, src_blocks, num_tokens, start_token))
-            early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw)
+            early = _staged_early(cfg, pieces, nregions, runs, pack, staging_local, staging_remote, pack_bw, ring)
         if early is not None:
             return early
     merged = coalesce_in_dst_order(pieces)
     nbytes = int(merged[:, 2].sum()) * nregions
-    can_stage = staging_local is not None and staging_remote is not None and staging_remote[1] >= nbytes
+    can_stage = (
+        staging_local is not None and staging_remote is not None and (staging_remote[1] >= nbytes or ring is not None)
+    )
     if pack is None and can_stage:
         pack = pack_pieces(src, heads_overlap(src, dst), src_blocks, num_tokens, start_token)
     # Descriptor count before cross-region merging: an upper bound, and exact
     # unless regions sit back to back; enough to choose without building them.
     ndesc = merged.shape[0] * nregions
     est = estimate(cfg, ndesc, nbytes, (merged if pack is None else pack).shape[0] * nregions, pack_bw)
+    rounds = _ring(ring, nregions, nbytes) if can_stage else None
+    if rounds is not None:
+        est = Estimate(est.direct_s, est.staged_s + rounds.parts * cfg.staging.part_cost_us * 1e-6)
     direct_ok = src.direct and dst.direct
     if not direct_ok and not can_stage:
         raise _unstageable(src, staging_remote, nbytes)
@@ -317,7 +345,8 @@ def _one_group_plan(
     if can_stage and want_staged:
         assert staging_local is not None and staging_remote is not None
         remote = (staging_remote[0], staging_remote[2])
-        return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est)
+        kind = PlanKind.STAGED if rounds is None else PlanKind.ROUNDS
+        return Plan(kind, nbytes, npieces, 1, nregions, merged, pack, staging_local, remote, est, ring=rounds)
     return Plan(PlanKind.DIRECT, nbytes, npieces, ndesc, nregions, merged, estimate=est)
 
 
@@ -365,19 +394,34 @@ def _staged_early(
     staging_local: tuple[int, int],
     staging_remote: tuple[int, int, int],
     pack_bw: float,
+    ring: tuple[int, int, int] | None = None,
 ) -> Plan | None:
-    """The staged plan if staging wins even against direct's fewest possible descriptors (``runs`` per
-    region), so that the direct plan need not be built; None when only the real count can decide."""
+    """The staged (or rounds) plan if staging wins even against direct's fewest possible descriptors
+    (``runs`` per region), so that the direct plan need not be built; None when only the real count can
+    decide."""
     nbytes = int(pieces[:, 2].sum()) * nregions
-    if staging_remote[1] < nbytes:
+    if staging_remote[1] < nbytes and ring is None:
         return None
     est = estimate(cfg, runs * nregions, nbytes, pack.shape[0] * nregions, pack_bw)
+    rounds = _ring(ring, nregions, nbytes)
+    if rounds is not None:
+        est = Estimate(est.direct_s, est.staged_s + rounds.parts * cfg.staging.part_cost_us * 1e-6)
     if cfg.staging.plan != "staged" and not (cfg.staging.plan == "auto" and est.staged_s < est.direct_s):
         return None
     remote = (staging_remote[0], staging_remote[2])
     empty = np.zeros((0, 3), dtype=np.int64)
     npieces = pieces.shape[0] * nregions
-    return Plan(PlanKind.STAGED, nbytes, npieces, 1, nregions, empty, pack, staging_local, remote, est)
+    kind = PlanKind.STAGED if rounds is None else PlanKind.ROUNDS
+    return Plan(kind, nbytes, npieces, 1, nregions, empty, pack, staging_local, remote, est, ring=rounds)
+
+
+def _ring(ring: tuple[int, int, int] | None, nregions: int, nbytes: int) -> Ring | None:
+    """The ring of a push in rounds (``ring``: part bytes, D's slots, P's slots) over ``nbytes`` in
+    ``nregions`` regions; None without one."""
+    if ring is None or nregions <= 0:
+        return None
+    part_bytes, d_slots, p_slots = ring
+    return make_ring(nregions, nbytes // nregions, part_bytes, d_slots, p_slots)
 
 
 def group_runs(plan: Plan, r0: int, r1: int) -> list[tuple[int, int]]:

@@ -5,9 +5,20 @@ struct. ``decode`` never raises anything but ``ProtocolError`` and bounds what
 it accepts (frame size, id lengths, block counts), so a forged or truncated
 frame costs the receiver one log line, not a crash or an allocation bomb.
 
-Control messages (hello, register, abort, heartbeat, posting, ack) travel over
-the side channel; ``Completion`` and ``Failure`` travel as NIXL notifications so that
-a completion is ordered after the data it announces.
+Control messages (hello, register, abort, heartbeat, posting, ack, features,
+credit) travel over the side channel; ``Completion`` and ``Failure`` travel as
+NIXL notifications so that a completion is ordered after the data it announces.
+
+**Versions.** A frame carries the lowest version whose messages hold it
+(``frame_version``): a message of an older version's shape, with none of the
+newer fields set (they are left out when at their defaults), goes as that
+version, so a peer on the previous version reads everything it can act on.
+A newer side learns what its peer speaks from the peer itself: P sends
+``Features`` just before it answers a hello (a peer on the previous version
+drops that one frame, saying why), and D uses what it offers only then (a
+staging *ring*, ``StagingGrant.slots``); P uses a newer feature only where D
+asked for it in a registration. Decoding accepts every version from
+``OLDEST_PROTOCOL_VERSION``.
 """
 
 from __future__ import annotations
@@ -22,8 +33,12 @@ from kvpush.core.errors import LayoutError, ProtocolError
 from kvpush.core.layout import KVLayout, MemKind, Region
 from kvpush.core.outcome import Cause, PlanKind, PrefillState, Stage
 
-PROTOCOL_VERSION = 11
-"""The wire version both sides must speak; raised on any change to a message's fields or meaning."""
+PROTOCOL_VERSION = 12
+"""The newest wire version this kvpush speaks; raised on any change to a message's fields or meaning."""
+OLDEST_PROTOCOL_VERSION = 11
+"""The oldest version it still reads and writes: a peer of that version pairs, with that version's plans."""
+ROUNDS_VERSION = 12
+"""The version that brought staging in rounds (``Features``, ``Credit``, a ring ``StagingGrant``)."""
 MAX_FRAME_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
 MAX_GROUPS = 16
@@ -89,15 +104,28 @@ def _dec_hook(kind: type, obj: Any) -> Any:
     raise NotImplementedError(f"cannot decode {kind}")
 
 
-class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", omit_defaults=True):
     pass
 
 
-class StagingGrant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A slot of D's staging region reserved for one transfer from one P rank."""
+class StagingGrant(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A slot of D's staging region reserved for one transfer from one P rank.
+
+    ``slots`` 0: the slot holds the whole payload (one or more parts, each at its region-major offset).
+    Otherwise a *ring* (``kvpush.core.rounds``): ``slots`` slots of ``part_bytes`` each, ``size`` their sum,
+    through which the payload goes in *rounds*, part ``j`` into slot ``j % slots``, P posting it only once D
+    has credited part ``j - slots`` (``Credit``). Sent only to a P that offered rounds (``Features``).
+    """
 
     offset: NonNeg
     size: NonNeg
+    part_bytes: NonNeg = 0
+    slots: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+
+    @property
+    def ring(self) -> bool:
+        """A ring of slots (staging in rounds), not a slot for the whole payload."""
+        return self.slots > 0
 
 
 class Hello(_Msg, tag="hello"):
@@ -196,6 +224,8 @@ class Completion(_Msg, tag="done"):
     attempt: NonNeg = 0
     region_start: NonNeg = 0
     region_end: NonNeg = 0
+    part: NonNeg = 0
+    """A push in rounds (``plan`` ``ROUNDS``): which part of the ring's cut this is (``kvpush.core.rounds``)."""
 
 
 class Posting(_Msg, tag="posting"):
@@ -267,6 +297,26 @@ class Heartbeat(_Msg, tag="hb"):
     sent_at: float
 
 
+class Features(_Msg, tag="features"):
+    """P rank ``rank`` speaks protocol ``version`` (side channel, just before its ``HelloReply`` to the hello
+    of ``epoch``): D offers it what that version brings (a staging ring: ``StagingGrant``). A D on an older
+    version drops it unread, logging the version, and pairs as before."""
+
+    version: NonNeg
+    rank: Rank
+    epoch: NonNeg = 0
+
+
+class Credit(_Msg, tag="credit"):
+    """D has unpacked parts ``[0, parts)`` of this push in rounds (side channel, D to the writing P rank): the
+    ring slots they took may be written again. Cumulative, so a repeat or a lost one costs nothing but its
+    wait; D repeats its latest while it still expects parts (``kvpush.decode.incoming``)."""
+
+    transfer_id: Id
+    attempt: NonNeg
+    parts: NonNeg
+
+
 class TimeQuery(_Msg, tag="time_query"):
     """Anyone asks a P rank for its wall clock (``kvpush doctor --peer``, clock skew).
 
@@ -286,7 +336,21 @@ class TimeReply(_Msg, tag="time_reply"):
     now: float
 
 
-Message = Union[Hello, HelloReply, Register, Completion, Posting, Ack, Failure, Abort, Heartbeat, TimeQuery, TimeReply]
+Message = Union[
+    Hello,
+    HelloReply,
+    Register,
+    Completion,
+    Posting,
+    Ack,
+    Failure,
+    Abort,
+    Heartbeat,
+    Features,
+    Credit,
+    TimeQuery,
+    TimeReply,
+]
 
 
 class _Frame(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
@@ -304,7 +368,19 @@ def encode(msg: Message) -> bytes:
     if isinstance(msg, Register) and not all(_is_wire(g) for g in msg.block_ids):
         ids = tuple(g if _is_wire(g) else block_id_array(g, f"block_ids[{i}]") for i, g in enumerate(msg.block_ids))
         msg = msgspec.structs.replace(msg, block_ids=ids)
-    return _encoder.encode(_Frame(PROTOCOL_VERSION, msg))
+    return _encoder.encode(_Frame(frame_version(msg), msg))
+
+
+def frame_version(msg: Message) -> int:
+    """The lowest version whose messages hold ``msg``: ``ROUNDS_VERSION`` for what rounds brought (its
+    messages, a ring grant, a part of a push in rounds), else the oldest version (whose peers read it)."""
+    if isinstance(msg, Features | Credit):
+        return ROUNDS_VERSION
+    if isinstance(msg, Register) and msg.staging is not None and msg.staging.ring:
+        return ROUNDS_VERSION
+    if isinstance(msg, Completion) and (msg.plan is PlanKind.ROUNDS or msg.part or (msg.staging and msg.staging.ring)):
+        return ROUNDS_VERSION
+    return OLDEST_PROTOCOL_VERSION
 
 
 def _is_wire(ids: Any) -> bool:
@@ -323,15 +399,11 @@ def decode(data: bytes | memoryview, expected: type | tuple[type, ...] | None = 
         raise ProtocolError("malformed message: nested too deeply") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         version = _peek_version(data)
-        if version is not None and version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"protocol version mismatch: peer speaks v{version}, this kvpush speaks v{PROTOCOL_VERSION}"
-            ) from None
+        if version is not None and not OLDEST_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+            raise ProtocolError(_mismatch(version)) from None
         raise ProtocolError(f"malformed message: {exc}") from None
-    if frame.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version mismatch: peer speaks v{frame.version}, this kvpush speaks v{PROTOCOL_VERSION}"
-        )
+    if not OLDEST_PROTOCOL_VERSION <= frame.version <= PROTOCOL_VERSION:
+        raise ProtocolError(_mismatch(frame.version))
     msg = frame.msg
     if isinstance(msg, Register):
         _check_register(msg)
@@ -342,6 +414,13 @@ def decode(data: bytes | memoryview, expected: type | tuple[type, ...] | None = 
     if expected is not None and not isinstance(msg, expected):
         raise ProtocolError(f"unexpected message {type(msg).__name__} here")
     return msg
+
+
+def _mismatch(version: int) -> str:
+    return (
+        f"protocol version mismatch: peer speaks v{version}, this kvpush speaks "
+        f"v{OLDEST_PROTOCOL_VERSION} to v{PROTOCOL_VERSION}"
+    )
 
 
 _version_decoder = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])

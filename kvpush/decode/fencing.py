@@ -47,8 +47,11 @@ class Fencing:
         hard_cap_s: float = float("inf"),
         quarantine_s: float = float("inf"),
         allowed: Allowed | None = None,
+        credit_every: float = float("inf"),
     ) -> None:
         self.nregions = nregions
+        self.credit_every = credit_every
+        """How often a writer in rounds that still owes parts hears D's latest credit again."""
         self.allowed = allowed or Allowed()
         """The P side channels D may dial (``allowed_prefills``): a registration or cancel naming another
         fails before any connection."""
@@ -321,7 +324,7 @@ class Fencing:
                     late = f"no KV from P within {self.transfer_timeout_s:g}s"
                 out += self.abort(inc.transfer_id, Failed(Stage.TRANSFER, Cause.EXPIRED, late), now)
             else:
-                acts = inc.expire(now, self.quarantine_s, self.epochs)
+                acts = inc.expire(now, self.quarantine_s, self.epochs, self.credit_every)
                 self._bump(Count.QUARANTINES_OVERDUE, sum(isinstance(a, Overdue) for a in acts))
                 out += self._settle(acts)
         return out

@@ -101,18 +101,30 @@ class HelloAgain:
 
 @dataclass(frozen=True)
 class StartUnpack(Generic[A]):
-    """Scatter regions ``[r0, r1)`` of this part from the writer's staging slot (at ``offset``; each region
-    ``region_bytes`` of it) with the writer's unpack list: answer ``Fencing.unpack_started``, or
-    ``writer_failed`` at stage UNPACK."""
+    """Scatter regions ``[r0, r1)`` of this part from D's staging region at ``at`` (the part's bytes, each
+    region's share back to back) with ``unpack``, the pieces of each region it holds: answer
+    ``Fencing.unpack_started``, or ``writer_failed`` at stage UNPACK. ``units``: what the part covers of the
+    writer's count (its regions; a part's own index in a push in rounds)."""
 
     incoming: A
     p_rank: int
     part: protocol.Completion
     r0: int
     r1: int
-    offset: int
-    region_bytes: int
+    at: int
+    units: tuple[int, int]
     unpack: Any = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SendCredit:
+    """Tell the writing P rank at ``conn`` that parts ``[0, parts)`` of this push in rounds are unpacked
+    (``protocol.Credit``): their ring slots may be written again."""
+
+    conn: ConnKey
+    transfer_id: str
+    attempt: int
+    parts: int
 
 
 @dataclass(frozen=True)
@@ -219,6 +231,7 @@ Action = (
     | Cancel
     | HelloAgain
     | StartUnpack[A]
+    | SendCredit
     | AwaitUnpacks[A]
     | WaitUnpacks
     | FreeSlot

@@ -21,6 +21,15 @@ timeout, and a WRITE that lands in reused blocks corrupts another request.
 A quarantine still unfenced after ``quarantine_s`` is reported once
 (``Overdue``: a warning and a count) and the blocks stay withheld.
 
+A push in rounds (``kvpush.core.rounds``) counts its *parts* instead of
+regions: D unpacks part ``j`` from ring slot ``j % slots`` as it lands and,
+once the parts before it are unpacked too, *credits* them to the writer
+(``SendCredit``), which may then write those slots again. A credit lost on
+the way only delays P: D repeats its latest every ``credit_every`` while the
+writer still owes parts. Which unit a writer counts is set by its first
+part (P may write a ring grant's transfer directly: its cost model, or no
+ring of its own); a writer mixing the two fails.
+
 D's wait is bounded by what P says (``acknowledged``): until P vouches for
 the prefill (queued, running, pushing) D waits ``transfer_timeout_s`` from
 registration; once it does, up to ``transfer_hard_cap_s``, while P lives.
@@ -35,6 +44,7 @@ from typing import Any
 
 from kvpush.core import protocol
 from kvpush.core.outcome import Cause, Failed, PlanKind, PrefillState, ReceiveStats, ReceiveTimes, Result, Stage
+from kvpush.core.rounds import Ring, make_ring, slice_pieces
 from kvpush.core.staging import FreeSlot
 from kvpush.core.topology import ConnKey
 from kvpush.decode import fencing_actions
@@ -44,6 +54,7 @@ from kvpush.decode.fencing_actions import (
     Overdue,
     Report,
     SendAbort,
+    SendCredit,
     SendRegister,
     StartUnpack,
     WaitUnpacks,
@@ -62,8 +73,14 @@ class Writer:
     grant: protocol.StagingGrant | None = None
     unpack: Any = None  # D's unpack pieces (staged only)
     region_bytes: int = 0  # bytes one region contributes to the staged payload
-    covered: bytearray | None = None  # per region: 0 not announced, 2 being unpacked, 1 arrived
-    unpacking: deque[tuple[int, int, Any]] = field(default_factory=deque)  # (r0, r1, marker), oldest first
+    covered: bytearray | None = None  # per unit (region, or part in rounds): 0 not announced, 2 unpacking, 1 here
+    rounds: bool | None = None  # its parts are a ring's (counted per part), set by its first part
+    ring: Ring | None = None  # the ring its grant made, when it is one (``kvpush.core.rounds``)
+    slices: dict[tuple[int, int], Any] = field(default_factory=dict)  # the unpack list cut per stream range
+    credited: int = 0  # parts [0, credited) credited to P
+    credit_at: float = 0.0  # when the latest credit went
+    unpacking: deque[tuple[int, int, Any, int, int]] = field(default_factory=deque)
+    """Unpacks running, oldest first: (first unit, end unit, marker, first region, end region)."""
     state: PrefillState = PrefillState.UNKNOWN  # what P last acknowledged
     quarantined: bool = False  # declared dead (or silent on an abort) while it may still write
     q_until: float = float("inf")  # still quarantined by then: overdue (reported once, the blocks stay out)
@@ -109,6 +126,8 @@ class Incoming:
     ) -> list[Action]:
         w = self.writers[p]
         w.grant, w.unpack, w.region_bytes, w.sent = grant, unpack, region_bytes, ok
+        if grant is not None and grant.ring and region_bytes > 0:
+            w.ring = make_ring(self.nregions, region_bytes, grant.part_bytes, grant.slots, 1)
         if not ok:
             return self._final(w, Failed(Stage.REGISTER, Cause.SIDE_CHANNEL, "side channel send failed"), t)
         self.times.sent = t  # the last writer's: D waits for every P rank
@@ -133,7 +152,7 @@ class Incoming:
             return self._final(w, failed, now)  # it never got the registration: it cannot write
         out: list[Action] = []
         if w.unpacking:
-            out.append(WaitUnpacks(tuple(m for _, _, m in w.unpacking)))
+            out.append(WaitUnpacks(tuple(u[2] for u in w.unpacking)))
             w.unpacking.clear()
         w.quarantined, w.failed, w.q_until, w.q_epoch = True, failed, until, epoch
         return out + self._maybe_report(now)
@@ -147,13 +166,13 @@ class Incoming:
         """A part of a quarantined writer landed (unused: the transfer failed). Once every region of its attempt
         has landed, it can write nothing more into these blocks (each region is written once per attempt, and
         a part's notification arrives after its bytes): released."""
-        n = self.nregions
-        r0, r1 = (msg.region_start, msg.region_end) if msg.region_end else (0, n)
-        if not w.quarantined or r1 > n or r0 >= r1:
+        if not w.quarantined:
             return []
-        if w.covered is None:
-            w.covered = bytearray(n)
-        w.covered[r0:r1] = b"\x01" * (r1 - r0)
+        units = self._units(w, msg)
+        if units is None:
+            return []
+        u0, u1 = units
+        w.covered[u0:u1] = b"\x01" * (u1 - u0)
         return self.release(w.p_rank, now) if not w.covered.count(0) else []
 
     def conn_ready(self, conn: ConnKey, now: float) -> list[Action]:
@@ -169,44 +188,101 @@ class Incoming:
         return out
 
     def completion(self, w: Writer, msg: protocol.Completion, now: float) -> list[Action]:
-        """A part arrived: count its regions (a staged part once unpacked)."""
+        """A part arrived: count what it covers (a staged part, or a part in rounds, once unpacked)."""
         n = self.nregions
         r0, r1 = (msg.region_start, msg.region_end) if msg.region_end else (0, n)
-        if w.covered is None:
-            w.covered = bytearray(n)
-        if r1 > n or any(w.covered[r0:r1]):
-            why = "outside D's regions" if r1 > n else "announced twice"
-            msg_ = f"completion for regions [{r0}, {r1}) {why} ({n} regions)"
-            return self._final(w, Failed(Stage.TRANSFER, Cause.OTHER, msg_), now)
+        units = self._units(w, msg)
+        if units is None or any(w.covered[units[0] : units[1]]):  # type: ignore[index]
+            return self._final(w, Failed(Stage.TRANSFER, Cause.OTHER, self._misfit(w, msg, r0, r1, units)), now)
+        assert w.covered is not None
+        u0, u1 = units
         self.times.part(r0, r1, w.p_rank).stamp("notified", now)
         if msg.plan is PlanKind.STAGED:
-            if w.grant is None or msg.staging != w.grant or w.unpack is None:
+            if w.grant is None or w.grant.ring or msg.staging != w.grant or w.unpack is None:
                 why = "staged completion does not match the granted slot"
                 return self._final(w, Failed(Stage.TRANSFER, Cause.OTHER, why), now)
-            return [StartUnpack(self, w.p_rank, msg, r0, r1, w.grant.offset, w.region_bytes, w.unpack)]
-        w.covered[r0:r1] = b"\x01" * (r1 - r0)
+            at = w.grant.offset + r0 * w.region_bytes
+            return [StartUnpack(self, w.p_rank, msg, r0, r1, at, units, w.unpack)]
+        if msg.plan is PlanKind.ROUNDS:
+            assert w.ring is not None and w.grant is not None
+            tile = w.ring.tiles[u0]
+            unpack = w.slices.get((tile.q0, tile.q1))
+            if unpack is None:
+                unpack = w.slices[(tile.q0, tile.q1)] = slice_pieces(w.unpack, tile.q0, tile.q1)
+            return [StartUnpack(self, w.p_rank, msg, r0, r1, w.grant.offset + w.ring.d_offset(u0), units, unpack)]
+        w.covered[u0:u1] = b"\x01" * (u1 - u0)
         self._account(msg, now)
         return self._check_covered(w, now)
+
+    def _units(self, w: Writer, msg: protocol.Completion) -> tuple[int, int] | None:
+        """What ``msg`` covers of the writer's count: its regions, or its part's index in rounds (the writer's
+        first part says which); None when it does not fit (outside the count, a part not of the ring's cut,
+        the other unit than the writer's, or a part in rounds without a ring grant and its unpack list)."""
+        rounds = msg.plan is PlanKind.ROUNDS
+        if w.rounds is None:
+            w.rounds = rounds
+        if w.rounds != rounds:
+            return None
+        if not rounds:
+            n = self.nregions
+            r0, r1 = (msg.region_start, msg.region_end) if msg.region_end else (0, n)
+            if r1 > n:
+                return None
+            if w.covered is None:
+                w.covered = bytearray(n)
+            return r0, r1
+        ring = w.ring
+        if ring is None or msg.staging != w.grant or w.unpack is None or msg.part >= ring.parts:
+            return None
+        tile = ring.tiles[msg.part]
+        if (msg.region_start, msg.region_end) != (tile.r0, tile.r1):
+            return None
+        if w.covered is None:
+            w.covered = bytearray(ring.parts)
+        return msg.part, msg.part + 1
+
+    def _misfit(self, w: Writer, msg: protocol.Completion, r0: int, r1: int, units: tuple[int, int] | None) -> str:
+        """Why a part is refused (it fails its writer): what it claimed against what D counts."""
+        if units is not None:
+            what = f"part {msg.part}" if w.rounds else f"regions [{r0}, {r1})"
+            return f"completion for {what} announced twice"
+        if msg.plan is PlanKind.ROUNDS:
+            parts = w.ring.parts if w.ring is not None else 0
+            return (
+                f"completion of part {msg.part} (regions [{r0}, {r1})) in rounds does not fit this writer's ring "
+                f"grant ({parts} parts; a writer's parts are all in rounds or none is)"
+            )
+        return f"completion for regions [{r0}, {r1}) outside D's regions ({self.nregions} regions) or mixing units"
 
     def unpack_started(self, a: StartUnpack, marker: Any, seconds: float, now: float) -> list[Action]:
         """Claimed now (a repeated announcement is refused), counted once unpacked."""
         w = self.writers[a.p_rank]
         assert w.covered is not None
         self.stats.unpack_s = (self.stats.unpack_s or 0.0) + seconds
-        w.covered[a.r0 : a.r1] = b"\x02" * (a.r1 - a.r0)
-        w.unpacking.append((a.r0, a.r1, marker))
+        u0, u1 = a.units
+        w.covered[u0:u1] = b"\x02" * (u1 - u0)
+        w.unpacking.append((u0, u1, marker, a.r0, a.r1))
         self.times.part(a.r0, a.r1, a.p_rank).stamp("unpack", now - seconds)
         self._account(a.part, now)
         return [self.await_unpacks(w.p_rank, block=not w.covered.count(0))]
 
     def unpacked(self, p: int, now: float) -> list[Action]:
-        """The writer's oldest unpack is done."""
+        """The writer's oldest unpack is done; in rounds, the parts unpacked without a gap before them are
+        credited (``SendCredit``) unless every part is here."""
         w = self.writers[p]
-        r0, r1, _ = w.unpacking.popleft()
+        u0, u1, _, r0, r1 = w.unpacking.popleft()
         self.times.part(r0, r1, p).stamp("unpacked", now)
         assert w.covered is not None
-        w.covered[r0:r1] = b"\x01" * (r1 - r0)
-        return [] if w.unpacking else self._check_covered(w, now)
+        w.covered[u0:u1] = b"\x01" * (u1 - u0)
+        out: list[Action] = []
+        if w.rounds and w.covered.count(1) < len(w.covered):
+            done = w.credited
+            while done < len(w.covered) and w.covered[done] == 1:
+                done += 1
+            if done > w.credited:
+                w.credited, w.credit_at = done, now
+                out.append(SendCredit(w.conn, self.transfer_id, self.attempt, done))
+        return out if w.unpacking else out + self._check_covered(w, now)
 
     def forgotten(self, p: int) -> list[Action] | None:
         """P rank ``p`` refused the registration because it no longer knows this D rank (no hello of its
@@ -220,7 +296,7 @@ class Incoming:
         out: list[Action] = []
         if w.grant is not None:
             out.append(FreeSlot(w.grant.offset))
-        w.again, w.sent, w.grant, w.unpack, w.region_bytes = True, False, None, None, 0
+        w.again, w.sent, w.grant, w.unpack, w.region_bytes, w.ring = True, False, None, None, 0, None
         return [*out, self.send_register(p)]
 
     def writer_failed(self, p: int, failed: Failed, now: float) -> list[Action]:
@@ -255,10 +331,18 @@ class Incoming:
                 out += self._final(w, self.aborting, now)
         return out
 
-    def expire(self, now: float, quarantine_s: float, epochs: dict[ConnKey, int]) -> list[Action]:
+    def expire(
+        self, now: float, quarantine_s: float, epochs: dict[ConnKey, int], credit_every: float = float("inf")
+    ) -> list[Action]:
         """Past the abort deadline: writers that did not answer are quarantined (they may still write);
-        quarantines past ``quarantine_s`` are reported overdue, once, and stay: only fencing ends them."""
+        quarantines past ``quarantine_s`` are reported overdue, once, and stay: only fencing ends them. A writer
+        in rounds that still owes parts hears its latest credit again every ``credit_every`` (one lost on the
+        way would hold P back for good)."""
         out: list[Action] = []
+        for w in self.writers.values():
+            if w.credited and not w.final and not w.quarantined and now - w.credit_at >= credit_every:
+                w.credit_at = now
+                out.append(SendCredit(w.conn, self.transfer_id, self.attempt, w.credited))
         if self.aborting is not None and now >= self.abort_deadline:
             why = self.aborting
             late = Failed(why.stage, Cause.DEAD_PEER, why.reason + " (P did not answer the abort)")
@@ -286,7 +370,7 @@ class Incoming:
 
     def await_unpacks(self, p: int, block: bool) -> AwaitUnpacks[Incoming]:
         """Report writer ``p``'s unpacks running now, oldest first, as they end."""
-        return AwaitUnpacks(self, p, block, tuple(m for _, _, m in self.writers[p].unpacking))
+        return AwaitUnpacks(self, p, block, tuple(u[2] for u in self.writers[p].unpacking))
 
     # -- internals -----------------------------------------------------------
     def _unsent(self, conn: ConnKey) -> list[Writer]:
@@ -312,7 +396,7 @@ class Incoming:
     def _final(self, w: Writer, failed: Failed | None, now: float) -> list[Action]:
         out: list[Action] = []
         if w.unpacking:
-            out.append(WaitUnpacks(tuple(m for _, _, m in w.unpacking)))
+            out.append(WaitUnpacks(tuple(u[2] for u in w.unpacking)))
             w.unpacking.clear()
         w.final, w.failed, w.quarantined = True, failed, False
         if w.grant is not None:

@@ -73,6 +73,7 @@ class Link:
     layout: KVLayout | None = None
     busy: bool = False  # P answered "not yet" (an earlier session's WRITEs fly): hello again shortly
     peer_copies: bool = False  # P writes this rank with peer copies (its hello reply said so)
+    version: int = protocol.OLDEST_PROTOCOL_VERSION  # the protocol P speaks (its ``Features`` before the reply)
     forgotten: bool = False  # P said it no longer knows this D rank: the next registration says hello first
 
 
@@ -80,7 +81,8 @@ class Link:
 class Standing:
     """Where a link stands, for the receiver: may it register (``READY``, with P's ``layout``), must it fail
     its writers (``REFUSED`` and not ``busy``, with the ``reason``), or wait for the hello's answer;
-    ``peer_copies``: P writes this rank with peer copies (no staging, no unpack list)."""
+    ``peer_copies``: P writes this rank with peer copies (no staging, no unpack list); ``rounds``: P takes
+    pushes in rounds (a ring grant, ``kvpush.core.rounds``)."""
 
     state: LinkState
     epoch: int
@@ -88,6 +90,7 @@ class Standing:
     busy: bool
     layout: KVLayout | None
     peer_copies: bool = False
+    rounds: bool = False
 
 
 # -- actions ------------------------------------------------------------------------------------------
@@ -178,7 +181,8 @@ class Links:
         link = self._links.get(key)
         if link is None:
             return None
-        return Standing(link.state, link.epoch, link.reason, link.busy, link.layout, link.peer_copies)
+        rounds = link.version >= protocol.ROUNDS_VERSION
+        return Standing(link.state, link.epoch, link.reason, link.busy, link.layout, link.peer_copies, rounds)
 
     def ready(self) -> int:
         return sum(c.state is LinkState.READY for c in self._links.values())
@@ -222,6 +226,13 @@ class Links:
         fencing = again and not self.fences.writes_on(key)
         self._links[key] = Link(LinkState.HELLO_SENT, now, now, epoch, fencing)
         return [Hello(key, epoch)]
+
+    def features(self, key: ConnKey, msg: protocol.Features) -> None:
+        """P says which protocol it speaks, just before its answer to the hello of ``msg.epoch``: kept with the
+        link that hello opened (one of another epoch, or after the answer, changes nothing)."""
+        link = self._links.get(key)
+        if link is not None and msg.epoch == link.epoch and link.state is LinkState.HELLO_SENT:
+            link.version = min(msg.version, protocol.PROTOCOL_VERSION)
 
     def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkAction]:
         """P's answer to a hello; one to an older hello (another epoch) changes nothing."""

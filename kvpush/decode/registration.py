@@ -15,6 +15,8 @@ from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.parts import PartCosts, cut, split_regions
 from kvpush.core.payload import block_runs, check_unpack, unpack_pieces
+from kvpush.core.rounds import ring_sizes
+from kvpush.core.staging import SlotAllocator
 from kvpush.decode.fencing_actions import Asked
 
 
@@ -105,3 +107,30 @@ def wants_staging(cfg: Config, src: KVLayout, dst: KVLayout, dst_pieces: np.ndar
     if cfg.staging.plan == "staged":
         return True
     return dst_pieces.shape[0] * len(dst.regions) >= cfg.staging.staged_min_descriptors
+
+
+def staging_grant(cfg: Config, slots: SlotAllocator, size: int, rounds: bool) -> protocol.StagingGrant | None:
+    """The staging D grants a writer for a staged payload of ``size`` bytes, taken from ``slots``; None: none
+    is free (the push goes direct).
+
+    A payload no larger than a full ring (``ring_slots`` x ``min_part_bytes``), or any payload for a P rank
+    that does not take rounds (an older protocol: ``rounds`` False), gets one slot holding all of it, as it
+    always did. A larger one, or one whose whole slot is not free, goes through a ring
+    (``kvpush.core.rounds``): the largest of ``ring_sizes`` that is free, smaller than the payload. So no
+    prompt length needs a region that holds it, and a busy region hands out smaller rings before none.
+    """
+    st = cfg.staging
+    full = st.ring_slots * max(st.min_part_bytes, 1)
+    if not rounds or size <= full:
+        off = slots.alloc(size)
+        if off is not None:
+            return protocol.StagingGrant(off, size)
+        if not rounds:
+            return None
+    for n, part in ring_sizes(st.ring_slots, st.min_part_bytes):
+        if n * part >= size:
+            continue  # no smaller than the whole payload: its own slot was tried
+        off = slots.alloc(n * part)
+        if off is not None:
+            return protocol.StagingGrant(off, n * part, part, n)
+    return None

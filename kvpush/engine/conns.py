@@ -142,6 +142,10 @@ class Conns:
         assert link is not None
         return link
 
+    def features(self, key: ConnKey, msg: protocol.Features) -> None:
+        """What P speaks, said before its hello reply (``Links.features``)."""
+        self.links.features(key, msg)
+
     def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkNews]:
         """P's answer to a hello; what it means for D's fencing."""
         return self._apply(self.links.hello_reply(key, msg, now))

@@ -51,7 +51,10 @@ class EngineLoop:
     ) -> None:
         self.name = f"{kind}-{engine_id}-{rank}"
         self.idle_poll_max_s = config.polling.idle_poll_max_s
-        self.low_latency = config.polling.busy_poll_max_s < DEFAULT_TIMER_SLACK_S
+        busy = config.polling.busy_poll_max_s
+        self.busy_poll_max_s = busy if busy is not None else backend.busy_poll_s
+        """Longest sleep between polls of transfers in flight: the configured, else the backend's."""
+        self.low_latency = self.busy_poll_max_s < DEFAULT_TIMER_SLACK_S
         """Polling faster than Linux's timer slack was asked for (GPU hosts): the thread's sleeps between
         polls of in-flight transfers are made to end on time (see ``_set_timer_slack``)."""
         self.cfg = config
@@ -237,7 +240,7 @@ class EngineLoop:
                     busy = False
                 if busy and not events:
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, self.cfg.polling.busy_poll_max_s)
+                    backoff = min(backoff * 2, self.busy_poll_max_s)
                 else:
                     backoff = BUSY_BACKOFF_MIN_S
         finally:

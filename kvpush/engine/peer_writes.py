@@ -56,7 +56,7 @@ class Writes:
         self.peer: PeerCopy | None = backend if enabled and isinstance(backend, PeerCopy) else None
         self._running: dict[int, int] = {}  # peer writes in flight, by id of their mapping
         self._retiring: dict[int, Any] = {}  # mappings let go of once nothing runs through them
-        if enabled and self.peer is None:
+        if enabled and self.peer is None and not backend.capabilities.peer_by_default:
             log.warning("%s: peer_copy is set but backend %s cannot write a peer's KV", name, backend.name)
 
     # -- mappings ------------------------------------------------------------

@@ -153,6 +153,9 @@ class PeerTable:
                 self.port.on_register(ident, msg, now, peer.key, block_cap(self.groups, peer.layout))
         elif isinstance(msg, protocol.Abort):
             self._on_abort(peer, msg, now)
+        elif isinstance(msg, protocol.Credit):
+            if peer is not None:  # only the D rank that registered a push credits it: the job is found by its name
+                self.port.on_credit((peer.engine_id, peer.rank), msg)
         else:
             log.warning("%s: unexpected %s on the side channel", self.name, type(msg).__name__)
 
@@ -295,6 +298,9 @@ class PeerTable:
             msg.staging_mem or msg.layout.mem,
             mapped,
         )
+        # What this P rank speaks, before the answer that makes the link ready: D offers what it brings (a ring)
+        # only to a P that said so; a D of an older protocol drops this one frame, saying why.
+        self.server.send(ident, protocol.Features(protocol.PROTOCOL_VERSION, self.rank, msg.epoch))
         self.server.send(ident, self._welcome(msg.epoch, mapped is not None))
 
     def _log_refused(self, key: str, msg: protocol.Hello, verdict: HelloRefused, now: float) -> None:

@@ -43,6 +43,10 @@ class PeerPort(Protocol):
         """An abort from the key that registered the transfer."""
         ...
 
+    def on_credit(self, key: DKey, msg: protocol.Credit) -> None:
+        """D rank ``key`` credits parts of its push in rounds (``kvpush.core.rounds``)."""
+        ...
+
     def drop_peer(self, key: DKey, reason: str, now: float) -> None:
         """Forget D rank ``key``'s transfers (the table forgets the rank)."""
         ...

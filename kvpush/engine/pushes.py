@@ -26,6 +26,7 @@ from kvpush.core.layout import KVLayout, heads_overlap
 from kvpush.core.outcome import Cause, Failed, PartTimes, PlanKind, Stage, XferState
 from kvpush.core.parts import PartSchedule, costs_of, split_regions
 from kvpush.core.plan import Plan, build_plan, group_runs, group_tokens, part_descriptors
+from kvpush.core.rounds import slice_pieces
 from kvpush.engine.peer_writes import Writes
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
@@ -43,6 +44,7 @@ from kvpush.prefill.push_actions import (
     StartPack,
 )
 from kvpush.prefill.push_job import PushJob
+from kvpush.prefill.rounds_job import RoundsJob
 from kvpush.prefill.slots import Evicted, Grant, SlotAction, StagingSlots
 from kvpush.prefill.transfer import Transfer
 from kvpush.transport.nixl_agent import Agent
@@ -147,6 +149,10 @@ class PushRunner:
     def _start_pack(self, job: PushJob, a: StartPack) -> list[Action]:
         """Start packing a part; asynchronous where the backend can, so several parts pack back to back."""
         pack = job.plan.plan.pack
+        ring = job.plan.plan.ring
+        if ring is not None and job.plan.slices is not None:
+            tile = ring.tiles[a.part]
+            pack = job.plan.slices[(tile.q0, tile.q1)]
         assert pack is not None and self.staging is not None
         t0 = time.monotonic()
         try:
@@ -185,6 +191,10 @@ class PushRunner:
                 raise KVPushError(f"D {job.key[0]} rank {job.key[1]} is gone")
             if job.plan.kind is PlanKind.EMPTY:
                 self.agent.send_notif(peer.agent, _completion(job.plan.plan, job.reg, self.rank, a.r0, a.r1, 0))
+            elif job.plan.kind is PlanKind.ROUNDS:
+                handle, ndesc = self._round_part(job.reg, peer, a), 1
+                state = self.writes.post(handle, None)
+                job.heard(peer.last_seen, time.monotonic())
             else:
                 handle, ndesc = a.made if a.made is not None else self._build_part(job.plan.plan, job.reg, peer, a)
                 state = self.writes.post(handle, a.after)
@@ -208,6 +218,33 @@ class PushRunner:
             if state is not XferState.PROC:
                 self.writes.release(handle)
         return job.posted(handle, ndesc, state, t1, t2)
+
+    def _round_part(self, reg: protocol.Register, peer: Any, a: Post) -> Any:
+        """The unposted WRITE of part ``a.part`` of a push in rounds: from its slot of P's ring to its slot of
+        D's (``a.at``), one descriptor, with its completion naming the part."""
+        assert self.staging is not None and peer.staging is not None
+        local = np.array([[self.staging.addr + a.at[0], a.nbytes, self.staging.device_id]], dtype=np.int64)
+        remote = np.array([[peer.staging.base + a.at[1], a.nbytes, peer.staging.device_id]], dtype=np.int64)
+        notif = protocol.encode(
+            protocol.Completion(
+                reg.transfer_id,
+                reg.request_id,
+                self.rank,
+                PlanKind.ROUNDS,
+                a.nbytes,
+                1,
+                reg.staging,
+                reg.attempt,
+                region_start=a.r0,
+                region_end=a.r1,
+                part=a.part,
+            )
+        )
+        return self.agent.prepare_write(local, str(self.staging.mem), remote, str(peer.staging_mem), peer.agent, notif)
+
+    def credit(self, tid: str, rec: Transfer, job: RoundsJob, parts: int) -> None:
+        """D credited parts ``[0, parts)`` of a push in rounds: the posts they held back go now."""
+        self._apply(tid, rec, job, job.credit(parts))
 
     def look_at_silence(self, jobs: list[PushJob], now: float) -> None:
         """Tell each posted push when its D rank last spoke (``PushJob.heard``)."""
@@ -250,17 +287,46 @@ class PushRunner:
             cfg.per_layer.layerwise_lead_layers,
         )
         # A backend that chains queues packs and peer copies behind the KV's marker on the device.
-        chain = plan.kind in (PlanKind.STAGED, PlanKind.PEER) and self.backend.capabilities.chained_ready
+        chained = (PlanKind.STAGED, PlanKind.PEER, PlanKind.ROUNDS)
+        chain = plan.kind in chained and self.backend.capabilities.chained_ready
         costs = costs_of(cfg, self.backend.pack_bandwidth(), self.copy.asynchronous)
-        jp = JobPlan(plan, sched, cfg.staging.push_parts, chain, cfg.staging.min_part_bytes, costs)
+        slices = self._slices(plan) if plan.kind is PlanKind.ROUNDS else None
+        jp = JobPlan(plan, sched, cfg.staging.push_parts, chain, cfg.staging.min_part_bytes, costs, slices)
+        dead_s = cfg.polling.peer_dead_s
+        if plan.kind is PlanKind.ROUNDS:
+            assert slot is not None
+            t_plan = time.monotonic()
+            self._start(tid, rec, reg, RoundsJob(reg, jp, rec.times, t0, t_plan - t0, slot, dead_s), t0, t_plan, plan)
+            return
         made = {}
         if plan.kind is PlanKind.STAGED and prepacked is None:
             made = self._prepare(jp, prefill, rec, peer, reg, slot)
         elif plan.kind in (PlanKind.DIRECT, PlanKind.PEER) and self._ahead(prefill, rec):
             made = self._build_ahead(plan, reg, peer, [(0, plan.nregions)])
         t_plan = time.monotonic()
-        job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=cfg.polling.peer_dead_s)
-        job.heard(peer.last_seen, t_plan)
+        job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=dead_s)
+        self._start(tid, rec, reg, job, t0, t_plan, plan)
+
+    def _slices(self, plan: Plan) -> dict[tuple[int, int], Any]:
+        """A push in rounds: P's pack list cut to each stream range of its parts, handed to the backend as a
+        hint (one table per range, whatever the number of parts)."""
+        assert plan.ring is not None and plan.pack is not None
+        slices = {(q0, q1): slice_pieces(plan.pack, q0, q1) for q0, q1 in plan.ring.slices()}
+        try:
+            for pieces in slices.values():
+                self.copy.prepare_pack(self.region_bases, pieces)
+        except Exception:
+            log.exception("%s: prepare_pack failed (pack will do it)", self.name)
+        return slices
+
+    def _start(
+        self, tid: str, rec: Transfer, reg: protocol.Register, job: PushJob, t0: float, t_plan: float, plan: Plan
+    ) -> None:
+        """The job made: P looks at its D rank's silence from now, and the transfer's record holds it."""
+        key = (reg.engine_id, reg.rank)
+        peer = self.peers.get(key)
+        if peer is not None:
+            job.heard(peer.last_seen, t_plan)
         rec.jobs[key] = job
         rec.times.first("push_start", t0)
         rec.times.first("planned", t_plan)
@@ -363,11 +429,14 @@ class PushRunner:
         ahead = self._pack_ahead(prefill, reg, peer, rec)
         mapped = peer.mapped is not None  # a peer copy needs no slot
         both = reg.staging is not None and peer.staging is not None and self.staging is not None and not mapped
-        grant = self._slot(self.slots.pair(tid, reg.staging.size if both else None, ahead))
-        local = remote = None
+        d_ring = (reg.staging.slots, reg.staging.part_bytes) if both and reg.staging.ring else None
+        grant = self._slot(self.slots.pair(tid, reg.staging.size if both else None, ahead, d_ring))
+        local = remote = ring = None
         if grant is not None:
             local = (self.staging.addr + grant.offset, self.staging.device_id)
             remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
+            if d_ring is not None and grant.slots:
+                ring = (d_ring[1], d_ring[0], grant.slots)
         src_blocks = prefill.block_ids[self.layout.token_group]
         if ahead is not None and rec.pack_ahead is not None and rec.pack_ahead.blocks is not None:
             src_blocks = rec.pack_ahead.blocks
@@ -386,6 +455,7 @@ class PushRunner:
                 groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
                 pack=None if mapped else ahead,
                 peer=mapped,
+                ring=ring,
             )
         except Exception:
             self.slots.plan_failed(tid, grant.offset if grant is not None else None)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import Backend
-from kvpush.backends.peer import PeerCopy
+from kvpush.backends.peer import PeerCopy, peer_copies_on
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.counts import Count
@@ -46,6 +46,7 @@ from kvpush.decode.fencing_actions import (
     Overdue,
     Report,
     SendAbort,
+    SendCredit,
     SendRegister,
     Stale,
     StartUnpack,
@@ -105,6 +106,7 @@ class Receiver(EngineLoop):
             config.leases.transfer_hard_cap_s,
             config.leases.quarantine_s,
             Allowed.parse(config.security.allowed_prefills),
+            credit_every=config.polling.heartbeat_s,
         )
         self._foreign_log = Throttle(LOG_EVERY_S)
         self.counters = self.fencing.counters
@@ -204,10 +206,11 @@ class Receiver(EngineLoop):
     def _export_peer(self) -> bytes:
         """What lets a P rank on this host write this rank's KV (``kvpush.backends.peer``), when
         ``peer_copy`` is set and the backend can offer it; empty otherwise."""
-        if not self.cfg.staging.peer_copy:
+        if not peer_copies_on(self.cfg, self.backend):
             return b""
         if not isinstance(self.backend, PeerCopy):
-            log.warning("%s: peer_copy is set but backend %s cannot offer its KV", self.name, self.backend.name)
+            if self.cfg.staging.peer_copy is True:
+                log.warning("%s: peer_copy is set but backend %s cannot offer its KV", self.name, self.backend.name)
             return b""
         try:
             return self.backend.export_peer(self.layout) or b""
@@ -301,6 +304,8 @@ class Receiver(EngineLoop):
             self._do(self.fencing.acknowledged(msg))
         elif isinstance(msg, protocol.Failure):
             self._do(self.fencing.failure(msg, time.monotonic(), sender=key))
+        elif isinstance(msg, protocol.Features):
+            self.conns.features(key, msg)
         elif not isinstance(msg, protocol.Heartbeat):
             log.warning("%s: unexpected %s from P %s:%s", self.name, type(msg).__name__, *key)
 
@@ -347,6 +352,8 @@ class Receiver(EngineLoop):
         elif isinstance(a, HelloAgain):
             log.info("%s: %s", self.name, a.describe())
             self.conns.forgotten(a.conn)
+        elif isinstance(a, SendCredit):
+            self.conns.send(a.conn, protocol.Credit(a.transfer_id, a.attempt, a.parts))
         elif isinstance(a, StartUnpack):
             return self.unpacks.start(a)
         elif isinstance(a, AwaitUnpacks):
@@ -392,7 +399,7 @@ class Receiver(EngineLoop):
         except Exception as exc:
             why = Failed(Stage.REGISTER, Cause.BAD_REGISTRATION, f"bad registration: {exc}")
             return self.fencing.writer_failed(a.incoming, a.p_rank, why, now)
-        grant = self.unpacks.grant(link.layout, ask, want)
+        grant = self.unpacks.grant(link.layout, ask, want, link.rounds)
         t_send = time.monotonic()  # before the send: P may read the message before this thread runs again
         msg = register_message(self.cfg, ask, a.attempt, self.engine_id, self.rank, grant)
         ok = self.conns.send(a.conn, msg)
@@ -406,7 +413,7 @@ class Receiver(EngineLoop):
                 if pieces is None:
                     pieces = unpack_pieces(link.layout, self.layout, blocks, ask.num_tokens, ask.start_token)
                 unpack, region_bytes = pieces, int(pieces[:, 1].sum()) if pieces.size else 0
-                self.unpacks.prepare(pieces, grant.offset)
+                self.unpacks.prepare(pieces, grant)
             except Exception:
                 log.exception("%s: building the unpack list of %s failed", self.name, ask.transfer_id)
         return self.fencing.register_sent(a.incoming, a.p_rank, grant, unpack, region_bytes, ok, t_send)

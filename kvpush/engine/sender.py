@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from kvpush.backends.base import Backend
+from kvpush.backends.peer import peer_copies_on
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.capability import Binding, derive_key
@@ -39,6 +40,7 @@ from kvpush.engine.waiter import MarkerWaiter
 from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release
 from kvpush.prefill.push_job import DKey, PushJob
 from kvpush.prefill.rendezvous import Rendezvous
+from kvpush.prefill.rounds_job import RoundsJob
 from kvpush.prefill.slots import StagingSlots
 from kvpush.transport.key_set import DeclaredRanks
 from kvpush.transport.side_channel import Server, peer_budgets, server_keys
@@ -196,7 +198,7 @@ class Sender(EngineLoop):
             self.cfg.limits.peer_max_ranks,
         )
         declared = DeclaredRanks(keys.decoders_dir) if keys is not None else lambda key: None
-        self.writes = Writes(self.name, self.agent, self.backend, self.cfg.staging.peer_copy)
+        self.writes = Writes(self.name, self.agent, self.backend, peer_copies_on(self.cfg, self.backend))
         self.peers = PeerTable(
             self.name,
             self.cfg,
@@ -329,6 +331,14 @@ class Sender(EngineLoop):
             # Its own clock reading: ``now`` is the step's start, which can precede the message's arrival.
             rec.times.first("registered", time.monotonic())
         self._apply(decisions)
+
+    def on_credit(self, key: DKey, msg: protocol.Credit) -> None:
+        """D rank ``key`` credits parts of its push in rounds; one for another attempt, or for no push of that
+        D rank in rounds, changes nothing."""
+        rec = self.rendezvous.record(msg.transfer_id)
+        job = rec.jobs.get(key) if rec is not None else None
+        if rec is not None and isinstance(job, RoundsJob) and job.reg.attempt == msg.attempt:
+            self.runner.credit(msg.transfer_id, rec, job, msg.parts)
 
     def on_remote_abort(self, msg: protocol.Abort, by: DKey, writer: bool = True) -> None:
         """D gave up, or (``writer`` False) told a P rank it does not write to that it is not needed: D takes

@@ -26,11 +26,12 @@ from kvpush.core.limits import Throttle
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.parts import costs_of
 from kvpush.core.plan import staged_bytes
+from kvpush.core.rounds import RING_MIN_PART_BYTES
 from kvpush.core.staging import SlotAllocator
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import AwaitUnpacks, StartUnpack, WaitUnpacks
 from kvpush.decode.incoming import Action, Asked
-from kvpush.decode.registration import guess_parts
+from kvpush.decode.registration import guess_parts, staging_grant
 from kvpush.observability.metrics import Count
 from kvpush.transport.auth import LOG_EVERY_S
 
@@ -62,19 +63,20 @@ class UnpackRunner:
         self.region_bases = [r.base for r in layout.regions]
         self._throttle = Throttle(LOG_EVERY_S)
 
-    def grant(self, p_layout: KVLayout, ask: Asked, want: bool) -> protocol.StagingGrant | None:
-        """A slot of D's staging region for this writer, when D's own fragmentation wants one."""
+    def grant(self, p_layout: KVLayout, ask: Asked, want: bool, rounds: bool = False) -> protocol.StagingGrant | None:
+        """A slot (or a ring, for a P rank that takes ``rounds``) of D's staging region for this writer, when
+        D's own fragmentation wants one (``registration.staging_grant``)."""
         size = staged_bytes(p_layout, self.layout, ask.num_tokens, ask.start_token)
         if size <= 0 or self.staging is None or not want:
             return None
-        off = self.slots.alloc(size)
-        if off is None:
+        grant = staging_grant(self.cfg, self.slots, size, rounds)
+        if grant is None:
             self.bump(Count.STAGING_FULL)
-            if not self.slots.holds(size):
+            if not self.slots.holds(size) and not (rounds and self.slots.holds(2 * RING_MIN_PART_BYTES)):
                 self._too_small(size)
             return None
         self.bump(Count.STAGING_GRANTS)
-        return protocol.StagingGrant(off, size)
+        return grant
 
     def _too_small(self, size: int) -> None:
         """A push D wants staged is larger than D's whole staging region: it goes direct, paying the transport's
@@ -87,20 +89,23 @@ class UnpackRunner:
         more = f" ({held} more since the last line)" if held else ""
         log.warning(
             "%s: a push of %d bytes wants staging (its direct plan has many descriptors) but D's staging region "
-            "holds %d bytes (staging_bytes), so it goes direct%s; set staging_bytes above the largest request "
-            "on both P and D",
+            "holds %d bytes (staging_bytes) and its P rank takes no rounds (an older kvpush), so it goes direct%s; "
+            "upgrade P, or set staging_bytes above the largest request on both P and D",
             self.name,
             size,
             self.slots.capacity,
             more,
         )
 
-    def prepare(self, pieces: np.ndarray, offset: int) -> None:
-        """Hand the backend the unpack list (and the parts P will most likely cut) after the registration
-        left: the first part needs P's pack and a WRITE first, so the upload is off the critical path."""
+    def prepare(self, pieces: np.ndarray, grant: protocol.StagingGrant) -> None:
+        """Hand the backend the unpack list (and the parts P will most likely cut into a slot for the whole
+        payload) after the registration left: the first part needs P's pack and a WRITE first, so the upload
+        is off the critical path. A ring's parts are cut by the ring (``kvpush.core.rounds``), not guessed."""
         assert self.staging is not None
-        costs = costs_of(self.cfg, self.backend.pack_bandwidth(), self.copy.asynchronous)
-        parts = guess_parts(self.cfg, len(self.layout.regions), pieces, self.staging.addr + offset, costs)
+        parts: list[tuple[int, int, int]] = []
+        if not grant.ring:
+            costs = costs_of(self.cfg, self.backend.pack_bandwidth(), self.copy.asynchronous)
+            parts = guess_parts(self.cfg, len(self.layout.regions), pieces, self.staging.addr + grant.offset, costs)
         try:
             self.copy.prepare_unpack(self.region_bases, pieces, parts=parts)
         except Exception:
@@ -109,8 +114,7 @@ class UnpackRunner:
     def start(self, a: StartUnpack) -> list[Action]:
         assert self.staging is not None
         t0 = time.monotonic()
-        # The payload is region-major: this part's regions sit at their own offset in the slot.
-        staging = self.staging.addr + a.offset + a.r0 * a.region_bytes
+        staging = self.staging.addr + a.at
         try:
             marker = self.copy.start_unpack(self.region_bases[a.r0 : a.r1], a.unpack, staging)
         except Exception as exc:

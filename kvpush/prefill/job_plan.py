@@ -45,6 +45,9 @@ class JobPlan:
     chain: bool = False
     min_part_bytes: int = MIN_PART_BYTES
     costs: PartCosts | None = None
+    slices: dict[tuple[int, int], Any] | None = None
+    """A push in rounds: P's pack list cut to each stream range its parts take (``rounds.slice_pieces``), made
+    once per job (and, being the same objects for every part of a range, handed to the backend as such)."""
 
     @property
     def kind(self) -> PlanKind:

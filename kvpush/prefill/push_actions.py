@@ -43,6 +43,8 @@ class StartPack:
     r1: int
     after: Any
     offset: int = 0
+    part: int = -1
+    """A push in rounds: the part (``kvpush.core.rounds``) whose stream range of those regions is packed."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class Post:
     made: tuple[Any, int] | None
     nbytes: int = 0
     after: Any = None
+    part: int = -1
+    """A push in rounds: the part posted, with ``at``, where it is in P's staging region and where it goes in
+    D's (``kvpush.core.rounds``)."""
+    at: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

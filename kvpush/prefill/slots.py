@@ -16,6 +16,10 @@ those), until a push claims its slot or the prefill ends. The rules:
   slot; otherwise the packed slot is dropped, and the push takes a free
   slot, taking back parked slots whose pack has ended, the oldest first,
   before it goes without (a direct plan: always correct, never a wait);
+  a push whose D granted a ring (``kvpush.core.rounds``) takes a ring of
+  P's own with slots of the same size, as many as are free up to D's count
+  (one will do: P's packs then wait for its WRITEs), parked slots taken back
+  first as above;
 * **planned** (``planned``): a staged plan keeps its slot and claims the
   packed one (the job frees it at ``Done``: ``job_done``); any other plan
   gives its slot back, a packed one dropped;
@@ -66,10 +70,12 @@ class Evicted:
 @dataclass(frozen=True)
 class Grant:
     """The push plans with (``pair``) or keeps (``planned``) the slot at ``offset``; ``prepack``: the pack at
-    hand-over it took with the slot (``planned`` only; None: the job packs its parts itself)."""
+    hand-over it took with the slot (``planned`` only; None: the job packs its parts itself); ``slots``: a
+    ring of that many slots (0: one slot for the whole payload)."""
 
     offset: int
     prepack: Prepack | None = None
+    slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,29 +151,34 @@ class StagingSlots:
         return []
 
     # -- pushes --------------------------------------------------------------
-    def pair(self, transfer_id: str, want: int | None, ahead: np.ndarray | None) -> list[SlotAction]:
+    def pair(
+        self, transfer_id: str, want: int | None, ahead: np.ndarray | None, ring: tuple[int, int] | None = None
+    ) -> list[SlotAction]:
         """A push is planned: ``want``, D's slot size when both sides could stage (None: they cannot);
-        ``ahead``: the pack list built at hand-over the plan will use (None: none fits). ``Grant``: plan with
-        that slot; none: plan without staging."""
+        ``ahead``: the pack list built at hand-over the plan will use (None: none fits); ``ring``: D granted
+        a ring of ``(slots, part_bytes)``. ``Grant``: plan with that slot (or ring); none: plan without
+        staging."""
         held = self.ledger.get(transfer_id)
-        if held is not None and not (want is not None and ahead is held.pack and held.size <= want):
+        if held is not None and not (want is not None and ring is None and ahead is held.pack and held.size <= want):
             self._free(self.ledger.drop(transfer_id))  # packed for a push this is not
             held = None
         if want is None:
             return []
         if held is not None:
             return [Grant(held.slot)]
+        sizes = [(0, want)] if ring is None else [(k, k * ring[1]) for k in range(ring[0], 0, -1)]
         out: list[SlotAction] = []
-        while (offset := self.allocator.alloc(want)) is None and want <= self.allocator.capacity:
-            victim = self.ledger.evictable()
-            if victim is None:
-                return out
-            self._free(self.ledger.drop(victim))
-            out.append(Evicted(victim))
-        if offset is None:
-            return out
-        self.pushes.add(offset)
-        return [*out, Grant(offset)]
+        for k, size in sizes:
+            while (offset := self.allocator.alloc(size)) is None and size <= self.allocator.capacity:
+                victim = self.ledger.evictable()
+                if victim is None:
+                    break
+                self._free(self.ledger.drop(victim))
+                out.append(Evicted(victim))
+            if offset is not None:
+                self.pushes.add(offset)
+                return [*out, Grant(offset, slots=k)]
+        return out
 
     def planned(
         self, transfer_id: str, offset: int | None, kind: PlanKind, pack: np.ndarray | None
@@ -184,7 +195,7 @@ class StagingSlots:
             return []
         if offset is None:
             return []
-        if kind is not PlanKind.STAGED:
+        if kind not in (PlanKind.STAGED, PlanKind.ROUNDS):
             self.pushes.discard(offset)
             self.allocator.free(offset)
             return []

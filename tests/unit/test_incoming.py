@@ -135,13 +135,14 @@ class FencingMachine(RuleBasedStateMachine):
             return self.fencing.unreachable(inc, a.p_rank, a.reason, self.now)
         if isinstance(a, StartUnpack):
             w = a.incoming.writers[a.p_rank]
-            assert w.grant is not None and (a.offset, a.region_bytes, a.unpack) == (w.grant.offset, 16, "pieces")
+            at = w.grant.offset + a.r0 * 16 if w.grant is not None else None
+            assert (a.at, a.units, a.unpack) == (at, (a.r0, a.r1), "pieces"), a
             m = Marker()
             self.unpacks.setdefault(id(a.incoming), []).append(m)
             return self.fencing.unpack_started(a, m, 0.0, self.now)
         if isinstance(a, AwaitUnpacks):
             w = a.incoming.writers[a.p_rank]
-            assert a.markers == tuple(m for _, _, m in w.unpacking), "the action carries the unpacks running"
+            assert a.markers == tuple(u[2] for u in w.unpacking), "the action carries the unpacks running"
             if a.block:
                 for m in a.markers:
                     m.reached = True

@@ -22,10 +22,13 @@ from kvpush.core.protocol import (
     MAX_BLOCKS,
     MAX_FRAME_BYTES,
     MAX_GROUPS,
+    OLDEST_PROTOCOL_VERSION,
     Abort,
     Ack,
     Completion,
+    Credit,
     Failure,
+    Features,
     Heartbeat,
     Hello,
     HelloReply,
@@ -115,6 +118,8 @@ MORE_MESSAGES = [
     # Kept out of MESSAGES, whose indices the tests below use.
     Posting(transfer_id="xfer-1", rank=2, attempt=1),
     Ack(transfer_id="xfer-1", rank=1, state=PrefillState.QUEUED, attempt=2, tokens_ahead=4096),
+    Features(version=12, rank=1, epoch=3),
+    Credit(transfer_id="xfer-1", attempt=2, parts=17),
 ]
 
 
@@ -207,8 +212,34 @@ def test_every_message_type_is_covered() -> None:
 
 def test_frame_is_version_then_message() -> None:
     raw = msgspec.msgpack.decode(encode(MESSAGES[-1]))
-    assert raw[0] == PROTOCOL_VERSION
+    assert raw[0] == OLDEST_PROTOCOL_VERSION  # a heartbeat is the same in every version: the oldest says it
     assert raw[1]["type"] == "hb"
+
+
+def test_a_frame_carries_the_lowest_version_that_holds_it() -> None:
+    """A message of the previous version's shape goes as that version, without the fields it lacks, so a peer
+    on it reads it; what rounds brought (its messages, a ring grant, a part in rounds) goes as the newer one."""
+    plain = Register(
+        transfer_id="t",
+        request_id="r",
+        engine_id="e",
+        rank=0,
+        block_ids=([1, 2],),
+        num_tokens=3,
+        staging=StagingGrant(offset=4096, size=8192),
+    )
+    ring = msgspec.structs.replace(plain, staging=StagingGrant(offset=4096, size=8192, part_bytes=4096, slots=2))
+    done = Completion(transfer_id="t", request_id="r", rank=0, plan=PlanKind.STAGED, staging=plain.staging)
+    part = Completion(transfer_id="t", request_id="r", rank=0, plan=PlanKind.ROUNDS, staging=ring.staging, part=3)
+    old = [plain, done, *MESSAGES, MORE_MESSAGES[0], MORE_MESSAGES[1], MORE_MESSAGES[2], MORE_MESSAGES[3]]
+    for msg in old:
+        raw = msgspec.msgpack.decode(encode(msg))
+        assert raw[0] == OLDEST_PROTOCOL_VERSION, msg
+        assert not {"part_bytes", "slots", "part"} & set(raw[1]) & set((raw[1].get("staging") or {}) | raw[1]), msg
+    for msg in (ring, part, *MORE_MESSAGES[4:]):
+        assert msgspec.msgpack.decode(encode(msg))[0] == PROTOCOL_VERSION, msg
+        assert encode(decode(encode(msg))) == encode(msg)
+    assert encode(decode(_frame(_raw(plain), version=OLDEST_PROTOCOL_VERSION))) == encode(plain)
 
 
 # -- malformed frames --------------------------------------------------------------

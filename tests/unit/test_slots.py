@@ -139,24 +139,37 @@ class SlotsMachine(RuleBasedStateMachine):
         kind=st.sampled_from(list(PlanKind)),
         planning_fails=st.booleans(),
         takes_list=st.booleans(),
+        ring=st.one_of(st.none(), st.tuples(st.integers(1, 4), st.integers(1, 5))),
     )
     def pairing(
-        self, i: int, parked: bool, want: int | None, same_list: bool, kind, planning_fails: bool, takes_list: bool
+        self,
+        i: int,
+        parked: bool,
+        want: int | None,
+        same_list: bool,
+        kind,
+        planning_fails: bool,
+        takes_list: bool,
+        ring: tuple[int, int] | None,
     ) -> None:
         """D registered (``want``: its slot's blocks when both sides can stage; ``same_list``: the list built at
-        hand-over fits it): the push is planned (``takes_list``: with that list, else one of its own)."""
+        hand-over fits it; ``ring``: D granted a ring of (slots, blocks per slot)): the push is planned
+        (``takes_list``: with that list, else one of its own)."""
         tid = list(self.parked)[i % len(self.parked)] if parked and self.parked else self._tid()
         held = self.parked.get(tid)
         ahead = held[2] if held is not None and same_list else None
         want_b = want * ALIGN if want is not None else None
+        ring_b = (ring[0], ring[1] * ALIGN) if ring is not None and want_b is not None else None
+        if ring_b is not None:
+            want_b = ring_b[0] * ring_b[1]
         ended = [t for t in self.parked if t != tid and self.slots.ledger.get(t).reached]
-        acts = self.slots.pair(tid, want_b, ahead)
+        acts = self.slots.pair(tid, want_b, ahead, ring_b)
         grants = [a for a in acts if isinstance(a, Grant)]
         evicted = [a.transfer_id for a in acts if isinstance(a, Evicted)]
         assert len(grants) + len(evicted) == len(acts) and len(grants) <= 1 and (not grants or acts[-1] is grants[0])
         assert evicted == ended[: len(evicted)], "a parked slot taken back before its pack ended, or not the oldest"
         kept = held is not None and self.slots.ledger.get(tid) is not None  # the packed slot stays in the running
-        fits = held is not None and want_b is not None and ahead is held[2] and held[1] <= want_b
+        fits = held is not None and want_b is not None and ring_b is None and ahead is held[2] and held[1] <= want_b
         assert kept == fits, "a packed slot kept for a push it does not fit, or dropped for one it fits"
         self._forget_dropped()
         offset = grants[0].offset if grants else None
@@ -166,22 +179,29 @@ class SlotsMachine(RuleBasedStateMachine):
                 assert offset == held[0] and ahead is held[2] and held[1] <= want_b, "the packed slot, wrongly"
             else:
                 assert offset not in self.sizes, "a slot handed out twice"
-                self.sizes[offset] = want_b
+                if ring_b is not None:
+                    assert 1 <= grants[0].slots <= ring_b[0], "a ring of P's own has 1 to D's count of slots"
+                    self.sizes[offset] = grants[0].slots * ring_b[1]
+                else:
+                    assert grants[0].slots == 0
+                    self.sizes[offset] = want_b
         else:
             assert not kept, "the packed slot fits, yet the push goes without it"
             left = [t for t in self.parked if self.slots.ledger.get(t).reached]
-            assert want_b is None or want_b > self.alloc.capacity or not left, "went without, a parked slot ended"
+            least = ring_b[1] if ring_b is not None else want_b
+            assert least is None or least > self.alloc.capacity or not left, "went without, a parked slot ended"
         if planning_fails:
             self.slots.plan_failed(tid, offset)
             self._after_plan(offset, [], kept)
             return
-        if offset is None and kind is PlanKind.STAGED:
+        staged = (PlanKind.STAGED, PlanKind.ROUNDS)
+        if offset is None and kind in staged:
             kind = PlanKind.DIRECT  # build_plan stages only with a slot on both sides
         pack = ahead if ahead is not None and takes_list else np.zeros((1, 2), dtype=np.int64)
         got = self.slots.planned(tid, offset, kind, pack)
         if got:
             (g,) = got
-            assert isinstance(g, Grant) and kind is PlanKind.STAGED and g.offset == offset
+            assert isinstance(g, Grant) and kind in staged and g.offset == offset
             if g.prepack is not None:
                 assert kept and g.prepack.pack is held[2] is pack, "took a pack made for another list"
                 self.parked.pop(tid)  # claimed: the slot is the job's now
@@ -189,7 +209,7 @@ class SlotsMachine(RuleBasedStateMachine):
                 assert not kept or pack is not held[2], "a staged plan with the packed list did not claim it"
             self.jobs[self._tid()] = (g.offset, g.prepack.marker if g.prepack is not None else None)
         else:
-            assert kind is not PlanKind.STAGED or kept, "a staged plan with a fresh slot lost it"
+            assert kind not in staged or kept, "a staged plan with a fresh slot lost it"
             assert self.slots.ledger.get(tid) is None, "a packed slot the plan did not take is still held"
         self._after_plan(offset, got, kept)
 

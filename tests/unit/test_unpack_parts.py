@@ -135,7 +135,7 @@ class UnpackPartsMachine(RuleBasedStateMachine):
         assert part in self.fed, f"unpack of {part} before its notification arrived (its WRITE may not have landed)"
         assert part not in self.started, f"unpack of {part} started twice"
         assert (a.part.region_start, a.part.region_end) == part and a.part.staging == self.grant, a
-        assert (a.offset, a.region_bytes, a.unpack) == (SLOT, RB, "pieces"), a
+        assert (a.at, a.units, a.unpack) == (SLOT + a.r0 * RB, part, "pieces"), a
         assert a.incoming is self.inc and a.p_rank == 0
         if self.unpack_fails:
             self.unpack_fails = False

@@ -129,7 +129,7 @@ class CudaBackend(TestSupport, Backend):
     @property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
         """In place with device staging; with host staging NIXL never sees the KV, so every push is staged."""
-        return Capabilities(direct=not self._host_staging, chained_ready=True)
+        return Capabilities(direct=not self._host_staging, chained_ready=True, peer_by_default=True)
 
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
         if spec.attention not in ATTENTION:

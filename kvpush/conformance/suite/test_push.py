@@ -143,6 +143,35 @@ def test_random_block_sets(nodes: tuple[Node, Node], direct_ok: bool, plan: str)
         assert st.get(f"plan_{plan}_total", 0) == nonempty, st  # the plan really was the one asked for
 
 
+def test_pushes_larger_than_the_staging_region_go_through_it_in_rounds(nodes: tuple[Node, Node]) -> None:
+    """Contract (push in rounds, byte-exact): pushes far larger than D's staging region go through a ring of it
+    (``kvpush.core.rounds``), part by part, each slot written again only after D unpacked the part before it
+    there: parts of whole regions, parts cutting a region in chunks, and a push that fits one slot, all
+    byte-exact through this backend's packs and unpacks, registered and finished in both orders."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=64, layers=8), Geom(num_blocks=96, layers=8)  # 16 regions of 64 bytes a token
+    seeds = (150, 250)
+    rng = np.random.default_rng(15)
+    reqs = [
+        Req(f"rr-t{i}", f"rr-p{i}", f"rr-d{i}", pb, db, n, 0)
+        for i, (n, pb, db) in enumerate(
+            (n, [int(b) for b in rng.choice(64, -(-n // 16), replace=False)], dblocks)
+            for n, dblocks in (
+                (60, [90, 3, 47, 12]),
+                (300, [int(b) for b in rng.permutation(range(20, 40))]),
+                (10, [70]),
+            )
+        )
+    ]
+    ring = {"staging_bytes": 16 << 10, "min_part_bytes": 4 << 10, "ring_slots": 4, "staged_min_descriptors": 1}
+    with engines(p, d, pg, dg, {**ring, "plan": "staged"}, ring, seeds, name="rounds") as (k, peer):
+        for r in reqs:  # one at a time: each takes the whole region
+            push(p, d, k, peer, [r])
+        check_bytes(p, d, k, pg, dg, seeds, reqs)
+        st = p.call("stats", k + "p")
+        assert (st.get("plan_rounds_total", 0), st.get("plan_staged_total", 0)) == (2, 1), st
+
+
 BLOCK_PAIRS = [
     (16, 32, "NHD", "NHD", "direct"),
     (32, 16, "NHD", "HND", "staged"),

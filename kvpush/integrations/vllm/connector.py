@@ -50,7 +50,13 @@ from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMet
 from kvpush.integrations.vllm.orders import StepOrders
 from kvpush.integrations.vllm.scheduler_inputs import drop_prompt_tail, scheduled_chunks
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide
-from kvpush.integrations.vllm.startup import attention_backends, platform_backend, prefill_advert, share_vllm_logging
+from kvpush.integrations.vllm.startup import (
+    attention_backends,
+    layerwise_on,
+    platform_backend,
+    prefill_advert,
+    share_vllm_logging,
+)
 from kvpush.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -140,7 +146,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         advert = prefill_advert(cfg, self.engine_id, vllm_config) if ktc.is_kv_producer else None
         self.sched = SchedulerSide(
             backoff=prefill_backoff(vllm_layout.has_state_layers(kv_cache_config)),
-            layerwise=cfg.per_layer.layerwise,
+            layerwise=layerwise_on(cfg),
             layerwise_min_tokens=cfg.per_layer.layerwise_min_tokens,
             advert=advert,
             max_waiting_registrations=cfg.limits.max_waiting_registrations if ktc.is_kv_consumer else 0,

