@@ -29,7 +29,7 @@ _PUBLIC: dict[str, str] = {
     # what a device backend implements and describes
     "Backend": "kvpush.backends.base",
     "Capabilities": "kvpush.backends.base",
-    "CacheSpec": "kvpush.backends.base",
+    "CacheSpec": "kvpush.core.layout",
     "MemRegistration": "kvpush.backends.base",
     "StagingBuffer": "kvpush.backends.base",
     "KVLayout": "kvpush.core.layout",
@@ -64,7 +64,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from kvpush.backends.base import Backend as Backend
-    from kvpush.backends.base import CacheSpec as CacheSpec
     from kvpush.backends.base import Capabilities as Capabilities
     from kvpush.backends.base import MemRegistration as MemRegistration
     from kvpush.backends.base import StagingBuffer as StagingBuffer
@@ -75,6 +74,7 @@ if TYPE_CHECKING:
     from kvpush.core.errors import KVPushError as KVPushError
     from kvpush.core.errors import LayoutError as LayoutError
     from kvpush.core.errors import ProtocolError as ProtocolError
+    from kvpush.core.layout import CacheSpec as CacheSpec
     from kvpush.core.layout import KVLayout as KVLayout
     from kvpush.core.layout import MemKind as MemKind
     from kvpush.core.layout import Region as Region

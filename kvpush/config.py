@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvpush.core.errors import ConfigError
-from kvpush.transport.nixl_backends import traits
+from kvpush.core.nixl_backends import traits
 
 Pos = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -117,7 +117,7 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     wins whatever D's blocks are and a slot is free (``kvpush.prefill.prepack``); False: P packs at pairing."""
     descriptor_cost_us: Pos | None = None
     """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
-    measured default of the first NIXL backend (``kvpush.transport.nixl_backends``; see
+    measured default of the first NIXL backend (``kvpush.core.nixl_backends``; see
     ``descriptor_cost_s``; measurements: docs/benchmarks.md, "Descriptor cost")."""
     link_gbps: Pos = 25.0
     """Link bandwidth in GB/s for the cost model."""
@@ -189,9 +189,10 @@ class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """D rank names (engine id, rank) one D key may be known as on a P rank at once, for a key whose key set
     declares no ranks (``kvpush keys DIR --decode NAME --ranks N`` declares N, TP size times DP, and the
     key may then be known as 2 N: a restarted D's new names while its old ones wait out ``peer_dead_s``);
-    a hello under a further name is refused. With one D key shared by the whole D fleet, at least the
-    number of D ranks that use one P rank. Not applied with ``"auth": "none"`` (every peer is then the same
-    nobody)."""
+    a hello under a further name is refused. A key may hold as many authenticated connections to a P rank
+    (its oldest is shut beyond them; docs/security.md, "Connections per key"). With one D key shared by the
+    whole D fleet, at least the number of D ranks that use one P rank. Not applied with ``"auth": "none"``
+    (every peer is then the same nobody)."""
     peer_key_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 256 << 20
     """Bytes one D key may make a P rank hold, as a whole: its D rank names with their NIXL metadata, its
     open registrations and their block ids (``kvpush.prefill.admission`` counts them); a hello or a registration

@@ -17,6 +17,10 @@ Two optional surfaces sit beside it, each in its own module:
 bytes are in place) and ``kvpush.backends.testing.TestSupport`` (what the
 conformance suite needs to allocate caches and move their bytes; engines
 never call it). The core owns the protocol, the transfer plan and the threads.
+
+``CacheSpec``, what the engine tells ``describe``, is named here as part of the contract; it lives in
+``kvpush.core.layout`` beside the ``KVLayout`` it becomes, where pure code (``core.geometry``) may build one
+without importing the backends.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.core.layout import KVLayout, MemKind
+from kvpush.core.layout import CacheSpec, KVLayout, MemKind
 
 
 @dataclass(frozen=True)
@@ -50,48 +54,6 @@ class Capabilities:
     direct: bool = True
     chained_ready: bool = False
     peer_by_default: bool = False
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """What the engine knows about its KV cache; the backend reads the rest from the tensors.
-
-    ``axes`` names each tensor's logical dimensions, outermost first: ``B``
-    blocks, ``H`` KV heads of this rank, ``N`` tokens of a block, ``C`` one
-    head's content for one token (``head_dim`` elements), ``K`` a leading
-    K/V axis of size 2 (two regions per layer); without ``H`` a tensor holds
-    one head. vLLM (0.29 and later) hands every attention backend's cache as
-    ``BHNC`` views whose strides say the physical order; earlier vLLM hands
-    each backend's own shape (``BKNHC``, ``KBNHC``, CPU's ``BHNC``, MLA's
-    ``BNC``), NxDI ``BNHC``. ``num_heads`` counts the model's KV head slots (1 for MLA's
-    latent, which every TP rank holds whole). ``attention`` is the engine's
-    attention backend name (``CPU_ATTN``, ``FLASH_ATTN``, ``CPU_MLA``...):
-    some kernels pack a head's tokens their own way, which strides cannot
-    show. ``layer_groups`` gives the KV-cache group of each tensor, in
-    order (empty: all in group 0). ``tensors_per_layer``: 2 where K and V
-    are separate tensors of one layer (NxDI), listed K then V.
-    """
-
-    block_size: int
-    num_heads: int
-    head_dim: int
-    dtype: str
-    tp_rank: int = 0
-    tp_size: int = 1
-    axes: str = "KBNHC"
-    attention: str = ""
-    layer_groups: tuple[int, ...] = ()
-    tensors_per_layer: int = 1
-
-    @property
-    def local_heads(self) -> int:
-        """KV heads one rank holds (vLLM replicates a head on several ranks when there are more ranks)."""
-        return max(1, self.num_heads // self.tp_size)
-
-    @property
-    def head_start(self) -> int:
-        """First model head this rank holds, as vLLM shards KV heads (``QKVParallelLinear``)."""
-        return self.tp_rank * self.num_heads // self.tp_size
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,10 @@ may arrive first, so it would hold unverified registrations (from any key)
 until then; the HMAC is checked at once, on the frame that carries it.
 
 A sub-request of a request with several prompts has its own transfer id
-(``<shared>/<prompt>.<child>``, ``kvpush.integrations.vllm.params``); the
-capability of the shared id covers them (D knows only the shared one).
+(``<shared>/<prompt>.<child>``, ``sub_request_id``; ``kvpush.integrations.vllm.params``
+derives it on P and D); the capability of the shared id covers them (D knows
+only the shared one), and only them: the ids ``sub_request_id`` makes, in
+ASCII digits without leading zeros (``shared_id``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,28 @@ from dataclasses import dataclass
 CAPABILITY_CHARS = 32
 """A capability's length: 128 bits as lowercase hex."""
 _LABEL = b"kvpush capability key v1"
-_SUB = re.compile(r"^(.+)/\d+\.\d+$")
+_INDEX = "(?:0|[1-9][0-9]*)"
+_SUB = re.compile(rf"(.+)/({_INDEX})\.({_INDEX})", re.DOTALL)
+
+
+def sub_request_id(shared: str, prompt: int, child: int) -> str:
+    """The transfer id of sub-request (``prompt``, ``child``) of a request whose transfer id is ``shared``: the
+    shared id itself for the first (0, 0), so a single-prompt request carries it unchanged."""
+    if prompt < 0 or child < 0:
+        raise ValueError(f"a sub-request's prompt and child are counts from 0, got {prompt}.{child}")
+    return shared if (prompt, child) == (0, 0) else f"{shared}/{prompt}.{child}"
+
+
+def shared_id(transfer_id: str) -> str | None:
+    """The shared id ``transfer_id`` is a sub-request's id of (None: it is no sub-request's), so that exactly
+    the ids ``sub_request_id`` makes are covered by their shared id's capability: the indexes in ASCII digits
+    (a regular expression's ``\\d`` also takes other scripts' digits, as Arabic-Indic ``A/\\u0661.\\u0662``,
+    which no P derives), without leading zeros, nothing after them (``$`` would let a newline follow), and
+    not ``0.0``."""
+    m = _SUB.fullmatch(transfer_id)
+    if m is None or (m.group(2), m.group(3)) == ("0", "0"):
+        return None
+    return m.group(1)
 
 
 def derive_key(p_secret: bytes) -> bytes:
@@ -72,8 +95,8 @@ def valid(key: bytes, transfer_id: str, capability: str) -> bool:
         return False
     if hmac.compare_digest(_kept(key, transfer_id), capability):
         return True
-    m = _SUB.match(transfer_id)
-    return m is not None and hmac.compare_digest(_kept(key, m.group(1)), capability)
+    shared = shared_id(transfer_id)
+    return shared is not None and hmac.compare_digest(_kept(key, shared), capability)
 
 
 @dataclass(frozen=True)
@@ -89,9 +112,9 @@ class Binding:
         """Mint ``transfer_id``'s capability (and its shared id's, for a sub-request) ahead of the
         registration that will carry it (``_kept``); the check itself is unchanged."""
         _kept(self.key, transfer_id)
-        m = _SUB.match(transfer_id)
-        if m is not None:
-            _kept(self.key, m.group(1))
+        shared = shared_id(transfer_id)
+        if shared is not None:
+            _kept(self.key, shared)
 
     def check(self, transfer_id: str, capability: str, what: str) -> str:
         """Why ``what`` ("registration", "abort") of ``transfer_id`` is refused ("" if it is not).

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush.backends.base import CacheSpec
+from kvpush.core.layout import CacheSpec
 
 DTYPE_BYTES = {
     "float32": 4,

@@ -4,7 +4,7 @@ A peer is *loaded* from the metadata it sent in its hello, *in use* while
 anything may be written to it or read from it, and *given up* when its side
 forgets it (declared dead, said hello again, fenced). What giving up does to
 the load depends on two traits of the NIXL backend
-(``kvpush.transport.nixl_backends.BackendTraits``):
+(``kvpush.core.nixl_backends.BackendTraits``):
 
 - where a live peer can be loaded again (``reloads_live_peer``), a peer given up
   is unloaded at once;

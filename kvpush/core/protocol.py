@@ -147,7 +147,7 @@ class Hello(_Msg, tag="hello"):
     """Memory kind of ``staging`` when it differs from the layout's (a device's KV staged through host memory)."""
     nixl_version: Name = ""
     """D's NIXL version, and below its NIXL backends: P refuses a D its NIXL cannot write to
-    (``kvpush.transport.interop``)."""
+    (``kvpush.core.interop``)."""
     nixl_backends: Annotated[tuple[Name, ...], msgspec.Meta(max_length=16)] = ()
     peer: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""
     """What lets a process on D's host write D's KV (its backend's ``export_peer``); empty: D offers no

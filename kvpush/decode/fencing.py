@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpush.core import protocol
+from kvpush.core.counts import Count
 from kvpush.core.outcome import Cause, Failed, PrefillState, Stage
 from kvpush.core.protocol import StagingGrant
 from kvpush.core.topology import ConnKey
@@ -33,7 +34,6 @@ from kvpush.decode.fencing_actions import (
 )
 from kvpush.decode.incoming import Action, Asked, Incoming, Writer
 from kvpush.decode.link import LinkNews, Ready, Refused
-from kvpush.observability.metrics import Count
 
 
 class Fencing:

@@ -28,7 +28,7 @@ def check_nixl() -> tuple[Check, str]:
 
     It names the running NIXL version, whether kvpush supports it, and whether kvpush's LIBFABRIC handling
     was measured on it: the LIBFABRIC plugin changes between NIXL releases, and on a version nobody
-    measured kvpush drives it with its most cautious traits (kvpush/transport/nixl_backends.py)."""
+    measured kvpush drives it with its most cautious traits (kvpush/core/nixl_backends.py)."""
     try:
         from kvpush.transport.nixl_agent import NIXL_INSTALL, imports_torch, nixl_version, nixl_wheel, supported
 
@@ -40,7 +40,7 @@ def check_nixl() -> tuple[Check, str]:
         from kvpush.transport.nixl_agent import NIXL_INSTALL
 
         return Check("nixl", "NIXL", "fail", "NIXL is not importable", why=str(exc), fix=NIXL_INSTALL), ""
-    from kvpush.transport.nixl_backends import VERIFIED, verified
+    from kvpush.core.nixl_backends import VERIFIED, verified
 
     wheel = nixl_wheel() or "nixl"
     where = str(Path(sys.modules[wheel].__file__ or "").parent)

@@ -11,10 +11,10 @@ import logging
 import time
 
 from kvpush.core import protocol
+from kvpush.core.counts import Count
 from kvpush.core.limits import Throttle
 from kvpush.core.outcome import Cause, Failed, PrefillState
 from kvpush.engine.ports import Counter, PeerLookup
-from kvpush.observability.metrics import Count
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import Server
 

@@ -24,6 +24,7 @@ import zmq
 
 from kvpush.config import Config
 from kvpush.core import protocol
+from kvpush.core.counts import Count
 from kvpush.core.topology import ConnKey
 from kvpush.decode.link import (
     Dead,
@@ -38,7 +39,6 @@ from kvpush.decode.link import (
     StaleReply,
     Standing,
 )
-from kvpush.observability.metrics import Count
 from kvpush.transport.key_set import ClientKeys
 from kvpush.transport.side_channel import Client, peer_budgets
 

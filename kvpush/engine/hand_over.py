@@ -19,10 +19,10 @@ import numpy as np
 from kvpush.backends.base import Backend, StagingBuffer
 from kvpush.backends.copy import Copier
 from kvpush.config import Config
+from kvpush.core.counts import Count
 from kvpush.core.layout import KVLayout
 from kvpush.core.payload import pack_pieces
 from kvpush.engine.ports import Counter
-from kvpush.observability.metrics import Count
 from kvpush.prefill.decisions import Prefill
 from kvpush.prefill.prepack import Prepack
 from kvpush.prefill.slots import PackParked, StagingSlots

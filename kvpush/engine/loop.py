@@ -23,12 +23,13 @@ import zmq
 from kvpush.backends.base import Backend, MemRegistration, StagingBuffer
 from kvpush.backends.copy import copier
 from kvpush.config import Config
+from kvpush.core.counts import Count
 from kvpush.core.errors import ConfigError
 from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Result
 from kvpush.core.staging import SlotAllocator
 from kvpush.observability import timeline
-from kvpush.observability.metrics import Count, Recorder
+from kvpush.observability.metrics import Recorder
 from kvpush.transport.nixl_agent import Agent
 
 log = logging.getLogger(__name__)

@@ -28,11 +28,11 @@ from typing import Any
 
 from kvpush.config import Config
 from kvpush.core import peek, protocol
+from kvpush.core.counts import Count
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
 from kvpush.core.topology import targets_for
 from kvpush.engine.ports import PeerMaps, PeerPort
-from kvpush.observability.metrics import Count
 from kvpush.prefill.admission import Admission, KeyLimits
 from kvpush.prefill.hello import (
     UNKNOWN_PEER_BLOCKS,

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvpush.core import protocol
+from kvpush.core.counts import Count
 from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Failed
-from kvpush.observability.metrics import Count
 from kvpush.prefill.push_job import DKey
 
 

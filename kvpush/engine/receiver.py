@@ -27,6 +27,7 @@ from kvpush.backends.base import Backend
 from kvpush.backends.peer import PeerCopy, peer_copies_on
 from kvpush.config import Config
 from kvpush.core import protocol
+from kvpush.core.counts import Count
 from kvpush.core.errors import ProtocolError
 from kvpush.core.layout import KVLayout, Region
 from kvpush.core.limits import Throttle
@@ -58,7 +59,6 @@ from kvpush.engine.conns import Conns, Dialer
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress
 from kvpush.engine.unpacks import UnpackRunner
-from kvpush.observability.metrics import Count
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.side_channel import client_keys
 

@@ -25,6 +25,7 @@ from kvpush.backends.peer import peer_copies_on
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.capability import Binding, derive_key
+from kvpush.core.counts import Count
 from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import peer_limits
@@ -36,7 +37,6 @@ from kvpush.engine.peer_writes import Writes
 from kvpush.engine.peers import PeerTable
 from kvpush.engine.pushes import PushRunner
 from kvpush.engine.waiter import MarkerWaiter
-from kvpush.observability.metrics import Count
 from kvpush.prefill.decisions import Acknowledge, Decision, Hold, Prefill, Push, Refuse, Release
 from kvpush.prefill.push_job import DKey, PushJob
 from kvpush.prefill.rendezvous import Rendezvous
@@ -163,9 +163,12 @@ class Sender(EngineLoop):
                 "staging_slots_in_use": self.slots.in_use,
             }
             gate = self.server.gate
-            if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap
+            if gate is not None:  # authenticated connections: the most one key has held, those shut over a cap,
+                # handshakes refused for a barred key, and every handshake whose key was checked
                 extra["key_connections_peak"] = gate.conns.peak
                 extra["key_connections_shut"] = gate.conns.shut_total
+                extra["key_handshakes_barred"] = gate.conns.barred_total
+                extra["handshakes_checked"] = gate.checked
             pending = {**self.rendezvous.pending(), **self.slots.gauges()}
             return {**self.counters, **pending, "queued": self.rendezvous.queued(), **extra}
 

@@ -307,8 +307,14 @@ class PreAuth:
 # -- authenticated connections per key -------------------------------------------------
 
 
+BARRED_S = 10.0
+"""How long a D key that went over its connection cap more than a restart explains is barred (``KeyConns``), and
+the interval its connections shut over its cap are counted in."""
+
+
 class KeyConns:
-    """Authenticated connections to one P rank's side channel, per D key; beyond a key's cap its oldest go.
+    """Authenticated connections to one P rank's side channel, per D key; beyond a key's cap its oldest go, and a
+    key that keeps going over it is barred for a while.
 
     Each connection may make ZeroMQ hold ``RCVHWM`` + 1 frames before the engine drains them, so the
     connections one key may open bound what its frames can cost P while they wait (unbounded, 192
@@ -319,15 +325,30 @@ class KeyConns:
     connection replaces a half-open one of its previous life), and a key holder that opens more only
     loses its own. No other key's connection is touched.
 
-    Events in (``tied``: a connection proved ``key``; ``closed``), connections to shut out; the shell ties
-    each handshake to its connection and shuts them.
+    A key whose client reconnects each connection P shuts (ZeroMQ does, unasked) would make P authenticate
+    and shut connections without end: one handshake and one shut per reconnection, all of it free work for
+    the key holder. So within ``barred_s`` a key may have at most its cap of connections shut over its cap:
+    enough for a restarted D to replace every connection of two previous lives (its names cap is twice its
+    ranks). A handshake that would shut one more *bars* the key: that handshake and every other of the key
+    for ``barred_s`` are refused before the key is admitted (``handshake``), so a barred key costs P no
+    connection, no shut and, refused in the handshake, no reconnection of a ZeroMQ client. Its connections
+    already admitted stay, and no other key is barred with it.
+
+    Events in (``handshake``: a handshake proves ``key``, admitted or not; ``tied``: an admitted one's
+    connection; ``closed``), the time passed in; connections to shut and refusals out. The shell answers
+    each handshake, ties it to its connection and shuts what it is told to.
     """
 
-    def __init__(self, cap: Callable[[str], int]) -> None:
+    def __init__(self, cap: Callable[[str], int], barred_s: float = BARRED_S) -> None:
         self.cap = cap
+        self.barred_s = barred_s
         self._key: dict[int, str] = {}  # connection -> the key it proved
         self._conns: dict[str, list[int]] = {}  # key -> its connections, oldest first
+        self._shut_at: dict[str, list[float]] = {}  # key -> when its connections were shut over its cap, oldest first
+        self._barred: dict[str, float] = {}  # key -> until when its handshakes are refused
         self.shut_total = 0
+        self.barred_total = 0
+        """Handshakes refused because their key was barred."""
         self.peak = 0
         """The most connections one key has held at once."""
 
@@ -337,8 +358,30 @@ class KeyConns:
     def key_of(self, conn: int) -> str | None:
         return self._key.get(conn)
 
-    def tied(self, conn: int, key: str) -> list[int]:
-        """``conn`` proved ``key``: the connections of ``key`` to shut (its oldest beyond its cap)."""
+    def barred(self, key: str, now: float) -> float:
+        """Seconds ``key`` stays barred from ``now`` (0: it is not barred)."""
+        return max(0.0, self._barred.get(key, now) - now)
+
+    def handshake(self, key: str, now: float) -> str:
+        """Why a handshake proving ``key`` at ``now`` is refused ("" if it is admitted, its ``tied`` to follow):
+        the key is barred, or this handshake would have one more of its connections shut over its cap within
+        ``barred_s`` than its cap, which bars it."""
+        cap = max(1, self.cap(key))
+        if self.barred(key, now) == 0.0:
+            self._barred.pop(key, None)
+            if self.count(key) < cap or len(self._recent(key, now)) < cap:
+                return ""
+            self._barred[key] = now + self.barred_s
+            self._shut_at.pop(key, None)
+        self.barred_total += 1
+        return (
+            f"D key {_short(key)} is barred for {self.barred(key, now):.1f} s more: it went over its connection "
+            f"cap ({cap}) again and again ({cap} of its connections shut over it within {self.barred_s:g} s, and "
+            "one more would have been; its connections open stay)"
+        )
+
+    def tied(self, conn: int, key: str, now: float) -> list[int]:
+        """``conn`` proved ``key`` at ``now``: the connections of ``key`` to shut (its oldest beyond its cap)."""
         self.closed(conn)  # a descriptor number reused: whatever it was is gone
         self._key[conn] = key
         conns = self._conns.setdefault(key, [])
@@ -347,6 +390,8 @@ class KeyConns:
         shut = conns[: max(0, len(conns) - cap)]
         for c in shut:
             self.closed(c)
+        if shut:
+            self._shut_at[key] = self._recent(key, now) + [now] * len(shut)
         self.shut_total += len(shut)
         self.peak = max(self.peak, len(conns))
         return shut
@@ -359,3 +404,12 @@ class KeyConns:
         conns.remove(conn)
         if not conns:
             del self._conns[key]
+
+    def _recent(self, key: str, now: float) -> list[float]:
+        """When ``key``'s connections were shut over its cap within the last ``barred_s`` (older ones dropped)."""
+        times = [t for t in self._shut_at.get(key, ()) if t > now - self.barred_s]
+        if times:
+            self._shut_at[key] = times
+        else:
+            self._shut_at.pop(key, None)
+        return times

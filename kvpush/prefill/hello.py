@@ -32,11 +32,11 @@ import numpy as np
 
 from kvpush.core import protocol
 from kvpush.core.errors import LayoutError
+from kvpush.core.interop import peer_problem
 from kvpush.core.layout import KVLayout, MemKind, check_compatible
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.prefill.admission import Admission, block_ceiling, metadata_problem
 from kvpush.prefill.push_job import DKey
-from kvpush.transport.interop import peer_problem
 
 UNKNOWN_PEER_BLOCKS = 4096
 """Block ids per group a registration from a connection that said no hello may list and still be decoded

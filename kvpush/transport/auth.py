@@ -8,9 +8,10 @@ this module answers P's ZAP requests against the allowed D keys
 (``kvpush.transport.key_set`` loads them), naming the client key as the user
 id of every message it sends, so P knows *which* D a message came from from
 the key it proved, never from an id the peer declares. It also bounds
-connections per source address before they authenticate and per key after
-(the counting rules are ``kvpush.prefill.admission``'s; here only the
-sockets), and says why a handshake failed in words that name what to check.
+connections per source address before they authenticate and per key after,
+refusing a key barred for going over its cap again and again (the rules are
+``kvpush.prefill.admission``'s; here only the sockets and the clock), and says
+why a handshake failed in words that name what to check.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.limits import Throttle
-from kvpush.prefill.admission import CURVE_CLIENT_HANDSHAKE_BYTES, KeyConns, KeyLimits, PreAuth, names_cap
+from kvpush.prefill.admission import (
+    BARRED_S,
+    CURVE_CLIENT_HANDSHAKE_BYTES,
+    KeyConns,
+    KeyLimits,
+    PreAuth,
+    names_cap,
+)
 from kvpush.transport.key_set import (
     DECODERS,
     ENV_DECODERS,
@@ -77,7 +85,8 @@ class Gate:
 
     It also bounds connections: per source address before they authenticate
     (``PreAuth``), and per key after (``KeyConns``, a key's cap being its
-    names cap: ``default_ranks`` or twice what its key file declares). A ZAP
+    names cap: ``default_ranks`` or twice what its key file declares); a key
+    ``KeyConns`` bars is refused in its handshake, before it is admitted. A ZAP
     request names the source address, not the connection, so the gate ties it
     to the oldest connection from that address that has sent a whole CURVE
     handshake (``CURVE_CLIENT_HANDSHAKE_BYTES``, from ``TCP_INFO``) and is not
@@ -88,7 +97,12 @@ class Gate:
     """
 
     def __init__(
-        self, keys: ServerKeys, label: str, per_address: int = PREAUTH_PER_ADDRESS, default_ranks: int = 16
+        self,
+        keys: ServerKeys,
+        label: str,
+        per_address: int = PREAUTH_PER_ADDRESS,
+        default_ranks: int = 16,
+        barred_s: float = BARRED_S,
     ) -> None:
         self.keys = keys
         self.label = label
@@ -98,14 +112,16 @@ class Gate:
         self._tied: set[int] = set()  # connections whose ZAP request was answered (accepted or refused)
         self._declared = DeclaredRanks(keys.decoders_dir)
         limits = KeyLimits(default_ranks=default_ranks)
-        self.conns = KeyConns(lambda key: names_cap(limits, self._declared(key)))
-        """Authenticated connections per key (``kvpush.prefill.admission.KeyConns``)."""
+        self.conns = KeyConns(lambda key: names_cap(limits, self._declared(key)), barred_s)
+        """Authenticated connections per key, and the keys barred (``kvpush.prefill.admission.KeyConns``)."""
         self.allowed = keys.allowed
         self._dir_stamp = dir_stamp(keys.decoders_dir)
         self.refused = 0
-        """Handshakes refused by key (ZAP said no)."""
+        """Handshakes refused by key (ZAP said no): a key not allowed, or one barred."""
         self.failed = 0
         """Handshakes that failed before a key could be checked (protocol or cryptographic errors)."""
+        self.checked = 0
+        """Handshakes whose key was checked (ZAP requests answered): what P authenticated, admitted or not."""
         self.ctx = zmq.Context()
         self._zap = self.ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
@@ -164,10 +180,15 @@ class Gate:
         """One ZAP request (``version, id, domain, address, routing id, mechanism, credentials...``),
         always answered: an unanswered request would stall that handshake and the REP socket with it."""
         version, request_id = [*frames, b"1.0", b""][:2]
+        self.checked += 1
+        barred = False
         try:
             address, mechanism = frames[3], frames[5]
             key = z85.encode(frames[6]) if mechanism == b"CURVE" and len(frames) > 6 else b""
             ok, why = self._allows(key)
+            if ok:  # an allowed key: admitted unless barred (before anything is tied or shut for it)
+                why = self.conns.handshake(key.decode(), time.monotonic())
+                ok, barred = not why, bool(why)
         except Exception as exc:
             log.exception("side channel %s: malformed ZAP request", self.label)
             address, key, ok, why = b"?", b"", False, f"internal error: {exc}"
@@ -178,7 +199,7 @@ class Gate:
         self.refused += 1
         _limited(
             self._limit,
-            f"refused:{address!r}",
+            f"barred:{key!r}" if barred else f"refused:{address!r}",
             log.warning,
             f"side channel {self.label}: refused a connection from {address.decode(errors='replace')}: {why}",
         )
@@ -198,7 +219,7 @@ class Gate:
             if key is None:
                 return
             shut = 0
-            for old in self.conns.tied(fd, key):
+            for old in self.conns.tied(fd, key, time.monotonic()):
                 shut += _shut(old, self._forget(old))
             if shut:
                 _limited(
@@ -366,7 +387,8 @@ def describe_client_failure(event: dict[str, object], host: str, port: int) -> s
     if event.get("event") == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
             f"P {host}:{port} refused this D's key ({handshake_error(event)}): add its public key to P's "
-            f"{DECODERS}/ (or ${ENV_DECODERS})"
+            f"{DECODERS}/ (or ${ENV_DECODERS}); if it is there, P's log says why (a key that went over its "
+            "connection cap again and again is barred for a while)"
         )
     what = handshake_error(event)
     return (

@@ -22,9 +22,9 @@ import numpy as np
 
 from kvpush.backends.base import MemRegistration
 from kvpush.core.errors import ConfigError, KVPushError, MemoryKindError
+from kvpush.core.nixl_backends import traits
 from kvpush.core.outcome import XferState
 from kvpush.core.peer_loads import LoadNew, PeerLoads, TakenBack, Unload
-from kvpush.transport.nixl_backends import traits
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def nixl_wheel() -> str:
 def nixl_version() -> str:
     """The version of the NIXL this process runs (imported by :func:`_nixl`), from the wheel it imported,
     which is what runs; the meta package's version where the wheel has no metadata, else ``"unknown"``.
-    The backends' traits depend on it (:mod:`kvpush.transport.nixl_backends`). Read once a process: a loaded
+    The backends' traits depend on it (:mod:`kvpush.core.nixl_backends`). Read once a process: a loaded
     NIXL does not change, and reading package metadata scans the path."""
     from importlib.metadata import PackageNotFoundError, version
 

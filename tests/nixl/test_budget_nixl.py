@@ -31,6 +31,7 @@ import pytest
 import zmq
 from procs import Geom, Node, dealer
 from test_flood_nixl import Sampler, _push_exact, rss_mb
+from zmq.utils.monitor import parse_monitor_message
 
 from kvpush.cli import keys as keys_cli
 from kvpush.core import protocol
@@ -452,19 +453,32 @@ class ConnFlood:
         return self.sent
 
 
-def test_one_key_holding_many_authenticated_connections(nodes: tuple[Node, Node]) -> None:
-    """A key declaring 2 ranks opens 48 authenticated connections, each sending 8 MiB frames (ZeroMQ holds
-    up to ``RCVHWM`` + 1 of them per connection before P's engine drains them): P keeps at most the key's
-    cap (4, twice its ranks) of them, shutting its oldest, logs it, stays within its memory bound, and the
-    deployment's D pushes byte-exact meanwhile. Without the cap P holds every connection and the frames
-    ZeroMQ buffers for each (measurements: docs/security.md, "Connections per key")."""
+UNDECLARED_GROWTH_MB = 300
+"""P's RSS growth allowed while a key without declared ranks (16 connections) floods: ZeroMQ may hold up to
+``RCVHWM`` + 1 frames of 8 MiB for each of them while P's engine drains them (docs/security.md, "Connections per
+key", states what was measured)."""
+
+
+@pytest.mark.parametrize("ranks", [2, None])
+def test_one_key_holding_many_authenticated_connections(nodes: tuple[Node, Node], ranks: int | None) -> None:
+    """A key declaring 2 ranks (or none) opens 48 authenticated connections, each sending 8 MiB frames (ZeroMQ
+    holds up to ``RCVHWM`` + 1 of them per connection before P's engine drains them), and ZeroMQ reconnects
+    each one P shuts: P keeps at most the key's cap (4, twice its ranks; 16, ``peer_max_ranks``, without) of
+    them, shutting its oldest, up to its cap of them; one more would be shut, so the key is barred and its
+    further handshakes are refused, which ends ZeroMQ's reconnecting: P checks about one handshake per
+    connection, not one per reconnection. P logs both, stays within its memory bound, and the deployment's D
+    pushes byte-exact meanwhile. Without the cap P holds every connection and the frames ZeroMQ buffers for
+    each; without the bar P authenticates and shuts a connection per reconnection for as long as the key
+    likes (measurements: docs/security.md, "Connections per key")."""
     p, d = nodes
     g = Geom(num_blocks=32)
-    k = "conns"
+    k = f"conns{ranks}"
+    cap = 2 * ranks if ranks else 16
     cfg: dict[str, Any] = {"staging_bytes": 1 << 20, "peer_dead_s": 600.0}
     addr = _engines(p, d, g, cfg, k)
-    keys = evil_key(ranks=2)
+    keys = evil_key(ranks=ranks)
     base = rss_mb(p.proc.pid)
+    before = p.call("stats", k + "p")
     sampler = Sampler(p.proc.pid)
     pusher = Pusher(p, d, g, addr, k + "p", k + "d")
     flood = ConnFlood(addr, keys)
@@ -475,14 +489,73 @@ def test_one_key_holding_many_authenticated_connections(nodes: tuple[Node, Node]
         pushed = pusher.stop()
         peak = sampler.stop()
     st = p.call("stats", k + "p")
-    most, shut = st["key_connections_peak"], st["key_connections_shut"]
+    most, shut, barred = st["key_connections_peak"], st["key_connections_shut"], st["key_handshakes_barred"]
+    handshakes = st["handshakes_checked"] - before["handshakes_checked"]
     print(
-        f"P RSS {base:.0f} MB before, {peak:.0f} MB peak; the key sent {sent} frames of 8 MiB; it held at most "
-        f"{most} authenticated connections on P at once, {shut} shut; {pushed} real pushes"
+        f"P RSS {base:.0f} MB before, {peak:.0f} MB peak; the key ({ranks or 'no'} ranks declared) sent {sent} "
+        f"frames of 8 MiB; it held at most {most} authenticated connections on P at once, {shut} shut; P checked "
+        f"{handshakes} handshakes in 6 s ({barred} refused, the key barred); {pushed} real pushes"
     )
-    p.wait_logged([f"shut the oldest connection of D key {key_set.short(keys.public)[:8]}"])
+    short = key_set.short(keys.public)
+    p.wait_logged([f"shut the oldest connection of D key {short[:8]}", f"D key {short} is barred for"])
     assert pushed >= 2
-    assert most <= 4 and shut > 0, st  # without the cap: all 48 at once, none shut
+    assert most <= cap and 0 < shut <= cap, st  # without the cap: all 48 at once, none shut
+    # One handshake per connection, and its cap's replacements; unbarred, P checked one for every
+    # reconnection (hundreds in these 6 s, for as long as the key likes).
+    assert barred > 0 and handshakes <= KEY_CONNS + cap + 1, st
     # Without the cap ZeroMQ holds frames of all 48 connections, several times this bound (docs/security.md).
-    assert peak - base < GROWTH_MB, (base, peak)
+    assert peak - base < (GROWTH_MB if ranks else UNDECLARED_GROWTH_MB), (base, peak)
+    _close(p, d, k)
+
+
+def test_a_d_key_reconnecting_within_its_cap_is_never_barred(nodes: tuple[Node, Node]) -> None:
+    """A key declaring 2 ranks (cap 4) restarts four times in a few seconds, each life's 2 connections left
+    half-open when the next comes (its sockets never reconnect, as a dead process's would not): the third and
+    fourth lives replace the oldest connections, 4 shut, and every handshake succeeds; a fifth life within
+    the while would shut a fifth, and is refused. Meanwhile the deployment's D pushes byte-exact, and its key
+    is never refused."""
+    p, d = nodes
+    g = Geom(num_blocks=32)
+    k = "lives"
+    cfg: dict[str, Any] = {"staging_bytes": 1 << 20, "peer_dead_s": 600.0}
+    addr = _engines(p, d, g, cfg, k)
+    keys = evil_key(ranks=2)
+    ctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+    pusher = Pusher(p, d, g, addr, k + "p", k + "d")
+
+    def life() -> list[int]:
+        """Two connections of a new life: each one's handshake outcome (the monitor's event)."""
+        mine = []
+        for _ in range(2):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RECONNECT_IVL, -1)  # a dead process's connection never comes back
+            s.setsockopt(zmq.CURVE_SERVERKEY, keys.server)
+            s.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+            s.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+            mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            s.connect(f"tcp://{addr[0]}:{addr[1]}")
+            socks.append(s)
+            assert mon.poll(10_000), "no handshake outcome"
+            mine.append(parse_monitor_message(mon.recv_multipart())["event"])
+            s.disable_monitor()
+            mon.close(linger=0)
+        return mine
+
+    try:
+        outcomes = [life() for _ in range(4)]
+        time.sleep(0.5)  # the gate has shut the oldest
+        st = p.call("stats", k + "p")
+        fifth = life()
+    finally:
+        pushed = pusher.stop()
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+    print(f"four lives: {outcomes}, {st['key_connections_shut']} shut; a fifth: {fifth}; {pushed} real pushes")
+    ok = zmq.EVENT_HANDSHAKE_SUCCEEDED
+    assert outcomes == [[ok, ok]] * 4 and st["key_connections_shut"] == 4 and st["key_handshakes_barred"] == 0
+    assert fifth == [zmq.EVENT_HANDSHAKE_FAILED_AUTH] * 2  # one replacement more than its cap: barred
+    assert pushed >= 2  # the deployment's D, another key, meanwhile
     _close(p, d, k)

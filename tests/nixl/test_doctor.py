@@ -23,6 +23,7 @@ import helpers_libfabric as lf_env
 import pytest
 from helpers_local_pair import local_pair
 
+from kvpush.core.nixl_backends import verified
 from kvpush.doctor import (
     LIBFABRIC_VERSION_NODE,
     SELF_TEST_GEOMETRY,
@@ -36,7 +37,6 @@ from kvpush.doctor import (
     has_version_node,
 )
 from kvpush.doctor.libfabric import explain_deps, is_cuda_standin, nvidia_present, required_node
-from kvpush.transport.nixl_backends import verified
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from helpers_libfabric import spawn_env
 from procs import Geom, Node, make_cache
 
 from kvpush.conformance.model import Req, apply_push
-from kvpush.observability.metrics import Count
+from kvpush.core.counts import Count
 
 FAST = {"heartbeat_s": 0.2, "peer_dead_s": 1.5, "staging_bytes": 1 << 20, "quarantine_s": 2.0}
 

@@ -2,7 +2,7 @@
 against this interpreter's NIXL, each side a real agent in its own process.
 
 Over UCX the two versions interoperate: pushes both ways are byte-exact. Their LIBFABRIC plugins do not
-(``kvpush.transport.interop``): P refuses D at the hello, and D's transfer fails with a reason naming both
+(``kvpush.core.interop``): P refuses D at the hello, and D's transfer fails with a reason naming both
 versions, instead of a WRITE whose notification never arrives. The old side skips, naming the command that
 installs it, where the lane is absent. Both sides use the host's network device for UCX: on one host, UCX of
 the two versions finds no common transport over loopback or shared memory (test_e2e_cross_version says why).

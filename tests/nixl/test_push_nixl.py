@@ -25,9 +25,9 @@ from procs import SENTINEL, Geom, Node, assert_same, dealer, make_cache
 from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
+from kvpush.core.nixl_backends import traits
 from kvpush.core.outcome import PlanKind, Result
 from kvpush.transport import key_set
-from kvpush.transport.nixl_backends import traits
 from kvpush_tools.demo.servers import free_port
 
 STAGING = 4 << 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,36 +224,150 @@ def test_preauth_never_keeps_more_than_per_address(events: list) -> None:
 
 def test_key_conns_shut_the_keys_oldest_beyond_its_cap_and_never_another_keys() -> None:
     conns = admission.KeyConns({KEY: 2, OTHER: 3}.__getitem__)
-    assert conns.tied(10, KEY) == [] and conns.tied(11, KEY) == []
-    assert conns.tied(20, OTHER) == []
-    assert conns.tied(12, KEY) == [10]  # the oldest goes (a restarted D's half-open one), the new one stays
+    assert conns.tied(10, KEY, 0.0) == [] and conns.tied(11, KEY, 0.0) == []
+    assert conns.tied(20, OTHER, 0.0) == []
+    assert conns.tied(12, KEY, 0.0) == [10]  # the oldest goes (a restarted D's half-open one), the new one stays
     assert conns.count(KEY) == 2 and conns.key_of(10) is None and conns.key_of(12) == KEY
     conns.closed(11)
-    assert conns.tied(13, KEY) == [] and conns.count(OTHER) == 1 and conns.shut_total == 1
+    assert conns.tied(13, KEY, 0.0) == [] and conns.count(OTHER) == 1 and conns.shut_total == 1
     conns.closed(13)
-    assert conns.tied(13, OTHER) == []  # a descriptor number reused by another key's connection
+    assert conns.tied(13, OTHER, 0.0) == []  # a descriptor number reused by another key's connection
     assert conns.count(KEY) == 1 and conns.count(OTHER) == 2
 
 
+def test_a_key_over_its_cap_more_than_its_cap_times_is_barred_for_a_while_and_no_other_key() -> None:
+    conns = admission.KeyConns({KEY: 2, OTHER: 2}.__getitem__, barred_s=10.0)
+    for fd in (1, 2):
+        assert conns.handshake(KEY, 0.0) == "" and conns.tied(fd, KEY, 0.0) == []
+    assert conns.handshake(KEY, 1.0) == "" and conns.tied(3, KEY, 1.0) == [1]  # replacements: its cap of them
+    assert conns.handshake(KEY, 2.0) == "" and conns.tied(4, KEY, 2.0) == [2]
+    why = conns.handshake(KEY, 3.0)  # a third would be one more than its cap within 10 s: barred, before a tie
+    assert why == (
+        f"D key {KEY[:8]}… is barred for 10.0 s more: it went over its connection cap (2) again and again (2 of "
+        "its connections shut over it within 10 s, and one more would have been; its connections open stay)"
+    )
+    assert conns.count(KEY) == 2 and conns.shut_total == 2 and conns.barred(KEY, 3.0) == 10.0
+    conns.closed(3)  # below its cap now, and still barred: the bar is a while, not a count
+    assert "barred for 5.0 s more" in conns.handshake(KEY, 8.0)
+    assert conns.handshake(OTHER, 8.0) == ""  # another key is not barred with it
+    assert conns.handshake(KEY, 13.0) == "" and conns.barred(KEY, 13.0) == 0.0  # the while is over
+    assert conns.tied(5, KEY, 13.0) == [] and conns.barred_total == 2
+
+
+def test_a_zeromq_client_reconnecting_over_its_cap_costs_p_a_few_handshakes() -> None:
+    """The gate's loop with a ZeroMQ client of 48 connections and a cap of 4, for a simulated minute: each
+    connection P shuts comes back 0.1 s later, each one refused in its handshake stops (as ZeroMQ does). P
+    checks about one handshake per connection, where it checked one per reconnection (thousands) unbarred."""
+
+    def run(barred_s: float) -> tuple[int, int]:
+        conns = admission.KeyConns(lambda key: 4, barred_s=barred_s)
+        due = dict.fromkeys(range(48), 0.0)  # connection -> when it (re)connects
+        handshakes = 0
+        now = 0.0
+        while now < 60.0:
+            for fd, at in sorted(due.items()):
+                if at > now:
+                    continue
+                del due[fd]
+                handshakes += 1
+                if conns.handshake(KEY, now):
+                    continue  # refused: ZeroMQ stops reconnecting this one
+                for shut in conns.tied(fd, KEY, now):
+                    due[shut] = now + 0.1
+            now += 0.01
+        return handshakes, conns.shut_total
+
+    handshakes, shut = run(admission.BARRED_S)
+    assert handshakes <= 48 + 4 and shut <= 4
+    unbarred, shut_unbarred = run(0.0)  # no while: the loop never ends
+    assert unbarred > 2_000 and shut_unbarred > 2_000
+
+
 @given(
-    st.lists(st.tuples(st.sampled_from(["tie", "close"]), st.integers(0, 20), st.sampled_from([KEY, OTHER]))),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["tie", "tie", "close", "wait"]),
+            st.integers(0, 20),
+            st.sampled_from([KEY, OTHER]),
+            st.floats(0.0, 6.0),
+        )
+    ),
     st.integers(1, 4),
 )
 @settings(max_examples=300, deadline=None)
-def test_key_conns_never_keep_more_than_the_cap(events: list, cap: int) -> None:
+def test_key_conns_never_keep_more_than_the_cap_nor_shut_more_than_it_per_while(events: list, cap: int) -> None:
+    """Whatever keys do and whenever: a key holds at most its cap, only its own connections are shut, at most
+    its cap of them within any ``barred_s``, and a handshake is refused only while its key is barred, which
+    begins only where admitting it would have shut one more than that."""
+    barred_s = 10.0
     caps = {KEY: cap, OTHER: cap + 1}
-    conns = admission.KeyConns(caps.__getitem__)
+    conns = admission.KeyConns(caps.__getitem__, barred_s)
     open_: dict[int, str] = {}  # connection -> its key, as the shell sees them
-    for kind, fd, key in events:
-        if kind == "tie":
+    shut_at: dict[str, list[float]] = {KEY: [], OTHER: []}
+    barred_until = {KEY: -1.0, OTHER: -1.0}
+    now = 0.0
+    for kind, fd, key, dt in events:
+        if kind == "wait":
+            now += dt
+        elif kind == "close":
+            conns.closed(fd)
+            open_.pop(fd, None)
+        else:
+            why = conns.handshake(key, now)
+            recent = [t for t in shut_at[key] if t > now - barred_s]
+            mine = sum(x == key for x in open_.values())
+            if now < barred_until[key]:
+                assert why, "barred: refused"
+                continue
+            if mine >= caps[key] and len(recent) >= caps[key]:
+                assert why and conns.barred(key, now) == pytest.approx(barred_s), "one shut more than its cap: barred"
+                barred_until[key] = now + barred_s
+                continue
+            assert why == "", "neither barred nor over: admitted"
+            if fd in open_:  # a descriptor number reused: the shell saw the old connection close
+                conns.closed(fd)
+                del open_[fd]
             open_[fd] = key
-            shut = conns.tied(fd, key)
+            shut = conns.tied(fd, key, now)
             assert fd not in shut  # the connection that just proved its key stays
             for c in shut:
                 assert open_.pop(c) == key  # only the same key's connections are shut
-        else:
-            conns.closed(fd)
-            open_.pop(fd, None)
+            shut_at[key] += [now] * len(shut)
         for k, most in caps.items():
-            mine = sorted(f for f, x in open_.items() if x == k)
-            assert conns.count(k) == len(mine) <= most
+            assert conns.count(k) == sum(x == k for x in open_.values()) <= most
+            times = shut_at[k]
+            assert all(sum(s <= t < s + barred_s for t in times) <= most for s in times)
+
+
+@given(
+    st.integers(1, 4),
+    st.lists(st.tuples(st.floats(0.0, 30.0), st.floats(0.0, 3.0), st.lists(st.booleans(), min_size=8, max_size=8))),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_d_restarting_at_most_twice_within_the_while_is_never_refused(ranks: int, restarts: list) -> None:
+    """A D of ``ranks`` ranks (its key's cap twice that) restarts: its ranks connect anew over a few seconds,
+    while each connection of its previous life is closed or left half-open (P does not know it is dead).
+    However it restarts, as long as no restart begins within ``barred_s`` of the end of the one two before
+    it, its key is never refused."""
+    barred_s = 10.0
+    conns = admission.KeyConns(lambda key: 2 * ranks, barred_s)
+    ends: list[float] = []
+    at = 0.0
+    live: list[int] = []
+    fd = 0
+    for gap, spread, half_open in restarts[:10]:
+        at += gap
+        if len(ends) >= 2:
+            at = max(at, ends[-2] + barred_s)
+        for i, c in enumerate(live):  # the previous life: closed, or half-open
+            if not half_open[i % 8]:
+                conns.closed(c)
+        live = []
+        for r in range(ranks):  # its ranks connect over ``spread`` seconds
+            now = at + spread * r / ranks
+            assert conns.handshake(KEY, now) == "", (at, r)
+            fd += 1
+            conns.tied(fd, KEY, now)
+            live.append(fd)
+        ends.append(at + spread)
+    assert conns.barred_total == 0

@@ -2,7 +2,7 @@
 
 The measured versions get their measured traits; any other version gets, per trait, the most cautious
 value any measured version needed, so a NIXL nobody measured is driven safely
-(kvpush/transport/nixl_backends.py, docs/libfabric.md "NIXL versions").
+(kvpush/core/nixl_backends.py, docs/libfabric.md "NIXL versions").
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvpush.core.nixl_backends import LIBFABRIC, UCX, VERIFIED, backend_traits, traits, verified
 from kvpush.transport.nixl_agent import Agent, supported
-from kvpush.transport.nixl_backends import LIBFABRIC, UCX, VERIFIED, backend_traits, traits, verified
 
 
 def test_libfabric_reloads_a_live_peer_on_1_3_2_only() -> None:

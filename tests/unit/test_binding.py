@@ -11,13 +11,14 @@ import itertools
 
 import pytest
 from helpers_rendezvous import check_holdings
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpush.core import capability as capmod
 from kvpush.core import protocol
-from kvpush.core.capability import Binding, derive_key, mint, valid
+from kvpush.core.capability import Binding, derive_key, mint, shared_id, sub_request_id, valid
+from kvpush.core.counts import Count
 from kvpush.core.errors import ConfigError
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.core.protocol import Register
@@ -25,7 +26,6 @@ from kvpush.decode.allow import Allowed, parse_entry
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import UNKNOWN_SENDER, Cancel, Foreign, Report, SendRegister, Stale
 from kvpush.decode.incoming import Asked
-from kvpush.observability.metrics import Count
 from kvpush.prefill.decisions import Prefill, Push, Refuse
 from kvpush.prefill.rendezvous import Rendezvous
 
@@ -55,8 +55,69 @@ def test_a_capability_is_the_transfers_and_the_fleets() -> None:
 
 def test_the_shared_ids_capability_covers_its_sub_requests_only() -> None:
     cap = mint(KEY, "req")
-    assert valid(KEY, "req/1.0", cap) and valid(KEY, "req/0.3", cap)
+    assert valid(KEY, "req/1.0", cap) and valid(KEY, "req/0.3", cap) and valid(KEY, "req/10.20", cap)
     assert not valid(KEY, "req/x", cap) and not valid(KEY, "other/1.0", cap) and not valid(KEY, "req/1.0/2.0", cap)
+
+
+@pytest.mark.parametrize(
+    "tid",
+    [
+        "req/\u0661.\u0662",  # Arabic-Indic digits: a regular expression's \d takes them, int() reads them as 1.2
+        "req/1.\u0662",
+        "req/1\u0661.0",
+        "req/\uff11.0",  # fullwidth
+        "req/\u00b2.0",  # superscript two
+        "req/1.0\n",  # $ matches before a final newline
+        "req/01.0",  # no P writes a leading zero
+        "req/1.00",
+        "req/0.0",  # the first sub-request carries the shared id itself
+        "req/-1.0",
+        "req/1.",
+        "req/.1",
+    ],
+)
+def test_only_the_ids_p_derives_are_covered_by_the_shared_ids_capability(tid: str) -> None:
+    """P and D derive a sub-request's id as ``sub_request_id`` writes it: ASCII digits, canonical. Any other
+    spelling of the same indexes is another transfer id, which the shared capability does not cover."""
+    assert shared_id(tid) is None
+    assert not valid(KEY, tid, mint(KEY, "req"))
+    assert (
+        Binding(KEY).check(tid, mint(KEY, "req"), "registration")
+        == "the registration's capability is not this transfer's"
+    )
+
+
+@given(st.text(min_size=1, max_size=12), st.integers(0, 10**6), st.integers(0, 10**6))
+@settings(max_examples=300, deadline=None)
+def test_every_sub_request_id_is_covered_by_its_shared_ids_capability(shared: str, prompt: int, child: int) -> None:
+    tid = sub_request_id(shared, prompt, child)
+    assert valid(KEY, tid, mint(KEY, shared))
+    assert shared_id(tid) == (None if (prompt, child) == (0, 0) else shared)
+
+
+DIGITS = "0123456789\u0660\u0661\u0662\u06f1\u0967\uff11\u00b2\u2460"
+"""ASCII digits, and other scripts' digits (Arabic-Indic, extended, Devanagari, fullwidth, superscript, circled)."""
+
+
+@given(
+    st.text(min_size=1, max_size=6),
+    st.text(DIGITS, min_size=0, max_size=3),
+    st.sampled_from([".", "\uff0e", ""]),
+    st.text(DIGITS, min_size=0, max_size=3),
+    st.sampled_from(["", "\n", " ", "/0.1"]),
+)
+@settings(max_examples=500, deadline=None)
+def test_a_shared_ids_capability_covers_no_id_but_those_p_derives(
+    shared: str, prompt: str, dot: str, child: str, tail: str
+) -> None:
+    """Whatever id a capability of another id covers is one ``sub_request_id`` makes from that id."""
+    tid = f"{shared}/{prompt}{dot}{child}{tail}"
+    base = shared_id(tid)
+    if base is None:
+        assert not valid(KEY, tid, mint(KEY, shared))
+        return
+    p, _, c = tid[len(base) + 1 :].partition(".")
+    assert sub_request_id(base, int(p), int(c)) == tid
 
 
 @pytest.mark.parametrize("required", [True, False])

@@ -1,10 +1,10 @@
-"""Which NIXL versions of P and D can push KV to each other (``kvpush.transport.interop``)."""
+"""Which NIXL versions of P and D can push KV to each other (``kvpush.core.interop``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpush.transport.interop import libfabric_wire, peer_problem
+from kvpush.core.interop import libfabric_wire, peer_problem
 
 LF, UCX = ("LIBFABRIC",), ("UCX",)
 

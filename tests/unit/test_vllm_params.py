@@ -101,6 +101,10 @@ def test_sub_request_rules() -> None:
     assert sub_request("2_cmpl-abc-1-deadbeef") == SubRequest("cmpl-abc", 1, 2)  # n > 1: child 2 of prompt 1
     assert sub_request("chatcmpl-abc-7-deadbeef") == SubRequest("chatcmpl-abc-7")  # chat: one prompt
     assert SubRequest("b", 1, 0).transfer_id("T") == "T/1.0" != SubRequest("b", 0, 1).transfer_id("T")
+    # vLLM writes its indexes in ASCII digits: another script's digits are part of the id, not an index
+    assert sub_request("cmpl-abc-\u0663-deadbeef") == SubRequest("cmpl-abc-\u0663")
+    assert sub_request("\u0662_cmpl-abc-1-deadbeef") == SubRequest("\u0662_cmpl-abc-1")
+    assert sub_request("cmpl-abc-3\n") == SubRequest("cmpl-abc-3\n")  # a whole id, not one before a newline
 
 
 def test_p_address_from_a_service_discovery_request_id() -> None:

@@ -1,9 +1,20 @@
-"""The project's import graph: every cycle among its own modules, printed, and a non-zero exit when there is one.
+"""The project's import graph: every cycle among its own modules and every import against the direction of the pure
+rules, printed, and a non-zero exit when there is one.
 
 A cycle is an owner and a collaborator that know each other: neither can be
 read, tested or moved alone. The rule (``docs/design.md``) is that a
 collaborator gets a narrow port (an explicit object, or a
-``typing.Protocol``), never its owner; this check keeps it so in CI::
+``typing.Protocol``), never its owner.
+
+The direction: kvpush's rules are pure machines (``kvpush/README.md``), so ``kvpush.core``, ``kvpush.prefill``,
+``kvpush.decode`` and the settings they follow (``kvpush.config``) import only each other, each as ``PURE`` says,
+and nothing of the shells (``transport``, ``engine``, ``observability``, ``integrations``, the backends): a name
+a rule needs moves down into ``core``, or comes in as a value. A pure module breaks it with an import of its own
+(of any kind: one under ``TYPE_CHECKING`` names a shell's type all the same), or by running such an import when
+it is imported: through a module it may import (``config``), or through a package's ``__init__``, which Python
+runs before any module of the package (``kvpush/__init__.py`` must stay lazy).
+
+This check keeps both in CI::
 
     python -m kvpush_tools.imports kvpush tools/kvpush_tools backends/cuda/kvpush_cuda \
         backends/neuron/kvpush_neuron tests
@@ -23,7 +34,8 @@ Every import statement counts, wherever it stands, and each edge says which kind
 Only explicit imports make edges: importing ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``,
 but that holds for every module of a package and is no dependency of the importer's own making.
 ``from a.b import c`` is an edge to the module ``a.b.c`` where there is one, else to ``a.b``.
-Imports of modules outside the given directories (the standard library, vLLM, NIXL) are ignored.
+Imports of modules outside the given directories (the standard library, vLLM, NIXL) are ignored. The direction
+is checked where the modules ``PURE`` names are among them.
 """
 
 from __future__ import annotations
@@ -36,6 +48,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("module", "function", "typing")
+RUNS = frozenset({"module", "function"})
+"""The kinds of import that run (when the module is imported, or when its function is called)."""
+
+PURE: dict[str, tuple[str, ...]] = {
+    "kvpush.core": ("kvpush.config",),
+    "kvpush.config": ("kvpush.core",),
+    "kvpush.prefill": ("kvpush.core", "kvpush.config"),
+    "kvpush.decode": ("kvpush.core", "kvpush.config"),
+}
+"""kvpush's pure packages (and module), each with what it may import besides its own modules. ``core`` and
+``config`` import each other's modules (a plan follows the settings, the settings raise ``core``'s errors),
+never in a cycle; ``prefill`` (P's rules) and ``decode`` (D's) build on both and never on each other."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +256,96 @@ def report(found: list[Edge], kinds: frozenset[str]) -> tuple[list[list[str]], s
     return comps, "\n".join(lines)
 
 
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def pure_rule(name: str) -> str | None:
+    """The ``PURE`` package (or module) that module ``name`` lies in, if any."""
+    return next((p for p in PURE if _within(name, p)), None)
+
+
+def may_import(rule: str, dst: str) -> bool:
+    """Whether a module under ``rule`` may import (or run) ``dst``: its own package's, those ``PURE`` lists, and
+    the packages above them (whose ``__init__`` runs first anyway; what it imports is checked in turn)."""
+    allowed = (rule, *PURE[rule])
+    return any(_within(dst, a) or a.startswith(dst + ".") for a in allowed)
+
+
+@dataclass(frozen=True)
+class Breach:
+    """``edge`` goes against ``rule``'s direction: an import of the pure module itself (``via`` empty), or one
+    that runs when ``via[0]``, a module under ``rule``, is imported (``via``: the modules in between, each run
+    by the one before: imported, or a package above it)."""
+
+    edge: Edge
+    rule: str
+    via: tuple[str, ...] = ()
+
+
+def breaches(found: list[Edge], known: dict[str, Path]) -> list[Breach]:
+    """Every import against ``PURE``'s direction, with the shortest chain by which a pure module runs it."""
+    out: dict[tuple[Edge, str], Breach] = {}
+    by_src: dict[str, list[Edge]] = {}
+    for e in found:
+        by_src.setdefault(e.src, []).append(e)
+
+    def parents(name: str) -> list[str]:  # the packages whose ``__init__`` runs before ``name``
+        parts = name.split(".")
+        return [p for n in range(len(parts) - 1, 0, -1) if (p := ".".join(parts[:n])) in known]
+
+    for start in sorted(known):
+        rule = pure_rule(start)
+        if rule is None:
+            continue
+        for e in by_src.get(start, ()):  # its own imports, of every kind
+            if not may_import(rule, e.dst):
+                out.setdefault((e, rule), Breach(e, rule))
+        paths: dict[str, tuple[str, ...]] = {start: (start,)}  # breadth first: the shortest chains
+        frontier = [start]
+        while frontier:
+            nxt = []
+            for v in frontier:
+                for e in by_src.get(v, ()):
+                    if e.kind not in RUNS or e.dst in paths:
+                        continue
+                    if not may_import(rule, e.dst):
+                        known_via = out.get((e, rule))
+                        if v != start and (known_via is None or len(paths[v]) < len(known_via.via)):
+                            out[(e, rule)] = Breach(e, rule, paths[v])
+                        continue
+                    paths[e.dst] = (*paths[v], e.dst)
+                    nxt.append(e.dst)
+                for p in parents(v):
+                    if p not in paths:
+                        paths[p] = (*paths[v], p)
+                        nxt.append(p)
+            frontier = nxt
+    return sorted(out.values(), key=lambda b: (b.edge.src, b.edge.dst, b.edge.line, b.rule, len(b.via), b.via))
+
+
+def breach_report(found: list[Breach]) -> tuple[int, str]:
+    """How many imports go against the direction, and the text that names each with what it breaks."""
+    edges: dict[Edge, list[Breach]] = {}
+    for b in found:
+        edges.setdefault(b.edge, []).append(b)
+    lines = []
+    for i, (e, bs) in enumerate(edges.items(), 1):
+        lines.append(f"forbidden import {i}: {e.src} -> {e.dst}  ({e.kind}, {e.path}:{e.line})")
+        for b in bs:
+            may = ", ".join((b.rule, *PURE[b.rule]))
+            if not b.via:
+                lines.append(f"  {b.rule} is pure: it may import only {may}")
+        shown: set[str] = set()
+        for b in sorted((b for b in bs if b.via), key=lambda b: (len(b.via), b.via)):
+            if b.rule in shown:
+                continue
+            shown.add(b.rule)
+            chain = " -> ".join((*b.via, e.dst))
+            lines.append(f"  runs when pure {b.rule} is imported: {chain}")
+    return len(edges), "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvpush_tools.imports", description=__doc__.split("\n")[0])
     ap.add_argument("roots", nargs="+", type=Path, help="package directories, or directories of top-level modules")
@@ -247,11 +361,19 @@ def main(argv: list[str] | None = None) -> int:
     known = modules(args.roots)
     found = edges(known)
     comps, text = report(found, kinds)
+    forbidden, against = breach_report(breaches(found, known))
     if comps:
         print(text)
         print(f"imports: {len(comps)} import cycle(s) among {len(known)} modules")
+    if forbidden:
+        print(against)
+        print(f"imports: {forbidden} import(s) against the direction of the pure rules (kvpush/README.md)")
+    if comps or forbidden:
         return 1
-    print(f"imports: no import cycle among {len(known)} modules ({len(found)} imports)")
+    print(
+        f"imports: no import cycle among {len(known)} modules ({len(found)} imports), "
+        "and no import against the pure rules' direction"
+    )
     return 0
 
 

@@ -20,7 +20,7 @@ when given up), so what is printed is the plugin's own behaviour, not kvpush's h
   loaded as such or greeted as it was loaded (``BackendTraits.connects_on_load``), the writer's agent
   polled for ``FIRST_IDLE_S`` between the kill and the post or not.
 
-Results go to docs/libfabric.md; kvpush's traits per NIXL version are in kvpush/transport/nixl_backends.py.
+Results go to docs/libfabric.md; kvpush's traits per NIXL version are in kvpush/core/nixl_backends.py.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from kvpush.backends.base import MemKind, MemRegistration
+from kvpush.core.nixl_backends import LIBFABRIC, UCX
 from kvpush.core.outcome import XferState
 from kvpush.transport.nixl_agent import Agent, nixl_version
-from kvpush.transport.nixl_backends import LIBFABRIC, UCX
 
 POLL_S = 0.001
 RELOAD_WAIT_S = 15.0

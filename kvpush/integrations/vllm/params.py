@@ -42,17 +42,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.core.capability import CAPABILITY_CHARS, mint
+from kvpush.core.capability import CAPABILITY_CHARS, mint, sub_request_id
 from kvpush.core.errors import ConfigError
 from kvpush.engine.types import PeerAddress
 
 MAX_TRANSFER_ID = 256
 """Longest transfer id the wire protocol carries."""
 
-_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
-_CHILD = re.compile(r"^(\d+)_(.+)$")
-_PROMPT_INDEX = re.compile(r"^cmpl-(.+)-(\d+)$")
-_PREFILL_ADDR = re.compile(r"___prefill_addr_(?:tcp://)?(\[[^\]]+\]|[^_:/]+):(\d+)___decode_addr_")
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z", re.IGNORECASE)
+_CHILD = re.compile(r"([0-9]+)_(.+)")
+_PROMPT_INDEX = re.compile(r"cmpl-(.+)-([0-9]+)")
+_PREFILL_ADDR = re.compile(r"___prefill_addr_(?:tcp://)?(\[[^\]]+\]|[^_:/]+):([0-9]+)___decode_addr_")
+"""vLLM writes its indexes and ports in ASCII digits, so only those are read as such (``\\d`` also matches other
+scripts' digits, which ``int`` reads too); the id patterns match whole ids (``fullmatch``; ``$`` lets a newline
+follow)."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,8 @@ class SubRequest:
     child: int = 0
 
     def transfer_id(self, shared: str) -> str:
-        """The sub-request's own transfer id, derived from the request's ``shared`` one."""
-        if (self.prompt, self.child) == (0, 0):
-            return shared
-        return f"{shared}/{self.prompt}.{self.child}"
+        """The sub-request's own transfer id, derived from the request's ``shared`` one (``sub_request_id``)."""
+        return sub_request_id(shared, self.prompt, self.child)
 
 
 def sub_request(request_id: str) -> SubRequest:
@@ -78,11 +79,11 @@ def sub_request(request_id: str) -> SubRequest:
     ``cmpl-<id>-<i>``. Chat and other endpoints have one prompt (index 0).
     """
     child = 0
-    m = _CHILD.match(request_id)
+    m = _CHILD.fullmatch(request_id)
     if m:
         child, request_id = int(m.group(1)), m.group(2)
     rid = _RANDOM_SUFFIX.sub("", request_id)
-    m = _PROMPT_INDEX.match(rid)
+    m = _PROMPT_INDEX.fullmatch(rid)
     if m:
         return SubRequest(f"cmpl-{m.group(1)}", int(m.group(2)), child)
     return SubRequest(rid, 0, child)
