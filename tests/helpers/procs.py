@@ -65,6 +65,18 @@ class Geom(model.Geom):
         return self.head_dim
 
 
+def answer(sock: Any, timeout_ms: int = 15_000) -> Any:
+    """P's next message on a raw DEALER that is not its ``Features`` (which goes just before each hello's
+    answer, ``kvpush.core.protocol``): what a test's own peer waits for after a hello or a registration."""
+    from kvpush.core import protocol
+
+    while True:
+        assert sock.poll(timeout_ms), "P did not answer"
+        msg = protocol.decode(sock.recv())
+        if not isinstance(msg, protocol.Features):
+            return msg
+
+
 def dealer(addr: tuple[str, int], keys: Any = None, ctx: Any = None) -> Any:
     """A raw DEALER to a P side channel, with ``keys`` (a D's ``ClientKeys``) or without any: what a test's
     own peer (buggy, hostile, or replaying) talks through. It never blocks a send."""

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from procs import Geom, Node, dealer
+from procs import Geom, Node, answer, dealer
 from test_flood_nixl import Sampler, _push_exact, rss_mb
 from zmq.utils.monitor import parse_monitor_message
 
@@ -85,8 +85,9 @@ def claiming(layout: KVLayout, num_blocks: int) -> KVLayout:
 
 def say_hello(sock: zmq.Socket, hello: protocol.Hello) -> protocol.HelloReply:
     sock.send(protocol.encode(hello))
-    assert sock.poll(15_000), f"no answer to the hello as {hello.engine_id}"
-    return protocol.decode(sock.recv(), protocol.HelloReply)
+    reply = answer(sock)
+    assert isinstance(reply, protocol.HelloReply), f"no answer to the hello as {hello.engine_id}: {reply}"
+    return reply
 
 
 class Pusher:

@@ -163,7 +163,8 @@ def test_pushes_larger_than_the_staging_region_go_through_it_in_rounds(nodes: tu
             )
         )
     ]
-    ring = {"staging_bytes": 16 << 10, "min_part_bytes": 4 << 10, "ring_slots": 4, "staged_min_descriptors": 1, "peer_copy": False}
+    ring = {"staging_bytes": 16 << 10, "min_part_bytes": 4 << 10, "ring_slots": 4, "staged_min_descriptors": 1}
+    ring["peer_copy"] = False
     with engines(p, d, pg, dg, {**ring, "plan": "staged"}, ring, seeds, name="rounds") as (k, peer):
         for r in reqs:  # one at a time: each takes the whole region
             push(p, d, k, peer, [r])
