@@ -138,6 +138,7 @@ def test_unmet_names_each_need_and_what_changed(need: Need, problem: str) -> Non
 
 def test_every_present_alternative_must_fit() -> None:
     """kvpush implements both names of a renamed hook, so where vLLM has both, both must fit."""
+
     class Both(Base):
         def gone(self, request: Any) -> None: ...
 

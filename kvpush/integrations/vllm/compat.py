@@ -50,7 +50,7 @@ from functools import cache
 from typing import Any
 
 from kvpush.core.errors import ConfigError
-from kvpush.core.surface import Need, Surface, Versions, Verdict, read_class, start_verdict, unmet
+from kvpush.core.surface import Need, Surface, Verdict, Versions, read_class, start_verdict, unmet
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,9 @@ NEEDS: tuple[Need, ...] = (
     _hook("restore_kv_caches", optional=True, why="refuses to drop its registrations"),
     Need(_B, ("_get_connector_metadata",), "call", "reads each step's orders on the workers"),
     *_fields(_B, "_kv_cache_config", "_vllm_config", why="reads the KV-cache config and config its base keeps"),
-    Need("SupportsHMA", ("request_finished_all_groups",), "hook", "pushes every KV-cache group", ("request", "block_ids")),
+    Need(
+        "SupportsHMA", ("request_finished_all_groups",), "hook", "pushes every KV-cache group", ("request", "block_ids")
+    ),
     *_fields("KVConnectorRole", "SCHEDULER", "WORKER", why="starts its scheduler or worker half"),
     *_fields("KVConnectorOutput", "finished_sending", "finished_recving", why="learns which pushes ended"),
     *_fields(

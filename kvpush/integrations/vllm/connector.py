@@ -1,4 +1,4 @@
-"""kvpush as a vLLM KV connector (vLLM 0.24 and later whose classes have what it needs: ``compat.check_vllm``, at start).
+"""kvpush as a vLLM KV connector (vLLM 0.24 on, where its classes have what it needs: ``compat.check_vllm``).
 
 Load it with::
 
