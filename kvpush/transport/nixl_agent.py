@@ -188,7 +188,8 @@ def read_nixl_surface() -> dict[str, dict[str, Any]]:
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process says it (every engine starts agents)."""
     log.warning("%s", message)
 
 
@@ -198,7 +199,7 @@ def start_on_nixl(backends: Sequence[str]) -> None:
     if verdict.refusal:
         raise KVPushError(f"{verdict.refusal}; install one with: {NIXL_INSTALL}")
     if verdict.warning:
-        _warn_once(verdict.warning)
+        warn_once(verdict.warning)
 
 
 def imports_torch() -> bool:

@@ -31,7 +31,7 @@ def _forget_the_stand_in_version() -> Any:
     """``compat.detect`` keeps what it read once: a version a test made up must not outlive the test."""
     yield
     compat.detect.cache_clear()
-    compat._warn_once.cache_clear()
+    compat.warn_once.cache_clear()
 
 
 def surface() -> dict[str, dict[str, Any]]:

@@ -286,7 +286,9 @@ def read_layouts() -> dict[str, tuple[int, ...]] | None:
 
 
 @cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process says it (the connector starts in the
+    scheduler and in every worker; one process says a newer vLLM once)."""
     log.warning("%s", message)
 
 
@@ -302,7 +304,7 @@ def start_on_vllm(vllm_config: Any, kv_cache_config: Any) -> None:
     if verdict.refusal:
         raise ConfigError(verdict.refusal)
     if verdict.warning:
-        _warn_once(verdict.warning)
+        warn_once(verdict.warning)
 
 
 @dataclass(frozen=True)
