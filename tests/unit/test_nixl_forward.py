@@ -9,11 +9,11 @@ traits cannot be told on it. NIXL older than 1.3.2 is refused. The rule runs aga
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import pytest
+from helpers_logs import kvpush_warnings
 
 from kvpush.core.errors import KVPushError
 from kvpush.core.surface import Verdict, read_class
@@ -47,14 +47,12 @@ def test_a_newer_nixl_starts_with_a_warning_naming_the_tested_range(version: str
     assert f"tested with NIXL 1.3.2 to 1.5.1; this is NIXL {version}, newer" in verdict.warning
 
 
-def test_an_agent_starts_on_a_newer_nixl_and_warns_once(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_an_agent_starts_on_a_newer_nixl_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The accepted case runs: two UCX agents start and exchange a notification under NIXL "1.9.0"."""
     monkeypatch.setattr(nixl_agent, "nixl_version", lambda: FUTURE)
-    with caplog.at_level(logging.WARNING, logger="kvpush"):
+    with kvpush_warnings() as said:
         a, b = Agent("fwd-a"), Agent("fwd-b")
-    warned = [r.getMessage() for r in caplog.records if "this is NIXL 1.9.0, newer" in r.getMessage()]
+    warned = [line for line in said if "this is NIXL 1.9.0, newer" in line]
     assert len(warned) == 1 and "tested with NIXL 1.3.2 to 1.5.1" in warned[0]
     assert a.nixl_version == FUTURE
     try:
