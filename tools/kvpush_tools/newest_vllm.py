@@ -11,7 +11,7 @@ kernels), and with those sources ahead of this interpreter's packages (the
 main lane's torch and vLLM dependencies) runs the compat probe (``--probe``:
 would ``KVPushConnector`` start on it, what does it offer) and the connector's
 vLLM unit tests (``TESTS``: compat, the forward policy, the scheduler side,
-layouts) against its real classes. It prints one line, ``newest vLLM X:
+layouts, metrics) against its real classes. It prints one line, ``newest vLLM X:
 compatible`` or ``incompatible because ...`` or ``not checked here: ...``,
 and writes it to ``OUT/newest-vllm.json`` (with the tests' JUnit XML,
 ``OUT/newest-vllm.xml``) for the compatibility table (``kvpush_tools.compat``).
@@ -47,9 +47,10 @@ TESTS = (
     "tests/unit/test_vllm_layout.py",
     "tests/unit/test_vllm_layout_versions.py",
     "tests/unit/test_describe_vllm.py",
+    "tests/unit/test_metrics.py::test_vllm_prometheus_hooks_export_kvpush_metrics",
 )
 """The connector's unit tests against vLLM's real classes that need no server and no compiled vLLM kernel (those
-that do skip, saying so)."""
+that do skip, saying so): compat and the forward policy, the scheduler side, layouts, vLLM's metric classes."""
 
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout ``TESTS`` are in."""
