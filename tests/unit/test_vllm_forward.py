@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvpush.core.errors import ConfigError
 from kvpush.core.surface import read_class, read_params
 from kvpush.integrations.vllm import compat
+from kvpush.integrations.vllm import connector as connector_module
 from kvpush.integrations.vllm.connector import KVPushConnector
 
 FUTURE = "0.99.0"
@@ -58,8 +59,10 @@ def test_the_hooks_kvpush_needs_are_the_connectors_own() -> None:
 
 
 def _connector(version: str, monkeypatch: pytest.MonkeyPatch, kv_cache_config: Any = None) -> KVPushConnector:
-    """A D connector's scheduler half on this lane's vLLM classes, vLLM saying it is ``version``."""
+    """A D connector's scheduler half on this lane's vLLM classes, vLLM saying it is ``version``. kvpush's logging
+    is left as the test session has it (a real connector hands kvpush's logger to vLLM's handlers for good)."""
     monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setattr(connector_module, "share_vllm_logging", lambda: None)
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_rank=0),
         kv_transfer_config=SimpleNamespace(
