@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from kvpush.core.nixl_backends import TESTED_NIXL
+
 LIBFABRIC_WIRE_BREAKS: tuple[tuple[int, int], ...] = ((1, 4),)
 """NIXL versions from which the LIBFABRIC plugin cannot talk to the versions before. 1.4's plugin sends
 control messages 1.3.2's does not know (type 0x8: "Unknown message type" in its log): a 1.3.2 D never sees
@@ -31,9 +33,18 @@ def libfabric_wire(version: str) -> int | None:
 
 def peer_problem(p_version: str, p_backends: Sequence[str], d_version: str, d_backends: Sequence[str]) -> str:
     """Why P's NIXL cannot write to D's ("" when it can, or when either version is unknown): LIBFABRIC is a
-    backend both offer and their LIBFABRIC plugins are of different wire generations."""
+    backend both offer and their LIBFABRIC plugins are of different wire generations, or of different versions
+    one of which is newer than the NIXL kvpush was tested with (``TESTED_NIXL``): whether such plugins talk to
+    each other is a trait kvpush cannot tell, and a notification lost is a request that never decodes."""
     if "LIBFABRIC" not in p_backends or "LIBFABRIC" not in d_backends:
         return ""
+    newer = [v for v in (p_version, d_version) if TESTED_NIXL.standing(v) == "newer"]
+    if newer and p_version != d_version:
+        return (
+            f"NIXL differs: P runs NIXL {p_version}, D runs NIXL {d_version}, and whether their LIBFABRIC plugins "
+            f"interoperate is unknown ({newer[0]} is newer than the {TESTED_NIXL.range_text} kvpush was tested "
+            "with): run one NIXL version on P and D, or UCX"
+        )
     p_wire, d_wire = libfabric_wire(p_version), libfabric_wire(d_version)
     if p_wire is None or d_wire is None or p_wire == d_wire:
         return ""

@@ -12,6 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from kvpush.core.surface import Versions
+
+TESTED_NIXL = Versions("NIXL", (1, 3, 2), (1, 5, 1))
+"""The NIXL versions kvpush was tested with (the CI lanes run 1.3.2, 1.4.1 and 1.5.1); 1.3.2 is also the oldest
+it starts on. A newer NIXL starts with a warning (``nixl_agent.check_nixl``): its LIBFABRIC plugin is driven
+with the cautious traits below, and a backend kvpush knows no traits of is refused there."""
+
 
 @dataclass(frozen=True)
 class BackendTraits:
@@ -108,6 +115,14 @@ def verified(backend: str, nixl_version: str | None) -> bool:
     if backend not in VERIFIED:
         return backend in DEFAULTS
     return (nixl_version or "") in VERIFIED[backend]
+
+
+def told(backend: str, nixl_version: str | None) -> bool:
+    """Whether kvpush can tell how to drive ``backend`` on this NIXL version: measured there, or a backend with
+    traits for versions it was not measured on (``DEFAULTS``: UCX, and LIBFABRIC's most cautious). Any other
+    backend is driven as UCX (``backend_traits``): a guess kvpush makes on the NIXL versions it was tested
+    with, not on a newer or unreadable one (``nixl_agent.check_nixl`` refuses it there)."""
+    return backend in DEFAULTS or (nixl_version or "") in VERIFIED.get(backend, {})
 
 
 def traits(backends: Iterable[str], nixl_version: str | None = None) -> BackendTraits:

@@ -26,11 +26,20 @@ from kvpush.doctor.report import Check
 def check_nixl() -> tuple[Check, str]:
     """NIXL importable; returns the check and the wheel module kvpush uses (``nixl_cu13``, …).
 
-    It names the running NIXL version, whether kvpush supports it, and whether kvpush's LIBFABRIC handling
-    was measured on it: the LIBFABRIC plugin changes between NIXL releases, and on a version nobody
-    measured kvpush drives it with its most cautious traits (kvpush/core/nixl_backends.py)."""
+    It names the running NIXL version, whether kvpush starts on it (``nixl_agent.check_nixl``: fails on a
+    NIXL older than supported or one whose API kvpush calls changed; a NIXL newer than tested is ok, said in
+    why), and whether kvpush's LIBFABRIC handling was measured on it: the LIBFABRIC plugin changes between NIXL
+    releases, and on a version nobody measured kvpush drives it with its most cautious traits
+    (kvpush/core/nixl_backends.py)."""
     try:
-        from kvpush.transport.nixl_agent import NIXL_INSTALL, imports_torch, nixl_version, nixl_wheel, supported
+        from kvpush.transport.nixl_agent import (
+            NIXL_INSTALL,
+            check_nixl,
+            imports_torch,
+            nixl_version,
+            nixl_wheel,
+            read_nixl_surface,
+        )
 
         ver = nixl_version()
         if not os.environ.get("NIXL_LOG_LEVEL"):
@@ -40,16 +49,18 @@ def check_nixl() -> tuple[Check, str]:
         from kvpush.transport.nixl_agent import NIXL_INSTALL
 
         return Check("nixl", "NIXL", "fail", "NIXL is not importable", why=str(exc), fix=NIXL_INSTALL), ""
-    from kvpush.core.nixl_backends import VERIFIED, verified
+    from kvpush.core.nixl_backends import TESTED_NIXL, VERIFIED, verified
 
     wheel = nixl_wheel() or "nixl"
     where = str(Path(sys.modules[wheel].__file__ or "").parent)
     lf_ok = verified("LIBFABRIC", ver)
     lf_versions = ", ".join(sorted(VERIFIED["LIBFABRIC"]))
+    verdict = check_nixl(ver, read_nixl_surface(), ("UCX",))
     details = {
         "version": ver,
         "wheel": wheel,
-        "supported": supported(ver),
+        "supported": not verdict.refusal,
+        "tested": TESTED_NIXL.standing(ver) == "tested",
         "libfabric_verified": lf_ok,
         "libfabric_verified_on": sorted(VERIFIED["LIBFABRIC"]),
         "imports_torch": imports_torch(),
@@ -62,13 +73,15 @@ def check_nixl() -> tuple[Check, str]:
     )
     if details["imports_torch"]:
         why += f"; NIXL {ver} imports torch when loaded (seconds and hundreds of MiB in every process using it)"
-    if not details["supported"]:
+    if verdict.warning:
+        why += f"; {verdict.warning}"
+    if verdict.refusal:
         return Check(
             "nixl",
             "NIXL",
             "fail",
-            f"NIXL {ver} (wheel {wheel}) is outside the versions kvpush supports",
-            why=why,
+            f"NIXL {ver} (wheel {wheel}): kvpush does not start on it",
+            why=f"{verdict.refusal}; {why}",
             fix=NIXL_INSTALL,
             details=details,
         ), where

@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,10 @@ import numpy as np
 
 from kvpush.backends.base import MemRegistration
 from kvpush.core.errors import ConfigError, KVPushError, MemoryKindError
-from kvpush.core.nixl_backends import traits
+from kvpush.core.nixl_backends import DEFAULTS, TESTED_NIXL, told, traits
 from kvpush.core.outcome import XferState
 from kvpush.core.peer_loads import LoadNew, PeerLoads, TakenBack, Unload
+from kvpush.core.surface import Need, Surface, Verdict, read_class, read_params, start_verdict, unmet
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +38,52 @@ NOTIF_FLUSH_S = 0.05
 is queued until the backend progresses, and one to a peer this agent never wrote to also waits for the
 connection to be set up (on UCX, several progress calls on both sides)."""
 
-SUPPORTED = ((1, 3, 2), (1, 6))
-"""NIXL versions kvpush supports: from the first, below the second (pyproject.toml's ``nixl>=1.3.2,<1.6``)."""
-NIXL_INSTALL = "pip install 'nixl>=1.3.2,<1.6' (after torch, so pip does not pull a CUDA torch)"
-"""How to install a NIXL kvpush supports."""
+NIXL_INSTALL = "pip install 'nixl>=1.3.2' (after torch, so pip does not pull a CUDA torch)"
+"""How to install a NIXL kvpush supports (pyproject.toml's ``nixl>=1.3.2``; tested: ``TESTED_NIXL``)."""
+
+
+def _call(name: str, why: str, *params: str, keywords: tuple[str, ...] = ()) -> Need:
+    return Need("nixl_agent", (name,), "call", why, params=params, keywords=keywords)
+
+
+NIXL_NEEDS: tuple[Need, ...] = (
+    _call("__init__", "starts an agent", "agent_name", "nixl_conf"),
+    Need(
+        "nixl_agent_config",
+        ("__init__",),
+        "call",
+        "starts an agent without NIXL's progress and listen threads",
+        keywords=("enable_prog_thread", "enable_listen_thread", "backends"),
+    ),
+    _call("get_plugin_list", "finds the backends' plugins"),
+    _call("create_backend", "starts a backend", "backend"),
+    _call("get_backend_mem_types", "learns which memory a backend registers", "backend"),
+    _call("get_reg_descs", "describes the memory it registers", "descs", "mem_type"),
+    _call("register_memory", "registers the KV and staging", "reg_list"),
+    _call("deregister_memory", "deregisters them", "dereg_list"),
+    _call("get_agent_metadata", "hands its metadata to peers"),
+    _call("add_remote_agent", "loads a peer", "metadata"),
+    _call("remove_remote_agent", "unloads a peer", "agent"),
+    _call("send_notif", "notifies a peer", "remote_agent_name", "notif_msg"),
+    _call("get_new_notifs", "reads notifications"),
+    _call("get_xfer_descs", "describes a WRITE", "descs", "mem_type"),
+    _call("initialize_xfer", "makes a WRITE", "operation", "local_descs", "remote_descs", "remote_agent", "notif_msg"),
+    _call("prep_xfer_dlist", "prepares a peer's blocks once", "agent_name", "xfer_list", "mem_type"),
+    _call(
+        "make_prepped_xfer",
+        "makes a WRITE of prepared blocks",
+        "operation",
+        "local_xfer_side",
+        "local_indices",
+        "remote_xfer_side",
+        "remote_indices",
+        "notif_msg",
+    ),
+    _call("transfer", "posts a WRITE", "handle", "notif_msg"),
+    _call("check_xfer_state", "polls a WRITE", "handle"),
+    _call("release_xfer_handle", "releases a WRITE", "handle"),
+)
+"""What kvpush calls of NIXL's Python API (``nixl._api``), with the arguments it passes."""
 
 SETTLE_MAX_ERRORS = 4096
 """Most failed completions one ``Agent._settle_errors`` reads (a dead peer leaves one per descriptor)."""
@@ -120,13 +164,42 @@ def nixl_version() -> str:
     return "unknown"
 
 
-def supported(version: str) -> bool:
-    """Whether kvpush supports this NIXL version (``SUPPORTED``); a version it cannot read is not."""
-    try:
-        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:3])
-    except ValueError:
-        return False
-    return SUPPORTED[0] <= parts < SUPPORTED[1]
+def check_nixl(version: str, surface: Surface, backends: Sequence[str]) -> Verdict:
+    """Whether kvpush starts an agent with ``backends`` on this NIXL (``kvpush.core.surface.start_verdict``):
+    every call of ``NIXL_NEEDS`` fits its API, and on a NIXL newer than tested (or of an unreadable version)
+    kvpush can tell each backend's traits (``nixl_backends.told``). A newer NIXL otherwise starts with one
+    warning naming the tested range."""
+    problems = unmet(surface, NIXL_NEEDS)
+    if TESTED_NIXL.standing(version) in ("newer", "unreadable"):
+        problems += [
+            f"kvpush cannot tell how to drive NIXL backend {b} on this NIXL (it knows the traits of "
+            f"{', '.join(DEFAULTS)} on any version, kvpush/core/nixl_backends.py)"
+            for b in backends
+            if not told(b, version)
+        ]
+    return start_verdict(TESTED_NIXL, version, problems)
+
+
+@functools.cache
+def read_nixl_surface() -> dict[str, dict[str, Any]]:
+    """The running NIXL's ``Surface``: its agent class and its agent config's parameters."""
+    nixl_agent, nixl_agent_config = _nixl()
+    return {"nixl_agent": read_class(nixl_agent), "nixl_agent_config": {"__init__": read_params(nixl_agent_config)}}
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process says it (every engine starts agents)."""
+    log.warning("%s", message)
+
+
+def start_on_nixl(backends: Sequence[str]) -> None:
+    """Refuse (``KVPushError``) or warn once as ``check_nixl`` says for the running NIXL."""
+    verdict = check_nixl(nixl_version(), read_nixl_surface(), backends)
+    if verdict.refusal:
+        raise KVPushError(f"{verdict.refusal}; install one with: {NIXL_INSTALL}")
+    if verdict.warning:
+        warn_once(verdict.warning)
 
 
 def imports_torch() -> bool:
@@ -154,6 +227,7 @@ class Agent:
         nixl_agent, nixl_agent_config = _nixl()
         if not backends:
             raise ConfigError("nixl_backends is empty: name at least one NIXL backend (UCX, LIBFABRIC)")
+        start_on_nixl(backends)
         conf = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
         inner = nixl_agent(name, conf)
         available = set(inner.get_plugin_list())

@@ -76,3 +76,25 @@ def test_a_feature_a_lane_did_not_run_says_so(tmp_path: Path) -> None:
     got = rows(table(tmp_path, tmp_path / "lanes"))
     assert got["conformance (host backend)"] == ["passed 1", "main lane only"]
     assert got["vLLM compat and layouts (unit, real classes)"] == ["main lane only", "passed 1"]
+
+
+def test_the_newest_vllm_is_a_column_and_a_line(tmp_path: Path) -> None:
+    """CI's check of the newest published vLLM (``kvpush_tools.newest_vllm``) adds its tests as a column and its
+    verdict under the table; a check that could not run adds the line alone."""
+    (tmp_path / "lanes").write_text(LANES)
+    junit(tmp_path / "main.xml", [("tests.test_vllm_compat", "test_range", "passed")])
+    junit(tmp_path / "newest-vllm.xml", [("tests.unit.test_vllm_compat", "test_range", "failed")])
+    line = "newest vLLM 0.35.0: incompatible because KVConnectorBase_V1.x is missing"
+    (tmp_path / "newest-vllm.json").write_text(f'{{"version": "0.35.0", "status": "incompatible", "line": "{line}"}}')
+    text = table(tmp_path, tmp_path / "lanes")
+    assert "newest: vLLM 0.35.0 (its Python sources, main lane's packages)" in text
+    assert rows(text)["vLLM compat and layouts (unit, real classes)"] == ["passed 1", "FAILED 1 of 1"]
+    assert text.rstrip().endswith(f"Newest published vLLM (checked without a server): {line}")
+    junit(tmp_path / "main.xml", [("tests.test_conformance", "test_host", "passed")])
+    assert rows(table(tmp_path, tmp_path / "lanes"))["conformance (host backend)"] == [
+        "passed 1",
+        "not run (no server: sources only)",
+    ]
+    (tmp_path / "newest-vllm.json").write_text('{"version": "", "status": "not checked", "line": "newest vLLM: x"}')
+    text = table(tmp_path, tmp_path / "lanes")
+    assert "newest:" not in text and "(checked without a server): newest vLLM: x" in text

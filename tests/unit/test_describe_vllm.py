@@ -26,6 +26,7 @@ pytest.importorskip(
     "in test_vllm_layout_versions",
 )
 
+import vllm  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layout_strides  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
@@ -152,9 +153,17 @@ def test_push_between_vllm_layouts_lands_where_attention_reads(
 
 
 def cpu_attn_write(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """vLLM's CPU attention writer, exactly as ``CPUAttentionBackendImpl.do_kv_cache_update`` calls it."""
-    from vllm import _custom_ops as ops
+    """vLLM's CPU attention writer, exactly as ``CPUAttentionBackendImpl.do_kv_cache_update`` calls it (from
+    ``vllm._cpu_ops`` in vLLM 0.34, ``vllm._custom_ops`` before); skipped where this vLLM has no CPU kernel
+    library (the newest vLLM's Python sources checked over the main lane's packages)."""
+    try:
+        from vllm import _cpu_ops as ops
+    except ImportError:
+        from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+        pytest.skip(f"vLLM {vllm.__version__} here has no CPU kernel library (its cache writer is compiled)")
 
     nb, heads, bs, _ = cache.size()
     kc, vc = cache.view((nb, heads, bs * 2, -1)).chunk(2, dim=2)

@@ -34,19 +34,25 @@ OLD = dict(
     binds_kv_cache_manager=False,
     sleep_mode_hook=False,
     zeroes_loaded_blocks=True,
+    kv_cache_access=False,
+)
+V032 = dict(
+    transfer_results=True,
+    failed_recving=True,
+    cache_hit_source=True,
+    loaded_group_ids=True,
+    binds_kv_cache_manager=True,
+    sleep_mode_hook=False,
+    zeroes_loaded_blocks=False,
+    kv_cache_access=False,
 )
 EXPECTED = {
     "0.24": OLD,
     "0.29": OLD,
-    "0.32": dict(
-        transfer_results=True,
-        failed_recving=True,
-        cache_hit_source=True,
-        loaded_group_ids=True,
-        binds_kv_cache_manager=True,
-        sleep_mode_hook=False,
-        zeroes_loaded_blocks=False,
-    ),
+    "0.32": V032,
+    # 0.34: its Python sources over the main lane's packages (tools/kvpush_tools/newest_vllm.py); its CUDA wheel
+    # cannot start a server here.
+    "0.34": {**V032, "sleep_mode_hook": True, "kv_cache_access": True},
 }
 LANE = ".".join(vllm.__version__.split(".")[:2])
 BS = 16
@@ -74,30 +80,12 @@ def test_transfer_results_and_hit_source_follow_the_features() -> None:
         assert hook(object.__new__(KVPushConnector), None, 5) == {source: 5}
 
 
-@pytest.mark.parametrize(
-    ("version", "ok"),
-    [
-        ("0.24.0", True),
-        ("0.29.1", True),
-        ("0.32.0", True),
-        ("0.33.0rc1", True),
-        ("0.23.9", False),
-        ("0.34.0", False),
-        ("1.0.0", False),
-        ("dev", False),
-    ],
-)
-def test_supported_range(version: str, ok: bool) -> None:
-    assert compat.in_supported_range(version) is ok
-    if ok:
-        compat.check_vllm_version(version)
-    else:
-        with pytest.raises(ConfigError, match=r">= 0\.24 and < 0\.34"):
-            compat.check_vllm_version(version)
-
-
-def test_running_vllm_is_supported() -> None:
-    compat.check_vllm_version(vllm.__version__)
+def test_the_running_vllm_starts() -> None:
+    """Every need of ``compat.NEEDS`` is met by this lane's vLLM; it starts without a word inside the tested range
+    (and with the warning only where the newest published vLLM is checked beyond it)."""
+    verdict = compat.check_vllm(vllm.__version__, compat.read_surface(), compat.read_layouts())
+    assert verdict.refusal == ""
+    assert bool(verdict.warning) == (compat.TESTED_VLLM.standing(vllm.__version__) == "newer")
 
 
 def test_check_start_refuses_sleep_mode_where_vllm_never_asks() -> None:
@@ -114,7 +102,8 @@ def test_check_start_refuses_sleep_mode_where_vllm_never_asks() -> None:
 
 def test_check_start_refuses_hybrid_decode_without_failed_recving() -> None:
     f = compat.detect()
-    assert f.failures_by_request == (LANE == "0.32") or LANE not in EXPECTED
+    if LANE in EXPECTED:
+        assert f.failures_by_request == (EXPECTED[LANE]["transfer_results"] and EXPECTED[LANE]["failed_recving"])
     if f.failures_by_request:
         compat.check_start(f, consumer=True, num_kv_cache_groups=3, sleep_mode=False)
     else:
@@ -275,3 +264,19 @@ def test_a_failure_reaches_vllm_once_and_only_when_fenced() -> None:
     receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
     res = c.get_transfer_results(set())
     assert (res.finished_recving, res.failed_recving) == ({"bad"}, {"bad"})
+
+
+def test_vllm_that_asks_allocates_the_kv_cache_for_nixl_registration() -> None:
+    """vLLM that asks connectors how they reach the KV cache (``kv_cache_access``) learns through its own
+    config and factory that kvpush registers it, so it backs each segment with one physical allocation."""
+    if not compat.detect().kv_cache_access:
+        pytest.skip(f"vLLM {vllm.__version__} does not ask connectors how they reach the KV cache")
+    from vllm.config import KVTransferConfig
+
+    config = KVTransferConfig(
+        kv_connector="KVPushConnector",
+        kv_connector_module_path="kvpush.integrations.vllm.connector",
+        kv_role="kv_consumer",
+    )
+    assert config.registers_kv_cache_memory()
+    assert config.kv_cache_access().needs_single_chunk()

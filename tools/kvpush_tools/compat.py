@@ -11,11 +11,15 @@ someone believes::
 
 A feature is a set of tests, picked by module and test name (``FEATURES``,
 first match wins); a lane's XML files are ``<lane>.xml`` or ``<lane>-*.xml``.
+Where CI checked the newest published vLLM (``kvpush_tools.newest_vllm``:
+``newest-vllm.json`` and its tests' ``newest-vllm.xml``), its tests are one
+more column and its verdict line follows the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -66,7 +70,7 @@ class Cell:
     skipped: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
 
-    def text(self) -> str:
+    def text(self, absent: str = "main lane only") -> str:
         if self.failed:
             return f"FAILED {self.failed} of {self.passed + self.failed}"
         if self.passed:
@@ -74,7 +78,7 @@ class Cell:
         if self.skipped:
             reason = max(self.reasons, key=lambda r: self.reasons[r]) if self.reasons else ""
             return f"skipped: {reason[:80]}".replace("|", "/")
-        return "main lane only"
+        return absent
 
 
 def feature_of(cls: str, name: str) -> str:
@@ -118,23 +122,46 @@ def cpu_flags() -> str:
     return next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "other")
 
 
+NEWEST_ABSENT = "not run (no server: sources only)"
+"""The newest vLLM's cell for a feature its check does not run (``kvpush_tools.newest_vllm.TESTS``)."""
+
+
+def newest(results: Path) -> tuple[str, str, dict[str, Cell] | None] | None:
+    """(version, verdict line, cells of its tests or None) of the newest-vLLM check, if CI made one."""
+    try:
+        report = json.loads((results / "newest-vllm.json").read_text())
+    except (OSError, ValueError):
+        return None
+    xml = results / "newest-vllm.xml"
+    cells = read_lane([xml]) if report.get("status") != "not checked" and xml.exists() else None
+    return str(report.get("version", "")), str(report.get("line", "")), cells
+
+
 def table(results: Path, lane_file: Path) -> str:
     rows = []
-    per_lane: list[tuple[tuple[str, str, str, str], dict[str, Cell]]] = []
-    for lane in lanes(lane_file):
-        files = sorted([*results.glob(f"{lane[0]}.xml"), *results.glob(f"{lane[0]}-*.xml")])
+    columns: list[tuple[str, dict[str, Cell], str]] = []
+    for n, v, x, t in lanes(lane_file):
+        files = sorted([*results.glob(f"{n}.xml"), *results.glob(f"{n}-*.xml")])
         if files:
-            per_lane.append((lane, read_lane(files)))
-    labels = [label for label, _ in FEATURES if any(label in cells for _, cells in per_lane)]
-    head = ["feature", *(f"{n}: vLLM {v}, NIXL {x}, torch {t}" for (n, v, x, t), _ in per_lane)]
+            columns.append((f"{n}: vLLM {v}, NIXL {x}, torch {t}", read_lane(files), "main lane only"))
+    latest = newest(results)
+    if latest is not None and latest[2] is not None:
+        columns.append(
+            (f"newest: vLLM {latest[0]} (its Python sources, main lane's packages)", latest[2], NEWEST_ABSENT)
+        )
+    labels = [label for label, _ in FEATURES if any(label in cells for _, cells, _ in columns)]
+    head = ["feature", *(title for title, _, _ in columns)]
     rows.append("| " + " | ".join(head) + " |")
     rows.append("|" + "---|" * len(head))
     for label in labels:
-        rows.append("| " + " | ".join([label, *(cells.get(label, Cell()).text() for _, cells in per_lane)]) + " |")
+        cells = [cells.get(label, Cell()).text(absent) for _, cells, absent in columns]
+        rows.append("| " + " | ".join([label, *cells]) + " |")
     note = (
         f"\nBackend: host (DRAM) on every lane; the Neuron backend through its stand-in runtime; CUDA tests skip "
         f"without a GPU. NIXL backend UCX unless the feature says LIBFABRIC. CPU of this run: {cpu_flags()}.\n"
     )
+    if latest is not None:
+        note += f"\nNewest published vLLM (checked without a server): {latest[1]}\n"
     return "\n".join(rows) + "\n" + note
 
 

@@ -1,4 +1,4 @@
-"""kvpush as a vLLM KV connector (vLLM >= 0.24, < 0.34: ``compat.SUPPORTED_VLLM``, checked at start).
+"""kvpush as a vLLM KV connector (vLLM 0.24 on, where its classes have what it needs: ``compat.check_vllm``).
 
 Load it with::
 
@@ -18,7 +18,8 @@ lives here.
 Data parallelism: P's engine of DP index ``k`` listens on
 ``side_channel_port + k * tp_size + tp_rank`` (vLLM's NIXL connector offsets
 its side-channel port by the DP index the same way); pipeline parallelism is
-refused at start. Sleep mode is not supported (``supports_sleep_mode``).
+refused at start. Sleep mode is not supported (``supports_sleep_mode``). It
+registers the KV cache with NIXL (``kv_cache_access``).
 
 What differs between vLLM versions is detected, never compared by number,
 in ``compat``: this one class serves every supported version.
@@ -48,7 +49,7 @@ from kvpush.integrations.vllm import layout as vllm_layout
 from kvpush.integrations.vllm.discovery import Announcer, start_announcer
 from kvpush.integrations.vllm.metrics import KVPushConnectorStats, KVPushPromMetrics
 from kvpush.integrations.vllm.orders import StepOrders
-from kvpush.integrations.vllm.scheduler_inputs import drop_prompt_tail, scheduled_chunks
+from kvpush.integrations.vllm.scheduler_inputs import drop_prompt_tail, scheduled_chunks, skips_external_kv
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide
 from kvpush.integrations.vllm.startup import (
     attention_backends,
@@ -88,6 +89,17 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         ``compat.check_start`` refuses it."""
         return False
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
+        """vLLM that asks (``compat.Features.kv_cache_access``): kvpush registers the KV cache with NIXL (UCX,
+        LIBFABRIC), which needs each segment backed by one physical allocation (``REGISTERS``), and a P and a D
+        on one host reach each other's over UCX's CUDA IPC (``EXPORTS_FABRIC``), as vLLM's NIXL connector
+        declares. vLLM then allocates the KV cache so (or keeps its growable cache off where no IMEX channel
+        exports it)."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+
     def unregister_kv_caches(self) -> None:
         """Never called while ``supports_sleep_mode`` is false; refuses rather than keep stale registrations."""
         raise ConfigError("KVPushConnector does not support sleep mode (supports_sleep_mode() is False)")
@@ -97,9 +109,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         raise ConfigError("KVPushConnector does not support sleep mode (supports_sleep_mode() is False)")
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
-        import vllm
-
-        compat.check_vllm_version(vllm.__version__)
+        compat.start_on_vllm(vllm_config, kv_cache_config)
         self.features = compat.detect()
         vllm_layout.check_parallelism(vllm_config.parallel_config)
         ktc = vllm_config.kv_transfer_config
@@ -180,10 +190,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             request.request_id,
             request.kv_transfer_params,
             request.num_prompt_tokens,
-            whole=bool(getattr(request, "skip_reading_prefix_cache", False)),
+            whole=skips_external_kv(request),
         )
         if drop:
-            drop_prompt_tail(request, drop)
+            drop_prompt_tail(
+                request,
+                drop,
+                getattr(self._kv_cache_config, "hash_block_size", None),
+                int(getattr(self._vllm_config, "num_hash_lookahead_tokens", 0) or 0),
+            )
         self.sched.prefill_arrived(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
