@@ -31,6 +31,7 @@ from kvpush.core import peek, protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
 from kvpush.core.topology import targets_for
+from kvpush.engine import by_index
 from kvpush.engine.ports import PeerMaps, PeerPort
 from kvpush.observability.metrics import Count
 from kvpush.prefill.admission import Admission, KeyLimits
@@ -278,6 +279,8 @@ class PeerTable:
             return
         self.admission.add(key, dkey, len(msg.agent_metadata))
         mapped = self.maps.open(msg.peer, msg.layout) if self.maps is not None and msg.peer else None
+        if mapped is None:  # NIXL WRITEs: D's list for by-index posts, made once a load
+            by_index.prepare_peer(self.agent, self.layout, agent_name, msg.layout)
         if mapped is not None:
             # No WRITE will connect to this D rank: the greeting starts the connection its first part's
             # notification needs (D ignores it), while the hello is answered.

@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from kvpush.backends.base import MemRegistration
 from kvpush.core.errors import ConfigError, KVPushError, MemoryKindError
+from kvpush.core.indexed import expand, list_fits
 from kvpush.core.outcome import XferState
 from kvpush.core.peer_loads import LoadNew, PeerLoads, TakenBack, Unload
 from kvpush.transport.nixl_backends import traits
@@ -129,6 +131,20 @@ def supported(version: str) -> bool:
     return SUPPORTED[0] <= parts < SUPPORTED[1]
 
 
+STRIDED_LISTS = (1, 5)
+"""The first NIXL whose ``prep_xfer_dlist`` takes a list in its strided form (one N x 5 row per strip); an
+older one is given the list one row per entry."""
+
+
+def takes_strided_lists(version: str) -> bool:
+    """Whether NIXL ``version`` prepares strided lists (``STRIDED_LISTS``); a version it cannot read does not."""
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return parts >= STRIDED_LISTS
+
+
 def imports_torch() -> bool:
     """Whether the running NIXL's Python API imports torch when loaded (NIXL 1.3.2 does: seconds and hundreds
     of MiB per process on a small host); later versions only look for a torch already imported. Read from
@@ -144,6 +160,38 @@ def _pairs(new: dict[Any, list[Any]]) -> list[tuple[str, bytes]]:
         p = peer.decode() if isinstance(peer, bytes) else peer
         out.extend((p, bytes(m)) for m in msgs)
     return out
+
+
+@dataclass
+class _Kept:
+    """A prepared descriptor list the agent keeps: NIXL's handle, the rows and memory kind it was made from,
+    and what its maker attached to it (``Agent.kept``)."""
+
+    handle: Any
+    rows: np.ndarray
+    mem: str
+    note: Any
+
+
+@dataclass(eq=False)
+class SplitWrite:
+    """A part posted as two WRITEs: ``indexed`` names whole blocks by index, ``rest`` carries the pieces that
+    are not whole blocks, built for the request. Neither carries the part's notification: NIXL delivers a
+    WRITE's notification after that WRITE's bytes only, so ``notif`` is sent to ``peer`` once both ended
+    (``Agent.state``), as a peer write's is."""
+
+    indexed: Any
+    rest: Any
+    peer: str
+    notif: bytes
+    ended: list[bool] = field(default_factory=lambda: [False, False])
+    """Whether ``writes`` (indexed, rest) ended, each."""
+    state: XferState | None = None
+    """None until posted; PROC while either flies; DONE once the notification was sent; ERR when either failed."""
+
+    @property
+    def writes(self) -> tuple[Any, Any]:
+        return self.indexed, self.rest
 
 
 class Agent:
@@ -192,6 +240,10 @@ class Agent:
         self._flush_until = 0.0  # progress until then: a notification may still be queued
         self._writes: dict[int, str] = {}
         """WRITEs made and not yet released: ``id`` of the handle -> the peer written to."""
+        self._lists: dict[str, _Kept] = {}
+        """Prepared descriptor lists kept for by-index WRITEs, by peer ("": this agent's own memory)."""
+        self.strided_lists = takes_strided_lists(version)
+        """Whether NIXL prepares a list from one row per strip; otherwise it is given one row per entry."""
 
     def peers(self) -> tuple[str, ...]:
         """The peers in use (loaded with ``add_peer``, not given up with ``remove_peer``)."""
@@ -273,6 +325,7 @@ class Agent:
         self._carry_out(verdict.unload_first)
         loaded = self._agent.add_remote_agent(metadata)
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._drop_list(loaded)  # a list under this name was made over other metadata
         if greeting and not self.traits.connects_on_load:
             try:
                 self._agent.send_notif(loaded, greeting)
@@ -286,7 +339,9 @@ class Agent:
         """Give a peer up: nothing of it is posted any more. Whether it is unloaded now, kept loaded for its
         metadata's return, or kept for ``stuck_grace_s`` because WRITEs to it would not end if it died, is
         ``kvpush.core.peer_loads``' rule. Without ``now`` (the caller keeps no time) a peer kept for its WRITEs
-        is unloaded at once."""
+        is unloaded at once. Its prepared list goes now: nothing is made from it any more, and a peer taken
+        back has its list prepared again (``keep_list``)."""
+        self._drop_list(name)
         self._carry_out(self._loads.remove(name, name in self._writes.values(), now))
 
     def expire(self, now: float) -> None:
@@ -300,6 +355,7 @@ class Agent:
             self._unload(u.name)
 
     def _unload(self, name: str) -> None:
+        self._drop_list(name)  # it points into the peer's metadata: never used past its unload
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # pragma: no cover
@@ -322,6 +378,83 @@ class Agent:
         self._writes[id(handle)] = peer
         return handle
 
+    # -- prepared lists and by-index WRITEs ------------------------------------
+    def keep_list(self, peer: str, rows: np.ndarray, mem: str, note: Any = None) -> bool:
+        """Prepare NIXL's descriptor list over ``peer``'s memory (``peer`` empty: this agent's own) from
+        ``rows``, in the strided form (``kvpush.core.indexed.list_rows``: one (address, entry bytes, device,
+        stride, count) row per strip), and keep it for by-index WRITEs until the peer is given up or unloaded
+        (this agent's own: until ``close``). A list kept from equal rows and memory stays (its ``note`` is
+        replaced); another is released first. Returns whether a list is kept: False where the peer is not in
+        use, the list is too large for this NIXL (``list_fits``) or NIXL refused it (logged)."""
+        kept = self._lists.get(peer)
+        if kept is not None and kept.mem == mem and np.array_equal(kept.rows, rows):
+            kept.note = note
+            return True
+        self._drop_list(peer)
+        if peer and peer not in self._loads.in_use:
+            return False
+        if not list_fits(rows, self.strided_lists):
+            who = peer or "this agent"
+            log.info("%s: %s's KV is too large for a prepared list on NIXL %s", self.name, who, self.nixl_version)
+            return False
+        given = np.ascontiguousarray(rows if self.strided_lists else expand(rows), dtype=np.int64)
+        try:
+            handle = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", given, mem)
+        except Exception as exc:
+            who = peer or "this agent"
+            log.warning(
+                "%s: NIXL refused a prepared list over %s's KV (WRITEs built per request): %s", self.name, who, exc
+            )
+            return False
+        self._lists[peer] = _Kept(handle, rows.copy(), mem, note)
+        return True
+
+    def kept(self, peer: str) -> Any:
+        """The note given with the list kept for ``peer`` ("": this agent's own), or None where none is kept."""
+        kept = self._lists.get(peer)
+        return kept.note if kept is not None else None
+
+    def _drop_list(self, peer: str) -> None:
+        kept = self._lists.pop(peer, None)
+        if kept is None:
+            return
+        try:
+            self._agent.release_dlist_handle(kept.handle)
+        except Exception as exc:  # pragma: no cover - teardown best effort
+            log.debug("release_dlist_handle(%s): %s", peer, exc)
+
+    def prepare_by_index(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        notif: bytes,
+        rest: tuple[np.ndarray, str, np.ndarray, str] | None = None,
+    ) -> Any:
+        """Create, not post, a WRITE of entries ``local`` of this agent's kept list to entries ``remote`` of
+        ``peer``'s (int32, pairwise). ``rest``: (local rows, memory, remote rows, memory) of pieces that cannot
+        be named by index, built for this request: the part is then a ``SplitWrite``, its notification sent
+        once both WRITEs ended. Raises ``KVPushError`` where a list is not kept."""
+        mine, theirs = self._lists.get(""), self._lists.get(peer)
+        if mine is None or theirs is None:
+            raise KVPushError(f"no prepared list kept for {'this agent' if mine is None else peer}")
+        make = self._agent.make_prepped_xfer
+        if rest is None:
+            handle = make("WRITE", mine.handle, local, theirs.handle, remote, notif)
+        else:
+            indexed = make("WRITE", mine.handle, local, theirs.handle, remote, b"")
+            try:
+                rl, rlmem, rr, rrmem = rest
+                ld = self._agent.get_xfer_descs(np.ascontiguousarray(rl, dtype=np.int64), rlmem)
+                rd = self._agent.get_xfer_descs(np.ascontiguousarray(rr, dtype=np.int64), rrmem)
+                built = self._agent.initialize_xfer("WRITE", ld, rd, peer, b"")
+            except Exception:
+                self._agent.release_xfer_handle(indexed)
+                raise
+            handle = SplitWrite(indexed, built, peer, notif)
+        self._writes[id(handle)] = peer
+        return handle
+
     def prepare_lists(
         self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, peer: str
     ) -> tuple[Any, Any]:
@@ -339,15 +472,55 @@ class Agent:
         return self._agent.make_prepped_xfer("WRITE", local, indices, remote, indices, notif)
 
     def post(self, handle: Any, notif: bytes = b"") -> XferState:
-        """Post a WRITE made by ``prepare_write`` (or ``prepare_indexed_write``); returns the post state.
-        ``notif``: a new notification for a handle posted again (empty: the one it was made with)."""
+        """Post a WRITE made by ``prepare_write`` (or ``prepare_indexed_write``, ``prepare_by_index``); returns
+        the post state. ``notif``: a new notification for a handle posted again (empty: the one it was made
+        with; a ``SplitWrite`` is posted once, with its own)."""
         self._settle_errors()
-        return XferState.of(self._agent.transfer(handle, notif))
+        if not isinstance(handle, SplitWrite):
+            return XferState.of(self._agent.transfer(handle, notif))
+        if handle.state is not None or notif:
+            raise KVPushError("a split by-index WRITE is posted once, with the notification it was made with")
+        handle.state = XferState.PROC
+        for i in (1, 0):  # the few pieces built for the request first: they are out soonest
+            got = XferState.of(self._agent.transfer(handle.writes[i]))
+            if got is XferState.ERR:
+                handle.state = XferState.ERR
+                return handle.state
+            handle.ended[i] = got is XferState.DONE
+        return self._split_state(handle)
+
+    def _split_state(self, handle: SplitWrite) -> XferState:
+        """A posted ``SplitWrite``'s state: PROC while either WRITE flies; once both ended, its notification is
+        sent and it is DONE; ERR when either failed (or the send did)."""
+        if handle.state is not XferState.PROC:
+            return handle.state or XferState.ERR
+        for i, part in enumerate(handle.writes):
+            if handle.ended[i]:
+                continue
+            got = self._one_state(part)
+            if got is XferState.ERR:
+                handle.state = XferState.ERR
+                return handle.state
+            handle.ended[i] = got is XferState.DONE
+        if not all(handle.ended):
+            return XferState.PROC
+        try:
+            self.send_notif(handle.peer, handle.notif)
+            handle.state = XferState.DONE
+        except Exception as exc:
+            log.warning("%s: a split WRITE's notification failed: %s", self.name, exc)
+            handle.state = XferState.ERR
+        return handle.state
 
     def state(self, handle: Any) -> XferState:
         """The WRITE's state; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
         so one broken transfer cannot stall the engine loop that polls all of them."""
         self._settle_errors()
+        if isinstance(handle, SplitWrite):
+            return self._split_state(handle)
+        return self._one_state(handle)
+
+    def _one_state(self, handle: Any) -> XferState:
         try:
             state = XferState.PROC
             for _ in range(self.traits.drain_calls):  # each call reaps a bounded number of completions
@@ -361,10 +534,11 @@ class Agent:
 
     def release(self, handle: Any) -> None:
         self._writes.pop(id(handle), None)
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:  # pragma: no cover
-            log.debug("release_xfer_handle: %s", exc)
+        for one in handle.writes if isinstance(handle, SplitWrite) else (handle,):
+            try:
+                self._agent.release_xfer_handle(one)
+            except Exception as exc:  # pragma: no cover
+                log.debug("release_xfer_handle: %s", exc)
 
     def _settle_errors(self) -> None:
         """Where a failed completion fails whichever call reads it (``traits.peer_errors_isolated`` is
@@ -419,6 +593,8 @@ class Agent:
         return now < self._flush_until
 
     def close(self) -> None:
+        for peer in list(self._lists):
+            self._drop_list(peer)
         self._carry_out(self._loads.close())
         self.deregister_all()
         self._agent = None
