@@ -1,0 +1,97 @@
+"""Direct pushes posted by index into NIXL's prepared lists: real agents in separate processes, byte-exact.
+
+P prepares its list when it starts and a D rank's when that rank's hello loads its
+metadata (``kvpush.engine.by_index``); a direct part whose whole blocks can be named
+by index goes as one WRITE by index, or, with partial blocks, as that WRITE plus
+one built for the partial blocks, the completion sent once both ended. Each case
+checks D's whole cache against the conformance model (every byte pushed, no byte
+more: blocks and tokens D did not ask for keep the sentinel), and P's
+``parts_by_index_total`` says which parts went by index, so a case cannot pass on
+today's path alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from procs import Geom, Node, assert_same, make_cache
+from test_push_nixl import _key, assert_idle, by_rid, engines
+
+from kvpush.conformance.model import Req, apply_push
+
+
+def _cfg(**kw: Any) -> dict[str, Any]:
+    return {"plan": "direct", **kw}
+
+
+def _check(p: Node, d: Node, pkey: str, dkey: str, pg: Geom, dg: Geom, reqs: list[Req]) -> None:
+    """Every request ended well on both sides and D holds exactly what the model says."""
+    d_res = by_rid(d.call("results", dkey, len(reqs), 20.0))
+    p_res = by_rid(p.call("results", pkey, len(reqs), 10.0))
+    assert all(x.ok for x in [*d_res.values(), *p_res.values()]), [*d_res.values(), *p_res.values()]
+    exp = make_cache(dg, None)
+    src = p.call("snapshot", pkey)
+    for r in reqs:
+        apply_push(exp, dg, src, pg, r)
+    assert_same(d.call("snapshot", dkey), exp, dg)
+
+
+@pytest.mark.parametrize("blocks_first", [False, True], ids=["split-kv", "blocks-first"])
+def test_direct_pushes_by_index_are_byte_exact(nodes: tuple[Node, Node], blocks_first: bool) -> None:
+    """Fragmented requests go by index: whole blocks only, a partial last block, a first block D partly holds.
+    A contiguous one goes by index only where that posts fewer descriptors (blocks first: one per layer for the
+    K and V of every block), and one shorter than a block (nothing whole) never does. ``part_cost_us=0``: the
+    second WRITE of a partial block costs nothing in the choice, so these small parts take it."""
+    p, d = nodes
+    pg, dg = Geom(num_blocks=48, blocks_first=blocks_first), Geom(num_blocks=64, blocks_first=blocks_first)
+    k = _key("byindex")
+    reqs = [
+        Req(f"{k}-whole", f"{k}-p0", f"{k}-d0", [5, 17, 2, 30], [40, 3, 22, 9], 64),
+        Req(f"{k}-tail", f"{k}-p1", f"{k}-d1", [6, 18, 3, 31], [41, 4, 23, 10], 55),
+        Req(f"{k}-prefix", f"{k}-p2", f"{k}-d2", [7, 19, 4, 32], [42, 5, 24, 11], 64, 20),
+        Req(f"{k}-contiguous", f"{k}-p3", f"{k}-d3", list(range(36, 44)), list(range(50, 58)), 128),
+        Req(f"{k}-short", f"{k}-p4", f"{k}-d4", [0], [60], 7),
+    ]
+    with (
+        engines(p, "sender", [(k + "p", pg, _cfg(part_cost_us=0), "P" + k)]) as [addr],
+        engines(d, "receiver", [(k + "d", dg, _cfg(), "D" + k)]),
+    ):
+        for r in reqs:
+            d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+        _check(p, d, k + "p", k + "d", pg, dg, reqs)
+        st = p.call("stats", k + "p")
+        assert st.get("plan_direct_total") == len(reqs), st
+        assert st.get("parts_by_index_total", 0) == (4 if blocks_first else 3), st
+        assert_idle(p, k + "p")
+        assert_idle(d, k + "d")
+
+
+def test_a_d_rank_that_restarts_is_written_by_index_into_its_new_memory(nodes: tuple[Node, Node]) -> None:
+    """A D rank restarts twice (same engine id and rank, so the same NIXL agent name, new memory): each life's
+    hello has P prepare a list over that life's memory, and every push by index lands there, byte-exact, with
+    the default costs (blocks first: a fragmented request by index halves the descriptors, worth the second
+    WRITE of its partial last block). The memory of the lives before stays mapped, so a list left over one of
+    them would have its bytes written there, not into the live cache."""
+    p, d = nodes
+    g = Geom(num_blocks=64, blocks_first=True)
+    k = _key("byindex-restart")
+    with engines(p, "sender", [(k + "p", g, _cfg(), "P" + k)]) as [addr]:
+        for life in range(3):
+            dkey = f"{k}d{life}"
+            d.call("receiver", dkey, g, _cfg(), "D" + k)
+            try:
+                reqs = [
+                    Req(f"{k}-{life}-{i}", f"{k}-p{life}{i}", f"{k}-d{life}{i}", blocks, blocks[::-1], n)
+                    for i, (blocks, n) in enumerate([(list(range(0, 32, 2)), 256), (list(range(1, 32, 2)), 249)])
+                ]
+                for r in reqs:
+                    p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+                    d.call("register", dkey, r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+                _check(p, d, k + "p", dkey, g, g, reqs)
+            finally:
+                d.call("close", dkey, True)  # its memory stays mapped
+            assert p.call("stats", k + "p").get("parts_by_index_total", 0) == 2 * (life + 1)
+        assert p.call("stats", k + "p")["peers"] == 1
+        assert_idle(p, k + "p")
