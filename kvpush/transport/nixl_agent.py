@@ -164,12 +164,10 @@ def _pairs(new: dict[Any, list[Any]]) -> list[tuple[str, bytes]]:
 
 @dataclass
 class _Kept:
-    """A prepared descriptor list the agent keeps: NIXL's handle, the rows and memory kind it was made from,
-    and what its maker attached to it (``Agent.kept``)."""
+    """A prepared descriptor list the agent keeps: NIXL's handle and what its maker attached to it
+    (``Agent.kept``)."""
 
     handle: Any
-    rows: np.ndarray
-    mem: str
     note: Any
 
 
@@ -325,7 +323,6 @@ class Agent:
         self._carry_out(verdict.unload_first)
         loaded = self._agent.add_remote_agent(metadata)
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        self._drop_list(loaded)  # a list under this name was made over other metadata
         if greeting and not self.traits.connects_on_load:
             try:
                 self._agent.send_notif(loaded, greeting)
@@ -339,8 +336,8 @@ class Agent:
         """Give a peer up: nothing of it is posted any more. Whether it is unloaded now, kept loaded for its
         metadata's return, or kept for ``stuck_grace_s`` because WRITEs to it would not end if it died, is
         ``kvpush.core.peer_loads``' rule. Without ``now`` (the caller keeps no time) a peer kept for its WRITEs
-        is unloaded at once. Its prepared list goes now: nothing is made from it any more, and a peer taken
-        back has its list prepared again (``keep_list``)."""
+        is unloaded at once. Its prepared list goes now, whether or not its metadata stays loaded: nothing is
+        posted to it any more, and its next hello prepares a list again (``keep_list``)."""
         self._drop_list(name)
         self._carry_out(self._loads.remove(name, name in self._writes.values(), now))
 
@@ -355,7 +352,6 @@ class Agent:
             self._unload(u.name)
 
     def _unload(self, name: str) -> None:
-        self._drop_list(name)  # it points into the peer's metadata: never used past its unload
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # pragma: no cover
@@ -382,14 +378,12 @@ class Agent:
     def keep_list(self, peer: str, rows: np.ndarray, mem: str, note: Any = None) -> bool:
         """Prepare NIXL's descriptor list over ``peer``'s memory (``peer`` empty: this agent's own) from
         ``rows``, in the strided form (``kvpush.core.indexed.list_rows``: one (address, entry bytes, device,
-        stride, count) row per strip), and keep it for by-index WRITEs until the peer is given up or unloaded
-        (this agent's own: until ``close``). A list kept from equal rows and memory stays (its ``note`` is
-        replaced); another is released first. Returns whether a list is kept: False where the peer is not in
-        use, the list is too large for this NIXL (``list_fits``) or NIXL refused it (logged)."""
-        kept = self._lists.get(peer)
-        if kept is not None and kept.mem == mem and np.array_equal(kept.rows, rows):
-            kept.note = note
-            return True
+        stride, count) row per strip), and keep it for by-index WRITEs until the peer is given up (this agent's
+        own: until ``close``). A list kept for the peer before is released first, whatever it was made from:
+        the caller prepares a peer's list at each hello, so a peer that restarted (the same name, other
+        metadata, perhaps its memory at the same addresses) never keeps one made over its previous load.
+        Returns whether a list is kept: False where the peer is not in use, the list is too large for this
+        NIXL (``list_fits``) or NIXL refused it (logged)."""
         self._drop_list(peer)
         if peer and peer not in self._loads.in_use:
             return False
@@ -406,7 +400,7 @@ class Agent:
                 "%s: NIXL refused a prepared list over %s's KV (WRITEs built per request): %s", self.name, who, exc
             )
             return False
-        self._lists[peer] = _Kept(handle, rows.copy(), mem, note)
+        self._lists[peer] = _Kept(handle, note)
         return True
 
     def kept(self, peer: str) -> Any:
