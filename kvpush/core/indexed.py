@@ -1,14 +1,15 @@
-"""Direct parts posted by index into NIXL's prepared descriptor lists (pure).
+"""Direct parts posted by index into NIXL's prepared descriptor lists, or built per strip (pure).
 
 A direct WRITE can name its bytes two ways. *Built for the request* (today's
 way, ``plan.part_descriptors``): one (address, length, device) row per
 coalesced piece and region, which NIXL turns into a descriptor list and checks
 against the registrations on every WRITE. *By index*: NIXL prepares a list once
-(``prep_xfer_dlist``) over every block of every region, for P's own KV when it
+(``prep_xfer_dlist``) over every block of every strip, for P's own KV when it
 is registered and for a D rank's when that rank's metadata is loaded, and a
 WRITE then names entries of both lists by position (``make_prepped_xfer``).
 Nothing of the lists is built per request; what a by-index WRITE still costs is
-its indices and, as for any WRITE, the transport's post of each descriptor.
+its indices and, as for any WRITE, the transport's post of each descriptor,
+which is most of a post (docs/benchmarks.md, section 15).
 
 **Granularity: one entry per block of a strip.** A *strip* is a run of
 consecutive regions of one layer whose blocks sit back to back in memory: K and
@@ -27,26 +28,28 @@ one KV-cache group of attention KV (a hybrid layout's groups have their own
 pieces). Then a whole block of P is a whole block of D byte for byte. Other
 pairs (a TP or block-size difference) keep today's path.
 
-**Which pieces.** A piece that is whole blocks on both sides is named by index.
-One that is not (a request's partial last block, a first block D partly holds)
-cannot be: its bytes are a prefix or suffix of an entry, and writing the whole
-entry would overwrite bytes D holds or carry bytes P never computed for this
-request. Those pieces go in a second WRITE built for the request, and the part's
-completion notification is sent once both WRITEs ended
-(``kvpush.transport.nixl_agent.Agent.prepare_by_index``), so D still sees it
-only after every byte.
+**Which pieces.** A piece that is whole blocks on both sides can be named by
+index. One that is not (a request's partial last block, a first block D partly
+holds) cannot: its bytes are a prefix or suffix of an entry, and writing the
+whole entry would overwrite bytes D holds or carry bytes P never computed for
+this request. A part with such pieces is therefore one WRITE built for the
+request, its whole blocks at the strips' granularity (``strip_descriptors``):
+never two WRITEs, because D takes a part's notification to mean all its bytes
+are in place, and NIXL orders a notification only after the bytes of the WRITE
+that carries it (over LIBFABRIC a WRITE that ended on P may still be landing on
+D).
 
-**Which parts** (``by_index_pays``): a part goes by index when that costs less
-than today's WRITE under the transport's per-descriptor cost: by index pays per
-index and for the descriptors NIXL posts after merging, plus, when some pieces
-are not whole blocks, one more WRITE and those pieces built for the request;
-today's WRITE pays the build and the post of each coalesced descriptor. A
-fragmented part goes by index; a contiguous one (few long descriptors, many
-indices) stays built for the request.
+**Which way** (``choose``): the cheapest of today's WRITE, the strips' WRITE
+built for the request and (a part of whole blocks only) the WRITE by index,
+under the transport's per-descriptor cost plus the host work of a descriptor
+built for the request or of an index. A fragmented part of whole blocks goes by
+index; a contiguous one (few descriptors from many indices) is built for the
+request; strips win wherever they merge a layer's K and V.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +61,8 @@ from kvpush.core.plan import Plan
 
 BUILD_US = 0.05
 """Host work per descriptor of a WRITE built for the request, besides its post: its row made absolute and
-handed to NIXL, which makes it a descriptor and checks it against the registrations."""
+handed to NIXL, which makes it a descriptor and checks it against the registrations (docs/benchmarks.md,
+section 15)."""
 INDEX_US = 0.02
 """Host work per index of a by-index WRITE: the index computed and looked up in NIXL's prepared list."""
 MAX_EXPANDED_ENTRIES = 1 << 22
@@ -206,7 +210,7 @@ class Split:
         return self.runs * (self.s1 - self.s0)
 
     @property
-    def rest_descriptors(self) -> int:
+    def rest_count(self) -> int:
         """Descriptors of the WRITE built for the rest (at most; cross-region merges can only lower it)."""
         return self.rest.shape[0] * (self.r1 - self.r0)
 
@@ -252,26 +256,48 @@ def rest_descriptors(pair: IndexedPair, part: Split) -> tuple[np.ndarray, np.nda
     return merge_descriptors(*descriptors(part.rest, pair.src, pair.dst, part.r0, part.r1))
 
 
+def strip_descriptors(pair: IndexedPair, part: Split) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute (address, bytes, device) rows of the part for one WRITE built for the request: the whole blocks
+    as the strips' entries (the rows of what ``indices`` names), merged where adjacent on both sides, then
+    the rest as ``rest_descriptors``."""
+    rows = []
+    for side_rows, blocks in ((pair.local_rows, part.src_blocks), (pair.remote_rows, part.dst_blocks)):
+        strips = side_rows[part.s0 : part.s1]
+        out = np.empty((strips.shape[0] * blocks.size, 3), dtype=np.int64)
+        out[:, 0] = (strips[:, 0:1] + blocks[None, :] * strips[:, 3:4]).ravel()
+        out[:, 1] = np.repeat(strips[:, 1], blocks.size)
+        out[:, 2] = np.repeat(strips[:, 2], blocks.size)
+        rows.append(out)
+    local, remote = merge_descriptors(rows[0], rows[1])
+    rl, rr = rest_descriptors(pair, part)
+    return np.concatenate([local, rl]), np.concatenate([remote, rr])
+
+
+class Way(enum.Enum):
+    """How a direct part's WRITE is made: today's rows (``plan.part_descriptors``), the strips' rows built for
+    the request (``strip_descriptors``), or by index into the prepared lists (``indices``)."""
+
+    TODAY = "today"
+    STRIPS = "strips"
+    BY_INDEX = "by_index"
+
+
 @dataclass(frozen=True)
 class PostCosts:
-    """What a WRITE costs P's thread, in seconds: the transport's post per descriptor (``descriptor_s``), one
-    more WRITE's fixed work and its completion sent apart (``write_s``), per index (``index_s``) and per
-    descriptor built for the request besides its post (``build_s``)."""
+    """What a WRITE costs P's thread, in seconds: the transport's post per descriptor (``descriptor_s``), and
+    besides it per descriptor built for the request (``build_s``) or per index (``index_s``)."""
 
     descriptor_s: float
-    write_s: float
     index_s: float = INDEX_US * 1e-6
     build_s: float = BUILD_US * 1e-6
 
 
-def by_index_pays(part: Split, today: int, costs: PostCosts) -> bool:
-    """Whether posting ``part`` by index costs less than today's WRITE of ``today`` descriptors (built for the
-    request). By index: its indices, its merged descriptors' posts, and where pieces are not whole blocks one
-    more WRITE with those pieces built for the request. Nothing to name by index: today's path."""
-    if part.indices == 0:
-        return False
+def choose(part: Split, today: int, costs: PostCosts) -> Way:
+    """The cheapest way to post ``part``, against today's WRITE of ``today`` descriptors; a tie keeps today's.
+    By index needs every piece whole (``part.rest`` empty)."""
     built = costs.build_s + costs.descriptor_s
-    by_index = part.indices * costs.index_s + part.posted * costs.descriptor_s
-    if part.rest.shape[0]:
-        by_index += costs.write_s + part.rest_descriptors * built
-    return by_index < today * built
+    cost = {Way.TODAY: today * built, Way.STRIPS: (part.posted + part.rest_count) * built}
+    if part.indices and not part.rest.shape[0]:
+        cost[Way.BY_INDEX] = part.indices * costs.index_s + part.posted * costs.descriptor_s
+    best = min(cost.values())
+    return Way.TODAY if cost[Way.TODAY] <= best else min(cost, key=lambda w: cost[w])

@@ -1,15 +1,16 @@
 """P's by-index posts: the prepared lists they name, made once, and the direct parts posted through them.
 
-The rules are ``kvpush.core.indexed``'s (which pairs, which pieces, which parts).
-Here is when the lists are made and what a direct part's WRITE becomes. P's own
+The rules are ``kvpush.core.indexed``'s (which pairs, which pieces, which way).
+Here is when the lists are made and what a direct part's WRITE becomes: by index,
+built for the request from the strips, or today's. P's own
 list is prepared as its KV is registered (``prepare_local``, at the sender's
 start) and a D rank's as its hello is admitted and its NIXL metadata loaded
 (``prepare_peer``): never per request. The agent keeps each D rank's list until
 that rank is given up or its metadata unloaded (``Agent.keep_list``), so a D rank
 that said hello again, restarted or was declared dead gets a list over its new
 memory at its next hello, never one over the old. A part whose lists are not
-kept (a layout pair ``pair_of`` refuses, a list NIXL would not prepare) or that
-does not pay (``by_index_pays``) is built for the request as before.
+kept (a layout pair ``pair_of`` refuses, a list NIXL would not prepare) or for
+which today's WRITE is as cheap (``choose``) is built as before.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from kvpush.config import Config
 from kvpush.core.indexed import (
     IndexedPair,
     PostCosts,
-    by_index_pays,
+    Way,
+    choose,
     indices,
     list_rows,
     pair_of,
-    rest_descriptors,
     split,
+    strip_descriptors,
     strips_of,
 )
 from kvpush.core.layout import KVLayout
 from kvpush.core.plan import Plan
+from kvpush.observability.metrics import Count
 from kvpush.transport.nixl_agent import Agent
 
 
@@ -52,9 +55,8 @@ def prepare_peer(agent: Agent, src: KVLayout, peer: str, dst: KVLayout) -> bool:
 
 
 def costs_of(cfg: Config) -> PostCosts:
-    """The costs ``by_index_pays`` weighs: the transport's per descriptor (the plan's cost model's), and one
-    more WRITE's fixed host work (``part_cost_us``, what one more part costs)."""
-    return PostCosts(cfg.descriptor_cost_s(), cfg.staging.part_cost_us * 1e-6)
+    """The costs ``choose`` weighs: the transport's per descriptor, the plan's cost model's."""
+    return PostCosts(cfg.descriptor_cost_s())
 
 
 def build_direct(
@@ -67,21 +69,22 @@ def build_direct(
     r0: int,
     r1: int,
     notif_of: Callable[[int], bytes],
-) -> tuple[Any, int] | None:
-    """The unposted WRITE of direct part ``[r0, r1)`` to D rank ``peer`` by index, and the descriptors it posts;
-    None where the part is built for the request instead. ``notif_of``: the part's completion notification for
-    a descriptor count."""
+) -> tuple[Any, int, Count] | None:
+    """The unposted WRITE of direct part ``[r0, r1)`` to D rank ``peer`` by index or built from the strips, its
+    descriptor count and the counter it bumps; None where today's WRITE is as cheap (or the pair has no
+    lists). ``notif_of``: the part's completion notification for a descriptor count."""
     pair = agent.kept(peer)
     if not isinstance(pair, IndexedPair) or pair.src is not src or pair.dst is not dst:
         return None
     part = split(pair, plan, r0, r1)
-    if part is None or not by_index_pays(part, plan.merged.shape[0] * (r1 - r0), costs):
+    if part is None:
         return None
-    local, remote = indices(pair, part)
-    rest = None
-    ndesc = part.posted
-    if part.rest.shape[0]:
-        rl, rr = rest_descriptors(pair, part)
-        rest = (rl, str(src.mem), rr, str(dst.mem))
-        ndesc += rl.shape[0]
-    return agent.prepare_by_index(peer, local, remote, notif_of(ndesc), rest), ndesc
+    way = choose(part, plan.merged.shape[0] * (r1 - r0), costs)
+    if way is Way.BY_INDEX:
+        local, remote = indices(pair, part)
+        return agent.prepare_by_index(peer, local, remote, notif_of(part.posted)), part.posted, Count.PARTS_BY_INDEX
+    if way is Way.STRIPS:
+        local, remote = strip_descriptors(pair, part)
+        handle = agent.prepare_write(local, str(src.mem), remote, str(dst.mem), peer, notif_of(local.shape[0]))
+        return handle, local.shape[0], Count.PARTS_BY_STRIP
+    return None

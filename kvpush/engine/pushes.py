@@ -344,8 +344,9 @@ class PushRunner:
                 self.agent, self.costs, plan, self.layout, peer.layout, peer.agent, r0, r1, notif_of
             )
             if made is not None:
-                self.port.bump(Count.PARTS_BY_INDEX)
-                return made
+                handle, ndesc, count = made
+                self.port.bump(count)
+                return handle, ndesc
         local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
         notif = _completion(plan, reg, self.rank, r0, r1, local.shape[0])
         lmem, rmem = self.layout.mem, peer.layout.mem

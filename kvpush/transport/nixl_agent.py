@@ -15,7 +15,7 @@ import importlib.util
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -169,27 +169,6 @@ class _Kept:
 
     handle: Any
     note: Any
-
-
-@dataclass(eq=False)
-class SplitWrite:
-    """A part posted as two WRITEs: ``indexed`` names whole blocks by index, ``rest`` carries the pieces that
-    are not whole blocks, built for the request. Neither carries the part's notification: NIXL delivers a
-    WRITE's notification after that WRITE's bytes only, so ``notif`` is sent to ``peer`` once both ended
-    (``Agent.state``), as a peer write's is."""
-
-    indexed: Any
-    rest: Any
-    peer: str
-    notif: bytes
-    ended: list[bool] = field(default_factory=lambda: [False, False])
-    """Whether ``writes`` (indexed, rest) ended, each."""
-    state: XferState | None = None
-    """None until posted; PROC while either flies; DONE once the notification was sent; ERR when either failed."""
-
-    @property
-    def writes(self) -> tuple[Any, Any]:
-        return self.indexed, self.rest
 
 
 class Agent:
@@ -417,35 +396,13 @@ class Agent:
         except Exception as exc:  # pragma: no cover - teardown best effort
             log.debug("release_dlist_handle(%s): %s", peer, exc)
 
-    def prepare_by_index(
-        self,
-        peer: str,
-        local: np.ndarray,
-        remote: np.ndarray,
-        notif: bytes,
-        rest: tuple[np.ndarray, str, np.ndarray, str] | None = None,
-    ) -> Any:
+    def prepare_by_index(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
         """Create, not post, a WRITE of entries ``local`` of this agent's kept list to entries ``remote`` of
-        ``peer``'s (int32, pairwise). ``rest``: (local rows, memory, remote rows, memory) of pieces that cannot
-        be named by index, built for this request: the part is then a ``SplitWrite``, its notification sent
-        once both WRITEs ended. Raises ``KVPushError`` where a list is not kept."""
+        ``peer``'s (int32, pairwise), carrying ``notif``. Raises ``KVPushError`` where a list is not kept."""
         mine, theirs = self._lists.get(""), self._lists.get(peer)
         if mine is None or theirs is None:
             raise KVPushError(f"no prepared list kept for {'this agent' if mine is None else peer}")
-        make = self._agent.make_prepped_xfer
-        if rest is None:
-            handle = make("WRITE", mine.handle, local, theirs.handle, remote, notif)
-        else:
-            indexed = make("WRITE", mine.handle, local, theirs.handle, remote, b"")
-            try:
-                rl, rlmem, rr, rrmem = rest
-                ld = self._agent.get_xfer_descs(np.ascontiguousarray(rl, dtype=np.int64), rlmem)
-                rd = self._agent.get_xfer_descs(np.ascontiguousarray(rr, dtype=np.int64), rrmem)
-                built = self._agent.initialize_xfer("WRITE", ld, rd, peer, b"")
-            except Exception:
-                self._agent.release_xfer_handle(indexed)
-                raise
-            handle = SplitWrite(indexed, built, peer, notif)
+        handle = self._agent.make_prepped_xfer("WRITE", mine.handle, local, theirs.handle, remote, notif)
         self._writes[id(handle)] = peer
         return handle
 
@@ -454,8 +411,8 @@ class Agent:
     ) -> tuple[Any, Any]:
         """NIXL's prepared descriptor lists over these local buffers and ``peer``'s (rows of address, length,
         device), made once and reused: a WRITE then names their entries by index
-        (``prepare_indexed_write``) instead of building descriptors per request. The engine builds its
-        descriptors per WRITE (``prepare_write``); ``kvpush_tools.cuda.bench`` measures what this saves."""
+        (``prepare_indexed_write``, the same entry of each side) instead of building descriptors per request:
+        ``kvpush_tools.cuda.bench``'s handles posted again. The engine's lists are ``keep_list``'s."""
         mk = self._agent.prep_xfer_dlist
         return mk("NIXL_INIT_AGENT", local, local_mem), mk(peer, remote, remote_mem)
 
@@ -468,53 +425,14 @@ class Agent:
     def post(self, handle: Any, notif: bytes = b"") -> XferState:
         """Post a WRITE made by ``prepare_write`` (or ``prepare_indexed_write``, ``prepare_by_index``); returns
         the post state. ``notif``: a new notification for a handle posted again (empty: the one it was made
-        with; a ``SplitWrite`` is posted once, with its own)."""
+        with)."""
         self._settle_errors()
-        if not isinstance(handle, SplitWrite):
-            return XferState.of(self._agent.transfer(handle, notif))
-        if handle.state is not None or notif:
-            raise KVPushError("a split by-index WRITE is posted once, with the notification it was made with")
-        handle.state = XferState.PROC
-        for i in (1, 0):  # the few pieces built for the request first: they are out soonest
-            got = XferState.of(self._agent.transfer(handle.writes[i]))
-            if got is XferState.ERR:
-                handle.state = XferState.ERR
-                return handle.state
-            handle.ended[i] = got is XferState.DONE
-        return self._split_state(handle)
-
-    def _split_state(self, handle: SplitWrite) -> XferState:
-        """A posted ``SplitWrite``'s state: PROC while either WRITE flies; once both ended, its notification is
-        sent and it is DONE; ERR when either failed (or the send did)."""
-        if handle.state is not XferState.PROC:
-            return handle.state or XferState.ERR
-        for i, part in enumerate(handle.writes):
-            if handle.ended[i]:
-                continue
-            got = self._one_state(part)
-            if got is XferState.ERR:
-                handle.state = XferState.ERR
-                return handle.state
-            handle.ended[i] = got is XferState.DONE
-        if not all(handle.ended):
-            return XferState.PROC
-        try:
-            self.send_notif(handle.peer, handle.notif)
-            handle.state = XferState.DONE
-        except Exception as exc:
-            log.warning("%s: a split WRITE's notification failed: %s", self.name, exc)
-            handle.state = XferState.ERR
-        return handle.state
+        return XferState.of(self._agent.transfer(handle, notif))
 
     def state(self, handle: Any) -> XferState:
         """The WRITE's state; a NIXL exception (peer gone mid-WRITE) is ``ERR``, not a raise,
         so one broken transfer cannot stall the engine loop that polls all of them."""
         self._settle_errors()
-        if isinstance(handle, SplitWrite):
-            return self._split_state(handle)
-        return self._one_state(handle)
-
-    def _one_state(self, handle: Any) -> XferState:
         try:
             state = XferState.PROC
             for _ in range(self.traits.drain_calls):  # each call reaps a bounded number of completions
@@ -528,11 +446,10 @@ class Agent:
 
     def release(self, handle: Any) -> None:
         self._writes.pop(id(handle), None)
-        for one in handle.writes if isinstance(handle, SplitWrite) else (handle,):
-            try:
-                self._agent.release_xfer_handle(one)
-            except Exception as exc:  # pragma: no cover
-                log.debug("release_xfer_handle: %s", exc)
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # pragma: no cover
+            log.debug("release_xfer_handle: %s", exc)
 
     def _settle_errors(self) -> None:
         """Where a failed completion fails whichever call reads it (``traits.peer_errors_isolated`` is

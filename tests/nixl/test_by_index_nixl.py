@@ -1,13 +1,14 @@
-"""Direct pushes posted by index into NIXL's prepared lists: real agents in separate processes, byte-exact.
+"""Direct pushes posted by index into NIXL's prepared lists, or built from the strips: real agents in
+separate processes, byte-exact.
 
 P prepares its list when it starts and a D rank's when that rank's hello loads its
-metadata (``kvpush.engine.by_index``); a direct part whose whole blocks can be named
-by index goes as one WRITE by index, or, with partial blocks, as that WRITE plus
-one built for the partial blocks, the completion sent once both ended. Each case
-checks D's whole cache against the conformance model (every byte pushed, no byte
-more: blocks and tokens D did not ask for keep the sentinel), and P's
-``parts_by_index_total`` says which parts went by index, so a case cannot pass on
-today's path alone.
+metadata (``kvpush.engine.by_index``); a direct part of whole blocks goes as one
+WRITE by index where that is cheapest, and a part with partial blocks as one WRITE
+built for the request from the strips where that posts fewer descriptors than
+today's. Each case checks D's whole cache against the conformance model (every
+byte pushed, no byte more: blocks and tokens D did not ask for keep the
+sentinel), and P's ``parts_by_index_total`` and ``parts_by_strip_total`` say which
+way each part went, so a case cannot pass on today's path alone.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from test_push_nixl import _key, assert_idle, by_rid, engines
 from kvpush.conformance.model import Req, apply_push
 
 
-def _cfg(**kw: Any) -> dict[str, Any]:
-    return {"plan": "direct", **kw}
+def _cfg() -> dict[str, Any]:
+    return {"plan": "direct"}
 
 
 def _check(p: Node, d: Node, pkey: str, dkey: str, pg: Geom, dg: Geom, reqs: list[Req]) -> None:
@@ -38,11 +39,11 @@ def _check(p: Node, d: Node, pkey: str, dkey: str, pg: Geom, dg: Geom, reqs: lis
 
 
 @pytest.mark.parametrize("blocks_first", [False, True], ids=["split-kv", "blocks-first"])
-def test_direct_pushes_by_index_are_byte_exact(nodes: tuple[Node, Node], blocks_first: bool) -> None:
-    """Fragmented requests go by index: whole blocks only, a partial last block, a first block D partly holds.
-    A contiguous one goes by index only where that posts fewer descriptors (blocks first: one per layer for the
-    K and V of every block), and one shorter than a block (nothing whole) never does. ``part_cost_us=0``: the
-    second WRITE of a partial block costs nothing in the choice, so these small parts take it."""
+def test_direct_pushes_by_index_and_by_strip_are_byte_exact(nodes: tuple[Node, Node], blocks_first: bool) -> None:
+    """Whole blocks, fragmented: by index. A partial last block, or a first block D partly holds: built for
+    the request, from the strips where they merge a layer's K and V (blocks first), else today's. Contiguous:
+    today's where it posts one descriptor a region (split K/V), the strips where today's posts one a block
+    and region (blocks first). Shorter than a block (nothing whole): today's."""
     p, d = nodes
     pg, dg = Geom(num_blocks=48, blocks_first=blocks_first), Geom(num_blocks=64, blocks_first=blocks_first)
     k = _key("byindex")
@@ -54,7 +55,7 @@ def test_direct_pushes_by_index_are_byte_exact(nodes: tuple[Node, Node], blocks_
         Req(f"{k}-short", f"{k}-p4", f"{k}-d4", [0], [60], 7),
     ]
     with (
-        engines(p, "sender", [(k + "p", pg, _cfg(part_cost_us=0), "P" + k)]) as [addr],
+        engines(p, "sender", [(k + "p", pg, _cfg(), "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _cfg(), "D" + k)]),
     ):
         for r in reqs:
@@ -63,17 +64,17 @@ def test_direct_pushes_by_index_are_byte_exact(nodes: tuple[Node, Node], blocks_
         _check(p, d, k + "p", k + "d", pg, dg, reqs)
         st = p.call("stats", k + "p")
         assert st.get("plan_direct_total") == len(reqs), st
-        assert st.get("parts_by_index_total", 0) == (4 if blocks_first else 3), st
+        assert st.get("parts_by_index_total", 0) == 1, st
+        assert st.get("parts_by_strip_total", 0) == (3 if blocks_first else 0), st
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
 
 
 def test_a_d_rank_that_restarts_is_written_by_index_into_its_new_memory(nodes: tuple[Node, Node]) -> None:
     """A D rank restarts twice (same engine id and rank, so the same NIXL agent name, new memory): each life's
-    hello has P prepare a list over that life's memory, and every push by index lands there, byte-exact, with
-    the default costs (blocks first: a fragmented request by index halves the descriptors, worth the second
-    WRITE of its partial last block). The memory of the lives before stays mapped, so a list left over one of
-    them would have its bytes written there, not into the live cache."""
+    hello has P prepare a list over that life's memory, and every push lands there, byte-exact: one of whole
+    blocks by index, one with a partial last block from the strips. The memory of the lives before stays
+    mapped, so a list left over one of them would have its bytes written there, not into the live cache."""
     p, d = nodes
     g = Geom(num_blocks=64, blocks_first=True)
     k = _key("byindex-restart")
@@ -92,6 +93,7 @@ def test_a_d_rank_that_restarts_is_written_by_index_into_its_new_memory(nodes: t
                 _check(p, d, k + "p", dkey, g, g, reqs)
             finally:
                 d.call("close", dkey, True)  # its memory stays mapped
-            assert p.call("stats", k + "p").get("parts_by_index_total", 0) == 2 * (life + 1)
+            st = p.call("stats", k + "p")
+            assert (st.get("parts_by_index_total", 0), st.get("parts_by_strip_total", 0)) == (life + 1, life + 1), st
         assert p.call("stats", k + "p")["peers"] == 1
         assert_idle(p, k + "p")

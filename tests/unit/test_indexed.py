@@ -1,11 +1,12 @@
-"""By-index posts (pure, and the agent's lists with a stand-in for NIXL's agent object).
+"""By-index and strip posts (pure, and the agent's lists with a stand-in for NIXL's agent object).
 
 The property that matters: for any pair of layouts ``pair_of`` accepts and any
 direct part ``split`` accepts, the entries the indices name plus the rest's
-descriptors move exactly the (P byte, D byte) pairs today's descriptors
-(``plan.part_descriptors``) move, no byte more or less; and the descriptor count
-the split reports is what NIXL posts once it merged entries adjacent on both
-sides (modelled here from the addresses, not from the indices).
+descriptors, and the strips' WRITE built for the request, each move exactly the
+(P byte, D byte) pairs today's descriptors (``plan.part_descriptors``) move, no
+byte more or less; and the descriptor count the split reports is what NIXL posts
+once it merged entries adjacent on both sides (modelled here from the addresses,
+not from the indices).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from hypothesis import strategies as st
 from kvpush.config import Config
 from kvpush.core.indexed import (
     PostCosts,
-    by_index_pays,
+    Way,
+    choose,
     expand,
     indices,
     list_fits,
@@ -30,13 +32,14 @@ from kvpush.core.indexed import (
     pair_of,
     rest_descriptors,
     split,
+    strip_descriptors,
     strips_of,
 )
 from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 from kvpush.core.outcome import XferState
 from kvpush.core.parts import split_regions
 from kvpush.core.plan import build_plan, part_descriptors
-from kvpush.transport.nixl_agent import Agent, SplitWrite
+from kvpush.transport.nixl_agent import Agent
 
 GAP = 64
 """Bytes between allocations: no entry of one allocation ends where one of another starts."""
@@ -197,7 +200,10 @@ def test_indices_and_rest_move_exactly_the_bytes_of_todays_descriptors(case: Cas
         got = _pairs(np.concatenate([named_l, rl]), np.concatenate([named_r, rr]))
         np.testing.assert_array_equal(got, want)
         assert part.posted == _merged(named_l, named_r)
-        assert rl.shape[0] <= part.rest_descriptors
+        assert rl.shape[0] <= part.rest_count
+        sl, sr = strip_descriptors(pair, part)  # the same bytes in one WRITE built for the request
+        np.testing.assert_array_equal(_pairs(sl, sr), want)
+        assert sl.shape[0] <= part.posted + part.rest_count
 
 
 def test_strips_join_a_layers_regions_whose_blocks_sit_back_to_back() -> None:
@@ -260,27 +266,29 @@ def _split_of(kv: str, src_blocks: list[int], dst_blocks: list[int], tokens: int
     return part, plan.merged.shape[0] * plan.nregions
 
 
-def test_fragmented_parts_go_by_index_and_contiguous_ones_stay_built_for_the_request() -> None:
-    costs = PostCosts(descriptor_s=7e-6, write_s=200e-6)
+def test_each_part_takes_the_cheapest_way_and_today_s_on_a_tie() -> None:
+    costs = PostCosts(descriptor_s=7e-6)
     shuffled = list(np.random.default_rng(0).permutation(64)[:32])
     full, tail = 32 * 16, 32 * 16 - 5
     # Split K/V, every block whole: the same descriptors either way, the indices cost less than building them.
     part, today = _split_of("split", shuffled, shuffled[::-1], full)
-    assert (part.posted, part.rest.shape[0]) == (today, 0) and by_index_pays(part, today, costs)
-    # A partial last block: one more WRITE, which the few descriptors of a small part do not pay back...
+    assert (part.posted, part.rest.shape[0]) == (today, 0) and choose(part, today, costs) is Way.BY_INDEX
+    # A partial last block cannot be named by index, and the strips are today's descriptors: today's.
     part, today = _split_of("split", shuffled, shuffled[::-1], tail)
-    assert part.rest.shape[0] == 1 and not by_index_pays(part, today, costs)
-    # ...unless a WRITE costs nothing more.
-    assert by_index_pays(part, today, PostCosts(descriptor_s=7e-6, write_s=0.0))
-    # Blocks-first: one descriptor a block and layer instead of two, worth the extra WRITE.
+    assert part.rest.shape[0] == 1 and part.posted + part.rest_count == today
+    assert choose(part, today, costs) is Way.TODAY
+    # Blocks-first: one descriptor a block and layer instead of two; by index without a partial block.
+    part, today = _split_of("blocks_first", shuffled, shuffled[::-1], full)
+    assert part.posted <= today // 2 and choose(part, today, costs) is Way.BY_INDEX
     part, today = _split_of("blocks_first", shuffled, shuffled[::-1], tail)
-    assert part.posted <= (today - 8) // 2 and by_index_pays(part, today, costs)  # 8: the last block's pieces
-    # Contiguous: one descriptor a region either way, from 32 indices a strip: built for the request.
+    assert part.posted <= (today - 8) // 2 and choose(part, today, costs) is Way.STRIPS  # 8: the last block's pieces
+    # Contiguous split K/V: one descriptor a region every way, from 32 indices a strip by index: today's.
     part, today = _split_of("split", list(range(32)), list(range(8, 40)), full)
-    assert (part.posted, today) == (8, 8) and not by_index_pays(part, today, costs)
-    # Contiguous blocks-first: NIXL merges the dense strips' entries into one a layer, under today's two.
+    assert (part.posted, today) == (8, 8) and choose(part, today, costs) is Way.TODAY
+    # Contiguous blocks-first: the dense strips' runs merge into one a layer, under today's one a block and
+    # region; built for the request that is 4 descriptors, against 128 indices.
     part, today = _split_of("blocks_first", list(range(32)), list(range(8, 40)), full)
-    assert (part.posted, today) == (4, 32 * 8) and by_index_pays(part, today, costs)
+    assert (part.posted, today) == (4, 32 * 8) and choose(part, today, costs) is Way.STRIPS
 
 
 def test_lists_a_nixl_cannot_hold_are_refused() -> None:
@@ -390,39 +398,7 @@ def test_a_peers_list_lives_from_its_hello_to_its_give_up(backend: str, version:
     assert agent.kept("") is None and inner.released_lists == [2, 3, 4, 1]
 
 
-def test_a_split_write_sends_its_notification_once_both_writes_ended() -> None:
-    """The rest is posted first, then the indexed WRITE, neither with the notification; the notification goes
-    once both ended, exactly once; a failure of either fails the part; releasing it releases both."""
-    for fail in (None, 0, 1):
-        inner = _Inner()
-        agent = Agent.over("P", inner, ("UCX",), "1.5.1")
-        agent.keep_list("", ROWS, "DRAM", "mine")
-        agent.add_peer(b"D1:s", "D1")
-        agent.keep_list("D1", ROWS, "DRAM", "d1")
-        rest = (np.zeros((2, 3), np.int64), "DRAM", np.zeros((2, 3), np.int64), "DRAM")
-        handle = agent.prepare_by_index("D1", np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32), b"n", rest)
-        assert isinstance(handle, SplitWrite) and inner.made == [(1, 2, b"")]
-        indexed, built = handle.writes
-        inner.states = {id(indexed): ["PROC", "PROC", "PROC"], id(built): ["PROC", "DONE"]}
-        if fail is not None:
-            inner.states[id(handle.writes[fail])] = ["PROC", "PROC", "ERR"]
-        assert agent.post(handle) is XferState.PROC  # each polled once by the post: both still fly
-        assert inner.posted == [built, indexed]
-        seen = []
-        for _ in range(4):
-            seen.append((agent.state(handle), len(inner.sent)))
-        if fail is None:  # the rest ended at the first poll, the indexed WRITE at the second: then D is told
-            assert seen == [(XferState.PROC, 0), (XferState.DONE, 1), (XferState.DONE, 1), (XferState.DONE, 1)]
-            assert inner.sent == [("D1", b"n")]
-        else:
-            assert seen[-1] == (XferState.ERR, 0) and inner.sent == []
-        with pytest.raises(Exception, match="posted once"):
-            agent.post(handle)
-        agent.release(handle)
-        assert set(map(id, inner.released)) == {id(indexed), id(built)} and agent.unreleased_writes() == 0
-
-
-def test_a_by_index_write_without_a_rest_carries_its_notification() -> None:
+def test_a_by_index_write_carries_its_notification() -> None:
     inner = _Inner()
     agent = Agent.over("P", inner, ("UCX",), "1.5.1")
     agent.add_peer(b"D1:s", "D1")
@@ -431,5 +407,7 @@ def test_a_by_index_write_without_a_rest_carries_its_notification() -> None:
     agent.keep_list("", ROWS, "DRAM", "mine")
     agent.keep_list("D1", ROWS, "DRAM", "d1")
     handle = agent.prepare_by_index("D1", np.arange(2, dtype=np.int32), np.arange(2, dtype=np.int32), b"n")
-    assert not isinstance(handle, SplitWrite) and inner.made == [(1, 2, b"n")]
-    assert agent.post(handle) is XferState.PROC and agent.state(handle) is XferState.DONE and inner.sent == []
+    assert inner.made == [(1, 2, b"n")] and agent.unreleased_writes() == 1
+    assert agent.post(handle) is XferState.PROC and agent.state(handle) is XferState.DONE
+    agent.release(handle)
+    assert agent.unreleased_writes() == 0

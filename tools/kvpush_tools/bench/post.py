@@ -9,7 +9,7 @@ or ``contiguous`` (one run on each side), posted
   and ``Agent.prepare_write``: NIXL's descriptor lists made and checked per WRITE);
 - ``by-index``: kvpush's post by index into the prepared lists made once
   (``kvpush.core.indexed``: the part split, its indices, ``Agent.prepare_by_index``),
-  taken whatever ``by_index_pays`` would choose (its choice is reported);
+  taken whatever ``choose`` would (its choice, the way the engine posts, is reported);
 - ``vllm``: the way vLLM's NixlPushConnector posts the same blocks, written again
   here from reading its source: a prepared list per side with one entry per block of
   each of its KV regions (a layer's K and V apart, or one K|V region a layer for a
@@ -17,16 +17,16 @@ or ``contiguous`` (one run on each side), posted
   (region offset + block id, region by region) to ``make_prepped_xfer`` and
   ``transfer``.
 
-The same full-block request goes each way (no partial block, so every way moves
-the same bytes and by-index is one WRITE; ``--tail-tokens`` leaves the last block
-partial: kvpush's ways then write its tokens alone, by index as a second WRITE,
-and vLLM's way the whole block, as vLLM does). P's *post* is the time from the request's blocks known (the plan made) to
-the post call's return: what the way builds per request, plus the call; the
-*WRITE* runs on to NIXL's DONE. The ways take turns in a new order at every point,
-the points in a new order every round; the first measured round of each point and
-way is verified (D's destination zeroed first, then each block's weighted byte sums
-on D compared with P's). Per way and pattern the per-descriptor slope of the
-post is fitted (least squares on the medians, and once per round for its spread).
+The same full-block request goes each way (no partial block: every way moves the
+same bytes, and a partial block cannot be named by index). P's *post* is the time
+from the request's blocks known (the plan made) to the post call's return: what
+the way builds per request, plus the call; the *WRITE* runs on to NIXL's DONE on
+P. The ways take turns in a new order at every point, the points in a new order
+every round; the first measured round of each point and way is verified (D's
+destination zeroed first; once the WRITE's notification reached D, which is when
+its bytes are in place, each block's weighted byte sums on D compared with P's).
+Per way and pattern the per-descriptor slope of the post is fitted (least squares
+on the medians, and once per round for its spread).
 
 ``--device cuda`` puts both caches in GPU memory (torch tensors, VRAM
 registrations; P on GPU 0, D on GPU 1 when there are two), UCX only. Needs only
@@ -172,30 +172,37 @@ class _Side:
         self.agent = Agent.over(self.name, self.inner, (backend,), nixl_version())
         self.agent.register([MemRegistration(self.addr, shape.nbytes, self.gpu, self.mem)])
         self.layout = make_layout(shape, self.addr, self.gpu, self.mem)
+        self.seen: set[bytes] = set()
+        """Notifications received (D: each verified WRITE's tag)."""
 
-    def sums(self, blocks: np.ndarray, last_bytes: int) -> list[int]:
-        """Weighted byte sums of the request's blocks, region by region, of each region's last block only the
-        first ``last_bytes`` (the tokens pushed): what a WRITE must make equal on both sides."""
+    def sums(self, blocks: np.ndarray, tag: bytes = b"") -> list[int]:
+        """Weighted byte sums of the request's blocks, region by region (what a WRITE must make equal); ``tag``:
+        first wait for the notification of the WRITE that carried it (its bytes are in place only then: a
+        WRITE done on P may still be landing here)."""
+        deadline = time.monotonic() + 60.0
+        while tag and tag not in self.seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no notification {tag!r} in 60 s")
+            self.progress()
         bb = self.shape.block_bytes
         offs = np.asarray([r.base - self.addr for r in self.layout.regions], dtype=np.int64)
         offs = (offs[:, None] + blocks[None, :] * self.layout.block_stride).ravel()
-        lens = np.full((len(self.layout.regions), blocks.size), bb, dtype=np.int64)
-        lens[:, -1] = last_bytes
-        lens = lens.ravel()
         out: list[int] = []
         for i in range(0, offs.size, 4096):
-            chunk, upto = offs[i : i + 4096], lens[i : i + 4096]
+            chunk = offs[i : i + 4096]
             if self.device == "cuda":
                 t, dev = self.torch, self.buf.device
                 idx = t.as_tensor(chunk, device=dev)[:, None] + t.arange(bb, device=dev)
                 w = (t.arange(bb, device=dev, dtype=t.int32) % 251) + 1
-                w = w[None, :] * (t.arange(bb, device=dev)[None, :] < t.as_tensor(upto, device=dev)[:, None])
                 out += (self.buf[idx].to(t.int32) * w).sum(dim=1).tolist()
             else:
                 g = self.buf[chunk[:, None] + np.arange(bb)[None, :]].astype(np.int64)
-                w = ((np.arange(bb) % 251) + 1)[None, :] * (np.arange(bb)[None, :] < upto[:, None])
-                out += (g * w).sum(axis=1).tolist()
+                out += (g @ ((np.arange(bb) % 251) + 1)).tolist()
         return out
+
+    def progress(self) -> None:
+        """Progress the agent once, keeping the notifications it brings."""
+        self.seen.update(msg for _, msg in self.agent.notifs(drain=True))
 
     def zero(self) -> None:
         if self.device == "cuda":
@@ -239,7 +246,7 @@ class _P(_Side):
     def point(self, src: np.ndarray, dst: np.ndarray, tokens: int) -> dict[str, Any]:
         """Plan the request (at pairing, before any post) and say what each way will post."""
         from kvpush.config import Config
-        from kvpush.core.indexed import by_index_pays, split
+        from kvpush.core.indexed import choose, split
         from kvpush.core.plan import build_plan, part_descriptors
         from kvpush.engine.by_index import costs_of
 
@@ -252,14 +259,15 @@ class _P(_Side):
         return {
             "per_request_descriptors": int(today),
             "by_index_indices": part.indices,
-            "by_index_posted": part.posted + part.rest_descriptors,
-            "by_index_chosen": by_index_pays(part, self.plan.merged.shape[0] * self.plan.nregions, costs_of(cfg)),
+            "by_index_posted": part.posted,
+            "kvpush_chooses": choose(part, self.plan.merged.shape[0] * self.plan.nregions, costs_of(cfg)).value,
             "vllm_indices": int(src.size * self.shape.regions // self.shape.vllm_width),
         }
 
-    def measure(self, way: str) -> dict[str, float]:
-        """One WRITE of the current request ``way``: build (per-request work), post call, until DONE."""
-        from kvpush.core.indexed import indices, rest_descriptors, split
+    def measure(self, way: str, tag: bytes) -> dict[str, float]:
+        """One WRITE of the current request ``way``, its notification ``tag``: build (per-request work), post call,
+        until DONE."""
+        from kvpush.core.indexed import indices, split
         from kvpush.core.outcome import XferState
         from kvpush.core.plan import part_descriptors
 
@@ -267,21 +275,17 @@ class _P(_Side):
         t0 = time.perf_counter()
         if way == "per-request":
             local, remote = part_descriptors(plan, self.layout, self.dst, 0, nreg)
-            h = agent.prepare_write(local, self.mem, remote, self.mem, self.peer, b"o")
+            h = agent.prepare_write(local, self.mem, remote, self.mem, self.peer, tag)
         elif way == "by-index":
             part = split(self.pair, plan, 0, nreg)
-            assert part is not None
+            assert part is not None and not part.rest.shape[0]
             li, ri = indices(self.pair, part)
-            rest = None
-            if part.rest.shape[0]:
-                rl, rr = rest_descriptors(self.pair, part)
-                rest = (rl, self.mem, rr, self.mem)
-            h = agent.prepare_by_index(self.peer, li, ri, b"i", rest)
+            h = agent.prepare_by_index(self.peer, li, ri, tag)
         else:
             n = self.shape.regions // self.shape.vllm_width
             li = vllm_ids(self.src_blocks, n, self.shape.pool)
             ri = vllm_ids(self.dst_blocks, n, self.dst.num_blocks)
-            h = self.inner.make_prepped_xfer("WRITE", self.vllm_local, li, self.vllm_remote, ri, b"v")
+            h = self.inner.make_prepped_xfer("WRITE", self.vllm_local, li, self.vllm_remote, ri, tag)
         t1 = time.perf_counter()
         if way == "vllm":
             state = self.inner.transfer(h)
@@ -317,7 +321,7 @@ def _serve(role: str, conn: Connection, shape: Shape, backend: str, device: str,
         return
     while True:
         if role == "D" and not conn.poll(poll_s):
-            side.agent.notifs(drain=True)
+            side.progress()
             continue
         op, args = conn.recv()
         if op == "stop":
@@ -445,7 +449,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.counts
         for pat in args.patterns
     ]
-    tokens = lambda n: (n // args.regions) * shape.block_size - args.tail_tokens  # noqa: E731
     report: dict[str, Any] = {
         "command": "kvpush bench post " + " ".join(args.argv),
         "tree": _tree(),
@@ -453,7 +456,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "iters": args.iters,
         "warmup": args.warmup,
-        "tail_tokens": args.tail_tokens,
         "d_poll_us": args.d_poll_us,
         "loadavg_start": list(os.getloadavg()),
         "backends": {},
@@ -477,17 +479,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 order = rng.permutation(len(points))
                 for k, pi in enumerate(order):
                     n, pat, src, dst = points[pi]
-                    info[n, pat] = p.call("point", src, dst, tokens(n))
+                    info[n, pat] = p.call("point", src, dst, src.size * shape.block_size)
                     ways = list(args.ways)
                     shift = (it + k) % len(ways)
                     for way in ways[shift:] + ways[:shift]:
                         check = it == args.warmup
                         if check:
                             d.call("zero")
-                        m = p.call("measure", way)
+                        tag = f"{way}:{n}:{pat}:{it}".encode()
+                        m = p.call("measure", way, tag)
                         if check:
-                            last = (shape.block_size - args.tail_tokens) * (shape.block_bytes // shape.block_size)
-                            verified[n, pat, way] = p.call("sums", src, last) == d.call("sums", dst, last)
+                            verified[n, pat, way] = p.call("sums", src) == d.call("sums", dst, tag)
                         if it >= args.warmup:
                             samples.setdefault((n, pat, way), []).append(m)
                 if not args.quiet:
@@ -676,7 +678,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--block-bytes", type=int, default=None, help="bytes of one block of one region (default: 4096 cuda, 256 cpu)"
     )
-    ap.add_argument("--tail-tokens", type=int, default=0, help="leave the request's last block this many tokens short")
     ap.add_argument(
         "--d-poll-us",
         type=float,
@@ -709,8 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     args.backends = args.backends or ["UCX"]
     args.block_bytes = args.block_bytes or (4096 if args.device == "cuda" else 256)
     bad = [n for n in args.counts if n % args.regions or n < args.regions]
-    if bad or args.iters < 1 or not 0 <= args.tail_tokens < 16:
-        print(f"--counts must be multiples of --regions ({args.regions}): {bad}; --iters >= 1; 0 <= --tail-tokens < 16")
+    if bad or args.iters < 1:
+        print(f"--counts must be multiples of --regions ({args.regions}): {bad}; --iters >= 1")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"post_{args.device}_{args.kv}"
