@@ -296,8 +296,7 @@ def choose(part: Split, today: int, costs: PostCosts) -> Way:
     """The cheapest way to post ``part``, against today's WRITE of ``today`` descriptors; a tie keeps today's.
     By index needs every piece whole (``part.rest`` empty)."""
     built = costs.build_s + costs.descriptor_s
-    cost = {Way.TODAY: today * built, Way.STRIPS: (part.posted + part.rest_count) * built}
+    cost = {Way.TODAY: today * built, Way.STRIPS: (part.posted + part.rest_count) * built}  # ties: the first
     if part.indices and not part.rest.shape[0]:
         cost[Way.BY_INDEX] = part.indices * costs.index_s + part.posted * costs.descriptor_s
-    best = min(cost.values())
-    return Way.TODAY if cost[Way.TODAY] <= best else min(cost, key=lambda w: cost[w])
+    return min(cost, key=cost.__getitem__)
