@@ -64,7 +64,11 @@ BUILD_US = 0.05
 handed to NIXL, which makes it a descriptor and checks it against the registrations (docs/benchmarks.md,
 section 15)."""
 INDEX_US = 0.02
-"""Host work per index of a by-index WRITE: the index computed and looked up in NIXL's prepared list."""
+"""Host work per index of a by-index WRITE: the index computed and its entry read from NIXL's prepared list,
+where NIXL holds a list as strides (NIXL 1.4 and later: a few rows a list, always in cache)."""
+INDEX_US_ENTRIES = 0.06
+"""The same where NIXL holds a list entry by entry (before 1.4): each index reads an entry of a list far larger
+than the cache, which costs more than building the descriptor (docs/benchmarks.md, section 15)."""
 MAX_EXPANDED_ENTRIES = 1 << 22
 """Most entries of a prepared list given to NIXL row by row (a NIXL without strided lists holds each entry);
 a KV cache with more keeps today's path. NIXL's strided form (one row per strip) has no such bound."""

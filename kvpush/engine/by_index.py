@@ -34,7 +34,7 @@ from kvpush.core.indexed import (
 from kvpush.core.layout import KVLayout
 from kvpush.core.plan import Plan
 from kvpush.observability.metrics import Count
-from kvpush.transport.nixl_agent import Agent
+from kvpush.transport.nixl_agent import Agent, index_cost_us
 
 
 def prepare_local(agent: Agent, layout: KVLayout) -> bool:
@@ -54,9 +54,10 @@ def prepare_peer(agent: Agent, src: KVLayout, peer: str, dst: KVLayout) -> bool:
     return agent.keep_list(peer, pair.remote_rows, str(dst.mem), pair)
 
 
-def costs_of(cfg: Config) -> PostCosts:
-    """The costs ``choose`` weighs: the transport's per descriptor, the plan's cost model's."""
-    return PostCosts(cfg.descriptor_cost_s())
+def costs_of(cfg: Config, nixl_version: str) -> PostCosts:
+    """The costs ``choose`` weighs: the transport's per descriptor (the plan's cost model's) and an index's on
+    the running NIXL."""
+    return PostCosts(cfg.descriptor_cost_s(), index_cost_us(nixl_version) * 1e-6)
 
 
 def build_direct(

@@ -78,7 +78,7 @@ class PushRunner:
         self.region_bases = [r.base for r in self.layout.regions]
         self._parts: dict[int, PartTimes] = {}  # the times of each flying WRITE's part, by handle
         self.layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
-        self.costs = by_index.costs_of(self.cfg)  # what decides whether a direct part goes by index
+        self.costs = by_index.costs_of(self.cfg, self.agent.nixl_version)  # how a direct part's WRITE is made
 
     def drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
         """Feed the job what happened (readiness, packs, WRITEs) and carry out the actions it returns."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvpush.backends.base import MemRegistration
 from kvpush.core.errors import ConfigError, KVPushError, MemoryKindError
-from kvpush.core.indexed import expand, list_fits
+from kvpush.core.indexed import INDEX_US, INDEX_US_ENTRIES, expand, list_fits
 from kvpush.core.outcome import XferState
 from kvpush.core.peer_loads import LoadNew, PeerLoads, TakenBack, Unload
 from kvpush.transport.nixl_backends import traits
@@ -134,15 +134,29 @@ def supported(version: str) -> bool:
 STRIDED_LISTS = (1, 5)
 """The first NIXL whose ``prep_xfer_dlist`` takes a list in its strided form (one N x 5 row per strip); an
 older one is given the list one row per entry."""
+STRIDED_CORE = (1, 4)
+"""The first NIXL that holds a prepared list as strides (consecutive equally spaced entries in one row), so that
+naming an entry by index reads a few rows instead of an entry of a list larger than the cache."""
 
 
-def takes_strided_lists(version: str) -> bool:
-    """Whether NIXL ``version`` prepares strided lists (``STRIDED_LISTS``); a version it cannot read does not."""
+def _at_least(version: str, first: tuple[int, int]) -> bool:
+    """Whether NIXL ``version`` is ``first`` or later; a version it cannot read is not."""
     try:
         parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
     except ValueError:
         return False
-    return parts >= STRIDED_LISTS
+    return parts >= first
+
+
+def takes_strided_lists(version: str) -> bool:
+    """Whether NIXL ``version`` prepares strided lists (``STRIDED_LISTS``)."""
+    return _at_least(version, STRIDED_LISTS)
+
+
+def index_cost_us(version: str) -> float:
+    """Host work per index of a by-index WRITE on NIXL ``version`` (``kvpush.core.indexed``: ``INDEX_US`` where
+    it holds lists as strides, ``STRIDED_CORE``, else ``INDEX_US_ENTRIES``)."""
+    return INDEX_US if _at_least(version, STRIDED_CORE) else INDEX_US_ENTRIES
 
 
 def imports_torch() -> bool:

@@ -164,6 +164,19 @@ class Worker(conformance.Worker):
     def op_layer_written(self, key: str, tids: list[str], layer: int) -> None:
         self.ranks[key].engine.layer_written(tids, layer)
 
+    def op_index_cost(self, key: str, us: float) -> float:
+        """P rank ``key`` weighs ``us`` per index when it chooses how to make a direct part's WRITE (its NIXL's
+        own figure otherwise: ``kvpush.transport.nixl_agent.index_cost_us``), so that a test's choices do not
+        depend on the NIXL version; returns the figure it replaced."""
+        engine = self.ranks[key].engine
+
+        def swap() -> float:
+            old = engine.runner.costs.index_s
+            engine.runner.costs = replace(engine.runner.costs, index_s=us * 1e-6)
+            return old * 1e6
+
+        return float(engine.call_sync(swap))
+
     def op_receiver(
         self,
         key: str,

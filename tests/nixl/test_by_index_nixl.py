@@ -8,7 +8,11 @@ built for the request from the strips where that posts fewer descriptors than
 today's. Each case checks D's whole cache against the conformance model (every
 byte pushed, no byte more: blocks and tokens D did not ask for keep the
 sentinel), and P's ``parts_by_index_total`` and ``parts_by_strip_total`` say which
-way each part went, so a case cannot pass on today's path alone.
+way each part went, so a case cannot pass on today's path alone. P weighs an index
+at ``INDEX_US`` on every NIXL (``op_index_cost``): NIXL 1.3 holds prepared lists
+entry by entry, where an index costs more than a descriptor built and P would
+build every part for the request (``tests/unit/test_indexed.py``), leaving the
+by-index path unexercised on that version.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from procs import Geom, Node, assert_same, make_cache
 from test_push_nixl import _key, assert_idle, by_rid, engines
 
 from kvpush.conformance.model import Req, apply_push
+from kvpush.core.indexed import INDEX_US
 
 
 def _cfg() -> dict[str, Any]:
@@ -58,6 +63,7 @@ def test_direct_pushes_by_index_and_by_strip_are_byte_exact(nodes: tuple[Node, N
         engines(p, "sender", [(k + "p", pg, _cfg(), "P" + k)]) as [addr],
         engines(d, "receiver", [(k + "d", dg, _cfg(), "D" + k)]),
     ):
+        p.call("index_cost", k + "p", INDEX_US)
         for r in reqs:
             d.call("register", k + "d", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
             p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
@@ -79,6 +85,7 @@ def test_a_d_rank_that_restarts_is_written_by_index_into_its_new_memory(nodes: t
     g = Geom(num_blocks=64, blocks_first=True)
     k = _key("byindex-restart")
     with engines(p, "sender", [(k + "p", g, _cfg(), "P" + k)]) as [addr]:
+        p.call("index_cost", k + "p", INDEX_US)
         for life in range(3):
             dkey = f"{k}d{life}"
             d.call("receiver", dkey, g, _cfg(), "D" + k)

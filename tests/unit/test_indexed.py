@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvpush.config import Config
 from kvpush.core.indexed import (
+    BUILD_US,
     PostCosts,
     Way,
     choose,
@@ -289,6 +290,20 @@ def test_each_part_takes_the_cheapest_way_and_today_s_on_a_tie() -> None:
     # region; built for the request that is 4 descriptors, against 128 indices.
     part, today = _split_of("blocks_first", list(range(32)), list(range(8, 40)), full)
     assert (part.posted, today) == (4, 32 * 8) and choose(part, today, costs) is Way.STRIPS
+
+
+def test_an_index_costs_more_than_a_descriptor_built_where_nixl_holds_lists_entry_by_entry() -> None:
+    """NIXL 1.3 holds a list entry by entry: there a fragmented part of whole blocks is built for the request,
+    from 1.4 (lists held as strides) it goes by index."""
+    from kvpush.engine.by_index import costs_of
+    from kvpush.transport.nixl_agent import index_cost_us
+
+    assert index_cost_us("1.3.2") > BUILD_US >= index_cost_us("1.4.1") == index_cost_us("1.5.1")
+    shuffled = list(np.random.default_rng(0).permutation(64)[:32])
+    part, today = _split_of("blocks_first", shuffled, shuffled[::-1], 32 * 16)
+    cfg = Config.of(plan="direct")
+    assert choose(part, today, costs_of(cfg, "1.5.1")) is Way.BY_INDEX
+    assert choose(part, today, costs_of(cfg, "1.3.2")) is Way.STRIPS
 
 
 def test_lists_a_nixl_cannot_hold_are_refused() -> None:

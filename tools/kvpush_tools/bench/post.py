@@ -260,7 +260,9 @@ class _P(_Side):
             "per_request_descriptors": int(today),
             "by_index_indices": part.indices,
             "by_index_posted": part.posted,
-            "kvpush_chooses": choose(part, self.plan.merged.shape[0] * self.plan.nregions, costs_of(cfg)).value,
+            "kvpush_chooses": choose(
+                part, self.plan.merged.shape[0] * self.plan.nregions, costs_of(cfg, self.agent.nixl_version)
+            ).value,
             "vllm_indices": int(src.size * self.shape.regions // self.shape.vllm_width),
         }
 
