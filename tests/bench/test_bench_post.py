@@ -38,21 +38,28 @@ def test_block_patterns() -> None:
 
 
 def test_tiny_run_writes_a_verified_report_with_its_slopes(tmp_path: Path) -> None:
-    argv = ["--counts", "64,128", "--regions", "8", "--iters", "2", "--warmup", "0", "--kv", "blocks-first"]
+    argv = ["--counts", "64,128", "--regions", "8", "--iters", "2", "--warmup", "0", "--kv", "split,blocks-first"]
+    argv += ["--ways", "per-request,by-index,vllm,kvpush"]
     assert main([*argv, "--quiet", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "post_cpu_split.json").exists() and (tmp_path / "post_cpu_split.png").exists()
     report = json.loads((tmp_path / "post_cpu_blocks-first.json").read_text())
     rows = report["backends"]["UCX"]["rows"]
-    assert len(rows) == 2 * 2 * 3 and all(r["verified"] for r in rows)
-    assert {r["way"] for r in rows} == {"per-request", "by-index", "vllm"}
+    assert len(rows) == 2 * 2 * 4 and all(r["verified"] for r in rows)
+    assert {r["way"] for r in rows} == {"per-request", "by-index", "vllm", "kvpush"}
+    assert {r["pattern"]: r["kvpush_chooses"] for r in rows if r["descriptors"] == 128} == {
+        "contiguous": "strips",  # blocks first: one descriptor a layer, built for the request
+        "fragmented": "by_index",
+    }
     fits = report["backends"]["UCX"]["fits"]
-    assert len(fits) == 6 and all(len(f["post_us_per_descriptor_rounds"]) == 2 for f in fits)
+    assert len(fits) == 8 and all(len(f["post_us_per_descriptor_rounds"]) == 2 for f in fits)
     assert (tmp_path / "post_cpu_blocks-first.png").exists()
     assert report["tree"] and report["host"]["nixl"]
 
 
 @pytest.mark.skipif(not cuda_missing(), reason="CUDA is here")
 def test_cuda_without_cuda_says_so_and_measures_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert main(["--device", "cuda", "--kv", "split,blocks-first", "--out", str(tmp_path)]) == 2
+    assert json.loads((tmp_path / "post_cuda_blocks-first.json").read_text())["error"]
     why = json.loads((tmp_path / "post_cuda_split.json").read_text())["error"]
     assert why.startswith("--device cuda: ") and "nothing measured" in why
     assert why in capsys.readouterr().err

@@ -10,6 +10,8 @@ or ``contiguous`` (one run on each side), posted
 - ``by-index``: kvpush's post by index into the prepared lists made once
   (``kvpush.core.indexed``: the part split, its indices, ``Agent.prepare_by_index``),
   taken whatever ``choose`` would (its choice, the way the engine posts, is reported);
+- ``kvpush`` (not by default): what the engine does, whichever of today's, the
+  strips' or by index ``choose`` picks (``kvpush.engine.by_index.build_direct``);
 - ``vllm``: the way vLLM's NixlPushConnector posts the same blocks, written again
   here from reading its source: a prepared list per side with one entry per block of
   each of its KV regions (a layer's K and V apart, or one K|V region a layer for a
@@ -55,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-WAYS = ("per-request", "by-index", "vllm")
+WAYS = ("per-request", "by-index", "vllm", "kvpush")
 PATTERNS = ("fragmented", "contiguous")
 KV = ("split", "blocks-first")
 COUNTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -235,6 +237,10 @@ class _P(_Side):
         self.vllm_remote = self.inner.prep_xfer_dlist(self.peer, vllm_rows(self.dst, w), self.mem)
         t4 = time.perf_counter()
         self.pair = self.agent.kept(self.peer)
+        from kvpush.config import Config
+        from kvpush.engine.by_index import costs_of
+
+        self.costs = costs_of(Config.of(nixl_backends=list(self.agent.backends)), self.agent.nixl_version)
         return {
             "kvpush_local_s": t1 - t0,
             "kvpush_remote_s": t2 - t1,
@@ -248,21 +254,17 @@ class _P(_Side):
         from kvpush.config import Config
         from kvpush.core.indexed import choose, split
         from kvpush.core.plan import build_plan, part_descriptors
-        from kvpush.engine.by_index import costs_of
 
         self.src_blocks, self.dst_blocks = src, dst
         self.plan = build_plan(Config.of(plan="direct"), self.layout, self.dst, src, dst, tokens, 0)
         part = split(self.pair, self.plan, 0, self.plan.nregions)
         assert part is not None
         today = part_descriptors(self.plan, self.layout, self.dst, 0, self.plan.nregions)[0].shape[0]
-        cfg = Config.of(nixl_backends=list(self.agent.backends))
         return {
             "per_request_descriptors": int(today),
             "by_index_indices": part.indices,
             "by_index_posted": part.posted,
-            "kvpush_chooses": choose(
-                part, self.plan.merged.shape[0] * self.plan.nregions, costs_of(cfg, self.agent.nixl_version)
-            ).value,
+            "kvpush_chooses": choose(part, self.plan.merged.shape[0] * self.plan.nregions, self.costs).value,
             "vllm_indices": int(src.size * self.shape.regions // self.shape.vllm_width),
         }
 
@@ -272,10 +274,16 @@ class _P(_Side):
         from kvpush.core.indexed import indices, split
         from kvpush.core.outcome import XferState
         from kvpush.core.plan import part_descriptors
+        from kvpush.engine.by_index import build_direct
 
         plan, agent, nreg = self.plan, self.agent, self.plan.nregions
         t0 = time.perf_counter()
-        if way == "per-request":
+        made = None
+        if way == "kvpush":
+            made = build_direct(agent, self.costs, plan, self.layout, self.dst, self.peer, 0, nreg, lambda n: tag)
+        if made is not None:
+            h = made[0]
+        elif way in ("per-request", "kvpush"):
             local, remote = part_descriptors(plan, self.layout, self.dst, 0, nreg)
             h = agent.prepare_write(local, self.mem, remote, self.mem, self.peer, tag)
         elif way == "by-index":
@@ -400,13 +408,15 @@ def _stats(v: list[float]) -> dict[str, float]:
 
 
 def _tree() -> str:
-    """The kvpush checkout's commit (``+dirty`` with uncommitted changes), or ``unknown``."""
+    """The kvpush checkout's commit (``+dirty`` with tracked files changed), or ``unknown``."""
     import kvpush
 
     here = Path(kvpush.__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain"], capture_output=True, text=True)
+        dirty = subprocess.run(  # results written into the checkout are not a change of the tree
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
     except OSError:
         return "unknown"
     if head.returncode:
@@ -559,6 +569,7 @@ def table(report: dict[str, Any]) -> str:
                 "per-request": r["per_request_descriptors"],
                 "by-index": r["by_index_indices"],
                 "vllm": r["vllm_indices"],
+                "kvpush": r["kvpush_chooses"],
             }[r["way"]]
             out.append(
                 f"{r['descriptors']:>11} {r['pattern']:>10} {r['way']:>11} "
@@ -584,7 +595,7 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-COLORS = {"per-request": "#0072b2", "by-index": "#d55e00", "vllm": "#009e73"}
+COLORS = {"per-request": "#0072b2", "by-index": "#d55e00", "vllm": "#009e73", "kvpush": "#cc79a7"}
 MARKERS = {"UCX": "o", "LIBFABRIC": "s"}
 
 
@@ -674,8 +685,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--counts", type=_ints, default=list(COUNTS), help="descriptor counts (blocks x regions)")
     ap.add_argument("--patterns", type=_choice(PATTERNS), default=list(PATTERNS))
-    ap.add_argument("--ways", type=_choice(WAYS), default=list(WAYS))
-    ap.add_argument("--kv", choices=KV, default="split", help="a layer's K and V apart, or blocks first (K|V)")
+    ap.add_argument("--ways", type=_choice(WAYS), default=list(WAYS[:3]), help="(default: all but kvpush)")
+    ap.add_argument(
+        "--kv",
+        type=_choice(KV),
+        default=["split"],
+        help="a layer's K and V apart, blocks first (K|V), or both in turn (split,blocks-first)",
+    )
     ap.add_argument("--regions", type=int, default=128, help="KV regions, layers x K/V (Qwen3-32B: 128)")
     ap.add_argument(
         "--block-bytes", type=int, default=None, help="bytes of one block of one region (default: 4096 cuda, 256 cpu)"
@@ -716,35 +732,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--counts must be multiples of --regions ({args.regions}): {bad}; --iters >= 1")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"post_{args.device}_{args.kv}"
+    kvs = args.kv
     if args.device == "cuda":
         why = cuda_missing()
         if why:
             msg = f"--device cuda: {why}; nothing measured (run --device cpu here, or on a GPU host)"
-            stem.with_suffix(".json").write_text(
-                json.dumps({"error": msg, "command": "kvpush bench post " + " ".join(argv)})
-            )
+            error = {"error": msg, "command": "kvpush bench post " + " ".join(argv)}
+            for kv in kvs:
+                (args.out / f"post_cuda_{kv}.json").write_text(json.dumps(error))
             print(msg, file=sys.stderr)
             return 2
         if "LIBFABRIC" in args.backends:
             print("--device cuda runs over UCX only (LIBFABRIC over tcp registers no GPU memory)", file=sys.stderr)
             return 2
-    report = run(args)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    print(table(report))
-    bad = [
-        (b, r["descriptors"], r["pattern"], r["way"])
-        for b, res in report["backends"].items()
-        for r in res["rows"]
-        if not r["verified"]
-    ]
-    print(f"\nwrote {stem.with_suffix('.json')}", end="")
-    if not args.no_plot:
-        print(
-            f", {stem.with_suffix('.png')}" if plot(report, stem.with_suffix(".png")) else " (no matplotlib: no plot)",
-            end="",
-        )
-    print()
+    bad = []
+    for kv in kvs:  # each layout in its own processes, one after the other
+        args.kv = kv
+        stem = args.out / f"post_{args.device}_{kv}"
+        report = run(args)
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        print(f"\n=== {kv} ===\n{table(report)}")
+        bad += [
+            (kv, b, r["descriptors"], r["pattern"], r["way"])
+            for b, res in report["backends"].items()
+            for r in res["rows"]
+            if not r["verified"]
+        ]
+        print(f"\nwrote {stem.with_suffix('.json')}", end="")
+        if not args.no_plot:
+            drawn = plot(report, stem.with_suffix(".png"))
+            print(
+                f", {stem.with_suffix('.png')}" if drawn else " (no matplotlib: no plot; --plot-only draws it)", end=""
+            )
+        print()
     if bad:
         print(f"NOT VERIFIED (D's bytes differ from P's): {bad}", file=sys.stderr)
         return 1
