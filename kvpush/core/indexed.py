@@ -245,6 +245,17 @@ def split(pair: IndexedPair, plan: Plan, r0: int, r1: int) -> Split | None:
     return Split(r0, r1, s0, s1, src_blocks, dst_blocks, plan.merged[~whole], runs)
 
 
+def today_suffices(pair: IndexedPair, plan: Plan) -> bool:
+    """Whether today's WRITE is the cheapest for every part of ``plan`` without cutting any: each strip is one
+    region (the strips' rows are today's) and some piece is not whole blocks (no part goes by index). Checked
+    before ``split``, whose work such a plan would only waste on the path to the post."""
+    if pair.strips.count != len(pair.src.regions):
+        return False
+    so, do, ln = plan.merged[:, 0], plan.merged[:, 1], plan.merged[:, 2]
+    whole = (so % pair.src.block_stride == 0) & (do % pair.dst.block_stride == 0) & (ln % pair.src.block_bytes == 0)
+    return not bool(whole.all())
+
+
 def indices(pair: IndexedPair, part: Split) -> tuple[np.ndarray, np.ndarray]:
     """The part's entries of P's and D's prepared lists (int32), strip by strip, each strip's blocks in post
     order, so that consecutive entries stand next to each other and NIXL merges them."""

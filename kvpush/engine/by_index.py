@@ -6,11 +6,11 @@ built for the request from the strips, or today's. P's own
 list is prepared as its KV is registered (``prepare_local``, at the sender's
 start) and a D rank's as its hello is admitted and its NIXL metadata loaded
 (``prepare_peer``): never per request. The agent keeps each D rank's list until
-that rank is given up or its metadata unloaded (``Agent.keep_list``), so a D rank
+that rank is given up (``Agent.keep_list``, ``Agent.remove_peer``), so a D rank
 that said hello again, restarted or was declared dead gets a list over its new
 memory at its next hello, never one over the old. A part whose lists are not
 kept (a layout pair ``pair_of`` refuses, a list NIXL would not prepare) or for
-which today's WRITE is as cheap (``choose``) is built as before.
+which today's WRITE is as cheap (``today_suffices``, ``choose``) is built as before.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from kvpush.core.indexed import (
     split,
     strip_descriptors,
     strips_of,
+    today_suffices,
 )
 from kvpush.core.layout import KVLayout
+from kvpush.core.outcome import PlanKind
 from kvpush.core.plan import Plan
 from kvpush.observability.metrics import Count
 from kvpush.transport.nixl_agent import Agent, index_cost_us
@@ -76,6 +78,8 @@ def build_direct(
     lists). ``notif_of``: the part's completion notification for a descriptor count."""
     pair = agent.kept(peer)
     if not isinstance(pair, IndexedPair) or pair.src is not src or pair.dst is not dst:
+        return None
+    if plan.kind is not PlanKind.DIRECT or plan.group_merged or today_suffices(pair, plan):
         return None
     part = split(pair, plan, r0, r1)
     if part is None:

@@ -279,7 +279,7 @@ class PeerTable:
             return
         self.admission.add(key, dkey, len(msg.agent_metadata))
         mapped = self.maps.open(msg.peer, msg.layout) if self.maps is not None and msg.peer else None
-        if mapped is None:  # NIXL WRITEs: D's list for by-index posts, made once a load
+        if mapped is None:  # NIXL WRITEs: D's prepared list for by-index posts, made once per load
             by_index.prepare_peer(self.agent, self.layout, agent_name, msg.layout)
         if mapped is not None:
             # No WRITE will connect to this D rank: the greeting starts the connection its first part's

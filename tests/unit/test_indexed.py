@@ -35,6 +35,7 @@ from kvpush.core.indexed import (
     split,
     strip_descriptors,
     strips_of,
+    today_suffices,
 )
 from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
 from kvpush.core.outcome import XferState
@@ -205,6 +206,10 @@ def test_indices_and_rest_move_exactly_the_bytes_of_todays_descriptors(case: Cas
         sl, sr = strip_descriptors(pair, part)  # the same bytes in one WRITE built for the request
         np.testing.assert_array_equal(_pairs(sl, sr), want)
         assert sl.shape[0] <= part.posted + part.rest_count
+        if today_suffices(pair, plan):  # the shortcut never skips a cheaper way
+            for index_us in (0.0, 0.02, 1.0):
+                costs = PostCosts(7e-6, index_us * 1e-6)
+                assert choose(part, plan.merged.shape[0] * (r1 - r0), costs) is Way.TODAY
 
 
 def test_strips_join_a_layers_regions_whose_blocks_sit_back_to_back() -> None:
