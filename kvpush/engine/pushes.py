@@ -9,6 +9,7 @@ job's actions with what happened.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from kvpush.core.outcome import Cause, Failed, PartTimes, PlanKind, Stage, XferS
 from kvpush.core.parts import PartSchedule, costs_of, split_regions
 from kvpush.core.plan import Plan, build_plan, group_runs, group_tokens, part_descriptors
 from kvpush.core.rounds import slice_pieces
+from kvpush.engine import by_index
 from kvpush.engine.peer_writes import Writes
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
@@ -78,6 +80,7 @@ class PushRunner:
         self.region_bases = [r.base for r in self.layout.regions]
         self._parts: dict[int, PartTimes] = {}  # the times of each flying WRITE's part, by handle
         self.layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
+        self.costs = by_index.costs_of(self.cfg, self.agent.nixl_version)  # how a direct part's WRITE is made
 
     def drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
         """Feed the job what happened (readiness, packs, WRITEs) and carry out the actions it returns."""
@@ -401,6 +404,15 @@ class PushRunner:
             notif = _completion(plan, reg, self.rank, r0, r1, 0)
             copies = self._peer_copies(plan, peer, r0, r1)
             return self.writes.peer_write(peer.mapped, copies, peer.agent, notif, prepare=ahead), 0
+        if plan.kind is PlanKind.DIRECT:
+            notif_of = functools.partial(_completion, plan, reg, self.rank, r0, r1)
+            made = by_index.build_direct(
+                self.agent, self.costs, plan, self.layout, peer.layout, peer.agent, r0, r1, notif_of
+            )
+            if made is not None:
+                handle, ndesc, count = made
+                self.port.bump(count)
+                return handle, ndesc
         local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
         notif = _completion(plan, reg, self.rank, r0, r1, local.shape[0])
         lmem, rmem = self.layout.mem, peer.layout.mem
