@@ -102,14 +102,17 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     configured: the backend cannot map its blob) the plan is direct, staged or rounds. "auto": where the
     backend offers it by default (``Capabilities.peer_by_default``: CUDA, whose IPC mapping reaches only the
     memory D registered for NIXL WRITEs anyway); true or false force it either way."""
-    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] = 128 << 20
-    """Size of each rank's staging region for packed transfers (0 disables). A push larger than a ring
-    (``ring_slots`` x ``min_part_bytes``) goes through one in rounds (``kvpush.core.rounds``), so no prompt
-    length needs a larger region: its size bounds how many pushes stage at once at full speed."""
+    staging_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """Size of each rank's staging region for packed transfers (0 disables); None: the backend's
+    (``Backend.staging_bytes``: 512 MiB of device memory for CUDA, 128 MiB of host memory). A push larger
+    than a ring goes through one in rounds (``kvpush.core.rounds``), so no prompt length needs a larger
+    region; its size sets a ring's slots (at least ``min_part_bytes``, an eighth of the region with four
+    slots: two full rings at once) and so how few parts a long push is cut into."""
     ring_slots: Annotated[int, msgspec.Meta(ge=2, le=64)] = 4
-    """Slots of the ring a push in rounds goes through (each ``min_part_bytes``; D grants smaller ones when
-    its region is busy): parts in flight or being unpacked at once, D's credit for a part letting P write
-    its slot again. Two let pack, wire and unpack overlap; more hide a credit's round trip."""
+    """Slots of the ring a push in rounds goes through (each ``min_part_bytes`` or a ``2 * ring_slots``-th of
+    the region, the larger; D grants smaller ones when its region is busy): parts in flight or being
+    unpacked at once, D's credit for a part letting P write its slot again. Two let pack, wire and unpack
+    overlap; more hide a credit's round trip."""
     staged_min_descriptors: Annotated[int, msgspec.Meta(ge=1)] = 512
     """D reserves staging only for transfers with at least this many descriptors."""
     pack_at_hand_over: bool = True

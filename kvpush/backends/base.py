@@ -86,6 +86,9 @@ class Backend(abc.ABC):
     name: str = "abstract"
     mem: MemKind = MemKind.DRAM
     capabilities: Capabilities = Capabilities()
+    staging_bytes: int = 128 << 20
+    """The staging region's size where ``staging_bytes`` is not set: what a rank can spare for packed pushes
+    (a ring's slots are an eighth of it, so a larger region means fewer parts to a long push)."""
     busy_poll_s: float = 1e-3
     """The engines' longest sleep between polls of transfers in flight where ``busy_poll_max_s`` is not set:
     a core is dear next to latency on a host that computes with its CPUs, cheap on one whose device does."""

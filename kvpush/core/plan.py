@@ -94,8 +94,8 @@ def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int
     return tokens * max(0, hi - lo) * src.head_bytes * len(src.regions)
 
 
-def staging_shortfall(cfg: Config, layout: KVLayout, max_tokens: int) -> tuple[int, int] | None:
-    """Where this rank's staging region cannot stage the longest prompt served (``max_tokens``):
+def staging_shortfall(cfg: Config, layout: KVLayout, max_tokens: int, region: int) -> tuple[int, int] | None:
+    """Where this rank's staging region (``region`` bytes) cannot stage the longest prompt served (``max_tokens``):
     ``(tokens it holds, bytes the longest push needs)``, counted in whole blocks with a peer of this layout's
     heads; None where it can, or where staging is off (``plan="direct"``, ``staging_bytes`` 0).
 
@@ -105,7 +105,6 @@ def staging_shortfall(cfg: Config, layout: KVLayout, max_tokens: int) -> tuple[i
     piece at the transport's price. Said at start, so an operator sizes the region before the first slow
     request instead of after.
     """
-    region = cfg.staging.staging_bytes
     if cfg.staging.plan == "direct" or region <= 0 or max_tokens <= 0 or layout.hybrid:
         return None
     if region >= 2 * RING_MIN_PART_BYTES:

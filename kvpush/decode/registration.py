@@ -113,14 +113,16 @@ def staging_grant(cfg: Config, slots: SlotAllocator, size: int, rounds: bool) ->
     """The staging D grants a writer for a staged payload of ``size`` bytes, taken from ``slots``; None: none
     is free (the push goes direct).
 
-    A payload no larger than a full ring (``ring_slots`` x ``min_part_bytes``), or any payload for a P rank
+    A payload no larger than a full ring (``ring_slots`` slots of ``min_part_bytes`` or a ``2 * ring_slots``-th
+    of the region, the larger: two full rings fit the region), or any payload for a P rank
     that does not take rounds (an older protocol: ``rounds`` False), gets one slot holding all of it, as it
     always did. A larger one, or one whose whole slot is not free, goes through a ring
     (``kvpush.core.rounds``): the largest of ``ring_sizes`` that is free, smaller than the payload. So no
     prompt length needs a region that holds it, and a busy region hands out smaller rings before none.
     """
     st = cfg.staging
-    part = st.min_part_bytes or MIN_PART_BYTES  # 0 lifts the one-slot plan's minimum; a ring's slot keeps a size
+    # 0 lifts the one-slot plan's minimum; a ring's slot keeps a size, and grows with the region: fewer parts.
+    part = max(st.min_part_bytes or MIN_PART_BYTES, slots.capacity // (2 * st.ring_slots) // 4096 * 4096)
     full = st.ring_slots * part
     if not rounds or size <= full:
         off = slots.alloc(size)

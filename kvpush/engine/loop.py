@@ -64,10 +64,13 @@ class EngineLoop:
         # Peers learn from the layout whether this rank's KV may be accessed in place (Capabilities.direct).
         direct = layout.direct and backend.capabilities.direct
         self.layout = msgspec.structs.replace(layout, direct=direct).validate()
-        if not direct and (config.staging.plan == "direct" or config.staging.staging_bytes <= 0):
+        chosen = config.staging.staging_bytes
+        self.staging_bytes = chosen if chosen is not None else backend.staging_bytes
+        """This rank's staging region: the configured size, else the backend's."""
+        if not direct and (config.staging.plan == "direct" or self.staging_bytes <= 0):
             raise ConfigError(
                 f"backend {backend.name!r} cannot let NIXL access its KV in place, so every transfer is staged: "
-                f"plan {config.staging.plan!r} and staging_bytes {config.staging.staging_bytes} leave none possible "
+                f"plan {config.staging.plan!r} and staging_bytes {self.staging_bytes} leave none possible "
                 "(use plan 'auto' or 'staged' and staging_bytes > 0)"
             )
         self.region_bases = [r.base for r in self.layout.regions]
@@ -182,8 +185,8 @@ class EngineLoop:
         self.agent = Agent(f"{self.engine_id}-{suffix}{self.rank}", self.cfg.nixl_backends)
         self.agent.stuck_grace_s = self.cfg.polling.peer_dead_s  # a peer only stalled is back within it
         self.agent.register(self.backend.registrations(self.layout))
-        if self.cfg.staging.staging_bytes > 0 and (self.cfg.staging.plan != "direct" or not self.layout.direct):
-            s = self.backend.alloc_staging(self.cfg.staging.staging_bytes, self.layout.regions[0].device_id)
+        if self.staging_bytes > 0 and (self.cfg.staging.plan != "direct" or not self.layout.direct):
+            s = self.backend.alloc_staging(self.staging_bytes, self.layout.regions[0].device_id)
             self.agent.register([MemRegistration(s.addr, s.size, s.device_id, s.mem)])
             self._staging = s
             self._slots = SlotAllocator(s.size)

@@ -22,7 +22,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert c.nixl_backends == ("UCX",)
     assert c.side_channel_host == "127.0.0.1" and c.side_channel_port == 5600  # vLLM's NIXL default port
     assert c.staging.plan == "auto"
-    assert c.staging.staging_bytes == 128 << 20 and c.staging.ring_slots == 4
+    assert c.staging.staging_bytes is None and c.staging.ring_slots == 4  # None: the backend's
     assert c.staging.staged_min_descriptors == 512
     assert c.leases.registration_lease_s == 120.0 and c.leases.prefill_lease_s == 60.0
     assert c.leases.transfer_timeout_s == 60.0

@@ -229,7 +229,7 @@ def test_staging_shortfall_says_exactly_when_the_longest_push_cannot_be_staged(
     lay = scn.src.layout
     region = pages * 4096 * (33 if pages % 3 == 0 else 1)  # some regions large enough for a ring
     cfg = Config.from_dict({"staging_bytes": region})
-    short = staging_shortfall(cfg, lay, max_tokens)
+    short = staging_shortfall(cfg, lay, max_tokens, region)
     need = staged_bytes(lay, lay, -(-max_tokens // lay.block_size) * lay.block_size, 0)
     rounds = region >= 2 * RING_MIN_PART_BYTES
     assert (short is not None) == (region > 0 and need > region and not rounds), (short, need, region)
@@ -237,5 +237,5 @@ def test_staging_shortfall_says_exactly_when_the_longest_push_cannot_be_staged(
         held, needed = short
         assert needed == need
         assert staged_bytes(lay, lay, held, 0) <= region < staged_bytes(lay, lay, held + lay.block_size, 0)
-    assert staging_shortfall(Config.from_dict({"staging_bytes": region, "plan": "direct"}), lay, max_tokens) is None
-    assert staging_shortfall(Config.from_dict({"staging_bytes": need}), lay, max_tokens) is None  # exactly fits
+    assert staging_shortfall(Config.from_dict({"plan": "direct"}), lay, max_tokens, region) is None
+    assert staging_shortfall(cfg, lay, max_tokens, need) is None  # exactly fits

@@ -96,7 +96,9 @@ class WorkerSide:
             self.layout.order.value,
             self.layout.mem.value,
         )
-        short = staging_shortfall(self.cfg, self.layout, self.max_model_len)
+        region = self.cfg.staging.staging_bytes
+        region = self.backend.staging_bytes if region is None else region
+        short = staging_shortfall(self.cfg, self.layout, self.max_model_len, region)
         if short is not None:
             log.warning(
                 "kvpush worker %s rank %d: staging_bytes %d holds pushes of up to %d tokens of this KV and no "
@@ -106,7 +108,7 @@ class WorkerSide:
                 "length in rounds from 128 KiB)",
                 self.engine_id,
                 self.rank,
-                self.cfg.staging.staging_bytes,
+                region,
                 short[0],
                 short[1],
                 self.max_model_len,
