@@ -100,44 +100,53 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _series(r: dict[str, Any]) -> str:
-    return " ".join(x for x in (r["plan"], r.get("order", ""), r.get("gil", "")) if x)
+def _series(r: dict[str, Any], orders: bool, ring: str) -> str:
+    """A row's line in the sizes figure: its plan said plainly, its order where several ran, its GIL mode."""
+    name = {"coalesced": "direct", "staged": "one slot sized to the push", "rounds": f"rounds, {ring} region"}
+    plan = name.get(r["plan"], r["plan"])
+    return " ".join(x for x in (plan, r.get("order", "") if orders else "", r.get("gil", "")) if x)
 
 
 def plot_sizes(report: dict[str, Any], path: Path) -> None:
-    """GB/s over push size, one panel per transport and pattern, a line per plan (and GIL mode): medians,
-    bars from the fastest to the slowest run."""
+    """GB/s over push size, a row of panels per transport and a column per pattern, a line per plan (and
+    order, GIL mode): medians, bars from the slowest to the fastest run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     res = report["results"]
-    panels = list(dict.fromkeys((r["nixl"], r["pattern"]) for r in res))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False, sharey=True)
-    for ax, (nixl, pattern) in zip(axes[0], panels, strict=True):
-        mine = [r for r in res if (r["nixl"], r["pattern"]) == (nixl, pattern)]
-        for name in dict.fromkeys(_series(r) for r in mine):
-            rs = sorted((r for r in mine if _series(r) == name), key=lambda r: r["size"])
-            x = [r["size"] for r in rs]
-            y = [r["bytes"] / r["total_s_median"] / 1e9 for r in rs]
-            lo = [yy - r["bytes"] / r["total_s_max"] / 1e9 for yy, r in zip(y, rs, strict=True)]
-            hi = [r["bytes"] / r["total_s_min"] / 1e9 - yy for yy, r in zip(y, rs, strict=True)]
-            ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(report["sizes"], [size_label(s) for s in report["sizes"]])
-        ax.set_title(f"{nixl}, D blocks {pattern}", fontsize=9)
-        ax.set_xlabel("push size")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("GB/s (P's hand-over to D's result)")
-    axes[0][-1].legend(fontsize=7)
+    nets = list(dict.fromkeys(r["nixl"] for r in res))
+    patterns = list(dict.fromkeys(r["pattern"] for r in res))
+    orders = len({r.get("order", "") for r in res}) > 1
     ring = size_label(report.get("ring_bytes") or 0)
+    fig, axes = plt.subplots(
+        len(nets), len(patterns), figsize=(5 * len(patterns), 3.6 * len(nets)), squeeze=False, sharey="row"
+    )
+    for i, nixl in enumerate(nets):
+        for j, pattern in enumerate(patterns):
+            ax = axes[i][j]
+            mine = [r for r in res if (r["nixl"], r["pattern"]) == (nixl, pattern)]
+            for name in dict.fromkeys(_series(r, orders, ring) for r in mine):
+                rs = sorted((r for r in mine if _series(r, orders, ring) == name), key=lambda r: r["size"])
+                x = [r["size"] for r in rs]
+                y = [r["bytes"] / r["total_s_median"] / 1e9 for r in rs]
+                lo = [yy - r["bytes"] / r["total_s_max"] / 1e9 for yy, r in zip(y, rs, strict=True)]
+                hi = [r["bytes"] / r["total_s_min"] / 1e9 - yy for yy, r in zip(y, rs, strict=True)]
+                ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(report["sizes"], [size_label(s) for s in report["sizes"]])
+            ax.set_title(f"{nixl}, D blocks {pattern}", fontsize=9)
+            ax.set_xlabel("push size")
+            ax.set_ylabel("GB/s, P's hand-over to D's result", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.suptitle(
-        f"kvpush bench transfer --sizes: rounds through a {ring} region against direct and one slot "
-        f"sized to the push; median of {report['iters']} (bars: min to max); {report['host']['cpus']} shared CPUs",
+        f"kvpush bench transfer --sizes: median of {report['iters']} (bars: slowest to fastest run); "
+        f"P and D on {report['host']['cpus']} shared CPUs",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -172,10 +181,11 @@ def plot_parts(report: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("ms, P's hand-over to D's result")
     fig.suptitle(
-        f"rounds: total time over part count, per GIL mode (busy: a pure-Python thread in P and D); median of "
-        f"{report['iters']}, bars min to max, dashed: least squares over every run",
+        "rounds: total time over part count, per GIL mode (busy: a pure-Python thread in P and D; cpu: the same\n"
+        f"in a process beside each); median of {report['iters']}, bars min to max, dashed: least squares over "
+        "every run",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=100)
     plt.close(fig)

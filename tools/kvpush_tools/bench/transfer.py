@@ -129,7 +129,9 @@ def block_ids(pattern: str, n: int, pool: int, rng: np.random.Generator) -> list
 def _cache(shape: Shape, seed: int | None) -> np.ndarray:
     dims = (shape.layers, 2, shape.pool, shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes)
     if seed is None:
-        return np.zeros(dims, dtype=np.uint8)
+        arr = np.zeros(dims, dtype=np.uint8)
+        arr.fill(0)  # its pages now, not in the first unpack (a GiB of first touches takes seconds)
+        return arr
     n = math.prod(dims)
     if n % 8:
         return np.random.default_rng(seed).integers(0, 256, dims, dtype=np.uint8)
@@ -631,7 +633,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     nets = transports(args)
     knobs = {"push_parts": args.push_parts, "min_part_bytes": args.min_part_bytes, "part_cost_us": args.part_cost_us}
-    knobs |= {"ring_bytes": args.ring_bytes, "ring_slots": args.ring_slots}
+    knobs |= {"ring_bytes": args.ring_bytes, "ring_slots": args.ring_slots, "peer_dead_s": args.peer_dead_s}
     modes = busy_gil.modes(args)
     # A lane: one transport in one kvpush tree (``--tree``: this checkout's engine against another's, side by side)
     lanes = [(tree, t) for tree in (args.tree or [None]) for t in nets]
@@ -714,6 +716,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "push_parts": args.push_parts,
         "min_part_bytes": args.min_part_bytes,
         "ring_bytes": args.ring_bytes or transfer_plans.RING_BYTES,
+        "peer_dead_s": args.peer_dead_s,
         "gil_modes": [m.label for m in modes or []],
         "host": {
             "machine": platform.machine(),

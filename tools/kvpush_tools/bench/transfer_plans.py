@@ -103,7 +103,7 @@ def flat_config(
     extra: dict[str, Any] = {"staged_min_descriptors": 1} if mode == "staged" else {}
     if knobs.get("push_parts") is not None:
         extra["push_parts"] = knobs["push_parts"]
-    for knob in ("min_part_bytes", "part_cost_us", "ring_slots"):  # config keys of later trees
+    for knob in ("min_part_bytes", "part_cost_us", "ring_slots", "peer_dead_s"):  # config keys of later trees
         if knobs.get(knob) is not None and knob in known:
             extra[knob] = knobs[knob]
     if part is not None and "min_part_bytes" in known:
@@ -149,5 +149,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZES",
         help="replace the rounds plan by one per part size (e.g. 4M,16M,64M; each region ring-slots parts)",
+    )
+    ap.add_argument(
+        "--peer-dead-s",
+        type=float,
+        default=None,
+        help="the engines' peer_dead_s (default kvpush's; with --sizes 60: the host backend packs a staged push's "
+        "parts in one engine step, and the first into a cold GiB-sized region outlasts 10 s on a slow host)",
     )
     ap.add_argument("--ring-slots", type=int, default=None, help="a ring's slots (config ring_slots; default kvpush's)")

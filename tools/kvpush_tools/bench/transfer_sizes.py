@@ -31,6 +31,10 @@ from typing import Any
 from kvpush_tools.bench import part_cost
 from kvpush_tools.bench.transfer_plans import RING_BYTES, base_plan, parse_sizes, part_bytes_of, size_label
 
+PEER_DEAD_S = 60.0
+"""The engines' ``peer_dead_s`` unless ``--peer-dead-s``: the host backend packs a staged push's parts in one
+engine step, sending no heartbeat meanwhile, and the first 2 GiB into a region not touched yet takes more
+than kvpush's 10 s on a loaded 2-core host (D then rightly gives P up, and P the push)."""
 _PART = re.compile(r"^at_[pd]_part\d+_")
 Run = Callable[[argparse.Namespace], dict[str, Any]]
 SUMMARY_KEYS = (
@@ -94,6 +98,7 @@ def run_sizes(args: argparse.Namespace, run_one: Run) -> dict[str, Any]:
             sub = copy.copy(args)
             sub.tokens, sub.nixl_backend, sub.nixl_backends = tokens_for(size, args), [], list(net)
             sub.pool_factor = 1.0 if args.pool_factor is None else args.pool_factor
+            sub.peer_dead_s = PEER_DEAD_S if args.peer_dead_s is None else args.peer_dead_s
             t0 = time.monotonic()
             sub_report = run_one(sub)
             h = sub_report["host"]
