@@ -142,6 +142,26 @@ def test_tiny_sweep_writes_a_verified_report_with_fits(tmp_path: Path, capsys: p
     summary = json.loads((tmp_path / "transfer_sizes_summary.json").read_text())
     assert len(summary["results"]) == len(rows) and "iters" not in summary["results"][0]
     assert summary["sizes"] == [256 << 10, 512 << 10] and len(summary["segments"]) == 2
-    for png in ("transfer_sizes.png", "transfer_sizes_parts.png"):
-        assert (tmp_path / png).stat().st_size > 10_000
+    assert (tmp_path / "transfer_sizes_parts.png").stat().st_size > 10_000
+    assert not (tmp_path / "transfer_sizes.png").exists()  # a line per plan and GIL mode: drawn with one mode only
     assert "ms per part" in capsys.readouterr().out
+
+
+def test_tiny_sizes_compare_rounds_with_direct_and_one_slot(tmp_path: Path) -> None:
+    """Without GIL modes: direct, one slot and rounds through a region smaller than either push (D grants the
+    ring that fits it: two slots of 64 KiB), verified, with the sizes figure."""
+    argv = ["--sizes", "256K,512K", "--layers", "2", "--patterns", "shuffled,contiguous"]
+    argv += ["--plans", "coalesced,staged,rounds", "--ring-bytes", "128K", "--iters", "1", "--warmup", "0"]
+    argv += ["--quiet", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "transfer_sizes.json").read_text())
+    rows = {(r["size"], r["pattern"], r["plan"]): r for r in report["results"]}
+    assert len(rows) == 2 * 2 * 3 and all(r["verified"] and "gil" not in r for r in rows.values())
+    for size in (256 << 10, 512 << 10):
+        for pattern in ("shuffled", "contiguous"):
+            assert rows[size, pattern, "coalesced"]["plan_chosen"] == "direct"
+            assert rows[size, pattern, "staged"]["plan_chosen"] == "staged"
+            r = rows[size, pattern, "rounds"]
+            assert r["plan_chosen"] == "rounds" and r["parts"] == size // (64 << 10)
+    assert report["ring_bytes"] == 128 << 10 and report["part_cost"] == []
+    assert (tmp_path / "transfer_sizes.png").stat().st_size > 10_000

@@ -370,7 +370,8 @@ class _Side:
                     out["cpu"] = _engine_cpu(self.engines[plan]) - getattr(self, "cpu0", 0.0)
                     return {**out, **_record(r.stats), "times": times}
             time.sleep(0.0002)
-        raise TimeoutError(f"{tid}: D saw no result in {timeout}s")
+        counts = {k: v for k, v in self.engines[plan].stats().items() if v}
+        raise TimeoutError(f"{tid}: D saw no result in {timeout}s; D's engine: {counts}")
 
     def op_wait_notif(self, tag: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -536,7 +537,11 @@ def _one(
         d.call("register", plan, tid, addr, dblocks)
         d.send("wait", plan, tid, timeout)
         ps = p.call("push", plan, tid, sblocks, timeout, order)
-        ds = d.recv()
+        try:
+            ds = d.recv()
+        except RuntimeError as exc:  # D saw nothing: what P said of the same push
+            keep = ("ok", "reason", "plan", "parts", "descriptors", "bytes")
+            raise RuntimeError(f"{exc}\nP's result: { ({k: ps.get(k) for k in keep}) }") from None
     if not (ps["ok"] and ds["ok"]):
         raise RuntimeError(f"{tid} failed: P: {ps.get('reason')!r}, D: {ds.get('reason')!r}")
     return {

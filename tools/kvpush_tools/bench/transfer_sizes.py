@@ -187,8 +187,9 @@ def main(args: argparse.Namespace, run_one: Run) -> int:
     print(table(report))
     print(f"\nwrote {args.out / (stem + '.json')}, {stem}_summary.json", end="")
     if not args.no_plot:
-        part_cost.plot_sizes(report, args.out / f"{stem}.png")
-        print(f", {stem}.png", end="")
+        if len(report.get("gil_modes") or []) <= 1:  # a line per plan and mode: readable with one mode
+            part_cost.plot_sizes(report, args.out / f"{stem}.png")
+            print(f", {stem}.png", end="")
         if report["part_cost"]:
             part_cost.plot_parts(report, args.out / f"{stem}_parts.png")
             print(f", {stem}_parts.png", end="")
