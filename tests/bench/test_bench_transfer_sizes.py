@@ -163,5 +163,5 @@ def test_tiny_sizes_compare_rounds_with_direct_and_one_slot(tmp_path: Path) -> N
             assert rows[size, pattern, "staged"]["plan_chosen"] == "staged"
             r = rows[size, pattern, "rounds"]
             assert r["plan_chosen"] == "rounds" and r["parts"] == size // (64 << 10)
-    assert report["ring_bytes"] == 128 << 10 and report["part_cost"] == []
+    assert report["ring_bytes"] == 128 << 10 and report["part_cost"] == [] and report["tree"]
     assert (tmp_path / "transfer_sizes.png").stat().st_size > 10_000

@@ -24,8 +24,10 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvpush_tools.bench import part_cost
@@ -120,12 +122,27 @@ def run_sizes(args: argparse.Namespace, run_one: Run) -> dict[str, Any]:
         "sizes": list(args.sizes),
         "shape": {k: sub_report["shape"][k] for k in ("layers", "kv_heads", "head_dim", "dtype_bytes", "block_size")},
         "transports": ["+".join(n) for n in nets],
+        "tree": _git_rev(),
         "segments": segments,
         "results": rows,
     }
     report["host"] = {**report["host"], "loadavg_1m_start": segments[0]["loadavg_1m_start"]}
     report["part_cost"] = part_cost.fits(rows)
     return report
+
+
+def _git_rev() -> str:
+    """The kvpush checkout's commit (``+dirty`` with changes), or ``?`` outside a git checkout."""
+    import kvpush
+
+    where = Path(kvpush.__file__).resolve().parents[1]
+    git = ["git", "-C", str(where)]
+    try:
+        rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    except OSError:
+        return "?"
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if rev.returncode == 0 else "?"
 
 
 def _lean(row: dict[str, Any]) -> dict[str, Any]:
