@@ -250,6 +250,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     free port per rank (tests), which P cannot tell D."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
+    prefill_peers: tuple[str, ...] = ()
+    """D: the P instances it says hello to at start, as ``HOST:PORT`` (P's side channel, rank 0's port) or
+    ``HOST:PORT/TP`` (P's tensor-parallel size, 1 if not given): the link to each P rank it takes KV from is up,
+    NIXL metadata exchanged and P's lists for it prepared before the first request, whose TTFT then matches
+    the steady state (``kvpush.decode.warm``). Empty: a link opens at the first registration that needs it."""
     proxy_ip: str = ""
     """Router service discovery (vLLM's name): announce this instance to ``proxy_ip:proxy_ping_port``
     (vllm-router ``--vllm-discovery-address``) so the router sends P and D their requests at once;

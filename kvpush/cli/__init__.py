@@ -35,6 +35,10 @@ BENCH: dict[str, tuple[str, str]] = {
     "auth": ("kvpush_tools.bench.auth", "side-channel round trips with and without CURVE authentication"),
     "trip": ("kvpush_tools.bench.trip", "one side-channel message's trip from D's send to P's engine thread"),
     "pairing": ("kvpush_tools.bench.pairing", "P's planning between D's registration and its first pack, per tree"),
+    "post": (
+        "kvpush_tools.bench.post",
+        "P's post of a direct WRITE vs its descriptor count: per request, by index, vLLM's way",
+    ),
     "layerwise": (
         "kvpush_tools.bench.layerwise",
         "TTFT vs prompt length: single vLLM, whole-request push, layer-wise push",

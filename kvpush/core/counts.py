@@ -35,6 +35,8 @@ class Count(enum.StrEnum):
     RELEASED = "released_total"
     DEFERRED_REGISTRATIONS = "deferred_registrations_total"
     PARTS_PREBUILT = "parts_prebuilt_total"
+    PARTS_BY_INDEX = "parts_by_index_total"  # P: direct WRITEs made by index into prepared lists (core/indexed.py)
+    PARTS_BY_STRIP = "parts_by_strip_total"  # P: direct WRITEs built for the request from the strips (core/indexed.py)
     PACKS_AHEAD = "packs_ahead_total"  # P: pack lists built when a prefill was handed over
     PACKS_AHEAD_USED = "packs_ahead_used_total"  # P: staged plans that took such a list instead of building one
     PACKS_AT_HAND_OVER = "packs_at_hand_over_total"  # P: parked prefills packed into a slot before D registered

@@ -33,7 +33,7 @@ from kvpush.core.layout import KVLayout, TokenOrder, heads_overlap
 from kvpush.core.outcome import PlanKind
 from kvpush.core.payload import block_runs, pack_pieces
 from kvpush.core.pieces import coalesce, coalesce_in_dst_order, descriptors, map_pieces, merge_descriptors
-from kvpush.core.rounds import Ring, make_ring
+from kvpush.core.rounds import RING_MIN_PART_BYTES, Ring, make_ring
 
 
 @dataclass(frozen=True)
@@ -95,16 +95,20 @@ def staged_bytes(src: KVLayout, dst: KVLayout, num_tokens: int, start_token: int
 
 
 def staging_shortfall(cfg: Config, layout: KVLayout, max_tokens: int) -> tuple[int, int] | None:
-    """Where this rank's staging region cannot hold a push of ``max_tokens`` (the longest prompt served):
+    """Where this rank's staging region cannot stage the longest prompt served (``max_tokens``):
     ``(tokens it holds, bytes the longest push needs)``, counted in whole blocks with a peer of this layout's
     heads; None where it can, or where staging is off (``plan="direct"``, ``staging_bytes`` 0).
 
-    A push D wants staged (its blocks fragmented) that does not fit goes direct, one descriptor per piece at
-    the transport's price: the cost a long prompt pays in docs/benchmarks.md section 11. Said at start, so an
-    operator sizes the region before the first slow request instead of after.
+    A push larger than the region goes through it in rounds (``kvpush.core.rounds``), so the region holds any
+    prompt once it holds a ring's two smallest slots (``RING_MIN_PART_BYTES``); a smaller region holds only
+    what fits it whole, and a longer prompt whose blocks are fragmented goes direct, one descriptor per
+    piece at the transport's price. Said at start, so an operator sizes the region before the first slow
+    request instead of after.
     """
     region = cfg.staging.staging_bytes
     if cfg.staging.plan == "direct" or region <= 0 or max_tokens <= 0 or layout.hybrid:
+        return None
+    if region >= 2 * RING_MIN_PART_BYTES:
         return None
     per_block = staged_bytes(layout, layout, layout.block_size, 0)
     need = -(-max_tokens // layout.block_size) * per_block

@@ -13,7 +13,7 @@ import numpy as np
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
-from kvpush.core.parts import PartCosts, cut, split_regions
+from kvpush.core.parts import MIN_PART_BYTES, PartCosts, cut, split_regions
 from kvpush.core.payload import block_runs, check_unpack, unpack_pieces
 from kvpush.core.rounds import ring_sizes
 from kvpush.core.staging import SlotAllocator
@@ -120,17 +120,18 @@ def staging_grant(cfg: Config, slots: SlotAllocator, size: int, rounds: bool) ->
     prompt length needs a region that holds it, and a busy region hands out smaller rings before none.
     """
     st = cfg.staging
-    full = st.ring_slots * max(st.min_part_bytes, 1)
+    part = st.min_part_bytes or MIN_PART_BYTES  # 0 lifts the one-slot plan's minimum; a ring's slot keeps a size
+    full = st.ring_slots * part
     if not rounds or size <= full:
         off = slots.alloc(size)
         if off is not None:
             return protocol.StagingGrant(off, size)
         if not rounds:
             return None
-    for n, part in ring_sizes(st.ring_slots, st.min_part_bytes):
-        if n * part >= size:
+    for n, each in ring_sizes(st.ring_slots, part):
+        if n * each >= size:
             continue  # no smaller than the whole payload: its own slot was tried
-        off = slots.alloc(n * part)
+        off = slots.alloc(n * each)
         if off is not None:
-            return protocol.StagingGrant(off, n * part, part, n)
+            return protocol.StagingGrant(off, n * each, each, n)
     return None

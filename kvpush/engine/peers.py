@@ -32,6 +32,7 @@ from kvpush.core.counts import Count
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
 from kvpush.core.topology import targets_for
+from kvpush.engine import by_index
 from kvpush.engine.ports import PeerMaps, PeerPort
 from kvpush.prefill.admission import Admission, KeyLimits
 from kvpush.prefill.hello import (
@@ -281,6 +282,8 @@ class PeerTable:
             return
         self.admission.add(key, dkey, len(msg.agent_metadata))
         mapped = self.maps.open(msg.peer, msg.layout) if self.maps is not None and msg.peer else None
+        if mapped is None:  # NIXL WRITEs: D's prepared list for by-index posts, made once per load
+            by_index.prepare_peer(self.agent, self.layout, agent_name, msg.layout)
         if mapped is not None:
             # No WRITE will connect to this D rank: the greeting starts the connection its first part's
             # notification needs (D ignores it), while the hello is answered.

@@ -9,6 +9,7 @@ job's actions with what happened.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -22,16 +23,16 @@ from kvpush.backends.copy import Copier
 from kvpush.config import Config
 from kvpush.core import protocol
 from kvpush.core.errors import KVPushError
-from kvpush.core.layout import KVLayout, heads_overlap
+from kvpush.core.layout import KVLayout
 from kvpush.core.outcome import Cause, Failed, PartTimes, PlanKind, Stage, XferState
-from kvpush.core.parts import PartSchedule, costs_of, split_regions
-from kvpush.core.plan import Plan, build_plan, group_runs, group_tokens, part_descriptors
-from kvpush.core.rounds import slice_pieces
+from kvpush.core.parts import split_regions
+from kvpush.core.plan import Plan, group_runs, part_descriptors
+from kvpush.engine import by_index
 from kvpush.engine.peer_writes import Writes
 from kvpush.engine.ports import PeerLookup, PushPort
 from kvpush.observability.metrics import Count
 from kvpush.prefill.decisions import Prefill
-from kvpush.prefill.job_plan import JobPlan, Prepacked
+from kvpush.prefill.job_plan import JobPlan
 from kvpush.prefill.push_actions import (
     QUESTIONS,
     Action,
@@ -44,8 +45,9 @@ from kvpush.prefill.push_actions import (
     StartPack,
 )
 from kvpush.prefill.push_job import PushJob
+from kvpush.prefill.push_start import BadRegistration, Local, Remote, start_push
 from kvpush.prefill.rounds_job import RoundsJob
-from kvpush.prefill.slots import Evicted, Grant, SlotAction, StagingSlots
+from kvpush.prefill.slots import StagingSlots
 from kvpush.prefill.transfer import Transfer
 from kvpush.transport.nixl_agent import Agent
 
@@ -78,6 +80,12 @@ class PushRunner:
         self.region_bases = [r.base for r in self.layout.regions]
         self._parts: dict[int, PartTimes] = {}  # the times of each flying WRITE's part, by handle
         self.layer_ends = tuple(self.layout.regions_through(i) for i in range(self.layout.num_layers))
+        self.costs = by_index.costs_of(self.cfg, self.agent.nixl_version)  # how a direct part's WRITE is made
+        staging = (self.staging.addr, self.staging.device_id) if self.staging is not None else None
+        chains = self.backend.capabilities.chained_ready
+        pack_bw = self.backend.pack_bandwidth()
+        self.local = Local(self.cfg, self.layout, staging, self.layer_ends, pack_bw, chains, self.copy.asynchronous)
+        """This P rank, as ``push_start.start_push`` decides a push's start against it."""
 
     def drive(self, tid: str, rec: Transfer, job: PushJob) -> None:
         """Feed the job what happened (readiness, packs, WRITEs) and carry out the actions it returns."""
@@ -261,7 +269,8 @@ class PushRunner:
                 self.writes.release(handle)
 
     def start_job(self, tid: str, rec: Transfer, prefill: Prefill, reg: protocol.Register) -> None:
-        """Pair made: plan now (often before the KV exists); the job posts parts as regions become ready."""
+        """Pair made: how the push starts is ``push_start.start_push``'s (often before the KV exists); here the
+        backend's hints, the WRITEs built ahead, and the job made, which posts parts as regions become ready."""
         t0 = time.monotonic()
         key = (reg.engine_id, reg.rank)
         peer = self.peers.get(key)
@@ -269,55 +278,41 @@ class PushRunner:
             gone = Failed(Stage.RENDEZVOUS, Cause.DEAD_PEER, f"D {reg.engine_id} rank {reg.rank} is gone")
             self.port.push_ended(tid, key, gone)
             return
+        staging = (peer.staging.base, peer.staging.device_id) if peer.staging is not None else None
+        remote = Remote(peer.layout, staging, peer.mapped is not None)
         try:
-            if reg.num_tokens > prefill.num_tokens:
-                why = f"D asks for {reg.num_tokens} tokens, P computed {prefill.num_tokens}"
-                raise _BadRegistration(why)
-            plan, slot, prepacked = self._plan(prefill, reg, peer, rec)
+            start = start_push(self.local, self.slots, prefill, reg, remote, rec)
         except Exception as exc:
-            cause = Cause.BAD_REGISTRATION if isinstance(exc, _BadRegistration) else Cause.POST_ERROR
+            cause = Cause.BAD_REGISTRATION if isinstance(exc, BadRegistration) else Cause.POST_ERROR
             self.port.fail(peer.ident, reg, Failed(Stage.PLAN, cause, str(exc)))
             self.port.push_ended(tid, key, Failed(Stage.PLAN, cause, f"planning failed: {exc}"))
             return
-        cfg = self.cfg
-        sched = PartSchedule(
-            self.layer_ends,
-            plan.region_bytes,
-            cfg.per_layer.layerwise_min_part_bytes,
-            cfg.per_layer.layerwise_lead_layers,
-        )
-        # A backend that chains queues packs and peer copies behind the KV's marker on the device.
-        chained = (PlanKind.STAGED, PlanKind.PEER, PlanKind.ROUNDS)
-        chain = plan.kind in chained and self.backend.capabilities.chained_ready
-        costs = costs_of(cfg, self.backend.pack_bandwidth(), self.copy.asynchronous)
-        slices = self._slices(plan) if plan.kind is PlanKind.ROUNDS else None
-        jp = JobPlan(plan, sched, cfg.staging.push_parts, chain, cfg.staging.min_part_bytes, costs, slices)
-        dead_s = cfg.polling.peer_dead_s
+        for count in start.counts:
+            self.port.bump(count)
+        plan, jp, slot, dead_s = start.plan, start.job_plan, start.slot, self.cfg.polling.peer_dead_s
         if plan.kind is PlanKind.ROUNDS:
             assert slot is not None
+            self._hint_slices(jp)
             t_plan = time.monotonic()
             self._start(tid, rec, reg, RoundsJob(reg, jp, rec.times, t0, t_plan - t0, slot, dead_s), t0, t_plan, plan)
             return
         made = {}
-        if plan.kind is PlanKind.STAGED and prepacked is None:
+        if plan.kind is PlanKind.STAGED and start.prepacked is None:
             made = self._prepare(jp, prefill, rec, peer, reg, slot)
         elif plan.kind in (PlanKind.DIRECT, PlanKind.PEER) and self._ahead(prefill, rec):
             made = self._build_ahead(plan, reg, peer, [(0, plan.nregions)])
         t_plan = time.monotonic()
-        job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, prepacked, dead_s=dead_s)
+        job = PushJob(reg, jp, rec.times, t0, t_plan - t0, slot, made, start.prepacked, dead_s=dead_s)
         self._start(tid, rec, reg, job, t0, t_plan, plan)
 
-    def _slices(self, plan: Plan) -> dict[tuple[int, int], Any]:
-        """A push in rounds: P's pack list cut to each stream range of its parts, handed to the backend as a
-        hint (one table per range, whatever the number of parts)."""
-        assert plan.ring is not None and plan.pack is not None
-        slices = {(q0, q1): slice_pieces(plan.pack, q0, q1) for q0, q1 in plan.ring.slices()}
+    def _hint_slices(self, jp: JobPlan) -> None:
+        """A push in rounds: hand the backend P's pack list cut to each stream range of its parts (one table per
+        range, whatever the number of parts)."""
         try:
-            for pieces in slices.values():
+            for pieces in (jp.slices or {}).values():
                 self.copy.prepare_pack(self.region_bases, pieces)
         except Exception:
             log.exception("%s: prepare_pack failed (pack will do it)", self.name)
-        return slices
 
     def _start(
         self, tid: str, rec: Transfer, reg: protocol.Register, job: PushJob, t0: float, t_plan: float, plan: Plan
@@ -342,7 +337,6 @@ class PushRunner:
             plan.descriptors,
             plan.estimate,
         )
-        self.port.bump(Count.plan(plan.kind))
 
     def _prepare(
         self, jp: JobPlan, prefill: Prefill, rec: Transfer, peer: Any, reg: protocol.Register, slot: int | None
@@ -401,6 +395,15 @@ class PushRunner:
             notif = _completion(plan, reg, self.rank, r0, r1, 0)
             copies = self._peer_copies(plan, peer, r0, r1)
             return self.writes.peer_write(peer.mapped, copies, peer.agent, notif, prepare=ahead), 0
+        if plan.kind is PlanKind.DIRECT:
+            notif_of = functools.partial(_completion, plan, reg, self.rank, r0, r1)
+            made = by_index.build_direct(
+                self.agent, self.costs, plan, self.layout, peer.layout, peer.agent, r0, r1, notif_of
+            )
+            if made is not None:
+                handle, ndesc, count = made
+                self.port.bump(count)
+                return handle, ndesc
         local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
         notif = _completion(plan, reg, self.rank, r0, r1, local.shape[0])
         lmem, rmem = self.layout.mem, peer.layout.mem
@@ -419,74 +422,6 @@ class PushRunner:
             (self.region_bases[a:b], dst[a:b], plan.group_merged[plan.region_group[a]])
             for a, b in group_runs(plan, r0, r1)
         ]
-
-    def _plan(
-        self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer
-    ) -> tuple[Plan, int | None, Prepacked | None]:
-        """The plan, its P slot and, when it takes the slot packed at hand-over, that pack (``Prepacked``);
-        which slot, if any, is the slot rule's (``slots.StagingSlots``)."""
-        tid = prefill.transfer_id
-        ahead = self._pack_ahead(prefill, reg, peer, rec)
-        mapped = peer.mapped is not None  # a peer copy needs no slot
-        both = reg.staging is not None and peer.staging is not None and self.staging is not None and not mapped
-        d_ring = (reg.staging.slots, reg.staging.part_bytes) if both and reg.staging.ring else None
-        grant = self._slot(self.slots.pair(tid, reg.staging.size if both else None, ahead, d_ring))
-        local = remote = ring = None
-        if grant is not None:
-            local = (self.staging.addr + grant.offset, self.staging.device_id)
-            remote = (peer.staging.base + reg.staging.offset, reg.staging.size, peer.staging.device_id)
-            if d_ring is not None and grant.slots:
-                ring = (d_ring[1], d_ring[0], grant.slots)
-        src_blocks = prefill.block_ids[self.layout.token_group]
-        if ahead is not None and rec.pack_ahead is not None and rec.pack_ahead.blocks is not None:
-            src_blocks = rec.pack_ahead.blocks
-        try:
-            plan = build_plan(
-                self.cfg,
-                self.layout,
-                peer.layout,
-                src_blocks,
-                reg.block_ids[peer.layout.token_group],
-                reg.num_tokens,
-                reg.start_token,
-                staging_local=local,
-                staging_remote=remote,
-                pack_bw=self.backend.pack_bandwidth(),
-                groups=group_tokens(prefill.block_ids, peer.layout, reg.block_ids, reg.start_token, reg.skip_blocks),
-                pack=None if mapped else ahead,
-                peer=mapped,
-                ring=ring,
-            )
-        except Exception:
-            self.slots.plan_failed(tid, grant.offset if grant is not None else None)
-            raise
-        kept = self._slot(self.slots.planned(tid, grant.offset if grant is not None else None, plan.kind, plan.pack))
-        if plan.kind is PlanKind.STAGED and ahead is not None:
-            self.port.bump(Count.PACKS_AHEAD_USED)
-        if kept is None or kept.prepack is None:
-            return plan, kept.offset if kept is not None else None, None
-        self.port.bump(Count.PACKS_AT_HAND_OVER_USED)
-        took = kept.prepack
-        return plan, kept.offset, Prepacked(took.marker if not took.reached else None, took.after)
-
-    def _slot(self, actions: list[SlotAction]) -> Grant | None:
-        """Carry out the slot rule's actions at pairing: count the parked slots taken back; the slot granted."""
-        grant = None
-        for a in actions:
-            if isinstance(a, Evicted):
-                self.port.bump(Count.PACKS_AT_HAND_OVER_EVICTED)
-            elif isinstance(a, Grant):
-                grant = a
-        return grant
-
-    def _pack_ahead(self, prefill: Prefill, reg: protocol.Register, peer: Any, rec: Transfer) -> Any:
-        if rec.pack_ahead is None:
-            return None
-        return rec.pack_ahead.fits(prefill, heads_overlap(self.layout, peer.layout), reg.num_tokens, reg.start_token)
-
-
-class _BadRegistration(KVPushError):
-    """D asks for what P cannot write (more tokens than the prefill computed)."""
 
 
 def _completion(plan: Plan, reg: protocol.Register, rank: int, r0: int, r1: int, ndesc: int) -> bytes:

@@ -55,6 +55,7 @@ from kvpush.decode.fencing_actions import (
 from kvpush.decode.incoming import Action, Asked
 from kvpush.decode.link import Dead, LinkNews, LinkState, Ready, Refused
 from kvpush.decode.registration import register_message, unpack_choice
+from kvpush.decode.warm import warm_links
 from kvpush.engine.conns import Conns, Dialer
 from kvpush.engine.loop import EngineLoop
 from kvpush.engine.types import PeerAddress
@@ -108,6 +109,11 @@ class Receiver(EngineLoop):
             Allowed.parse(config.security.allowed_prefills),
             credit_every=config.polling.heartbeat_s,
         )
+        # The P ranks said hello to at start (``prefill_peers``): a bad entry is a start-up error naming it.
+        allowed = Allowed.parse(config.security.allowed_prefills)
+        self._warm, skipped = warm_links(config.prefill_peers, rank, tp_size, self.layout.num_heads, allowed)
+        for why in skipped:
+            log.warning("%s: prefill_peers: %s", self.name, why)
         self._foreign_log = Throttle(LOG_EVERY_S)
         self.counters = self.fencing.counters
         self.conns: Conns  # made with the agent (``setup``), before any call reaches the thread
@@ -202,6 +208,14 @@ class Receiver(EngineLoop):
             self.fencing,
             self.bump,
         )
+        self.warm()
+
+    def warm(self) -> None:
+        """Say hello to the P ranks of ``prefill_peers`` now (called once the engine thread runs): their links
+        are ready, NIXL metadata exchanged, before the first registration (``kvpush.decode.warm``)."""
+        now = time.monotonic()
+        for conn in self._warm:
+            self.conns.open(conn, now)
 
     def _export_peer(self) -> bytes:
         """What lets a P rank on this host write this rank's KV (``kvpush.backends.peer``), when

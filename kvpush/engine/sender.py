@@ -30,6 +30,7 @@ from kvpush.core.errors import KVPushError
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import peer_limits
 from kvpush.core.outcome import Cause, Failed, PrefillState, PushStats, PushTimes, Result, Stage
+from kvpush.engine import by_index
 from kvpush.engine.answers import Answers
 from kvpush.engine.hand_over import HandOver
 from kvpush.engine.loop import EngineLoop
@@ -187,6 +188,7 @@ class Sender(EngineLoop):
                     self.name,
                 )
         self.open_agent("p")
+        by_index.prepare_local(self.agent, self.layout)  # once, over the KV just registered
         port = self.cfg.side_channel_port + self.rank
         self.server = Server(
             self.ctx,

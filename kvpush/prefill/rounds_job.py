@@ -199,8 +199,6 @@ class RoundsJob(PushJob):
                 tile = self.ring.tiles[j]
                 assert self.slot is not None
                 return StartPack(tile.r0, tile.r1, self.after, self.slot + self.ring.p_offset(j), part=j)
-        else:
-            self.waiting_post.clear()
         if self.packing and not self._looked:
             self._looked = True
             head = self.packing[0]

@@ -16,6 +16,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from kvpush.backends.base import MemRegistration
 from kvpush.core.errors import ConfigError, KVPushError, MemoryKindError
+from kvpush.core.indexed import INDEX_US, INDEX_US_ENTRIES, expand, list_fits
 from kvpush.core.nixl_backends import DEFAULTS, TESTED_NIXL, told, traits
 from kvpush.core.outcome import XferState
 from kvpush.core.peer_loads import LoadNew, PeerLoads, TakenBack, Unload
@@ -202,6 +204,34 @@ def start_on_nixl(backends: Sequence[str]) -> None:
         warn_once(verdict.warning)
 
 
+STRIDED_LISTS = (1, 5)
+"""The first NIXL whose ``prep_xfer_dlist`` takes a list in its strided form (one N x 5 row per strip); an
+older one is given the list one row per entry."""
+STRIDED_CORE = (1, 4)
+"""The first NIXL that holds a prepared list as strides (consecutive equally spaced entries in one row), so that
+naming an entry by index reads a few rows instead of an entry of a list larger than the cache."""
+
+
+def _at_least(version: str, first: tuple[int, int]) -> bool:
+    """Whether NIXL ``version`` is ``first`` or later; a version it cannot read is not."""
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return parts >= first
+
+
+def takes_strided_lists(version: str) -> bool:
+    """Whether NIXL ``version`` prepares strided lists (``STRIDED_LISTS``)."""
+    return _at_least(version, STRIDED_LISTS)
+
+
+def index_cost_us(version: str) -> float:
+    """Host work per index of a by-index WRITE on NIXL ``version`` (``kvpush.core.indexed``: ``INDEX_US`` where
+    it holds lists as strides, ``STRIDED_CORE``, else ``INDEX_US_ENTRIES``)."""
+    return INDEX_US if _at_least(version, STRIDED_CORE) else INDEX_US_ENTRIES
+
+
 def imports_torch() -> bool:
     """Whether the running NIXL's Python API imports torch when loaded (NIXL 1.3.2 does: seconds and hundreds
     of MiB per process on a small host); later versions only look for a torch already imported. Read from
@@ -217,6 +247,15 @@ def _pairs(new: dict[Any, list[Any]]) -> list[tuple[str, bytes]]:
         p = peer.decode() if isinstance(peer, bytes) else peer
         out.extend((p, bytes(m)) for m in msgs)
     return out
+
+
+@dataclass
+class _Kept:
+    """A prepared descriptor list the agent keeps: NIXL's handle and what its maker attached to it
+    (``Agent.kept``)."""
+
+    handle: Any
+    note: Any
 
 
 class Agent:
@@ -266,6 +305,10 @@ class Agent:
         self._flush_until = 0.0  # progress until then: a notification may still be queued
         self._writes: dict[int, str] = {}
         """WRITEs made and not yet released: ``id`` of the handle -> the peer written to."""
+        self._lists: dict[str, _Kept] = {}
+        """Prepared descriptor lists kept for by-index WRITEs, by peer ("": this agent's own memory)."""
+        self.strided_lists = takes_strided_lists(version)
+        """Whether NIXL prepares a list from one row per strip; otherwise it is given one row per entry."""
 
     def peers(self) -> tuple[str, ...]:
         """The peers in use (loaded with ``add_peer``, not given up with ``remove_peer``)."""
@@ -360,7 +403,9 @@ class Agent:
         """Give a peer up: nothing of it is posted any more. Whether it is unloaded now, kept loaded for its
         metadata's return, or kept for ``stuck_grace_s`` because WRITEs to it would not end if it died, is
         ``kvpush.core.peer_loads``' rule. Without ``now`` (the caller keeps no time) a peer kept for its WRITEs
-        is unloaded at once."""
+        is unloaded at once. Its prepared list goes now, whether or not its metadata stays loaded: nothing is
+        posted to it any more, and its next hello prepares a list again (``keep_list``)."""
+        self._drop_list(name)
         self._carry_out(self._loads.remove(name, name in self._writes.values(), now))
 
     def expire(self, now: float) -> None:
@@ -396,13 +441,66 @@ class Agent:
         self._writes[id(handle)] = peer
         return handle
 
+    # -- prepared lists and by-index WRITEs ------------------------------------
+    def keep_list(self, peer: str, rows: np.ndarray, mem: str, note: Any = None) -> bool:
+        """Prepare NIXL's descriptor list over ``peer``'s memory (``peer`` empty: this agent's own) from
+        ``rows``, in the strided form (``kvpush.core.indexed.list_rows``: one (address, entry bytes, device,
+        stride, count) row per strip), and keep it for by-index WRITEs until the peer is given up (this agent's
+        own: until ``close``). A list kept for the peer before is released first, whatever it was made from:
+        the caller prepares a peer's list at each hello, so a peer that restarted (the same name, other
+        metadata, perhaps its memory at the same addresses) never keeps one made over its previous load.
+        Returns whether a list is kept: False where the peer is not in use, the list is too large for this
+        NIXL (``list_fits``) or NIXL refused it (logged)."""
+        self._drop_list(peer)
+        if peer and peer not in self._loads.in_use:
+            return False
+        if not list_fits(rows, self.strided_lists):
+            who = peer or "this agent"
+            log.info("%s: %s's KV is too large for a prepared list on NIXL %s", self.name, who, self.nixl_version)
+            return False
+        given = np.ascontiguousarray(rows if self.strided_lists else expand(rows), dtype=np.int64)
+        try:
+            handle = self._agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", given, mem)
+        except Exception as exc:
+            who = peer or "this agent"
+            log.warning(
+                "%s: NIXL refused a prepared list over %s's KV (WRITEs built per request): %s", self.name, who, exc
+            )
+            return False
+        self._lists[peer] = _Kept(handle, note)
+        return True
+
+    def kept(self, peer: str) -> Any:
+        """The note given with the list kept for ``peer`` ("": this agent's own), or None where none is kept."""
+        kept = self._lists.get(peer)
+        return kept.note if kept is not None else None
+
+    def _drop_list(self, peer: str) -> None:
+        kept = self._lists.pop(peer, None)
+        if kept is None:
+            return
+        try:
+            self._agent.release_dlist_handle(kept.handle)
+        except Exception as exc:  # pragma: no cover - teardown best effort
+            log.debug("release_dlist_handle(%s): %s", peer, exc)
+
+    def prepare_by_index(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
+        """Create, not post, a WRITE of entries ``local`` of this agent's kept list to entries ``remote`` of
+        ``peer``'s (int32, pairwise), carrying ``notif``. Raises ``KVPushError`` where a list is not kept."""
+        mine, theirs = self._lists.get(""), self._lists.get(peer)
+        if mine is None or theirs is None:
+            raise KVPushError(f"no prepared list kept for {'this agent' if mine is None else peer}")
+        handle = self._agent.make_prepped_xfer("WRITE", mine.handle, local, theirs.handle, remote, notif)
+        self._writes[id(handle)] = peer
+        return handle
+
     def prepare_lists(
         self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, peer: str
     ) -> tuple[Any, Any]:
         """NIXL's prepared descriptor lists over these local buffers and ``peer``'s (rows of address, length,
         device), made once and reused: a WRITE then names their entries by index
-        (``prepare_indexed_write``) instead of building descriptors per request. The engine builds its
-        descriptors per WRITE (``prepare_write``); ``kvpush_tools.cuda.bench`` measures what this saves."""
+        (``prepare_indexed_write``, the same entry of each side) instead of building descriptors per request:
+        ``kvpush_tools.cuda.bench``'s handles posted again. The engine's lists are ``keep_list``'s."""
         mk = self._agent.prep_xfer_dlist
         return mk("NIXL_INIT_AGENT", local, local_mem), mk(peer, remote, remote_mem)
 
@@ -413,8 +511,9 @@ class Agent:
         return self._agent.make_prepped_xfer("WRITE", local, indices, remote, indices, notif)
 
     def post(self, handle: Any, notif: bytes = b"") -> XferState:
-        """Post a WRITE made by ``prepare_write`` (or ``prepare_indexed_write``); returns the post state.
-        ``notif``: a new notification for a handle posted again (empty: the one it was made with)."""
+        """Post a WRITE made by ``prepare_write`` (or ``prepare_indexed_write``, ``prepare_by_index``); returns
+        the post state. ``notif``: a new notification for a handle posted again (empty: the one it was made
+        with)."""
         self._settle_errors()
         return XferState.of(self._agent.transfer(handle, notif))
 
@@ -493,6 +592,8 @@ class Agent:
         return now < self._flush_until
 
     def close(self) -> None:
+        for peer in list(self._lists):
+            self._drop_list(peer)
         self._carry_out(self._loads.close())
         self.deregister_all()
         self._agent = None

@@ -59,6 +59,9 @@ class Geom(model.Geom):
     num_blocks: int = 64
     head_dim: int = 16
     dtype: str = "bfloat16"
+    blocks_first: bool = False
+    """Lay each layer out blocks first in memory (block ``b``'s K, then its V: vLLM's ``[blocks, 2, ...]``), the
+    logical view (``shape``) staying K/V first: the engine reads the physical order from the strides."""
 
     @property
     def head_bytes(self) -> int:
@@ -146,7 +149,19 @@ class Worker(conformance.Worker):
         """Layers of one uint8 array (no backend ``make_test_cache``: the dtype is a label here)."""
         assert isinstance(geom, Geom), "the engine tests' workers take tests/helpers/procs.py's Geom"
         arr = make_cache(geom, seed)
+        if geom.blocks_first:  # the same logical bytes, stored [layers, blocks, 2, ...]
+            shape = geom.shape()
+            physical = np.empty((shape[0], shape[2], shape[1], *shape[3:]), dtype=np.uint8)
+            arr, logical = physical.swapaxes(1, 2), arr
+            arr[...] = logical
         return {f"layer{i}": arr[i] for i in range(geom.layers)}
+
+    def op_snapshot(self, key: str) -> np.ndarray:
+        """The whole cache's logical bytes (a blocks-first cache read through its logical view)."""
+        r = self.ranks[key]
+        if isinstance(r.geom, Geom) and r.geom.blocks_first:
+            return np.stack([np.asarray(t) for t in r.kv.values()])
+        return super().op_snapshot(key)
 
     def op_prefill_started(self, key: str, tid: str, rid: str, blocks: list[int], n: int) -> None:
         self.ranks[key].engine.prefill_started(tid, rid, [blocks], n)
@@ -160,6 +175,19 @@ class Worker(conformance.Worker):
 
     def op_layer_written(self, key: str, tids: list[str], layer: int) -> None:
         self.ranks[key].engine.layer_written(tids, layer)
+
+    def op_index_cost(self, key: str, us: float) -> float:
+        """P rank ``key`` weighs ``us`` per index when it chooses how to make a direct part's WRITE (its NIXL's
+        own figure otherwise: ``kvpush.transport.nixl_agent.index_cost_us``), so that a test's choices do not
+        depend on the NIXL version; returns the figure it replaced."""
+        engine = self.ranks[key].engine
+
+        def swap() -> float:
+            old = engine.runner.costs.index_s
+            engine.runner.costs = replace(engine.runner.costs, index_s=us * 1e-6)
+            return old * 1e6
+
+        return float(engine.call_sync(swap))
 
     def op_receiver(
         self,

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from procs import Geom, Node, assert_same, dealer, make_cache
+from procs import Geom, Node, answer, assert_same, dealer, make_cache
 from test_auth_nixl import FAST, _attack, _check_pushed, _ids, pair
 
 from kvpush.conformance.model import Req, apply_push
@@ -44,7 +44,7 @@ class Intruder:
         self.sock = dealer(addr, keys, self.ctx)
         self.hello, self.register, self.abort, _, _ = _attack(d, k, "placeholder", g)
         self.sock.send(protocol.encode(self.hello))
-        assert self.sock.poll(5000) and protocol.decode(self.sock.recv()).ok, "P must hear an allowed D key"
+        assert answer(self.sock, 5000).ok, "P must hear an allowed D key"
 
     def send(self, msg: Any) -> None:
         self.sock.send(protocol.encode(msg))
@@ -52,8 +52,7 @@ class Intruder:
     def registers(self, tid: str, capability: str) -> protocol.Failure:
         """Register ``tid``; P's answer, which must be a refusal."""
         self.send(msgspec.structs.replace(self.register, transfer_id=tid, capability=capability))
-        assert self.sock.poll(5000), f"P took the intruder's registration of {tid} (no refusal)"
-        fail = protocol.decode(self.sock.recv())
+        fail = answer(self.sock, 5000)
         assert isinstance(fail, protocol.Failure) and fail.cause is Cause.REFUSED, fail
         return fail
 

@@ -275,7 +275,7 @@ def test_registrations_stop_at_the_keys_bytes(nodes: tuple[Node, Node]) -> None:
         while time.monotonic() < deadline and refused == 0:
             for s in socks:
                 while s.poll(0):
-                    msg = protocol.decode(s.recv())
+                    msg = protocol.decode(s.recv())  # P's Features and answers of every kind: the refusals counted
                     if isinstance(msg, protocol.Failure) and msg.cause == Cause.OVER_LIMIT:
                         assert f"D key {who}" in msg.reason and f"peer_key_bytes {budget}" in msg.reason, msg
                         refused += 1

@@ -177,12 +177,16 @@ def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"process {pid} did not stop")
 
 
-def _big_transfer_pair(p: Node, d: Node, **polling: float) -> tuple[Geom, tuple[str, int, int]]:
+ROUNDS = {"plan": "staged", "staged_min_descriptors": 1, "min_part_bytes": 256 << 10, "ring_slots": 4}
+"""A push in rounds through FAST's 1 MiB staging region: four slots of 256 KiB (512 parts for 128 MiB)."""
+
+
+def _big_transfer_pair(p: Node, d: Node, plan: str = "direct", **polling: float) -> tuple[Geom, tuple[str, int, int]]:
     """P (``s``) and D (``r``) over a cache whose block is 1 MiB over all layers (128 of them: a 128 MiB
-    transfer, whose WRITE lasts), direct plans, FAST but for ``polling``; returns the geometry and D's peer
-    address of P."""
+    transfer, whose WRITE lasts), direct plans or (``plan="rounds"``) pushes in rounds, FAST but for
+    ``polling``; returns the geometry and D's peer address of P."""
     g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)
-    cfg = {**FAST, "plan": "direct", **polling}
+    cfg = {**FAST, **(ROUNDS if plan == "rounds" else {"plan": "direct"}), **polling}
     addr = p.call("sender", "s", g, cfg, "P", 7)
     d.call("receiver", "r", g, cfg, "D")
     return g, (addr[0], addr[1], 1)
@@ -192,18 +196,21 @@ REUSED = 0x3C
 """What D's blocks hold once vLLM reused them for another request (the test fills them)."""
 
 
-def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, Node]) -> None:
+@pytest.mark.parametrize("plan", ["direct", "rounds"])
+def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, Node], plan: str) -> None:
     """P is stopped (SIGSTOP) as it posts the WRITE of a 128 MiB transfer, past ``peer_dead_s``, then resumed.
 
     D fails the transfer at once but quarantines its blocks: vLLM may reuse them only when D gives them back
     (``fenced``), and from then on not one byte of them may change. Without the quarantine D gave them back
-    at the dead declaration and the resumed P wrote most of the transfer into them.
+    at the dead declaration and the resumed P wrote most of the transfer into them. In rounds P is stopped
+    as it posts its first part into D's ring: the ring stays D's until P is fenced, and the next transfer,
+    through the same ring's slots, lands byte-exact.
     """
     p, d = pair
     # Once resumed, P must not look silent again: right after SIGCONT it reaps its failed WRITE, answers the
     # fencing hello and loads D's agent again, on a host whose cores other tests share. That took longer than
     # a 1 s bar there. The rule under test does not depend on the bar's length.
-    g, peer = _big_transfer_pair(p, d, peer_dead_s=6.0, quarantine_s=60.0)
+    g, peer = _big_transfer_pair(p, d, plan, peer_dead_s=6.0, quarantine_s=60.0)
     blocks, other = list(range(128)), list(range(128, 136))
     n = len(blocks) * g.block_size
     d.call("register", "r", "t1", "d1", peer, blocks, n, 0)
@@ -219,7 +226,10 @@ def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, N
             d.call("fill", "r", blocks, REUSED)  # the blocks are given back: vLLM reuses them at once
             reused = True
         else:
-            assert d.call("stats", "r")["quarantined_blocks"] == len(blocks)
+            st = d.call("stats", "r")
+            assert st["quarantined_blocks"] == len(blocks), st
+            # In rounds the ring stays the frozen writer's too: a part it posts once resumed lands in it.
+            assert plan != "rounds" or st["staging_slots_in_use"] == 1, st
         at_failure = d.call("snapshot", "r")
         time.sleep(1.0)
     finally:
@@ -237,6 +247,11 @@ def test_p_frozen_mid_push_writes_nothing_into_reused_blocks(pair: tuple[Node, N
     [second] = d.call("results", "r", 1, 30.0)
     assert second.ok and second.transfer_id == "t2", second  # P is served again once fenced
     snap = d.call("snapshot", "r")
+    exp = make_cache(g, None)
+    apply_push(exp, g, p.call("snapshot", "s"), g, Req("t2", "p2", "d2", other, other, len(other) * g.block_size))
+    assert (snap[:, :, other] == exp[:, :, other]).all(), "the next transfer, through the same staging, is not exact"
+    if plan == "rounds":
+        assert p.call("stats", "s").get(Count.PLAN_ROUNDS, 0) == 2, "the pushes did not go in rounds"
     late = int((snap[:, :, blocks] != at_failure[:, :, blocks]).any(axis=(0, 1, 3, 4, 5)).sum())
     changed = int((snap[:, :, blocks] != REUSED).any(axis=(0, 1, 3, 4, 5)).sum())
     assert changed == 0, f"{changed} of {len(blocks)} reused blocks were written after D gave them back"
@@ -322,7 +337,8 @@ def test_p_frozen_past_quarantine_writes_nothing_into_reused_blocks(pair: tuple[
     d.call("close", "r")
 
 
-def test_d_frozen_mid_push_is_written_again_once_back(pair: tuple[Node, Node]) -> None:
+@pytest.mark.parametrize("plan", ["direct", "rounds"])
+def test_d_frozen_mid_push_is_written_again_once_back(pair: tuple[Node, Node], plan: str) -> None:
     """D is stopped (SIGSTOP) while P writes 128 MiB to it, past ``peer_dead_s``, then resumed, and at once
     registers its next request with the same P, as vLLM's scheduler would.
 
@@ -335,10 +351,12 @@ def test_d_frozen_mid_push_is_written_again_once_back(pair: tuple[Node, Node]) -
     Over LIBFABRIC before NIXL 1.5 a WRITE to a peer given up does not end while the peer stays loaded, and
     a live peer loaded again is never handshaken: P unloaded D at once, loaded it again at its hello, and
     the next WRITE hung in its post (docs/libfabric.md, differences 10 and 11). P now keeps such a peer
-    loaded for ``peer_dead_s`` more (``Agent.remove_peer``), time for a D only stalled to come back.
+    loaded for ``peer_dead_s`` more (``Agent.remove_peer``), time for a D only stalled to come back. In
+    rounds D stops mid-round: P's parts wait on credits the stopped D does not send, P gives D up all the
+    same, and D's ring, withheld until then, serves the next transfer exactly.
     """
     p, d = pair
-    g, peer = _big_transfer_pair(p, d, peer_dead_s=3.0, quarantine_s=60.0)
+    g, peer = _big_transfer_pair(p, d, plan, peer_dead_s=3.0, quarantine_s=60.0)
     first = Req("t1", "p1", "d1", list(range(128)), list(range(128)), 128 * g.block_size)
     second = Req("t2", "p2", "d2", list(range(128, 136)), list(range(128, 136)), 8 * g.block_size)
     d.call("register", "r", first.tid, first.d_rid, peer, first.d_blocks, first.n, 0)

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from procs import SENTINEL, Geom, Node, assert_same, dealer, make_cache
+from procs import SENTINEL, Geom, Node, answer, assert_same, dealer, make_cache
 
 from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.core import protocol
@@ -428,8 +428,7 @@ def _dealer(addr: tuple[str, int]) -> zmq.Socket:
 
 
 def _reply(sock: zmq.Socket, timeout_s: float = 5.0) -> Any:
-    assert sock.poll(int(timeout_s * 1000)), "P did not answer"
-    return protocol.decode(sock.recv())
+    return answer(sock, int(timeout_s * 1000))
 
 
 def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
@@ -745,3 +744,27 @@ def test_notifications_without_a_write_leave_even_when_p_never_writes(nodes: tup
         assert len(p.call("results", k + "p", len(reqs), 10.0)) == len(reqs)
         assert_idle(p, k + "p")
         assert_idle(d, k + "d")
+
+
+def test_a_d_configured_with_its_p_is_ready_before_the_first_request(nodes: tuple[Node, Node]) -> None:
+    """D started with ``prefill_peers`` naming P says hello at start: before any registration its link is up
+    and P knows it (its NIXL metadata loaded), so the first request has no handshake on its path; it then
+    lands byte-exact. A D without the setting has no link until its first registration."""
+    p, d = nodes
+    g = Geom(num_blocks=64)
+    k = _key("warm")
+    [r] = make_requests(np.random.default_rng(3), 1, g, g, k, max_tokens=100)
+    with engines(p, "sender", [(k + "p", g, _cfg(), "P" + k)]) as [addr]:
+        warm = {**_cfg(), "prefill_peers": [f"{addr[0]}:{addr[1]}"]}
+        with engines(d, "receiver", [(k + "d", g, _cfg(), "D" + k), (k + "w", g, warm, "W" + k)]):
+            assert d.call("wait_stat", k + "w", "connections", 1, 20.0), "the configured D did not connect at start"
+            assert p.call("wait_stat", k + "p", "peers", 1, 20.0), "P does not know the configured D"
+            assert d.call("stats", k + "d")["connections"] == 0  # the other D waits for its first registration
+            assert p.call("stats", k + "p")["peers"] == 1
+            d.call("register", k + "w", r.tid, r.d_rid, (addr[0], addr[1], 1), r.d_blocks, r.n, r.start)
+            p.call("prefill", k + "p", r.tid, r.p_rid, r.p_blocks, r.n)
+            [res] = d.call("results", k + "w", 1, 20.0)
+            assert res.ok, res
+            exp = make_cache(g, None)
+            apply_push(exp, g, p.call("snapshot", k + "p"), g, r)
+            assert_same(d.call("snapshot", k + "w"), exp, g)

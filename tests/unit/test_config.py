@@ -60,6 +60,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "layerwise_min_part_bytes": 0,
         "layerwise_lead_layers": 3,
         "ring_slots": 3,
+        "prefill_peers": ["10.0.0.1:5600/2"],
         "model": "meta-llama/Llama-3.1-8B",
         "proxy_ip": "10.0.0.3",
         "proxy_ping_port": 30001,

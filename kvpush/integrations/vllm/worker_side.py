@@ -99,10 +99,11 @@ class WorkerSide:
         short = staging_shortfall(self.cfg, self.layout, self.max_model_len)
         if short is not None:
             log.warning(
-                "kvpush worker %s rank %d: staging_bytes %d holds pushes of up to %d tokens of this KV; a longer "
-                "prompt whose blocks are fragmented is pushed direct, one descriptor per block and layer (slow: "
-                "docs/operability.md, kvpush_staging_too_small_total). Set staging_bytes to %d or more on P and D "
-                "to stage prompts up to max_model_len %d",
+                "kvpush worker %s rank %d: staging_bytes %d holds pushes of up to %d tokens of this KV and no "
+                "ring to stage longer ones in rounds; a longer prompt whose blocks are fragmented is pushed direct, "
+                "one descriptor per block and layer (slow: docs/operability.md, kvpush_staging_too_small_total). "
+                "Set staging_bytes to %d or more on P and D to stage prompts up to max_model_len %d (any "
+                "length in rounds from 128 KiB)",
                 self.engine_id,
                 self.rank,
                 self.cfg.staging.staging_bytes,

@@ -98,7 +98,14 @@ def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.Serv
         "block_size": args.block_size,
         "extra_args": extra,
     }
-    prefill = srv.vllm_server(f"{mode}-prefill", args.model, p_port, kv_transfer_config=p_cfg, env=p_env, **common)
+    p_gpus, d_gpus = gpu_split(args.gpus, args.p_tp)
+    p_env = {**p_env, **({"CUDA_VISIBLE_DEVICES": p_gpus} if p_gpus else {})}
+    d_env = {**d_env, **({"CUDA_VISIBLE_DEVICES": d_gpus} if d_gpus else {})}
+    p_common = {
+        **common,
+        "extra_args": [*extra, *(["--tensor-parallel-size", str(args.p_tp)] if args.p_tp > 1 else [])],
+    }
+    prefill = srv.vllm_server(f"{mode}-prefill", args.model, p_port, kv_transfer_config=p_cfg, env=p_env, **p_common)
     decode = srv.vllm_server(f"{mode}-decode", args.model, d_port, kv_transfer_config=d_cfg, env=d_env, **common)
     started = [prefill.start(), decode.start()]
     srv.wait_all_healthy(started, timeout=args.start_timeout, progress=say, every=30.0)
@@ -112,6 +119,18 @@ def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.Serv
     started.append(router)
     router.wait_healthy(timeout=60)
     return started
+
+
+def gpu_split(gpus: str, p_tp: int) -> tuple[str, str]:
+    """P's and D's ``CUDA_VISIBLE_DEVICES``: ``one`` (both on the one visible GPU: ""), ``split`` (P on GPU 0, D
+    on GPU 1; with ``p_tp`` 2, P on GPUs 0 and 1 and D on GPU 1)."""
+    if gpus == "one":
+        if p_tp > 1:
+            raise SystemExit("--p-tp above 1 needs --gpus split")
+        return "", ""
+    if p_tp not in (1, 2):
+        raise SystemExit(f"--p-tp {p_tp}: this sweep runs P on one GPU or on both of two")
+    return ("0" if p_tp == 1 else "0,1"), "1"
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -257,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kvpush-config", default="{}", help="JSON: more kvpush settings for P and D")
     ap.add_argument("--vllm-env", action="append", default=[], help="KEY=VALUE for vLLM's connectors' P and D (repeat)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more vLLM flag for P and D (repeat)")
+    ap.add_argument(
+        "--gpus", choices=("one", "split"), default="one", help="P and D on one GPU, or on GPUs 0 and 1 (split)"
+    )
+    ap.add_argument("--p-tp", type=int, default=1, help="P's tensor-parallel size (2: on both GPUs, with --gpus split)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no point that would end after this")
     ap.add_argument("--out", default="results/gpu")
