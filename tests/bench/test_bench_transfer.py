@@ -61,12 +61,13 @@ def test_tiny_run_writes_a_verified_report(tmp_path: Path, capsys: pytest.Captur
     report = json.loads((tmp_path / "transfer_40tok.json").read_text())
     assert (tmp_path / "transfer_40tok.png").stat().st_size > 10_000
     res = {(r["pattern"], r["plan"]): r for r in report["results"]}
-    assert len(res) == 12 and all(r["verified"] for r in res.values())
+    assert len(res) == 15 and all(r["verified"] for r in res.values())
     assert report["shape"]["bytes"] == 40 * 256 * 2 * 2
     assert all(r["bytes"] == report["shape"]["bytes"] for r in res.values())
     assert res["shuffled", "per-block"]["descriptors_after"] == 3 * 4
     assert res["contiguous", "coalesced"]["descriptors_after"] <= 4
     assert res["shuffled", "staged"]["descriptors_after"] == 1
+    assert res["shuffled", "rounds"]["plan_chosen"] == "staged"  # no larger than the ring: one slot of it
     assert "GB/s" in capsys.readouterr().out
 
 

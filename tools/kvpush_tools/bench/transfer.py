@@ -12,8 +12,10 @@ and layer) between two processes over real NIXL agents, for
 - plans: ``per-block`` (one descriptor per block and layer, what a connector
   without coalescing posts; built here from the layouts and posted with
   ``Agent.write``), ``coalesced`` (the engine, ``plan="direct"``), ``staged``
-  (the engine, ``plan="staged"``: pack, one WRITE, unpack) and ``auto`` (the
-  engine's cost model choosing).
+  (the engine, ``plan="staged"``: pack, one WRITE, unpack, through one slot of
+  a region sized to the push), ``rounds`` (staged in rounds through a small
+  region's ring) and ``auto`` (the engine's cost model choosing); their
+  settings: ``kvpush_tools.bench.transfer_plans``.
 
 Engine plans run in each ``--orders`` (the order in which P's prefill and D's
 registration meet; every total ends at D's result):
@@ -30,6 +32,9 @@ registration meet; every total ends at D's result):
 pair of processes, side by side with the same cases (an A/B against another
 checkout or an old commit); ``--push-parts`` with ``--min-part-bytes`` cuts a
 small staged push into parts, so per-part costs show without large copies.
+``--busy-gil`` and ``--switch-intervals`` add GIL modes that take turns (a busy
+Python thread in each process, as vLLM's engine loop: ``busy_gil``);
+``--sizes`` runs the cases at several push sizes (``transfer_sizes``).
 Each row also carries P's and D's stage times after the order's start
 (``at_<side>_<stage>_s_median``) and the CPU time of each engine thread per
 transfer (``p_cpu_s``, ``d_cpu_s``), which a loaded host does not inflate.
@@ -62,12 +67,11 @@ from typing import Any
 
 import numpy as np
 
-from kvpush_tools.bench import stages
+from kvpush_tools.bench import busy_gil, stages, transfer_plans, transfer_plot, transfer_sizes
 
 PATTERNS = ("shuffled", "runs16", "contiguous")
-PLANS = ("per-block", "coalesced", "staged", "auto")
+PLANS = ("per-block", "coalesced", "staged", "rounds", "auto")
 ORDERS = ("registered", "finished", "ahead")
-ENGINE_PLANS = {"coalesced": "direct", "staged": "staged", "auto": "auto"}
 RUN = 16
 
 
@@ -86,6 +90,7 @@ class Shape:
     head_dim: int = 128
     dtype_bytes: int = 2
     block_size: int = 16
+    pool_factor: float = 2.0
 
     @property
     def blocks(self) -> int:
@@ -93,8 +98,9 @@ class Shape:
 
     @property
     def pool(self) -> int:
-        """Blocks per side: twice the request (rounded to runs), so patterns have room to scatter."""
-        return math.ceil(2 * self.blocks / RUN) * RUN
+        """Blocks per side: ``pool_factor`` times the request (rounded to runs), by default twice, so patterns
+        have room to scatter (1: a shuffled request takes every block, in random order)."""
+        return max(RUN, math.ceil(self.pool_factor * self.blocks / RUN) * RUN)
 
     @property
     def token_bytes(self) -> int:
@@ -123,15 +129,24 @@ def block_ids(pattern: str, n: int, pool: int, rng: np.random.Generator) -> list
 def _cache(shape: Shape, seed: int | None) -> np.ndarray:
     dims = (shape.layers, 2, shape.pool, shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes)
     if seed is None:
-        return np.zeros(dims, dtype=np.uint8)
-    return np.random.default_rng(seed).integers(0, 256, dims, dtype=np.uint8)
+        arr = np.zeros(dims, dtype=np.uint8)
+        arr.fill(0)  # its pages now, not in the first unpack (a GiB of first touches takes seconds)
+        return arr
+    n = math.prod(dims)
+    if n % 8:
+        return np.random.default_rng(seed).integers(0, 256, dims, dtype=np.uint8)
+    # Random 64-bit words: several times faster than bytes, which a cache of gigabytes notices.
+    return np.random.default_rng(seed).bit_generator.random_raw(n // 8).view(np.uint8).reshape(dims)
 
 
 def _digest(arr: np.ndarray, blocks: list[int], tokens: int) -> str:
-    """Hash of the request's tokens in token order: equal on P and D iff every byte arrived in place."""
-    sel = arr[:, :, blocks]
-    flat = sel.reshape(sel.shape[0], 2, -1, *sel.shape[4:])[:, :, :tokens]
-    return hashlib.blake2b(np.ascontiguousarray(flat).data, digest_size=16).hexdigest()
+    """Hash of the request's tokens in token order: equal on P and D iff every byte arrived in place. Layer
+    by layer: a copy of the whole request at once would double a large cache's memory."""
+    h = hashlib.blake2b(digest_size=16)
+    for layer in arr:
+        sel = layer[:, blocks]
+        h.update(np.ascontiguousarray(sel.reshape(2, -1, *sel.shape[3:])[:, :tokens]).data)
+    return h.hexdigest()
 
 
 def per_block_descriptors(src: Any, dst: Any, sblocks: list[int], dblocks: list[int], tokens: int) -> tuple:
@@ -184,6 +199,7 @@ class _Side:
         spec = CacheSpec(shape.block_size, shape.kv_heads, shape.head_dim * shape.dtype_bytes, "bfloat16")
         self.layout = self.backend.describe({f"layer{i}": self.cache[i] for i in range(shape.layers)}, spec)
         self.engines: dict[str, Any] = {}
+        self.busy = busy_gil.BusyLoop()
         self.agent: Any = None
         self.peer = ""
         self.peer_layout: Any = None
@@ -191,22 +207,9 @@ class _Side:
     def _config(self, plan: str) -> Any:
         from kvpush.config import Config
 
-        mode = ENGINE_PLANS[plan]
-        staging = 0 if mode == "direct" else math.ceil(self.shape.request_bytes / (1 << 20) + 1) << 20
-        extra: dict[str, Any] = {"staged_min_descriptors": 1} if mode == "staged" else {}
-        if self.knobs.get("push_parts") is not None:
-            extra["push_parts"] = self.knobs["push_parts"]
-        for knob in ("min_part_bytes", "part_cost_us"):  # config keys since the cost model of parts
-            if self.knobs.get(knob) is not None and hasattr(Config, "flat") and knob in Config().flat():
-                extra[knob] = self.knobs[knob]
-        # Flat keys through ``from_dict``: what every tree's config takes (``--tree`` A/B across config changes).
-        flat = {
-            "plan": mode,
-            "staging_bytes": staging,
-            "nixl_backends": list(self.nixl_backends),
-            "side_channel_port": 0,
-        }
-        return Config.from_dict({**flat, **extra})
+        keys = transfer_plans.config_keys(Config)
+        flat = transfer_plans.flat_config(plan, self.shape.request_bytes, self.nixl_backends, self.knobs, keys)
+        return Config.from_dict(flat)
 
     def op_start(self, plan: str) -> Any:
         from kvpush.engine import Receiver, Sender
@@ -217,10 +220,18 @@ class _Side:
             self.agent.register(self.backend.registrations(self.layout))
             return self.agent.metadata(), _enc(self.layout)
         cls = Sender if self.role == "P" else Receiver
-        self.engines[plan] = cls(self._config(plan), self.backend, self.layout, f"bench{self.role}{plan}")
-        return getattr(self.engines[plan], "address", None)
+        name = f"bench{self.role}{plan.replace(':', '')}"
+        self.engines[plan] = engine = cls(self._config(plan), self.backend, self.layout, name)
+        if self.role == "D" and plan == "staged":
+            transfer_plans.one_slot(engine)
+        return getattr(engine, "address", None)
+
+    def op_gil(self, kind: str, interval_ms: float) -> None:
+        """Switch this process to a GIL mode (``busy_gil``): which busy loop runs, the switch interval."""
+        busy_gil.apply(self.busy, kind, interval_ms)
 
     def op_stop(self) -> None:
+        self.busy.stop()
         for e in self.engines.values():
             e.close()
         if self.agent is not None:
@@ -359,7 +370,8 @@ class _Side:
                     out["cpu"] = _engine_cpu(self.engines[plan]) - getattr(self, "cpu0", 0.0)
                     return {**out, **_record(r.stats), "times": times}
             time.sleep(0.0002)
-        raise TimeoutError(f"{tid}: D saw no result in {timeout}s")
+        counts = {k: v for k, v in self.engines[plan].stats().items() if v}
+        raise TimeoutError(f"{tid}: D saw no result in {timeout}s; D's engine: {counts}")
 
     def op_wait_notif(self, tag: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -385,8 +397,12 @@ def _engine_cpu(engine: Any) -> float:
 
 
 def _record(rec: Any) -> dict[str, Any]:
-    """A result's stats as a dict (typed records since the redesign, plain dicts before)."""
-    return dict(rec) if isinstance(rec, dict) else rec.as_dict()
+    """A result's stats as a dict (typed records since the redesign, plain dicts before). With the part count:
+    ``as_dict`` leaves ``parts`` out (meant for the per-part times, it drops the stats' count too)."""
+    if isinstance(rec, dict):
+        return dict(rec)
+    parts = getattr(rec, "parts", None)
+    return {**rec.as_dict(), **({"parts": parts} if isinstance(parts, int) else {})}
 
 
 def _times(rec: Any, prefix: str) -> dict[str, float]:
@@ -521,7 +537,11 @@ def _one(
         d.call("register", plan, tid, addr, dblocks)
         d.send("wait", plan, tid, timeout)
         ps = p.call("push", plan, tid, sblocks, timeout, order)
-        ds = d.recv()
+        try:
+            ds = d.recv()
+        except RuntimeError as exc:  # D saw nothing: what P said of the same push
+            keep = ("ok", "reason", "plan", "parts", "descriptors", "bytes")
+            raise RuntimeError(f"{exc}\nP's result: { ({k: ps.get(k) for k in keep}) }") from None
     if not (ps["ok"] and ds["ok"]):
         raise RuntimeError(f"{tid} failed: P: {ps.get('reason')!r}, D: {ds.get('reason')!r}")
     return {
@@ -529,6 +549,7 @@ def _one(
         "bytes": int(ps["bytes"]),
         "pieces": int(ps["pieces"]),
         "descriptors_posted": int(ps["descriptors"]),
+        "parts": int(ps.get("parts") or 0),
         "prep_s": ps.get("plan_s", 0.0),
         "pack_s": ps.get("pack_s", 0.0),
         "post_s": ps.get("post_s", 0.0),
@@ -560,6 +581,7 @@ def _summary(pattern: str, case: tuple[str, str], runs: list[dict], shape: Shape
         "descriptors_before": blocks_layers,
         "descriptors_after": runs[-1]["descriptors_posted"],
         "pieces": runs[-1]["pieces"],
+        "parts": runs[-1].get("parts", 0),
         **{f"{k}_median": v for k, v in med.items()},
         "total_s_min": min(r["total_s"] for r in runs),
         "total_s_max": max(r["total_s"] for r in runs),
@@ -605,9 +627,10 @@ def transports(args: argparse.Namespace) -> list[tuple[str, ...]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (transport, pattern, plan) case, each transport in its own two fresh processes; return the report.
 
-    Cases are interleaved round-robin (transports, patterns, plans), so that load from other processes on
-    a shared host spreads over every case instead of biasing whichever ran then."""
-    shape = Shape(args.tokens, args.layers, args.kv_heads, args.head_dim, args.dtype_bytes, args.block_size)
+    Cases are interleaved round-robin (transports, patterns, plans, GIL modes), so that load from other
+    processes on a shared host spreads over every case instead of biasing whichever ran then."""
+    pool = 2.0 if args.pool_factor is None else args.pool_factor
+    shape = Shape(args.tokens, args.layers, args.kv_heads, args.head_dim, args.dtype_bytes, args.block_size, pool)
     rng = np.random.default_rng(args.seed)
     patterns = {
         pat: (block_ids(pat, shape.blocks, shape.pool, rng), block_ids(pat, shape.blocks, shape.pool, rng))
@@ -615,6 +638,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     nets = transports(args)
     knobs = {"push_parts": args.push_parts, "min_part_bytes": args.min_part_bytes, "part_cost_us": args.part_cost_us}
+    knobs |= {"ring_bytes": args.ring_bytes, "ring_slots": args.ring_slots, "peer_dead_s": args.peer_dead_s}
+    modes = busy_gil.modes(args)
     # A lane: one transport in one kvpush tree (``--tree``: this checkout's engine against another's, side by side)
     lanes = [(tree, t) for tree in (args.tree or [None]) for t in nets]
     load_start = os.getloadavg()
@@ -623,10 +648,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for tree, t in lanes
     }
     kinds = [(plan, "") if plan == "per-block" else (plan, o) for plan in args.plans for o in args.orders]
-    cases = [(t, pat, kind) for t in lanes for pat in patterns for kind in dict.fromkeys(kinds)]
+    ms = modes or [None]
+    cases = [(t, pat, kind, m) for t in lanes for pat in patterns for kind in dict.fromkeys(kinds) for m in ms]
     bar = _progress(len(cases) * (args.iters + args.warmup + 1), args.quiet)
-    runs: dict[tuple[Any, str, tuple[str, str]], list[dict[str, Any]]] = {c: [] for c in cases}
+    runs: dict[tuple[Any, str, tuple[str, str], Any], list[dict[str, Any]]] = {c: [] for c in cases}
     addrs: dict[tuple[Any, str], Any] = {}
+    now: dict[Any, busy_gil.Mode] = {}  # each lane's GIL mode
+    p_digests: dict[tuple[Any, str], str] = {}
     try:
         for p, d in pairs.values():
             p.recv(300.0)
@@ -640,26 +668,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     p.call("raw_peer", *d_start)
                     d.recv()
         for i in range(args.warmup + args.iters):
-            for t, pat, kind in cases:
+            for t, pat, kind, m in cases:
                 p, d = pairs[t]
                 sblocks, dblocks = patterns[pat]
-                name = "-".join(x for x in (*kind, pat) if x)
+                name = "-".join(x for x in (*kind, pat, m.label if m else "") if x)
                 if bar is not None:
                     bar.set_description(f"{_lane(t)} {name}")
+                busy_gil.switch((p, d), now, t, m)
                 r = _one(p, d, kind, f"{name}-{i}", sblocks, dblocks, addrs[t, kind[0]])
                 if i >= args.warmup:
-                    runs[t, pat, kind].append(r)
+                    runs[t, pat, kind, m].append(r)
                 if bar is not None:
                     bar.update(1)
         # One more, unmeasured transfer per case into a zeroed cache, then
         # compare: a plan that is fast because it moved the wrong bytes fails.
-        for t, pat, kind in cases:
+        for t, pat, kind, m in cases:
             p, d = pairs[t]
             sblocks, dblocks = patterns[pat]
+            busy_gil.switch((p, d), now, t, m)
             d.call("clear")
-            name = "-".join(x for x in (*kind, pat) if x)
+            name = "-".join(x for x in (*kind, pat, m.label if m else "") if x)
             _one(p, d, kind, f"{name}-verify", sblocks, dblocks, addrs[t, kind[0]])
-            if d.call("digest", dblocks) != p.call("digest", sblocks):
+            if (t, pat) not in p_digests:
+                p_digests[t, pat] = p.call("digest", sblocks)
+            if d.call("digest", dblocks) != p_digests[t, pat]:
                 raise RuntimeError(f"{_lane(t)} {name}: D's bytes differ from P's after the transfer")
             if bar is not None:
                 bar.update(1)
@@ -672,7 +704,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p, d in pairs.values():
             p.close()
             d.close()
-    results = [{"nixl": _lane(t), **_summary(pat, kind, runs[t, pat, kind], shape, True)} for t, pat, kind in cases]
+    results = [
+        {"nixl": _lane(t), **(m.fields() if m else {}), **_summary(pat, kind, runs[t, pat, kind, m], shape, True)}
+        for t, pat, kind, m in cases
+    ]
     order_ratios(results)
     return {
         "benchmark": "kvpush bench transfer",
@@ -685,6 +720,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "trees": {_lane(lane): os.path.abspath(lane[0]) for lane in lanes if lane[0]},
         "push_parts": args.push_parts,
         "min_part_bytes": args.min_part_bytes,
+        "ring_bytes": args.ring_bytes or transfer_plans.RING_BYTES,
+        "peer_dead_s": args.peer_dead_s,
+        "gil_modes": [m.label for m in modes or []],
         "host": {
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
@@ -718,18 +756,20 @@ def _version(dist: str) -> str:
 def table(report: dict[str, Any]) -> str:
     """The report as a fixed-width text table (medians; times in ms)."""
     head = (
-        f"{'nixl':<11}{'pattern':<11}{'plan':<10}{'order':<11}{'chosen':<8}{'MiB':>7}{'desc before':>12}{'after':>8}"
+        f"{'nixl':<11}{'pattern':<11}{'plan':<11}{'order':<11}{'chosen':<8}{'MiB':>7}{'desc before':>12}{'after':>8}"
         f"{'prep':>8}{'pack':>8}{'post':>8}{'done':>8}{'unpack':>8}{'total':>9}{'GB/s':>7}"
     )
+    gil = any("gil" in r for r in report["results"])
+    head += f"{'  GIL mode':<13}" if gil else ""
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         ms = {k: 1e3 * r[f"{k}_s_median"] for k in ("prep", "pack", "post", "complete", "unpack", "total")}
         lines.append(
             f"{r.get('nixl', '+'.join(report['nixl_backends'])):<11}"
-            f"{r['pattern']:<11}{r['plan']:<10}{r.get('order', ''):<11}{r['plan_chosen']:<8}{r['bytes'] / 2**20:>7.0f}"
+            f"{r['pattern']:<11}{r['plan']:<11}{r.get('order', ''):<11}{r['plan_chosen']:<8}{r['bytes'] / 2**20:>7.0f}"
             f"{r['descriptors_before']:>12}{r['descriptors_after']:>8}"
             f"{ms['prep']:>8.1f}{ms['pack']:>8.1f}{ms['post']:>8.1f}{ms['complete']:>8.1f}{ms['unpack']:>8.1f}"
-            f"{ms['total']:>9.1f}{r['gbps']:>7.2f}"
+            f"{ms['total']:>9.1f}{r['gbps']:>7.2f}" + (f"  {r.get('gil', '')}" if gil else "")
         )
     for r in report["results"]:
         if "x_ahead" in r:
@@ -747,99 +787,23 @@ def timeline_rows(report: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
         marks = stages.medians_ms(r)
         if marks:
             label = f"{r.get('nixl', '')} {r['pattern']} {r['plan']}/{r.get('order', '')} ({r['plan_chosen']})"
+            label += f" {r['gil']}" if "gil" in r else ""
             rows.append((label.strip(), marks))
     return rows
 
 
 def order_ratios(results: list[dict[str, Any]]) -> None:
-    """Mark each ``finished`` case with its total over the ``ahead`` case of the same transport, pattern and plan."""
+    """Mark each ``finished`` case with its total over the ``ahead`` case of the same transport, pattern, plan
+    and GIL mode."""
     ahead = {
-        (r.get("nixl"), r["pattern"], r["plan"]): r["total_s_median"] for r in results if r.get("order") == "ahead"
+        (r.get("nixl"), r["pattern"], r["plan"], r.get("gil")): r["total_s_median"]
+        for r in results
+        if r.get("order") == "ahead"
     }
     for r in results:
-        key = (r.get("nixl"), r["pattern"], r["plan"])
+        key = (r.get("nixl"), r["pattern"], r["plan"], r.get("gil"))
         if r.get("order") == "finished" and ahead.get(key):
             r["x_ahead"] = r["total_s_median"] / ahead[key]
-
-
-PHASES = (
-    ("D registers (finished)", "register_s_median", "#cc79a7"),
-    ("prep", "prep_s_median", "#8c8c8c"),
-    ("pack", "pack_s_median", "#e69f00"),
-    ("WRITE (post + done)", None, "#0072b2"),
-    ("unpack", "unpack_s_median", "#009e73"),
-    ("other (wake-ups, notification)", None, "#d0d0d0"),
-)
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Stacked bars: median time per request split by phase, one bar per plan, grouped by block pattern."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    res = report["results"]
-    patterns = list(dict.fromkeys(r["pattern"] for r in res))
-    series = list(dict.fromkeys((r.get("nixl", ""), r["plan"], r.get("order", "")) for r in res))
-    several = len({n for n, _, _ in series}) > 1
-    orders = len({o for _, _, o in series if o}) > 1
-    width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(10 + 3 * several, 5))
-    seen: set[str] = set()
-    for i, pat in enumerate(patterns):
-        for j, (nixl, plan, order) in enumerate(series):
-            key = (nixl, plan, order)
-            r = next(
-                (x for x in res if x["pattern"] == pat and (x.get("nixl", ""), x["plan"], x.get("order", "")) == key),
-                None,
-            )
-            if r is None:
-                continue
-            x = i + (j - (len(series) - 1) / 2) * width
-            m = r["median_run"]
-            parts = [m.get("register_s", 0.0), m["prep_s"], m["pack_s"], m["post_s"] + m["complete_s"], m["unpack_s"]]
-            parts.append(max(0.0, m["total_s"] - sum(parts)))
-            bottom = 0.0
-            for (name, _, color), v in zip(PHASES, parts, strict=True):
-                ax.bar(x, 1e3 * v, width * 0.92, bottom=bottom, color=color, label=None if name in seen else name)
-                seen.add(name)
-                bottom += 1e3 * v
-            chosen = f" ({r['plan_chosen']})" if plan == "auto" else ""
-            over = f"{nixl}\n" if several else ""
-            when = f"\n{order}" if orders and order else ""
-            ax.annotate(
-                f"{over}{plan}{chosen}{when}\n{r['descriptors_after']} desc\n{r['gbps']:.2f} GB/s",
-                (x, bottom),
-                ha="center",
-                va="bottom",
-                fontsize=6,
-            )
-    sh = report["shape"]
-    ax.set_xticks(range(len(patterns)), [f"D blocks: {p}" for p in patterns])
-    ax.set_ylabel("median time per request, ms")
-    ax.margins(y=0.18)
-    ax.set_title(
-        f"one request: {sh['tokens']} tokens x {sh['layers']} layers x K/V = {sh['bytes'] / 2**20:.0f} MiB, "
-        f"block {sh['block_size']} ({sh['blocks'] * sh['layers'] * 2} block-layer pieces)\n"
-        f"{' vs '.join(report.get('transports', ['+'.join(report['nixl_backends'])]))} between two processes on one "
-        f"host; median of {report['iters']} runs",
-        fontsize=9,
-    )
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="phase", title_fontsize=8)
-    h = report.get("host", {})
-    if "loadavg_1m_start" in h:
-        fig.text(
-            0.01,
-            0.01,
-            f"host: {h['cpus']} CPUs, load average {h['loadavg_1m_start']:.1f} -> {h['loadavg_1m_end']:.1f} "
-            f"(other work on the host inflates every bar); nixl {h['nixl']}",
-            fontsize=7,
-            color="#555555",
-        )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _csv(kind: tuple[str, ...]) -> Any:
@@ -907,6 +871,9 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="the cost model's fixed cost of a part (config part_cost_us; 0: always --push-parts parts)",
     )
+    transfer_plans.add_arguments(ap)
+    busy_gil.add_arguments(ap)
+    transfer_sizes.add_arguments(ap)
     ap.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -921,6 +888,9 @@ def main(argv: list[str] | None = None) -> int:
         print("--tokens and --iters must be >= 1", file=sys.stderr)
         return 2
     args.argv = argv
+    args.plans = transfer_plans.expand(args.plans, args.ring_parts)
+    if args.sizes:
+        return transfer_sizes.main(args, run)
     report = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"transfer_{args.tokens}tok"
@@ -934,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(host load average {h['loadavg_1m_start']:.1f} -> {h['loadavg_1m_end']:.1f} on {h['cpus']} CPUs)")
     print(f"\nwrote {args.out / (stem + '.json')}", end="")
     if not args.no_plot:
-        plot(report, args.out / f"{stem}.png")
+        transfer_plot.plot(report, args.out / f"{stem}.png")
         stages.plot(rows, args.out / f"{stem}_timeline.png", f"kvpush bench transfer: {args.tokens} tokens, stages")
         print(f" and {args.out / (stem + '.png')}, {stem}_timeline.png", end="")
     print()
