@@ -117,6 +117,8 @@ class Worker(conformance.Worker):
         self.progressing: list[tuple[threading.Event, threading.Thread]] = []
         self.retired: list[Any] = []
         self.override: Target | None = None
+        self.rogues: dict[str, tuple[Any, str, threading.Lock, threading.Event]] = {}
+        self.taps: dict[str, list[tuple[str, bytes]]] = {}
         self.warnings = _Lines()
         logging.getLogger("kvpush").addHandler(self.warnings)
         logging.getLogger("kvpush").setLevel(logging.INFO)
@@ -215,6 +217,76 @@ class Worker(conformance.Worker):
         with another P."""
         engine = self.ranks[key].engine
         engine.call_sync(lambda: engine.agent.send_notif(agent, msg))
+
+    def op_rogue(self, name: str, metadata: bytes, timeout_s: float = 10.0) -> str:
+        """A NIXL agent under the name ``name`` (another engine's agent name: a name is the agent's own choice),
+        with the peer of ``metadata`` loaded (what any holder of that peer's metadata can do), progressed by a
+        thread of its own as an engine would; returns the loaded peer's agent name ("": the load did not end
+        within ``timeout_s``, as where loading connects and the peer does not progress its agent). ``rogue_send``
+        sends as it. Never closed nor joined: a call the peer never answers may leave its threads blocked in
+        NIXL, and the worker's exit does not wait for them."""
+        from kvpush.transport.nixl_agent import Agent
+
+        agent = Agent(name, self.target.nixl_backends)
+        lock = threading.Lock()
+        loaded: list[str] = []
+
+        def load() -> None:
+            with lock:
+                loaded.append(agent.add_peer(metadata))
+
+        t = threading.Thread(target=load, name=f"rogue-load-{name}", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        stop = threading.Event()
+        self.rogues[name] = (agent, loaded[0] if loaded else "", lock, stop)
+        if not loaded:
+            return ""
+        t = threading.Thread(target=_progress_until, args=(agent, stop, None, lock), name=f"rogue-{name}", daemon=True)
+        t.start()
+        return loaded[0]
+
+    def op_rogue_send(self, name: str, msgs: list[bytes], timeout_s: float = 5.0) -> int:
+        """The agent ``rogue`` made under ``name`` sends its peer these notifications; how many were sent within
+        ``timeout_s`` (a send NIXL refuses is counted out; one that never returns, as over a connection the peer
+        never accepts, leaves the rest unsent and the agent unusable)."""
+        agent, peer, lock, _ = self.rogues[name]
+        sent: list[int] = []
+        if not peer:
+            return 0
+
+        def send() -> None:
+            for msg in msgs:
+                with lock:
+                    try:
+                        agent.send_notif(peer, msg)
+                    except Exception as exc:
+                        logging.getLogger("kvpush.tests.rogue").warning("%s: send_notif failed: %s", name, exc)
+                        continue
+                sent.append(1)
+
+        t = threading.Thread(target=send, name=f"rogue-send-{name}", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return len(sent)
+
+    def op_tap_notifs(self, key: str) -> None:
+        """From now on, keep a copy of every NIXL notification this engine's agent hands the engine (``tapped``):
+        what a wire recording would give a replayer."""
+        agent = self.ranks[key].engine.agent
+        notifs = agent.notifs
+        kept: list[tuple[str, bytes]] = []
+
+        def tapped(drain: bool = False) -> list[tuple[str, bytes]]:
+            got = notifs(drain=drain)
+            kept.extend(got)
+            return got
+
+        agent.notifs = tapped
+        self.taps[key] = kept
+
+    def op_tapped(self, key: str) -> list[tuple[str, bytes]]:
+        return list(self.taps[key])
 
     def op_wakeups(self, key: str) -> int:
         return int(self.ranks[key].engine.wakeups)
@@ -344,6 +416,8 @@ class Worker(conformance.Worker):
         return super().op_close(key)
 
     def op_exit(self) -> dict[str, Any]:
+        for *_, stop in self.rogues.values():
+            stop.set()
         report = super().op_exit()
         for stop, t in self.progressing:
             stop.set()
@@ -353,11 +427,17 @@ class Worker(conformance.Worker):
         return report
 
 
-def _progress_until(agent: Any, stop: threading.Event, notified: list[bytes] | None = None) -> None:
-    """Drive ``agent``'s progress (the only thread that touches it from now on) until ``stop``; the
-    notifications it brings go to ``notified`` when given."""
+def _progress_until(
+    agent: Any, stop: threading.Event, notified: list[bytes] | None = None, lock: threading.Lock | None = None
+) -> None:
+    """Drive ``agent``'s progress until ``stop`` (the only thread that touches it from now on, or each call under
+    ``lock``, shared with whoever else calls it); the notifications it brings go to ``notified`` when given."""
     while not stop.wait(1e-3):
-        got = agent.notifs()
+        if lock is None:
+            got = agent.notifs()
+        else:
+            with lock:
+                got = agent.notifs()
         if notified is not None:
             notified.extend(msg for _, msg in got)
 
