@@ -108,11 +108,13 @@ class LinkSeals:
     current: Session | None = None
     previous: Session | None = None
     offered: Session | None = None
+    window: int = seal.WINDOW
+    """How many sequence numbers behind a session's newest its replay window holds (``seal.Window``)."""
 
     def offer(self, epoch: int, key: bytes) -> None:
         """P gave the key of the session the hello of ``epoch`` opens, before its answer (the link checks that
         this hello waits for it)."""
-        self.offered = Session(epoch, key)
+        self.offered = Session(epoch, key, seal.Window(self.window))
 
     def answered(self, epoch: int, version: int) -> bool:
         """P answered the hello of ``epoch`` ok, speaking ``version``: that session begins. True when D now checks
