@@ -82,6 +82,19 @@ def dealer(addr: tuple[str, int], keys: Any = None, ctx: Any = None) -> Any:
     return s
 
 
+def answer(sock: Any, timeout_s: float = 5.0) -> Any:
+    """P's next answer on a raw D socket (``dealer``): a hello reply, a failure, ... past the frames P says just
+    before an ok hello reply (``Features``, ``LinkKey``), which a raw peer has no use for."""
+    from kvpush.core import protocol
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), "P did not answer"
+        msg = protocol.decode(sock.recv())
+        if not isinstance(msg, protocol.Features | protocol.LinkKey):
+            return msg
+
+
 def make_cache(geom: Geom, seed: int | None) -> np.ndarray:
     """Random bytes (P, the conformance payload of ``seed``) or the sentinel everywhere (D, ``seed=None``)."""
     if seed is None:
@@ -211,12 +224,18 @@ class Worker(conformance.Worker):
         """P stops telling D that a push starts: as if every ``Posting`` were lost on the way."""
         self.ranks[key].engine.send_postings = False
 
-    def op_forge_notif(self, key: str, agent: str, msg: bytes) -> None:
+    def op_forge_notif(self, key: str, agent: str, msg: bytes, d_rank: tuple[str, int] | None = None) -> None:
         """This P rank's NIXL agent (a real P of the fleet's key, which has D's metadata because D said hello
         to it) sends D's agent ``msg`` as a notification: a Completion or Failure of a transfer D registered
-        with another P."""
+        with another P. ``d_rank`` (engine id, rank): sealed first with this P rank's own key of that D rank's
+        session, as everything it sends there is (the seal verifies: D must still refuse it as foreign)."""
         engine = self.ranks[key].engine
-        engine.call_sync(lambda: engine.agent.send_notif(agent, msg))
+
+        def send() -> None:
+            peer = engine.peers.get(d_rank) if d_rank is not None else None
+            engine.agent.send_notif(agent, peer.seal(msg) if peer is not None else msg)
+
+        engine.call_sync(send)
 
     def op_rogue(self, name: str, metadata: bytes, timeout_s: float = 10.0) -> str:
         """A NIXL agent under the name ``name`` (another engine's agent name: a name is the agent's own choice),

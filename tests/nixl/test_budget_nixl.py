@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from procs import Geom, Node, dealer
+from procs import Geom, Node, answer, dealer
 from test_flood_nixl import Sampler, _push_exact, rss_mb
 
 from kvpush.cli import keys as keys_cli
@@ -84,8 +84,9 @@ def claiming(layout: KVLayout, num_blocks: int) -> KVLayout:
 
 def say_hello(sock: zmq.Socket, hello: protocol.Hello) -> protocol.HelloReply:
     sock.send(protocol.encode(hello))
-    assert sock.poll(15_000), f"no answer to the hello as {hello.engine_id}"
-    return protocol.decode(sock.recv(), protocol.HelloReply)
+    reply = answer(sock, 15.0)
+    assert isinstance(reply, protocol.HelloReply), f"no answer to the hello as {hello.engine_id}: {reply}"
+    return reply
 
 
 class Pusher:

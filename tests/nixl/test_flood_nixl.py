@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from procs import Geom, Node, assert_same, dealer
+from procs import Geom, Node, answer, assert_same, dealer
 
 from kvpush import PROTOCOL_VERSION
 from kvpush.conformance.model import Req, apply_push
@@ -235,8 +235,9 @@ def test_one_d_key_is_known_as_at_most_peer_max_ranks_d_ranks(nodes: tuple[Node,
         def hello(sock: zmq.Socket, name: str) -> protocol.HelloReply:
             meta = d.call("bare_agent", f"{name}-agent")
             sock.send(protocol.encode(protocol.Hello(name, 0, 1, f"{name}-agent", meta, d_layout, "")))
-            assert sock.poll(10_000), f"no answer to the hello as {name}"
-            return protocol.decode(sock.recv(), protocol.HelloReply)
+            reply = answer(sock, 10.0)
+            assert isinstance(reply, protocol.HelloReply), f"no answer to the hello as {name}: {reply}"
+            return reply
 
         socks.append(dealer(addr, keys, ctx))
         assert hello(socks[0], "names-0").ok

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from procs import SENTINEL, Geom, Node, assert_same, dealer, make_cache
+from procs import SENTINEL, Geom, Node, answer, assert_same, dealer, make_cache
 
 from kvpush.conformance.model import Req, apply_push, make_requests
 from kvpush.core import protocol
@@ -428,8 +428,7 @@ def _dealer(addr: tuple[str, int]) -> zmq.Socket:
 
 
 def _reply(sock: zmq.Socket, timeout_s: float = 5.0) -> Any:
-    assert sock.poll(int(timeout_s * 1000)), "P did not answer"
-    return protocol.decode(sock.recv())
+    return answer(sock, timeout_s)
 
 
 def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:
