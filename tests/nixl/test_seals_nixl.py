@@ -31,6 +31,7 @@ import pytest
 import zmq
 from procs import Geom, Node, assert_same, dealer, make_cache
 from test_auth_nixl import _attack
+from test_faults_nixl import _wait_stopped
 
 from kvpush.conformance.model import Req, apply_push
 from kvpush.core import protocol, seal
@@ -276,12 +277,15 @@ def test_a_forger_under_a_p_ranks_name_ends_no_transfer(
         p.call("close", k + "p")
 
 
-def test_a_forger_cannot_keep_a_frozen_p_rank_alive(
+def test_a_forger_neither_keeps_a_frozen_p_rank_alive_nor_frees_what_it_may_still_write(
     trio: tuple[Node, Node, Node, tuple[int, ...]], nixl_backend: str
 ) -> None:
-    """P1 is stopped (SIGSTOP) with a registration waiting on it while the forger, under P1's name, sends D
-    heartbeats (unsealed, sealed with its own key) and P1's genuine sealed notifications replayed, every
-    0.1 s: none counts as P1's word, so D declares P1 dead within ``peer_dead_s`` of its last real word."""
+    """P1 is stopped (SIGSTOP) as it posts a transfer's WRITE. The forger, under P1's name, sends D heartbeats
+    (unsealed, sealed with its own key) and P1's genuine sealed notifications replayed, every 0.1 s: none counts
+    as P1's word, so D declares P1 dead on time. Then, while D's fencing hello waits for the frozen P1, it sends
+    that transfer's Completion (every region: what would tell D that nothing more of it can land): D keeps the
+    blocks withheld. P1 resumes and its WRITE lands; D gives the blocks back only after that, and not one byte of
+    them changes once given back."""
     p, d, f, version = trio
     forger_in, _ = reaches_d(nixl_backend, version, "after")
     g = Geom(num_blocks=32)
@@ -302,29 +306,64 @@ def test_a_forger_cannot_keep_a_frozen_p_rank_alive(
     f.call("rogue", p_agent, metadata)
     own = secrets.token_bytes(seal.KEY_BYTES)
     mark = len(d.call("tapped", k + "d"))
-    os.kill(p.proc.pid, signal.SIGSTOP)
+    p.call("stop_at_post", k + "p")
+    p.send("prefill", k + "p", victim.tid, victim.p_rid, victim.p_blocks, victim.n)
+    _wait_stopped(p.proc.pid)
     stopped = time.monotonic()
     sent: list[bytes] = []
+    reused: list[Any] = []  # fenced results of the victim: D gave its blocks back, vLLM reuses them at once
+
+    def forge(frames: list[bytes]) -> None:
+        if forger_in or not sent:  # a send NIXL never completes blocks the forger: once shows it
+            f.call("rogue_send", p_agent, frames, 0.5)
+            sent.extend(frames)
+
+    def collect(timeout_s: float) -> list[Any]:
+        got = _results(d, k, victim.tid, timeout_s)
+        for r in got:
+            if r.fenced:
+                d.call("fill", k + "d", victim.d_blocks, REUSED)
+                reused.append(r)
+        return got
+
     try:
         got: list[Any] = []
         i = 0
         while not got and time.monotonic() - stopped < 4 * FAST["peer_dead_s"]:
             i += 1
             beat = protocol.encode(protocol.Heartbeat("forger", 0, i, time.time()))
-            forged = [beat, protocol.encode(seal.seal(own, genuine[0].epoch, 1000 + i, beat))]
-            forged += [protocol.encode(m) for m in genuine]
-            if forger_in or i == 1:  # a send NIXL never completes blocks the forger: once is enough to see it
-                f.call("rogue_send", p_agent, forged, 0.5)
-                sent += forged
-            got = _results(d, k, victim.tid, 0.1)
+            forge(
+                [
+                    beat,
+                    protocol.encode(seal.seal(own, genuine[0].epoch, 1000 + i, beat)),
+                    *map(protocol.encode, genuine),
+                ]
+            )
+            got = collect(0.1)
         dead_after = time.monotonic() - stopped
+        done = protocol.encode(protocol.Completion(victim.tid, victim.d_rid, 0, nbytes=1))
+        for j in range(10):  # D's fencing hello waits for P1 meanwhile
+            forge([done, protocol.encode(seal.seal(own, genuine[0].epoch, 2000 + j, done))])
+            got += collect(0.1)
+        freed_frozen = list(reused)
+        st = d.call("stats", k + "d")
     finally:
         os.kill(p.proc.pid, signal.SIGCONT)
-    assert got and not got[0].ok and "dead" in got[0].reason, got
+    p.answer(30.0)
+    deadline = time.monotonic() + 30.0
+    while not reused and time.monotonic() < deadline:
+        got += collect(0.5)
+    time.sleep(1.0)  # anything still on its way lands now
+    snap = d.call("snapshot", k + "d")
+    changed = int((snap[:, :, victim.d_blocks] != REUSED).sum()) if reused else 0
+    assert got and not got[0].ok and "dead" in got[0].reason and not got[0].fenced, got
     assert dead_after < FAST["peer_dead_s"] + 2.0, f"P1 frozen, declared dead only after {dead_after:.1f}s"
+    assert not freed_frozen, f"D gave the blocks back while P1, frozen, could still write them: {freed_frozen}"
+    assert changed == 0, f"{changed} bytes landed in blocks D had given back"
+    assert reused, f"the blocks never came back once P1 resumed: {got}"
     delivered = _delivered(d, k, p_agent, sent, mark, 0)
-    assert (delivered >= 3 * FAST["peer_dead_s"] / 0.5) == forger_in, (delivered, i, version)
-    assert d.call("stats", k + "d").get("unverified_notifications_total", 0) >= delivered
+    assert (delivered >= 20) == forger_in, (delivered, i, version)
+    assert st.get("unverified_notifications_total", 0) >= delivered, st
     d.call("close", k + "d")
     p.call("close", k + "p")
 
