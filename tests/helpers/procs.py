@@ -204,7 +204,10 @@ class Worker(conformance.Worker):
 
         def stop_then_post(handle: Any) -> Any:
             agent.post = post
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # To this very thread: it then stops the process before it returns from the call. A signal to the
+            # process may be taken by another thread while this one goes on, into the post (a small WRITE
+            # then lands before the process stops).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             if look_first:
                 engine.peers.check(time.monotonic())  # on the engine's thread: the post is its call
             return post(handle)
