@@ -96,7 +96,7 @@ class Session:
     """The seals of one session of a link: the hello's ``epoch``, P's ``key`` for it, the sequence numbers taken."""
 
     epoch: int
-    key: bytes = field(repr=False)
+    key: seal.Key = field(repr=False)
     window: seal.Window = field(default_factory=seal.Window, repr=False)
 
 
@@ -114,7 +114,7 @@ class LinkSeals:
     def offer(self, epoch: int, key: bytes) -> None:
         """P gave the key of the session the hello of ``epoch`` opens, before its answer (the link checks that
         this hello waits for it)."""
-        self.offered = Session(epoch, key, seal.Window(self.window))
+        self.offered = Session(epoch, seal.Key(key), seal.Window(self.window))
 
     def answered(self, epoch: int, version: int) -> bool:
         """P answered the hello of ``epoch`` ok, speaking ``version``: that session begins. True when D now checks
@@ -136,10 +136,12 @@ class LinkSeals:
             if isinstance(msg, protocol.Heartbeat) and msg.seq == 0:
                 return Greeting()
             return Unverified(Why.UNSEALED)
-        session = next((s for s in (self.current, self.previous) if s is not None and s.epoch == msg.epoch), None)
-        if session is None:
-            return Unverified(Why.NO_SESSION, msg.epoch, msg.seq)
-        if not seal.verifies(session.key, msg):
+        session = self.current
+        if session is None or session.epoch != msg.epoch:
+            session = self.previous
+            if session is None or session.epoch != msg.epoch:
+                return Unverified(Why.NO_SESSION, msg.epoch, msg.seq)
+        if not session.key.verifies(msg):
             return Unverified(Why.BAD_SEAL, msg.epoch, msg.seq)
         fresh = session.window.take(msg.seq)
         if fresh is not seal.Fresh.NEW:

@@ -31,8 +31,7 @@ class Sealer:
     """The sequence number of the last seal made (the first is 1)."""
 
     def __post_init__(self) -> None:
-        if len(self.key) != seal.KEY_BYTES:
-            raise ValueError(f"a link key is {seal.KEY_BYTES} bytes, not {len(self.key)}")
+        self._key = seal.Key(self.key)  # raises on a key of the wrong size
 
     def __repr__(self) -> str:  # never show the key
         return f"Sealer(epoch={self.epoch}, checked={self.checked}, seq={self.seq})"
@@ -49,4 +48,4 @@ class Sealer:
         if not self.checked:
             return notif
         self.seq += 1
-        return protocol.encode(seal.seal(self.key, self.epoch, self.seq, notif))
+        return protocol.encode(self._key.seal(self.epoch, self.seq, notif))

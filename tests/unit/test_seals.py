@@ -67,6 +67,16 @@ def test_a_seal_verifies_with_its_key_and_with_nothing_changed(key: bytes, epoch
     assert not seal.verifies(key, msgspec.structs.replace(sealed, mac=bytes(a ^ 0x80 for a in sealed.mac)))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=32, max_size=32), st.integers(0, 1 << 40), st.integers(1, 1 << 40), st.binary(max_size=200))
+def test_a_key_made_ready_macs_as_the_reference(key: bytes, epoch: int, seq: int, body: bytes) -> None:
+    """``seal.Key`` (keyed once, copied per MAC) gives the reference ``seal.mac``, and each verifies the other's."""
+    ready = seal.Key(key)
+    assert ready.mac(epoch, seq, body) == seal.mac(key, epoch, seq, body)
+    assert ready.verifies(seal.seal(key, epoch, seq, body)) and seal.verifies(key, ready.seal(epoch, seq, body))
+    assert key.hex() not in repr(ready)
+
+
 def test_a_mac_is_personalised_with_its_direction() -> None:
     """What P seals for D does not verify as the other direction (a future seal of D's cannot be reflected)."""
     key = bytes(32)
