@@ -19,6 +19,12 @@ of a P rank declared dead are quarantined, that rank is said hello to again
 every ``heartbeat_s`` (a *fencing hello*): P answers ok only once nothing of
 D's earlier session is in flight (until then it answers *busy*, which fails
 nothing), and that answer (``Ready``) fences them.
+
+Each link also keeps the seals of its sessions (``kvpush.decode.seals``): the
+key P gives with its answer's session (``LinkKey``), kept only for the hello
+waiting for it; P told that D checks them before the link is ready
+(``SealsChecked``); and ``check``, which NIXL notifications of the link D acts
+on.
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ rank's name (engine id, rank) belongs to the key that said hello with it, so
 a hello under another D rank's name from a different key is refused (it
 would otherwise drop that rank and its transfers); registrations carry their
 key to the rendezvous, which binds each transfer to it; an abort counts only
-from the key that registered the transfer.
+from the key that registered the transfer. Each hello answered ok gets a
+fresh link key, given to that D rank on its connection (``LinkKey``), with
+which this P rank seals its NIXL notifications to it once it says it checks
+them (``kvpush.prefill.seals``).
 """
 
 from __future__ import annotations
