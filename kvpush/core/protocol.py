@@ -374,7 +374,7 @@ class SealsChecked(_Msg, tag="seals_checked"):
     and before any registration on that connection): from then on P seals every NIXL notification it sends this
     D rank. Sent only to a P that gave a ``LinkKey``, so a P of an older version never reads it."""
 
-    epoch: NonNeg
+    epoch: _U63
 
 
 class Sealed(_Msg, tag="sealed"):

@@ -18,7 +18,7 @@ BLAKE2b's is about three times cheaper on a notification's few hundred bytes;
 128 bits are far beyond what an online forger can try.
 
 ``Window`` is the replay rule of one session: each sequence number is taken
-once, and one more than ``WINDOW`` behind the newest taken is refused as too
+once, and one ``WINDOW`` or more behind the newest taken is refused as too
 old. Notifications of one session arrive out of order (NIXL orders neither
 WRITEs nor their notifications), so the rule keeps a window, not a counter.
 """
