@@ -33,6 +33,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "plot": ("kvpush_tools.bench.plot_serve", "summary table and TTFT/TPOT figures of a bench serve folder"),
     "idle": ("kvpush_tools.bench.idle", "CPU used by an idle P/D pair, per connector"),
     "auth": ("kvpush_tools.bench.auth", "side-channel round trips with and without CURVE authentication"),
+    "seals": ("kvpush_tools.bench.seals", "what sealing and checking one NIXL notification costs P and D"),
     "trip": ("kvpush_tools.bench.trip", "one side-channel message's trip from D's send to P's engine thread"),
     "pairing": ("kvpush_tools.bench.pairing", "P's planning between D's registration and its first pack, per tree"),
     "post": (

@@ -57,6 +57,8 @@ class Count(enum.StrEnum):
     FAILED = "failed_total"
     CANCELS = "cancels_total"  # D: transfers given up before they were registered
     ABORTS_IGNORED = "aborts_ignored_total"  # P: aborts from a D that did not register the transfer (or of none)
+    SEALED_NOTIFICATIONS = "sealed_notifications_total"  # D: NIXL notifications acted on, their seal verified
+    UNVERIFIED_NOTIFICATIONS = "unverified_notifications_total"  # D: NIXL notifications not acted on: no valid seal
     FOREIGN_MESSAGES = "foreign_messages_total"  # D: completions/failures from a P rank it did not register with
     ACKS = "acks_total"  # D: P's acknowledgements of a registration (queued, running)
     QUARANTINES = "quarantines_total"  # D: transfers failed with a writer that may still write (blocks withheld)

@@ -6,8 +6,9 @@ it accepts (frame size, id lengths, block counts), so a forged or truncated
 frame costs the receiver one log line, not a crash or an allocation bomb.
 
 Control messages (hello, register, abort, heartbeat, posting, ack, features,
-credit) travel over the side channel; ``Completion`` and ``Failure`` travel as
-NIXL notifications so that a completion is ordered after the data it announces.
+credit, link key, seals checked) travel over the side channel; ``Completion`` and
+``Failure`` travel as NIXL notifications so that a completion is ordered after
+the data it announces, each ``Sealed`` where D checks seals (v13, below).
 
 **Versions.** A frame carries the lowest version whose messages hold it
 (``frame_version``): a message of an older version's shape, with none of the
@@ -19,6 +20,12 @@ drops that one frame, saying why), and D uses what it offers only then (a
 staging *ring*, ``StagingGrant.slots``); P uses a newer feature only where D
 asked for it in a registration. Decoding accepts every version from
 ``OLDEST_PROTOCOL_VERSION``.
+
+**Seals** (v13, the messages at the end of this module): P gives D a key per
+session with its ``Features`` (``LinkKey``), D says it checks them
+(``SealsChecked``), and only then does P seal its notifications to that D
+rank; D requires seals from every link whose P said it speaks v13. Either
+side on v11 or v12 pairs as before, without them.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from kvpush.core.errors import LayoutError, ProtocolError
 from kvpush.core.layout import KVLayout, MemKind, Region
 from kvpush.core.outcome import Cause, PlanKind, PrefillState, Stage
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 """The newest wire version this kvpush speaks; raised on any change to a message's fields or meaning."""
 OLDEST_PROTOCOL_VERSION = 11
 """The oldest version it still reads and writes: a peer of that version pairs, with that version's plans."""
@@ -336,6 +343,51 @@ class TimeReply(_Msg, tag="time_reply"):
     now: float
 
 
+# -- Seals (protocol v13): NIXL notifications bound to the side-channel link they belong to -------------------
+# Kept apart from the messages above: the rule is ``kvpush.core.seal`` (the seal itself), ``kvpush.prefill.seals``
+# (when P seals) and ``kvpush.decode.seals`` (what D takes); docs/security.md, "Notifications bound to the link".
+
+SEALS_VERSION = 13
+"""The version that brought seals (``LinkKey``, ``SealsChecked``, ``Sealed``)."""
+LINK_KEY_BYTES = 32
+SEAL_MAC_BYTES = 16
+MAX_SEALED_BODY = 64 << 10
+"""The largest notification a seal carries: a Completion or Failure frame is a few hundred bytes."""
+_U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class LinkKey(_Msg, tag="link_key"):
+    """P rank's key for the seals of the session that the hello of ``epoch`` opens (side channel, after
+    ``Features`` and before the ``HelloReply``; confidential under CURVE). A fresh random key per hello P answers
+    ok, so nothing sealed in an earlier session verifies in a later one. A D on an older version drops it unread,
+    saying why, and pairs without seals."""
+
+    key: Annotated[bytes, msgspec.Meta(min_length=LINK_KEY_BYTES, max_length=LINK_KEY_BYTES)]
+    epoch: _U63
+
+    def __repr__(self) -> str:  # a key logged is a key given away
+        return f"LinkKey(epoch={self.epoch})"
+
+
+class SealsChecked(_Msg, tag="seals_checked"):
+    """D rank checks the seals of the session of hello ``epoch`` (side channel, D to P, right after P's ok reply
+    and before any registration on that connection): from then on P seals every NIXL notification it sends this
+    D rank. Sent only to a P that gave a ``LinkKey``, so a P of an older version never reads it."""
+
+    epoch: _U63
+
+
+class Sealed(_Msg, tag="sealed"):
+    """A NIXL notification (``body``: the frame of a ``Completion``, ``Failure`` or ``Heartbeat``) sealed with
+    the key of the session of hello ``epoch``: ``mac`` is ``kvpush.core.seal.mac`` of the key over (epoch,
+    ``seq``, body). ``seq`` counts the session's seals from 1 (a replay is dropped)."""
+
+    epoch: _U63
+    seq: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+    mac: Annotated[bytes, msgspec.Meta(min_length=SEAL_MAC_BYTES, max_length=SEAL_MAC_BYTES)]
+    body: Annotated[bytes, msgspec.Meta(max_length=MAX_SEALED_BODY)]
+
+
 Message = Union[
     Hello,
     HelloReply,
@@ -350,6 +402,9 @@ Message = Union[
     Credit,
     TimeQuery,
     TimeReply,
+    LinkKey,
+    SealsChecked,
+    Sealed,
 ]
 
 
@@ -372,8 +427,11 @@ def encode(msg: Message) -> bytes:
 
 
 def frame_version(msg: Message) -> int:
-    """The lowest version whose messages hold ``msg``: ``ROUNDS_VERSION`` for what rounds brought (its
-    messages, a ring grant, a part of a push in rounds), else the oldest version (whose peers read it)."""
+    """The lowest version whose messages hold ``msg``: ``SEALS_VERSION`` for the seals' messages,
+    ``ROUNDS_VERSION`` for what rounds brought (its messages, a ring grant, a part of a push in rounds), else the
+    oldest version (whose peers read it)."""
+    if isinstance(msg, LinkKey | SealsChecked | Sealed):
+        return SEALS_VERSION
     if isinstance(msg, Features | Credit):
         return ROUNDS_VERSION
     if isinstance(msg, Register) and msg.staging is not None and msg.staging.ring:

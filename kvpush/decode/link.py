@@ -19,6 +19,12 @@ of a P rank declared dead are quarantined, that rank is said hello to again
 every ``heartbeat_s`` (a *fencing hello*): P answers ok only once nothing of
 D's earlier session is in flight (until then it answers *busy*, which fails
 nothing), and that answer (``Ready``) fences them.
+
+Each link also keeps the seals of its sessions (``kvpush.decode.seals``): the
+key P gives with its answer's session (``LinkKey``), kept only for the hello
+waiting for it; P told that D checks them before the link is ready
+(``SealsChecked``); and ``check``, which NIXL notifications of the link D acts
+on.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from kvpush.core import protocol
 from kvpush.core.layout import KVLayout
 from kvpush.core.topology import ConnKey
 from kvpush.decode.fencing_actions import UNKNOWN_SENDER
+from kvpush.decode.seals import LinkSeals, Verdict, unlinked
 
 REFUSED_RETRY_S = 5.0
 """A P rank that refused the handshake is asked again after this long, on the next registration."""
@@ -113,6 +120,15 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class SealsChecked:
+    """Tell P rank ``key`` that this D rank checks the seals of the session of hello ``epoch`` (before anything is
+    registered on it: P seals every notification of that session it sends here)."""
+
+    key: ConnKey
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Ready:
     """P rank ``key`` answered the hello of ``epoch`` ok: its writers may register, and quarantined writers of
     an earlier epoch are fenced (``Fencing.fenced``, then ``Fencing.conn_ready``)."""
@@ -154,9 +170,9 @@ class StaleReply:
 LinkNews = Ready | Refused | Dead
 """What the links tell D's fencing (``Fencing.on_link``), through the shell."""
 
-LinkAction = Hello | Heartbeat | Ready | Refused | Dead | StaleReply
-"""What the links ask of their shell (``Hello``, ``Heartbeat``, and the logging and unloading of the others)
-and, through it, of D's fencing (``Ready``, ``Refused``, ``Dead``)."""
+LinkAction = Hello | Heartbeat | SealsChecked | Ready | Refused | Dead | StaleReply
+"""What the links ask of their shell (``Hello``, ``Heartbeat``, ``SealsChecked``, and the logging and unloading of
+the others) and, through it, of D's fencing (``Ready``, ``Refused``, ``Dead``)."""
 
 
 class Links:
@@ -174,6 +190,7 @@ class Links:
         self._links: dict[ConnKey, Link] = {}
         self._by_agent: dict[str, ConnKey] = {}
         self._epochs: dict[ConnKey, int] = {}
+        self._seals: dict[ConnKey, LinkSeals] = {}  # kept across hellos: only an ok answer changes what is required
 
     # -- queries -------------------------------------------------------------------
     def standing(self, key: ConnKey) -> Standing | None:
@@ -194,6 +211,19 @@ class Links:
     def key_of(self, agent_name: str) -> ConnKey:
         """The P rank whose hello reply named this NIXL agent (``UNKNOWN_SENDER``: none did)."""
         return self._by_agent.get(agent_name, UNKNOWN_SENDER)
+
+    def check(self, agent_name: str, msg: object) -> tuple[ConnKey, Verdict]:
+        """The link a NIXL notification names by its sender's agent name, and whether D acts on it
+        (``kvpush.decode.seals``): only what that link's seals say; a notification of an agent no link named
+        goes on to D's fencing as it is (a sealed one cannot be verified)."""
+        key = self._by_agent.get(agent_name, UNKNOWN_SENDER)
+        seals = self._seals.get(key)
+        return key, (seals.check(msg) if seals is not None else unlinked(msg))
+
+    def sealed(self, key: ConnKey) -> bool:
+        """Whether the link to ``key`` acts only on sealed notifications."""
+        seals = self._seals.get(key)
+        return seals is not None and seals.required
 
     # -- events --------------------------------------------------------------------
     def heard(self, key: ConnKey, now: float) -> None:
@@ -234,19 +264,30 @@ class Links:
         if link is not None and msg.epoch == link.epoch and link.state is LinkState.HELLO_SENT:
             link.version = min(msg.version, protocol.PROTOCOL_VERSION)
 
+    def link_key(self, key: ConnKey, msg: protocol.LinkKey) -> None:
+        """P gives the key of its seals for the session of the hello of ``msg.epoch``, just before its answer: kept
+        for that hello's answer (one of another epoch, or after the answer, changes nothing)."""
+        link = self._links.get(key)
+        if link is not None and msg.epoch == link.epoch and link.state is LinkState.HELLO_SENT:
+            self._seals.setdefault(key, LinkSeals()).offer(msg.epoch, msg.key)
+
     def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkAction]:
-        """P's answer to a hello; one to an older hello (another epoch) changes nothing."""
+        """P's answer to a hello; one to an older hello (another epoch) changes nothing. An ok one begins the
+        session's seals (``kvpush.decode.seals``): P is told D checks them before anything is registered."""
         link = self._links.get(key)
         if link is None or msg.epoch != link.epoch or link.state is not LinkState.HELLO_SENT:
             return [StaleReply(key, msg.epoch, link.epoch if link is not None else 0)]
+        seals = self._seals.setdefault(key, LinkSeals())
         if not msg.ok or msg.layout is None:
+            seals.refused()
             link.state, link.reason = LinkState.REFUSED, f"P {key[0]}:{key[1]} refused the handshake: {msg.reason}"
             link.since, link.busy = now, msg.busy
             return [Refused(key, link.reason, msg.busy)]
         link.state, link.p_rank, link.agent, link.layout = LinkState.READY, msg.rank, msg.agent_name, msg.layout
         link.peer_copies = msg.peer_copies
         self._by_agent[msg.agent_name] = key
-        return [Ready(key, link.epoch)]
+        checks = [SealsChecked(key, link.epoch)] if seals.answered(link.epoch, link.version) else []
+        return [*checks, Ready(key, link.epoch)]
 
     def tick(self, now: float, failures: Mapping[ConnKey, str] | None = None) -> list[LinkAction]:
         """Time passes: fencing hellos, heartbeats out, links declared dead. ``failures``: what the shell's

@@ -36,9 +36,11 @@ from kvpush.decode.link import (
     Links,
     LinkState,
     Refused,
+    SealsChecked,
     StaleReply,
     Standing,
 )
+from kvpush.decode.seals import Verdict
 from kvpush.transport.key_set import ClientKeys
 from kvpush.transport.side_channel import Client, peer_budgets
 
@@ -105,6 +107,11 @@ class Conns:
         """The P rank whose hello reply named this NIXL agent (``UNKNOWN_SENDER``: none did)."""
         return self.links.key_of(agent_name)
 
+    def check(self, agent_name: str, msg: Any) -> tuple[ConnKey, Verdict]:
+        """The link a NIXL notification names by its sender's agent name, and whether D acts on it (its seals:
+        ``Links.check``)."""
+        return self.links.check(agent_name, msg)
+
     # -- I/O -----------------------------------------------------------------------
     def close(self) -> None:
         for client in self._clients.values():
@@ -146,6 +153,10 @@ class Conns:
         """What P speaks, said before its hello reply (``Links.features``)."""
         self.links.features(key, msg)
 
+    def link_key(self, key: ConnKey, msg: protocol.LinkKey) -> None:
+        """The key of P's seals for the session the waiting hello opens, said before its reply (``Links.link_key``)."""
+        self.links.link_key(key, msg)
+
     def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkNews]:
         """P's answer to a hello; what it means for D's fencing."""
         return self._apply(self.links.hello_reply(key, msg, now))
@@ -167,6 +178,8 @@ class Conns:
                 client.send(self.hello(a.epoch))
             elif isinstance(a, Heartbeat):
                 self.send(a.key, protocol.Heartbeat(self.engine_id, self.rank, a.seq, time.time()))
+            elif isinstance(a, SealsChecked):
+                self.send(a.key, protocol.SealsChecked(a.epoch))
             elif isinstance(a, StaleReply):
                 log.warning(
                     "%s: stale hello reply from P %s:%s (epoch %d, expected %d)", self.name, *a.key, a.epoch, a.expected

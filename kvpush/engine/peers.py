@@ -16,18 +16,22 @@ rank's name (engine id, rank) belongs to the key that said hello with it, so
 a hello under another D rank's name from a different key is refused (it
 would otherwise drop that rank and its transfers); registrations carry their
 key to the rendezvous, which binds each transfer to it; an abort counts only
-from the key that registered the transfer.
+from the key that registered the transfer. Each hello answered ok gets a
+fresh link key, given to that D rank on its connection (``LinkKey``), with
+which this P rank seals its NIXL notifications to it once it says it checks
+them (``kvpush.prefill.seals``).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kvpush.config import Config
-from kvpush.core import peek, protocol
+from kvpush.core import peek, protocol, seal
 from kvpush.core.counts import Count
 from kvpush.core.layout import KVLayout
 from kvpush.core.limits import Throttle
@@ -50,6 +54,7 @@ from kvpush.prefill.hello import (
 from kvpush.prefill.liveness import Lookout, stall_bar
 from kvpush.prefill.push_job import DKey
 from kvpush.prefill.rendezvous import Rendezvous
+from kvpush.prefill.seals import Sealer
 from kvpush.transport.auth import LOG_EVERY_S
 from kvpush.transport.key_set import short
 from kvpush.transport.nixl_agent import Agent
@@ -157,6 +162,10 @@ class PeerTable:
         elif isinstance(msg, protocol.Credit):
             if peer is not None:  # only the D rank that registered a push credits it: the job is found by its name
                 self.port.on_credit((peer.engine_id, peer.rank), msg)
+        elif isinstance(msg, protocol.SealsChecked):
+            # The D rank of this connection checks its session's seals: its notifications are sealed from now.
+            if peer is not None and peer.sealer is not None:
+                peer.sealer.checks(msg.epoch)
         else:
             log.warning("%s: unexpected %s on the side channel", self.name, type(msg).__name__)
 
@@ -288,6 +297,7 @@ class PeerTable:
             # No WRITE will connect to this D rank: the greeting starts the connection its first part's
             # notification needs (D ignores it), while the hello is answered.
             self.agent.send_notif(agent_name, greeting)
+        link_key = secrets.token_bytes(seal.KEY_BYTES)  # this session's, so nothing of an earlier one verifies
         self._peers[dkey] = Peer(
             ident,
             key,
@@ -300,10 +310,13 @@ class PeerTable:
             now,
             msg.staging_mem or msg.layout.mem,
             mapped,
+            Sealer(link_key, msg.epoch),
         )
         # What this P rank speaks, before the answer that makes the link ready: D offers what it brings (a ring)
-        # only to a P that said so; a D of an older protocol drops this one frame, saying why.
+        # only to a P that said so; a D of an older protocol drops this one frame, saying why. Then the key of
+        # this session's seals (``kvpush.prefill.seals``), which such a D drops likewise.
         self.server.send(ident, protocol.Features(protocol.PROTOCOL_VERSION, self.rank, msg.epoch))
+        self.server.send(ident, protocol.LinkKey(link_key, msg.epoch))
         self.server.send(ident, self._welcome(msg.epoch, mapped is not None))
 
     def _log_refused(self, key: str, msg: protocol.Hello, verdict: HelloRefused, now: float) -> None:

@@ -198,7 +198,8 @@ class PushRunner:
             if peer is None:
                 raise KVPushError(f"D {job.key[0]} rank {job.key[1]} is gone")
             if job.plan.kind is PlanKind.EMPTY:
-                self.agent.send_notif(peer.agent, _completion(job.plan.plan, job.reg, self.rank, a.r0, a.r1, 0))
+                notif = peer.seal(_completion(job.plan.plan, job.reg, self.rank, a.r0, a.r1, 0))
+                self.agent.send_notif(peer.agent, notif)
             elif job.plan.kind is PlanKind.ROUNDS:
                 handle, ndesc = self._round_part(job.reg, peer, a), 1
                 state = self.writes.post(handle, None)
@@ -248,6 +249,7 @@ class PushRunner:
                 part=a.part,
             )
         )
+        notif = peer.seal(notif)  # where D checks seals (``Peer.seal``)
         return self.agent.prepare_write(local, str(self.staging.mem), remote, str(peer.staging_mem), peer.agent, notif)
 
     def credit(self, tid: str, rec: Transfer, job: RoundsJob, parts: int) -> None:
@@ -392,7 +394,7 @@ class PushRunner:
         (a peer write's: none, its pieces go to the backend's copy). ``ahead``: built before it is due, so a
         peer write has its copy prepared now; one built as it is posted launches without that extra step."""
         if plan.kind is PlanKind.PEER:
-            notif = _completion(plan, reg, self.rank, r0, r1, 0)
+            notif = peer.seal(_completion(plan, reg, self.rank, r0, r1, 0))
             copies = self._peer_copies(plan, peer, r0, r1)
             return self.writes.peer_write(peer.mapped, copies, peer.agent, notif, prepare=ahead), 0
         if plan.kind is PlanKind.DIRECT:
@@ -405,7 +407,7 @@ class PushRunner:
                 self.port.bump(count)
                 return handle, ndesc
         local, remote = part_descriptors(plan, self.layout, peer.layout, r0, r1)
-        notif = _completion(plan, reg, self.rank, r0, r1, local.shape[0])
+        notif = peer.seal(_completion(plan, reg, self.rank, r0, r1, local.shape[0]))
         lmem, rmem = self.layout.mem, peer.layout.mem
         if plan.kind is PlanKind.STAGED and self.staging is not None:  # staging may live elsewhere than the KV
             lmem, rmem = self.staging.mem, peer.staging_mem
@@ -425,7 +427,7 @@ class PushRunner:
 
 
 def _completion(plan: Plan, reg: protocol.Register, rank: int, r0: int, r1: int, ndesc: int) -> bytes:
-    """The notification that travels with the WRITE of regions ``[r0, r1)``."""
+    """The notification that travels with the WRITE of regions ``[r0, r1)`` (the peer seals it: ``Peer.seal``)."""
     staged = plan.kind is PlanKind.STAGED
     return protocol.encode(
         protocol.Completion(

@@ -38,6 +38,7 @@ from kvpush.core.topology import ConnKey, bystander_channels, writer_channels
 from kvpush.decode.allow import Allowed
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import (
+    UNKNOWN_SENDER,
     Acknowledged,
     AwaitUnpacks,
     Cancel,
@@ -55,6 +56,7 @@ from kvpush.decode.fencing_actions import (
 from kvpush.decode.incoming import Action, Asked
 from kvpush.decode.link import Dead, LinkNews, LinkState, Ready, Refused
 from kvpush.decode.registration import register_message, unpack_choice
+from kvpush.decode.seals import NOTIFICATIONS, Greeting, Malformed, Unverified
 from kvpush.decode.warm import warm_links
 from kvpush.engine.conns import Conns, Dialer
 from kvpush.engine.loop import EngineLoop
@@ -115,6 +117,7 @@ class Receiver(EngineLoop):
         for why in skipped:
             log.warning("%s: prefill_peers: %s", self.name, why)
         self._foreign_log = Throttle(LOG_EVERY_S)
+        self._unverified_log = Throttle(LOG_EVERY_S)
         self.counters = self.fencing.counters
         self.conns: Conns  # made with the agent (``setup``), before any call reaches the thread
         self.unpacks: UnpackRunner  # likewise: the staging region comes with the agent
@@ -320,24 +323,58 @@ class Receiver(EngineLoop):
             self._do(self.fencing.failure(msg, time.monotonic(), sender=key))
         elif isinstance(msg, protocol.Features):
             self.conns.features(key, msg)
+        elif isinstance(msg, protocol.LinkKey):
+            self.conns.link_key(key, msg)
         elif not isinstance(msg, protocol.Heartbeat):
             log.warning("%s: unexpected %s from P %s:%s", self.name, type(msg).__name__, *key)
 
     def _on_notif(self, agent_name: str, data: bytes, now: float) -> None:
+        """A NIXL notification: acted on only if the seals of the link it names say so (``kvpush.decode.seals``);
+        the name it carries is the sender's own word."""
         try:
-            msg = protocol.decode(data, expected=(protocol.Completion, protocol.Failure, protocol.Heartbeat))
+            msg = protocol.decode(data, expected=(*NOTIFICATIONS, protocol.Sealed))
         except ProtocolError as exc:
             self.bump(Count.REJECTED_MESSAGES)
             log.warning("%s: rejected notification from %s: %s", self.name, agent_name, exc)
             return
+        sender, verdict = self.conns.check(agent_name, msg)
+        if isinstance(verdict, Unverified):
+            self.bump(Count.UNVERIFIED_NOTIFICATIONS)
+            self._unverified(agent_name, sender, verdict, now)
+            return
+        if isinstance(verdict, Malformed):
+            self.bump(Count.REJECTED_MESSAGES)
+            log.warning("%s: rejected sealed notification from %s: %s", self.name, agent_name, verdict.error)
+            return
+        if isinstance(verdict, Greeting):
+            return  # P's greeting as it loaded this agent: it connects where loading does not (Agent.add_peer)
+        msg = verdict.msg
+        if verdict.sealed:
+            self.bump(Count.SEALED_NOTIFICATIONS)
         self.conns.heard_from_agent(agent_name, now)
         if isinstance(msg, protocol.Heartbeat):
-            return  # P's greeting as it loaded this agent: it connects where loading does not (Agent.add_peer)
-        sender = self.conns.key_of(agent_name)
+            return  # it says only that P lives (P's greeting, unsealed where the link takes that)
         if isinstance(msg, protocol.Failure):
             self._do(self.fencing.failure(msg, time.monotonic(), sender=sender))
         else:
             self._do(self.fencing.completion(msg, time.monotonic(), sender=sender))
+
+    def _unverified(self, agent_name: str, sender: ConnKey, verdict: Unverified, now: float) -> None:
+        """A notification D did not act on (counted already), logged once per interval per link (an agent name
+        is the sender's choice: all those no link named share one line)."""
+        held = self._unverified_log.note(sender, now)
+        if held is None:
+            return
+        who = f"P {sender[0]}:{sender[1]}'s link" if sender != UNKNOWN_SENDER else "no link"
+        more = f" ({held} more since the last line)" if held else ""
+        log.warning(
+            "%s: ignored a NIXL notification from agent %r (%s): %s%s",
+            self.name,
+            agent_name,
+            who,
+            verdict.describe(),
+            more,
+        )
 
     # -- actions --------------------------------------------------------------------
     def _do(self, actions: list[Action] | list[LinkNews]) -> None:

@@ -37,6 +37,7 @@ from kvpush.core.layout import KVLayout, MemKind, check_compatible
 from kvpush.core.outcome import Cause, Failed, Stage
 from kvpush.prefill.admission import Admission, block_ceiling, metadata_problem
 from kvpush.prefill.push_job import DKey
+from kvpush.prefill.seals import Sealer
 
 UNKNOWN_PEER_BLOCKS = 4096
 """Block ids per group a registration from a connection that said no hello may list and still be decoded
@@ -61,6 +62,12 @@ class Peer:
     mapped: Any = None
     """P's backend's handle on this D rank's KV (``PeerCopy.open_peer``): its pushes are peer copies; None:
     NIXL WRITEs."""
+    sealer: Sealer | None = None
+    """The seals of this session's NIXL notifications (``kvpush.prefill.seals``); None: sent unsealed."""
+
+    def seal(self, notif: bytes) -> bytes:
+        """What to send this D rank for notification ``notif``: sealed where it checks seals, else as is."""
+        return self.sealer.seal(notif) if self.sealer is not None else notif
 
 
 @dataclass(frozen=True)

@@ -68,18 +68,6 @@ class Geom(model.Geom):
         return self.head_dim
 
 
-def answer(sock: Any, timeout_ms: int = 15_000) -> Any:
-    """P's next message on a raw DEALER that is not its ``Features`` (which goes just before each hello's
-    answer, ``kvpush.core.protocol``): what a test's own peer waits for after a hello or a registration."""
-    from kvpush.core import protocol
-
-    while True:
-        assert sock.poll(timeout_ms), "P did not answer"
-        msg = protocol.decode(sock.recv())
-        if not isinstance(msg, protocol.Features):
-            return msg
-
-
 def dealer(addr: tuple[str, int], keys: Any = None, ctx: Any = None) -> Any:
     """A raw DEALER to a P side channel, with ``keys`` (a D's ``ClientKeys``) or without any: what a test's
     own peer (buggy, hostile, or replaying) talks through. It never blocks a send."""
@@ -95,6 +83,19 @@ def dealer(addr: tuple[str, int], keys: Any = None, ctx: Any = None) -> Any:
         s.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     s.connect(f"tcp://{addr[0]}:{addr[1]}")
     return s
+
+
+def answer(sock: Any, timeout_s: float = 5.0) -> Any:
+    """P's next answer on a raw D socket (``dealer``): a hello reply, a failure, ... past the frames P says just
+    before an ok hello reply (``Features``, ``LinkKey``), which a raw peer has no use for."""
+    from kvpush.core import protocol
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), "P did not answer"
+        msg = protocol.decode(sock.recv())
+        if not isinstance(msg, protocol.Features | protocol.LinkKey):
+            return msg
 
 
 def make_cache(geom: Geom, seed: int | None) -> np.ndarray:
@@ -132,6 +133,8 @@ class Worker(conformance.Worker):
         self.progressing: list[tuple[threading.Event, threading.Thread]] = []
         self.retired: list[Any] = []
         self.override: Target | None = None
+        self.rogues: dict[str, tuple[Any, str, threading.Lock, threading.Event]] = {}
+        self.taps: dict[str, list[tuple[str, bytes]]] = {}
         self.warnings = _Lines()
         logging.getLogger("kvpush").addHandler(self.warnings)
         logging.getLogger("kvpush").setLevel(logging.INFO)
@@ -229,7 +232,10 @@ class Worker(conformance.Worker):
 
         def stop_then_post(handle: Any) -> Any:
             agent.post = post
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # To this very thread: it then stops the process before it returns from the call. A signal to the
+            # process may be taken by another thread while this one goes on, into the post (a small WRITE
+            # then lands before the process stops).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             if look_first:
                 engine.peers.check(time.monotonic())  # on the engine's thread: the post is its call
             return post(handle)
@@ -249,12 +255,88 @@ class Worker(conformance.Worker):
         """P stops telling D that a push starts: as if every ``Posting`` were lost on the way."""
         self.ranks[key].engine.send_postings = False
 
-    def op_forge_notif(self, key: str, agent: str, msg: bytes) -> None:
+    def op_forge_notif(self, key: str, agent: str, msg: bytes, d_rank: tuple[str, int] | None = None) -> None:
         """This P rank's NIXL agent (a real P of the fleet's key, which has D's metadata because D said hello
         to it) sends D's agent ``msg`` as a notification: a Completion or Failure of a transfer D registered
-        with another P."""
+        with another P. ``d_rank`` (engine id, rank): sealed first with this P rank's own key of that D rank's
+        session, as everything it sends there is (the seal verifies: D must still refuse it as foreign)."""
         engine = self.ranks[key].engine
-        engine.call_sync(lambda: engine.agent.send_notif(agent, msg))
+
+        def send() -> None:
+            peer = engine.peers.get(d_rank) if d_rank is not None else None
+            engine.agent.send_notif(agent, peer.seal(msg) if peer is not None else msg)
+
+        engine.call_sync(send)
+
+    def op_rogue(self, name: str, metadata: bytes, timeout_s: float = 10.0) -> str:
+        """A NIXL agent under the name ``name`` (another engine's agent name: a name is the agent's own choice),
+        with the peer of ``metadata`` loaded (what any holder of that peer's metadata can do), progressed by a
+        thread of its own as an engine would; returns the loaded peer's agent name ("": the load did not end
+        within ``timeout_s``, as where loading connects and the peer does not progress its agent). ``rogue_send``
+        sends as it. Never closed nor joined: a call the peer never answers may leave its threads blocked in
+        NIXL, and the worker's exit does not wait for them."""
+        from kvpush.transport.nixl_agent import Agent
+
+        agent = Agent(name, self.target.nixl_backends)
+        lock = threading.Lock()
+        loaded: list[str] = []
+
+        def load() -> None:
+            with lock:
+                loaded.append(agent.add_peer(metadata))
+
+        t = threading.Thread(target=load, name=f"rogue-load-{name}", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        stop = threading.Event()
+        self.rogues[name] = (agent, loaded[0] if loaded else "", lock, stop)
+        if not loaded:
+            return ""
+        t = threading.Thread(target=_progress_until, args=(agent, stop, None, lock), name=f"rogue-{name}", daemon=True)
+        t.start()
+        return loaded[0]
+
+    def op_rogue_send(self, name: str, msgs: list[bytes], timeout_s: float = 5.0) -> int:
+        """The agent ``rogue`` made under ``name`` sends its peer these notifications; how many were sent within
+        ``timeout_s`` (a send NIXL refuses is counted out; one that never returns, as over a connection the peer
+        never accepts, leaves the rest unsent and the agent unusable)."""
+        agent, peer, lock, _ = self.rogues[name]
+        sent: list[int] = []
+        if not peer:
+            return 0
+
+        def send() -> None:
+            for msg in msgs:
+                with lock:
+                    try:
+                        agent.send_notif(peer, msg)
+                    except Exception as exc:
+                        logging.getLogger("kvpush.tests.rogue").warning("%s: send_notif failed: %s", name, exc)
+                        continue
+                sent.append(1)
+
+        t = threading.Thread(target=send, name=f"rogue-send-{name}", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return len(sent)
+
+    def op_tap_notifs(self, key: str) -> None:
+        """From now on, keep a copy of every NIXL notification this engine's agent hands the engine (``tapped``):
+        what a wire recording would give a replayer."""
+        agent = self.ranks[key].engine.agent
+        notifs = agent.notifs
+        kept: list[tuple[str, bytes]] = []
+
+        def tapped(drain: bool = False) -> list[tuple[str, bytes]]:
+            got = notifs(drain=drain)
+            kept.extend(got)
+            return got
+
+        agent.notifs = tapped
+        self.taps[key] = kept
+
+    def op_tapped(self, key: str) -> list[tuple[str, bytes]]:
+        return list(self.taps[key])
 
     def op_wakeups(self, key: str) -> int:
         return int(self.ranks[key].engine.wakeups)
@@ -384,6 +466,8 @@ class Worker(conformance.Worker):
         return super().op_close(key)
 
     def op_exit(self) -> dict[str, Any]:
+        for *_, stop in self.rogues.values():
+            stop.set()
         report = super().op_exit()
         for stop, t in self.progressing:
             stop.set()
@@ -393,11 +477,17 @@ class Worker(conformance.Worker):
         return report
 
 
-def _progress_until(agent: Any, stop: threading.Event, notified: list[bytes] | None = None) -> None:
-    """Drive ``agent``'s progress (the only thread that touches it from now on) until ``stop``; the
-    notifications it brings go to ``notified`` when given."""
+def _progress_until(
+    agent: Any, stop: threading.Event, notified: list[bytes] | None = None, lock: threading.Lock | None = None
+) -> None:
+    """Drive ``agent``'s progress until ``stop`` (the only thread that touches it from now on, or each call under
+    ``lock``, shared with whoever else calls it); the notifications it brings go to ``notified`` when given."""
     while not stop.wait(1e-3):
-        got = agent.notifs()
+        if lock is None:
+            got = agent.notifs()
+        else:
+            with lock:
+                got = agent.notifs()
         if notified is not None:
             notified.extend(msg for _, msg in got)
 

@@ -212,7 +212,7 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
             register = msgspec.structs.replace(register, capability=key_set.session_capability(victim.tid))
             abort = msgspec.structs.replace(abort, capability=key_set.session_capability(victim.tid))
             s.send(protocol.encode(hello))
-            assert answer(s, 5000).ok  # a D P allows: it is heard
+            assert answer(s).ok  # a D P allows: it is heard
             s.send(protocol.encode(register))
             assert s.poll(5000), "P did not answer the intruder's registration"
             fail = protocol.decode(s.recv())
@@ -223,7 +223,7 @@ def test_a_d_with_a_key_of_its_own_cannot_take_or_kill_another_ds_transfer(nodes
             d_name = msgspec.structs.replace(hello, engine_id="D" + k)  # the victim's engine id, rank 0
             s2 = dealer(addr, keys, ctx)  # a connection of its own, as a D rank has
             s2.send(protocol.encode(d_name))
-            refused = answer(s2, 5000)
+            refused = answer(s2, 5.0)
             assert not refused.ok and "connected under another D key" in refused.reason, refused
             p.wait_logged(["ignored an abort of victim"])
         finally:

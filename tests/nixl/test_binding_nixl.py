@@ -44,7 +44,7 @@ class Intruder:
         self.sock = dealer(addr, keys, self.ctx)
         self.hello, self.register, self.abort, _, _ = _attack(d, k, "placeholder", g)
         self.sock.send(protocol.encode(self.hello))
-        assert answer(self.sock, 5000).ok, "P must hear an allowed D key"
+        assert answer(self.sock).ok, "P must hear an allowed D key"
 
     def send(self, msg: Any) -> None:
         self.sock.send(protocol.encode(msg))
@@ -52,7 +52,7 @@ class Intruder:
     def registers(self, tid: str, capability: str) -> protocol.Failure:
         """Register ``tid``; P's answer, which must be a refusal."""
         self.send(msgspec.structs.replace(self.register, transfer_id=tid, capability=capability))
-        fail = answer(self.sock, 5000)
+        fail = answer(self.sock, 5.0)
         assert isinstance(fail, protocol.Failure) and fail.cause is Cause.REFUSED, fail
         return fail
 
@@ -154,7 +154,8 @@ def test_d_hears_a_transfers_end_only_from_the_p_rank_it_registered_with(nodes: 
                 msg: Any = protocol.Completion(victim.tid, victim.d_rid, 0, nbytes=1)
             else:
                 msg = protocol.Failure(victim.tid, victim.d_rid, 0, Stage.TRANSFER, Cause.OTHER, "forged")
-            p.call("forge_notif", k + "e", f"D{k}-d0", protocol.encode(msg))
+            # sealed with the second P's own key: its seal verifies, the message is still not its to send
+            p.call("forge_notif", k + "e", f"D{k}-d0", protocol.encode(msg), (f"D{k}", 0))
             d.wait_logged([f"ignored a message for {victim.tid} naming P rank 0 from P {other[0]}:{other[1]}"])
             assert d.call("results", k + "d", 1, 0.0) == [], "D took the forged message"
             assert d.call("stats", k + "d")["pending"] == 1

@@ -85,7 +85,7 @@ def claiming(layout: KVLayout, num_blocks: int) -> KVLayout:
 
 def say_hello(sock: zmq.Socket, hello: protocol.Hello) -> protocol.HelloReply:
     sock.send(protocol.encode(hello))
-    reply = answer(sock)
+    reply = answer(sock, 15.0)
     assert isinstance(reply, protocol.HelloReply), f"no answer to the hello as {hello.engine_id}: {reply}"
     return reply
 

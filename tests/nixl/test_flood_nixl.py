@@ -235,7 +235,7 @@ def test_one_d_key_is_known_as_at_most_peer_max_ranks_d_ranks(nodes: tuple[Node,
         def hello(sock: zmq.Socket, name: str) -> protocol.HelloReply:
             meta = d.call("bare_agent", f"{name}-agent")
             sock.send(protocol.encode(protocol.Hello(name, 0, 1, f"{name}-agent", meta, d_layout, "")))
-            reply = answer(sock, 10_000)
+            reply = answer(sock, 10.0)
             assert isinstance(reply, protocol.HelloReply), f"no answer to the hello as {name}: {reply}"
             return reply
 

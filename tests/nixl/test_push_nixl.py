@@ -428,7 +428,7 @@ def _dealer(addr: tuple[str, int]) -> zmq.Socket:
 
 
 def _reply(sock: zmq.Socket, timeout_s: float = 5.0) -> Any:
-    return answer(sock, int(timeout_s * 1000))
+    return answer(sock, timeout_s)
 
 
 def test_malformed_messages_do_not_hurt_p(nodes: tuple[Node, Node]) -> None:

@@ -122,6 +122,14 @@ MORE_MESSAGES = [
     Credit(transfer_id="xfer-1", attempt=2, parts=17),
 ]
 
+SEALS_MESSAGES = [
+    # The seals' messages (v13), kept apart like their definitions in ``kvpush.core.protocol``.
+    protocol.LinkKey(key=bytes(range(32)), epoch=3),
+    protocol.SealsChecked(epoch=3),
+    protocol.Sealed(epoch=3, seq=(1 << 63) - 1, mac=bytes(16), body=b"\x92\x0b\x81\xa4type\xa2hb"),
+]
+ALL_MESSAGES = MESSAGES + MORE_MESSAGES + SEALS_MESSAGES
+
 
 def _raw(msg) -> dict:
     """A message as a plain dict as it is on the wire (with its ``type`` tag), to build hostile frames from."""
@@ -146,7 +154,7 @@ def _err(data, expected=None) -> str:
 # -- round trips -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("msg", MESSAGES + MORE_MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip(msg) -> None:
     data = encode(msg)
     got = decode(data)
@@ -207,7 +215,7 @@ def test_every_message_type_is_covered() -> None:
     """A new message type must get a round-trip case here."""
     from kvpush.core.protocol import Message
 
-    assert {type(m) for m in MESSAGES + MORE_MESSAGES} == set(Message.__args__)
+    assert {type(m) for m in ALL_MESSAGES} == set(Message.__args__)
 
 
 def test_frame_is_version_then_message() -> None:
@@ -237,8 +245,10 @@ def test_a_frame_carries_the_lowest_version_that_holds_it() -> None:
         assert raw[0] == OLDEST_PROTOCOL_VERSION, msg
         assert not {"part_bytes", "slots", "part"} & set(raw[1]) & set((raw[1].get("staging") or {}) | raw[1]), msg
     for msg in (ring, part, *MORE_MESSAGES[4:]):
-        assert msgspec.msgpack.decode(encode(msg))[0] == PROTOCOL_VERSION, msg
+        assert msgspec.msgpack.decode(encode(msg))[0] == protocol.ROUNDS_VERSION, msg
         assert encode(decode(encode(msg))) == encode(msg)
+    for msg in SEALS_MESSAGES:
+        assert msgspec.msgpack.decode(encode(msg))[0] == protocol.SEALS_VERSION == PROTOCOL_VERSION, msg
     assert encode(decode(_frame(_raw(plain), version=OLDEST_PROTOCOL_VERSION))) == encode(plain)
 
 
@@ -269,7 +279,7 @@ def test_malformed(data: bytes, words: list[str]) -> None:
         assert w in msg, msg
 
 
-@pytest.mark.parametrize("msg", MESSAGES + MORE_MESSAGES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_truncation_is_a_protocol_error(msg) -> None:
     """A frame cut anywhere (a lost tail of a notification) is reported, never half-decoded."""
     data = encode(msg)
