@@ -29,6 +29,7 @@ from kvpush.core.topology import ConnKey
 from kvpush.decode.link import (
     Dead,
     Fences,
+    HangUp,
     Heartbeat,
     Hello,
     LinkAction,
@@ -146,6 +147,10 @@ class Conns:
         """What P speaks, said before its hello reply (``Links.features``)."""
         self.links.features(key, msg)
 
+    def fenced_for_good(self, key: ConnKey) -> None:
+        """The operator fenced P rank ``key`` for good: its link is dropped (``Links.fenced_for_good``)."""
+        self._apply(self.links.fenced_for_good(key))
+
     def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkNews]:
         """P's answer to a hello; what it means for D's fencing."""
         return self._apply(self.links.hello_reply(key, msg, now))
@@ -167,6 +172,12 @@ class Conns:
                 client.send(self.hello(a.epoch))
             elif isinstance(a, Heartbeat):
                 self.send(a.key, protocol.Heartbeat(self.engine_id, self.rank, a.seq, time.time()))
+            elif isinstance(a, HangUp):
+                old = self._clients.pop(a.key, None)
+                if old is not None:
+                    self.dialer.hang_up(old)
+                if a.agent:
+                    self.unload(a.agent)
             elif isinstance(a, StaleReply):
                 log.warning(
                     "%s: stale hello reply from P %s:%s (epoch %d, expected %d)", self.name, *a.key, a.epoch, a.expected

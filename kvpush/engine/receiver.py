@@ -170,6 +170,25 @@ class Receiver(EngineLoop):
         now = time.monotonic
         self.call(lambda: self._do(self.fencing.cancel(transfer_id, request_id, writers, why, now(), capability)))
 
+    def fence(self, peer: PeerAddress, reason: str) -> None:
+        """The operator declared P instance ``peer`` gone for good (``kvpush fence``): the writers of its ranks
+        end now, fenced (quarantined blocks go back, waiting transfers fail), and their links are dropped."""
+        ranks = {(peer.host, peer.port + r) for r in range(peer.tp_size)}
+        self.call(lambda: self._fence(ranks, reason))
+
+    def _fence(self, ranks: set[ConnKey], reason: str) -> None:
+        before = self.fencing.quarantined_blocks()
+        self._do(self.fencing.fenced_for_good(ranks, reason, time.monotonic()))
+        for key in sorted(ranks):
+            self.conns.fenced_for_good(key)
+        log.warning(
+            "%s: %s: P ranks %s fenced for good; %d quarantined blocks given back",
+            self.name,
+            reason,
+            ", ".join(f"{h}:{p}" for h, p in sorted(ranks)),
+            before - self.fencing.quarantined_blocks(),
+        )
+
     def stats(self) -> dict[str, Any]:
         return self.call_sync(
             lambda: {
