@@ -181,6 +181,7 @@ class Receiver(EngineLoop):
         self._do(self.fencing.fenced_for_good(ranks, reason, time.monotonic()))
         for key in sorted(ranks):
             self.conns.fenced_for_good(key)
+        self.refresh_gauges()  # before the Results reach vLLM: the next metrics say the blocks went back
         log.warning(
             "%s: %s: P ranks %s fenced for good; %d quarantined blocks given back",
             self.name,
