@@ -84,7 +84,7 @@ class WithheldMachine(RuleBasedStateMachine):
         ks = data.draw(st.sets(st.integers(0, WORKERS - 1), min_size=1))
         withheld: dict[str, int] = {}
         released: dict[str, int] = {}
-        for k, what, rid in [m for m in self.meta if m[0] in ks]:
+        for _, what, rid in [m for m in self.meta if m[0] in ks]:
             d = withheld if what == "withheld" else released
             d[rid] = d.get(rid, 0) + 1
         self.meta = [m for m in self.meta if m[0] not in ks]
