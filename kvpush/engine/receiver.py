@@ -36,6 +36,7 @@ from kvpush.core.payload import unpack_pieces
 from kvpush.core.staging import FreeSlot
 from kvpush.core.topology import ConnKey, bystander_channels, writer_channels
 from kvpush.decode.allow import Allowed
+from kvpush.decode.fence import hint as fence_hint
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import (
     Acknowledged,
@@ -409,7 +410,9 @@ class Receiver(EngineLoop):
             if held is not None:
                 more = f" ({held} more since the last line)" if held else ""
                 log.warning("%s: %s%s", self.name, a.describe(), more)
-        elif isinstance(a, Stale | Overdue):
+        elif isinstance(a, Overdue):
+            log.warning("%s: %s; %s", self.name, a.describe(), fence_hint(a.conn, self.cfg.fence_port))
+        elif isinstance(a, Stale):
             log.warning("%s: %s", self.name, a.describe())
         elif isinstance(a, Acknowledged):
             log.debug("%s: %s", self.name, a.describe())
