@@ -20,7 +20,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
-from kvpush.core.errors import ProtocolError
+from kvpush.core.errors import ConfigError, ProtocolError
 from kvpush.decode.fence import MAX_REQUEST_BYTES, FenceRequest, decode_reply, decode_request, encode_reply
 from kvpush.transport.auth import handshake_error
 from kvpush.transport.key_set import FenceClientKeys, FenceServerKeys, dir_stamp, read_decoders, short
@@ -71,7 +71,14 @@ class FenceListener:
             self.sock.setsockopt(zmq.CURVE_SERVER, 1)
             self.sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
             self.sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
-        self.sock.bind(f"tcp://{host}:{port}")
+        try:
+            self.sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
+            self.ctx.term()
+            raise ConfigError(f"fence_port: cannot listen on {host}:{port}: {exc}") from None
         self.address = f"{host}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpush-fence", daemon=True)

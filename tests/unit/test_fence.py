@@ -191,6 +191,13 @@ def test_an_operator_key_added_later_is_accepted_and_one_removed_refused(listene
     assert not _with(mine, address)[0]
 
 
+def test_a_port_taken_is_a_start_up_error_naming_it(listener) -> None:
+    keys, address, heard = listener
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(ConfigError, match=f"fence_port: cannot listen on {address}"):
+        FenceListener(host, int(port), key_set.fence_server_keys("curve", str(keys)), heard)
+
+
 def test_a_bad_request_is_answered_and_not_acted_on(listener) -> None:
     keys, address, heard = listener
     ok, said = send_fence(address, json.dumps({"fence": ["nohost"]}).encode(), key_set.fence_client_keys(keys), 3.0)

@@ -23,7 +23,7 @@ from kvpush.core.errors import ConfigError
 from kvpush.core.outcome import Result
 from kvpush.integrations.vllm import compat
 from kvpush.integrations.vllm.connector import KVPushConnector, KVPushWorkerMetadata
-from kvpush.integrations.vllm.orders import Registration, StepOrders
+from kvpush.integrations.vllm.orders import AbortOrder, Registration, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 
 # What each lane's vLLM offers (tests may name versions; the connector never does).
@@ -180,6 +180,9 @@ class _Receiver:
         out, self.results = self.results, []
         return out
 
+    def abort(self, transfer_id: str, reason: str) -> None:
+        self.log.append(f"abort {transfer_id}")
+
 
 def _decode_worker(
     failures_by_request: bool = True, recompute: bool = False, bad_start: int = 16
@@ -301,6 +304,24 @@ def test_a_failure_reaches_vllm_at_once_and_its_blocks_are_released_only_when_fe
     receiver.results = [dead]
     assert c.get_finished(set()) == (set(), {"bad"})
     assert c.get_block_ids_with_load_errors() == {4, 5, 6, 7}  # all: vLLM frees them and starts afresh
+
+
+def test_a_request_aborted_after_its_failure_reached_vllm_is_never_reported_sent() -> None:
+    """vLLM freed the request when it heard of the failure: the abort that crossed it must not make the fenced
+    Result a ``finished_sending`` (vLLM would look up a request it no longer has); the blocks are released."""
+    w, receiver, _ = _decode_worker()
+    c = _connector(w)
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=False)]
+    assert c.get_transfer_results(set()).failed_recving == {"bad"}
+    c.build_connector_worker_meta()
+    w.apply(StepOrders(aborts=[AbortOrder("bad", "t-bad", "decode")]))
+    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
+    res = c.get_transfer_results({"bad"})
+    assert (res.finished_sending, res.finished_recving) == (set(), set())
+    meta = c.build_connector_worker_meta()
+    assert isinstance(meta, KVPushWorkerMetadata) and meta.released == {"bad": 1}
+    assert c.get_transfer_results(set()).finished_sending == set()
+    assert not w._fencing and not w._expect, "the worker still waits to report a request vLLM no longer has"
 
 
 def test_worker_metadata_adds_up_over_the_workers() -> None:

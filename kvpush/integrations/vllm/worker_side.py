@@ -269,8 +269,11 @@ class WorkerSide:
                 self._early_failure(res, recving, failed)
                 continue
             if rid in self._withheld:
-                # Its failure reached vLLM already: its blocks may go back now.
+                # Its failure reached vLLM already (which freed the request, if it was aborted since: never
+                # report it in finished_sending): its blocks may go back now.
                 self._withheld.discard(rid)
+                self._fencing.discard(rid)
+                self._expect.discard(rid)
                 self._meta_released.add(rid)
                 log.info("kvpush: the blocks of request %s (transfer %s) are fenced: given back", rid, res.transfer_id)
                 continue
