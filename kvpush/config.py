@@ -251,6 +251,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     side_channel_port: Port = msgspec.field(default_factory=_env_port)
     """P rank r listens on port + r; default ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600 (vLLM's). 0 picks a
     free port per rank (tests), which P cannot tell D."""
+    fence_port: Port = 0
+    """D: where its fence listener takes an operator's ``kvpush fence`` (a P instance gone for good: D gives back
+    the blocks it withholds for it), bound on ``side_channel_host``; DP engine k listens on ``fence_port + k``.
+    Authenticated with the key set's ``fence/`` keys (docs/security.md, "Fencing a P for good"). 0: no
+    listener (withheld blocks then go back only when a P answers again at the dead one's address)."""
     model: str = ""
     """Model identity; peers with different values are refused at handshake."""
     prefill_peers: tuple[str, ...] = ()

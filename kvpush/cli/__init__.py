@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvpush_tools.demo.run", "run the end-to-end demo"),
     "doctor": ("kvpush.doctor", "check this host: NIXL plugins, devices, backends"),
     "keys": ("kvpush.cli.keys", "make the side channel's key set (P's pair, allowed D keys)"),
+    "fence": ("kvpush.cli.fence", "declare P instances gone for good: every D gives back the blocks they withhold"),
     "timeline": ("kvpush.cli.timeline", "render a transfer timeline"),
 }
 BENCH: dict[str, tuple[str, str]] = {

@@ -3,8 +3,10 @@
 ``kvpush keys DIR`` writes P's key pair and one D key pair that P allows; the
 directory then serves both roles (a single host, a test, the demo). ``kvpush
 keys DIR --decode NAME`` adds a D key pair of its own: ``DIR/NAME/`` is what
-that D mounts, ``DIR/decoders/NAME.key`` is what P must see. Existing keys are
-never overwritten.
+that D mounts, ``DIR/decoders/NAME.key`` is what P must see. The fence's keys
+(``DIR/fence/``: D's fence listener pair, an operator pair D accepts) come with
+the set, and on an older set with the next run. Existing keys are never
+overwritten.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"D: auth_keys_dir={args.dir} or a {args.dir}/NAME made by --decode (reads {key_set.PREFILL_PUBLIC}, "
         f"{key_set.DECODE_SECRET})\n"
         f"router: --capability-key {args.dir}/{key_set.ROUTER_KEY} (kvpush router's concurrent dispatch mints "
-        "each transfer's capability with it)"
+        "each transfer's capability with it)\n"
+        f"fence: a D with fence_port reads {key_set.FENCE_SECRET} and {key_set.OPERATORS}/*.key; `kvpush fence "
+        f"--keys {args.dir}` reads {key_set.OPERATOR_SECRET} and {key_set.FENCE_PUBLIC}"
     )
     return 0
 

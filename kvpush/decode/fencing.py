@@ -176,6 +176,28 @@ class Fencing:
                     out += inc.writer_failed(w.p_rank, dropped, now)
         return self._settle(out)
 
+    def fenced_for_good(self, conns: set[ConnKey], reason: str, now: float) -> list[Action]:
+        """The operator declared the P ranks at ``conns`` gone for good (``kvpush fence``: the process was
+        killed, its pod deleted): none of them can write again, so every writer on them ends now, fenced.
+
+        A quarantined writer is released (its blocks go back); a writer still waited on (D had not declared
+        its P rank dead yet) fails now instead of after ``peer_dead_s``. Writers on other P ranks are left
+        alone. The declaration is the operator's word, as a STONITH fence is a cluster's: kvpush cannot tell a
+        killed P from a frozen one, which is why nothing else releases a quarantine early. ``reason`` says who
+        fenced, for the transfers that fail."""
+        out: list[Action] = []
+        gone = Failed(Stage.TRANSFER, Cause.DEAD_PEER, reason)
+        for inc in [*self.current.values(), *self.superseded]:
+            for w in inc.writers.values():
+                if w.conn not in conns or w.final:
+                    continue
+                if w.quarantined:
+                    self._bump(Count.QUARANTINES_FENCED)
+                    out += inc.release(w.p_rank, now)
+                else:
+                    out += inc.writer_failed(w.p_rank, gone, now)
+        return self._settle(out)
+
     def acknowledged(self, msg: protocol.Ack) -> list[Action]:
         """P says where a registration's prefill stands ([]: not a current writer, or D already gave up on
         it: an Ack that crossed D's abort does not extend a wait that ended)."""

@@ -159,6 +159,15 @@ class Dead:
 
 
 @dataclass(frozen=True)
+class HangUp:
+    """The operator fenced P rank ``key`` for good: close its socket and unload its NIXL agent (``agent``, ""
+    if none); a later registration to that address dials afresh (a new P there answers a new hello)."""
+
+    key: ConnKey
+    agent: str
+
+
+@dataclass(frozen=True)
 class StaleReply:
     """A hello reply of ``epoch`` while the link expects ``expected`` (or none): ignored; log it."""
 
@@ -170,9 +179,9 @@ class StaleReply:
 LinkNews = Ready | Refused | Dead
 """What the links tell D's fencing (``Fencing.on_link``), through the shell."""
 
-LinkAction = Hello | Heartbeat | SealsChecked | Ready | Refused | Dead | StaleReply
-"""What the links ask of their shell (``Hello``, ``Heartbeat``, ``SealsChecked``, and the logging and unloading of
-the others) and, through it, of D's fencing (``Ready``, ``Refused``, ``Dead``)."""
+LinkAction = Hello | Heartbeat | SealsChecked | Ready | Refused | Dead | StaleReply | HangUp
+"""What the links ask of their shell (``Hello``, ``Heartbeat``, ``SealsChecked``, ``HangUp``, and the logging and
+unloading of the others) and, through it, of D's fencing (``Ready``, ``Refused``, ``Dead``)."""
 
 
 class Links:
@@ -288,6 +297,17 @@ class Links:
         self._by_agent[msg.agent_name] = key
         checks = [SealsChecked(key, link.epoch)] if seals.answered(link.epoch, link.version) else []
         return [*checks, Ready(key, link.epoch)]
+
+    def fenced_for_good(self, key: ConnKey) -> list[LinkAction]:
+        """The operator declared P rank ``key`` gone for good (``Fencing.fenced_for_good`` ended its writers):
+        the link is forgotten, so no heartbeat nor fencing hello goes to it and the next registration naming
+        that address says hello afresh; its epoch count stays, so a late answer of the old session is stale."""
+        link = self._links.pop(key, None)
+        if link is None:
+            return []
+        if link.agent and self._by_agent.get(link.agent) == key:
+            del self._by_agent[link.agent]
+        return [HangUp(key, link.agent)]
 
     def tick(self, now: float, failures: Mapping[ConnKey, str] | None = None) -> list[LinkAction]:
         """Time passes: fencing hellos, heartbeats out, links declared dead. ``failures``: what the shell's

@@ -21,14 +21,15 @@ _PEER = re.compile(
 )
 
 
-def parse_peer(text: str) -> tuple[str, int, int]:
-    """``HOST:PORT`` or ``HOST:PORT/TP`` -> (host, port, P's TP size); ``ConfigError`` naming a bad entry."""
+def parse_peer(text: str, what: str = "prefill_peers entry") -> tuple[str, int, int]:
+    """``HOST:PORT`` or ``HOST:PORT/TP`` -> (host, port, P's TP size); ``ConfigError`` naming a bad entry
+    (``what``: how the error names it)."""
     m = _PEER.match(text.strip())
     if m is None:
-        raise ConfigError(f"prefill_peers entry {text!r}: expected HOST:PORT or HOST:PORT/TP")
+        raise ConfigError(f"{what} {text!r}: expected HOST:PORT or HOST:PORT/TP")
     port, tp = int(m["port"]), int(m["tp"] or 1)
-    if not 1 <= port <= 65535 or not 1 <= tp <= 4096:
-        raise ConfigError(f"prefill_peers entry {text!r}: the port must be 1-65535 and TP 1-4096")
+    if not 1 <= port <= 65535 or not 1 <= tp <= 4096 or port + tp - 1 > 65535:
+        raise ConfigError(f"{what} {text!r}: the port must be 1-65535 and TP 1-4096 (its ranks' ports too)")
     return m["host"].strip("[]"), port, tp
 
 

@@ -29,6 +29,7 @@ from kvpush.core.topology import ConnKey
 from kvpush.decode.link import (
     Dead,
     Fences,
+    HangUp,
     Heartbeat,
     Hello,
     LinkAction,
@@ -157,6 +158,10 @@ class Conns:
         """The key of P's seals for the session the waiting hello opens, said before its reply (``Links.link_key``)."""
         self.links.link_key(key, msg)
 
+    def fenced_for_good(self, key: ConnKey) -> None:
+        """The operator fenced P rank ``key`` for good: its link is dropped (``Links.fenced_for_good``)."""
+        self._apply(self.links.fenced_for_good(key))
+
     def hello_reply(self, key: ConnKey, msg: protocol.HelloReply, now: float) -> list[LinkNews]:
         """P's answer to a hello; what it means for D's fencing."""
         return self._apply(self.links.hello_reply(key, msg, now))
@@ -180,6 +185,12 @@ class Conns:
                 self.send(a.key, protocol.Heartbeat(self.engine_id, self.rank, a.seq, time.time()))
             elif isinstance(a, SealsChecked):
                 self.send(a.key, protocol.SealsChecked(a.epoch))
+            elif isinstance(a, HangUp):
+                old = self._clients.pop(a.key, None)
+                if old is not None:
+                    self.dialer.hang_up(old)
+                if a.agent:
+                    self.unload(a.agent)
             elif isinstance(a, StaleReply):
                 log.warning(
                     "%s: stale hello reply from P %s:%s (epoch %d, expected %d)", self.name, *a.key, a.epoch, a.expected

@@ -36,6 +36,7 @@ from kvpush.core.payload import unpack_pieces
 from kvpush.core.staging import FreeSlot
 from kvpush.core.topology import ConnKey, bystander_channels, writer_channels
 from kvpush.decode.allow import Allowed
+from kvpush.decode.fence import hint as fence_hint
 from kvpush.decode.fencing import Fencing
 from kvpush.decode.fencing_actions import (
     UNKNOWN_SENDER,
@@ -172,6 +173,26 @@ class Receiver(EngineLoop):
         writers = self._writers(peer)
         now = time.monotonic
         self.call(lambda: self._do(self.fencing.cancel(transfer_id, request_id, writers, why, now(), capability)))
+
+    def fence(self, peer: PeerAddress, reason: str) -> None:
+        """The operator declared P instance ``peer`` gone for good (``kvpush fence``): the writers of its ranks
+        end now, fenced (quarantined blocks go back, waiting transfers fail), and their links are dropped."""
+        ranks = {(peer.host, peer.port + r) for r in range(peer.tp_size)}
+        self.call(lambda: self._fence(ranks, reason))
+
+    def _fence(self, ranks: set[ConnKey], reason: str) -> None:
+        before = self.fencing.quarantined_blocks()
+        self._do(self.fencing.fenced_for_good(ranks, reason, time.monotonic()))
+        for key in sorted(ranks):
+            self.conns.fenced_for_good(key)
+        self.refresh_gauges()  # before the Results reach vLLM: the next metrics say the blocks went back
+        log.warning(
+            "%s: %s: P ranks %s fenced for good; %d quarantined blocks given back",
+            self.name,
+            reason,
+            ", ".join(f"{h}:{p}" for h, p in sorted(ranks)),
+            before - self.fencing.quarantined_blocks(),
+        )
 
     def stats(self) -> dict[str, Any]:
         return self.call_sync(
@@ -426,7 +447,9 @@ class Receiver(EngineLoop):
             if held is not None:
                 more = f" ({held} more since the last line)" if held else ""
                 log.warning("%s: %s%s", self.name, a.describe(), more)
-        elif isinstance(a, Stale | Overdue):
+        elif isinstance(a, Overdue):
+            log.warning("%s: %s; %s", self.name, a.describe(), fence_hint(a.conn, self.cfg.fence_port))
+        elif isinstance(a, Stale):
             log.warning("%s: %s", self.name, a.describe())
         elif isinstance(a, Acknowledged):
             log.debug("%s: %s", self.name, a.describe())

@@ -50,6 +50,14 @@ ROUTER_KEY = "router/capability.key"
 else; ``kvpush keys`` writes it, derived from P's secret key (it does not reveal that key)."""
 """The same keys as environment variables (Z85 text, 40 characters; ``KVPUSH_AUTH_DECODERS`` lists
 allowed D public keys separated by commas or white space), for secrets injected as variables."""
+FENCE_SECRET = "fence/decode.key_secret"
+"""The key pair of D's fence listener (``fence_port``), shared by the D fleet as P's pair is by the P fleet."""
+FENCE_PUBLIC = "fence/decode.key"
+"""Its public half: what ``kvpush fence`` checks D's listener against."""
+OPERATOR_SECRET = "fence/operator.key_secret"
+"""The operator's key pair: who may fence a P for good (``kvpush fence``, an orchestrator's hook)."""
+OPERATORS = "fence/operators"
+"""The operator public keys D's fence listener accepts (``*.key``), re-read when the directory changes."""
 HOW_TO_MAKE = "make a key set with `kvpush keys DIR` (docs/security.md)"
 
 
@@ -146,6 +154,26 @@ def make_key_set(path: str | os.PathLike[str]) -> list[Path]:
         (root / DECODERS / "decode.key").unlink(missing_ok=True)
         write_key_file(root / DECODERS / "decode.key", public)
         made += [root / DECODE_SECRET, root / DECODERS / "decode.key"]
+    return made + make_fence_keys(root)
+
+
+def make_fence_keys(root: Path) -> list[Path]:
+    """The fence's keys in key set ``root`` (D's listener pair, one operator pair D accepts) where missing;
+    never overwrites; returns the files made. ``kvpush keys DIR`` on an older key set adds them."""
+    (root / OPERATORS).mkdir(parents=True, exist_ok=True)
+    made: list[Path] = []
+    if not (root / FENCE_SECRET).exists():
+        public, secret = zmq.curve_keypair()
+        write_key_file(root / FENCE_SECRET, public, secret)
+        (root / FENCE_PUBLIC).unlink(missing_ok=True)
+        write_key_file(root / FENCE_PUBLIC, public)
+        made += [root / FENCE_SECRET, root / FENCE_PUBLIC]
+    if not (root / OPERATOR_SECRET).exists():
+        public, secret = zmq.curve_keypair()
+        write_key_file(root / OPERATOR_SECRET, public, secret)
+        (root / OPERATORS / "operator.key").unlink(missing_ok=True)
+        write_key_file(root / OPERATORS / "operator.key", public)
+        made += [root / OPERATOR_SECRET, root / OPERATORS / "operator.key"]
     return made
 
 
@@ -169,6 +197,12 @@ def add_decode_key(path: str | os.PathLike[str], name: str, ranks: int | None = 
     write_key_file(own / PREFILL_PUBLIC, read_key_file(root / PREFILL_PUBLIC, need_secret=False)[0])
     (root / DECODERS).mkdir(exist_ok=True)
     write_key_file(root / DECODERS / f"{name}.key", public, ranks=ranks)
+    if (root / FENCE_SECRET).exists():  # the D's fence listener: the fleet's pair and the operators it accepts
+        (own / OPERATORS).mkdir(parents=True)
+        fence_public, fence_secret = read_key_file(root / FENCE_SECRET, need_secret=True)
+        write_key_file(own / FENCE_SECRET, fence_public, fence_secret)
+        for f in sorted((root / OPERATORS).glob("*.key")):
+            write_key_file(own / OPERATORS / f.name, read_key_file(f, need_secret=False)[0])
     return own
 
 
@@ -356,6 +390,62 @@ def client_keys(auth: str, auth_keys_dir: str) -> ClientKeys | None:
         )
     _check_pair(public, secret, f"${ENV_DECODE_SECRET}")
     return ClientKeys(public, secret, server)
+
+
+@dataclass(frozen=True)
+class FenceServerKeys:
+    """What D's fence listener needs: the fleet's listener pair and where the operator keys it accepts are."""
+
+    public: bytes
+    secret: bytes
+    operators_dir: Path
+
+
+@dataclass(frozen=True)
+class FenceClientKeys:
+    """What ``kvpush fence`` needs: the operator's pair and the public key of D's fence listener."""
+
+    public: bytes
+    secret: bytes
+    server: bytes
+
+
+def _missing_fence(what: str) -> ConfigError:
+    return ConfigError(
+        f"{what}; `kvpush keys DIR` makes the fence's keys (on an existing key set too: it adds only what is "
+        'missing), docs/security.md, "Fencing a P for good"'
+    )
+
+
+def fence_server_keys(auth: str, auth_keys_dir: str) -> FenceServerKeys | None:
+    """D's fence listener keys (``fence_port`` set), None with ``"auth": "none"``; a ``ConfigError`` naming what
+    is missing. Only from a key set directory: the operator keys are files, re-read as they change."""
+    if auth == "none":
+        return None
+    root = keys_dir(auth_keys_dir)
+    if root is None:
+        raise _missing_fence(
+            f"fence_port is set but no key set directory (auth_keys_dir or ${ENV_DIR}) holds {FENCE_SECRET}"
+        )
+    if not (root / FENCE_SECRET).exists():
+        raise _missing_fence(f"fence_port is set but {root / FENCE_SECRET} does not exist")
+    public, secret = read_key_file(root / FENCE_SECRET, need_secret=True)
+    assert secret is not None
+    if not read_decoders(root / OPERATORS):
+        raise _missing_fence(f"fence_port is set but {root / OPERATORS} holds no operator key: nobody could fence")
+    return FenceServerKeys(public, secret, root / OPERATORS)
+
+
+def fence_client_keys(path: str | os.PathLike[str]) -> FenceClientKeys:
+    """The operator's keys from key set ``path`` (``fence/operator.key_secret``, ``fence/decode.key``)."""
+    root = Path(path)
+    for name in (OPERATOR_SECRET, FENCE_PUBLIC):
+        if not (root / name).exists():
+            raise _missing_fence(f"{root / name} does not exist")
+    public, secret = read_key_file(root / OPERATOR_SECRET, need_secret=True)
+    server, _ = read_key_file(root / FENCE_PUBLIC, need_secret=False)
+    assert secret is not None
+    return FenceClientKeys(public, secret, server)
 
 
 def short(key: bytes | str) -> str:

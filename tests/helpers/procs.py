@@ -207,6 +207,12 @@ class Worker(conformance.Worker):
     def op_abort(self, key: str, tid: str, reason: str) -> None:
         self.ranks[key].engine.abort(tid, reason)
 
+    def op_fence(self, key: str, peer: tuple[str, int, int], reason: str) -> None:
+        """The operator fenced P instance ``peer`` for good (the connector's fence order)."""
+        from kvpush.engine import PeerAddress
+
+        self.ranks[key].engine.fence(PeerAddress(*peer), reason)
+
     def op_cancel(self, key: str, tid: str, rid: str, peer: tuple[str, int, int], reason: str) -> None:
         """D gives up on a transfer it never registered (the connector's cancel order)."""
         from kvpush.engine import PeerAddress

@@ -78,6 +78,47 @@ def test_p_killed_d_fails_its_transfers_within_peer_dead(pair: tuple[Node, Node]
     d.call("close", "r")
 
 
+def test_p_killed_and_fenced_by_the_operator_gives_the_blocks_back(pair: tuple[Node, Node], nixl_backend: str) -> None:
+    """P is killed for good with a registration parked, and not started again at its address: D's quarantine
+    holds past ``quarantine_s`` until the operator fences that P (``kvpush fence``, here its order reaching the
+    engine); then the blocks go back at once, the link is dropped, and a P started later at that address (a
+    new process, a new engine id: a new pod) is dialled afresh and pushes byte-exact. (Under the old engine id,
+    LIBFABRIC's plugin on D would still hold the old P's connection: docs/libfabric.md, difference 10.)"""
+    p, d = pair
+    g = Geom(num_blocks=16)
+    addr = p.call("sender", "s", g, FAST, "P", 7)
+    d.call("receiver", "r", g, FAST, "D")
+    d.call("register", "r", "t1", "d1", (addr[0], addr[1], 1), [1, 2], 30, 0)
+    time.sleep(0.5)  # handshake done, registration parked on P (no prefill yet)
+    p.proc.kill()
+    [res] = d.call("results", "r", 1, 10.0)
+    assert not res.ok and not res.fenced, res
+    assert d.call("results", "r", 1, FAST["quarantine_s"] + 1.0) == []  # overdue, held: no timer ends it
+    assert d.call("stats", "r")["quarantined_blocks"] == 2
+    t0 = time.monotonic()
+    d.call("fence", "r", (addr[0], addr[1], 1), "pod deleted")
+    [released] = d.call("results", "r", 1, 5.0)
+    assert released.fenced and not released.ok and released.transfer_id == "t1", released
+    assert time.monotonic() - t0 < 2.0
+    st = d.call("stats", "r")
+    assert st["pending"] == 0 and st["quarantined_blocks"] == 0 and st["connections"] == 0, st
+    with spawn_env(nixl_backend):
+        p2 = Node("P2", nixl_backend)
+    try:
+        assert tuple(p2.call("sender", "s", g, {**FAST, "side_channel_port": addr[1]}, "P-new", 7)) == tuple(addr)
+        p2.call("fill", "s", [3, 4], 9)
+        d.call("register", "r", "t2", "d2", (addr[0], addr[1], 1), [5, 6], 30, 0)
+        p2.call("prefill", "s", "t2", "p2", [3, 4], 30)
+        [ok] = d.call("results", "r", 1, 30.0)
+        assert ok.ok and ok.transfer_id == "t2", ok
+        src, dst = p2.call("snapshot", "s"), d.call("snapshot", "r")
+        assert (dst[:, :, 5] == src[:, :, 3]).all() and (src[:, :, 3] == 9).all()  # tokens 0-15: a whole block
+        p2.call("close", "s")
+    finally:
+        p2.stop()
+    d.call("close", "r")
+
+
 @pytest.mark.parametrize("prefill_after_death", [False, True])
 def test_d_killed_p_releases_its_blocks(pair: tuple[Node, Node], prefill_after_death: bool) -> None:
     """D dies with a registration on P: the prefill is released (ok=False), not held for a lease."""

@@ -55,7 +55,16 @@ def _exchange(server: Server, client: Client, timeout_s: float = 5.0) -> list[pr
 
 def test_a_key_set_serves_both_roles_and_secrets_stay_private(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
     made = key_set.make_key_set(tmp_path)
-    assert {p.name for p in made} == {"prefill.key_secret", "prefill.key", "decode.key_secret", "decode.key"}
+    assert {str(p.relative_to(tmp_path)) for p in made} == {
+        "prefill.key_secret",
+        "prefill.key",
+        "decode.key_secret",
+        "decoders/decode.key",
+        "fence/decode.key_secret",
+        "fence/decode.key",
+        "fence/operator.key_secret",
+        "fence/operators/operator.key",
+    }
     for p in made:
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == (0o600 if p.name.endswith("_secret") else 0o644), (p, oct(mode))
@@ -70,7 +79,12 @@ def test_a_key_set_serves_both_roles_and_secrets_stay_private(tmp_path: Path, no
 def test_keys_command_adds_a_d_key_of_its_own(tmp_path: Path, no_env: pytest.MonkeyPatch) -> None:
     assert cli(["keys", str(tmp_path), "--decode", "d-one"]) == 0
     mount = tmp_path / "d-one"
-    assert sorted(p.name for p in mount.iterdir()) == ["decode.key_secret", "prefill.key"]
+    assert sorted(p.name for p in mount.iterdir()) == ["decode.key_secret", "fence", "prefill.key"]
+    assert sorted(str(p.relative_to(mount)) for p in (mount / "fence").rglob("*")) == [
+        "fence/decode.key_secret",
+        "fence/operators",
+        "fence/operators/operator.key",
+    ]
     own = key_set.client_keys("curve", str(mount))
     sk = key_set.server_keys("curve", str(tmp_path))
     assert own is not None and sk is not None

@@ -65,6 +65,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "proxy_ip": "10.0.0.3",
         "proxy_ping_port": 30001,
         "http_port": 8100,
+        "fence_port": 5700,
         "auth": "none",
         "auth_keys_dir": "/etc/kvpush/keys",
         "peer_bytes_per_s": 1e6,

@@ -16,7 +16,9 @@ answered an abort, was fenced by a hello it answered after its WRITEs
 ended, or never got the registration), after every unpack into them ended.
 Never on a timer: a P may stay frozen for any time and resume, and a P
 killed for good keeps its quarantined blocks out (reported ``Overdue`` once,
-after ``quarantine_s``) until a P restarted at its address answers a hello.
+after ``quarantine_s``) until a P restarted at its address answers a hello
+or the operator fences it for good (``Fencing.fenced_for_good``, only ever
+for a P rank that was killed).
 Each attempt is reported once (plus once early, failed, while a writer is
 quarantined),
 every staging slot freed exactly once, a transfer reported ok has every
@@ -282,6 +284,22 @@ class FencingMachine(RuleBasedStateMachine):
         for s in self.sessions:
             if s.p == p:
                 s.writing, s.answered = False, True  # the process is gone: no WRITE, no answer
+
+    @precondition(lambda self: self.conns)
+    @rule(data=st.data())
+    def operator_fences(self, data) -> None:
+        """The orchestrator kills a P rank for good (if it is not dead already) and an operator fences it
+        (``kvpush fence``): its writers end now, quarantined or still waited on, and D's link to it is dropped
+        (the next registration says hello afresh). Only a killed P rank is fenced: that is the operator's word."""
+        p = data.draw(st.sampled_from(sorted(self.conns)))
+        self._kill(p)
+        conn = ("p", p)
+        self._do(self.fencing.fenced_for_good({conn}, f"P rank {p} fenced for good", self.now))
+        for inc in [*self.fencing.current.values(), *self.fencing.superseded]:
+            for w in inc.writers.values():
+                assert w.conn != conn or w.final, f"a writer of a fenced P rank still counts: {w}"
+        assert not self.fencing.quarantined_on(conn) and not self.fencing.writes_on(conn)
+        self.conns[p] = "dead"  # the link is gone: the next registration dials afresh (a new epoch)
 
     @precondition(lambda self: self.dead)
     @rule(data=st.data())

@@ -18,11 +18,12 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvpush.config import Config
 from kvpush.core.errors import ConfigError
 from kvpush.core.outcome import Result
 from kvpush.integrations.vllm import compat
-from kvpush.integrations.vllm.connector import KVPushConnector
-from kvpush.integrations.vllm.orders import Registration, StepOrders
+from kvpush.integrations.vllm.connector import KVPushConnector, KVPushWorkerMetadata
+from kvpush.integrations.vllm.orders import AbortOrder, Registration, StepOrders
 from kvpush.integrations.vllm.worker_side import WorkerSide
 
 # What each lane's vLLM offers (tests may name versions; the connector never does).
@@ -179,14 +180,29 @@ class _Receiver:
         out, self.results = self.results, []
         return out
 
+    def abort(self, transfer_id: str, reason: str) -> None:
+        self.log.append(f"abort {transfer_id}")
 
-def _decode_worker() -> tuple[WorkerSide, _Receiver, list[str]]:
+
+def _decode_worker(
+    failures_by_request: bool = True, recompute: bool = False, bad_start: int = 16
+) -> tuple[WorkerSide, _Receiver, list[str]]:
     log: list[str] = []
-    w = WorkerSide(None, _Backend(log), "d", 0, 1, producer=False, consumer=True)  # type: ignore[arg-type]
+    w = WorkerSide(
+        Config(),
+        _Backend(log),  # type: ignore[arg-type]
+        "d",
+        0,
+        1,
+        producer=False,
+        consumer=True,
+        failures_by_request=failures_by_request,
+        recompute=recompute,
+    )
     w.receiver = _Receiver(log)  # type: ignore[assignment]
     regs = [
         Registration("ok", "t-ok", "h", 1, 1, ((1, 2, 3),), 40, 0),
-        Registration("bad", "t-bad", "h", 1, 1, ((4, 5, 6, 7),), 60, 16),
+        Registration("bad", "t-bad", "h", 1, 1, ((4, 5, 6, 7),), 60, bad_start),
     ]
     w.apply(StepOrders(registrations=regs))
     w.receiver.results = [Result("t-ok", "ok", True), Result("t-bad", "bad", False, "P died")]  # type: ignore[union-attr]
@@ -244,26 +260,77 @@ def test_p_lists_every_block_but_only_the_prompts_tokens_move() -> None:
     assert int(pieces[:, 2].sum()) == 32 * 4 * 4  # every prompt token's heads, nothing of block 5
 
 
-def test_a_failure_reaches_vllm_once_and_only_when_fenced() -> None:
-    """A writer declared dead may be frozen mid-WRITE: vLLM gets the failed request (and may reuse or recompute
-    its blocks) only with the fenced Result, once, whichever way this vLLM reads failures."""
-    w, receiver, _ = _decode_worker()
+def test_a_failure_reaches_vllm_at_once_and_its_blocks_are_released_only_when_fenced() -> None:
+    """A writer declared dead may be frozen mid-WRITE: its failure reaches vLLM at once (vLLM fails the request or
+    recomputes it into fresh blocks), once, and the workers tell the scheduler half that its blocks stay withheld
+    until the fenced Result, which reaches vLLM as nothing but their release."""
+    dead = Result("t-bad", "bad", False, "P silent: dead", fenced=False)
+    fenced = Result("t-bad", "bad", False, "P silent: dead", fenced=True)
+    # vLLM that reads only block ids, policy fail: reported now, with the blocks after D's local prefix.
+    w, receiver, _ = _decode_worker(failures_by_request=False)
     c = _connector(w)
-    receiver.results = [Result("t-ok", "ok", True), Result("t-bad", "bad", False, "P silent: dead", fenced=False)]
-    assert c.get_finished(set()) == (set(), {"ok"})
+    receiver.results = [Result("t-ok", "ok", True), dead]
+    assert c.get_finished(set()) == (set(), {"ok", "bad"})
+    assert c.get_block_ids_with_load_errors() == {5, 6, 7}
+    meta = c.build_connector_worker_meta()
+    assert isinstance(meta, KVPushWorkerMetadata) and (meta.withheld, meta.released) == ({"bad": 1}, {})
+    assert c.build_connector_worker_meta() is None
+    receiver.results = [fenced]
+    assert c.get_finished(set()) == (set(), set())  # vLLM heard of it already
     assert c.get_block_ids_with_load_errors() == set()
-    receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
+    meta = c.build_connector_worker_meta()
+    assert isinstance(meta, KVPushWorkerMetadata) and (meta.withheld, meta.released) == ({}, {"bad": 1})
+    # By request id, where vLLM reads failed_recving: recompute starts afresh, so it is reported now too.
+    w, receiver, _ = _decode_worker(recompute=True)
+    c = _connector(w)
+    receiver.results = [dead]
+    res = c.get_transfer_results(set())
+    assert (res.finished_recving, res.failed_recving) == ({"bad"}, {"bad"})
+    receiver.results = [fenced]
+    res = c.get_transfer_results(set())
+    assert (res.finished_recving, res.failed_recving) == (set(), set())
+    # vLLM reading block ids under recompute rewinds to the first failed block: after a local prefix hit it
+    # would recompute into these very blocks, so that request waits for the fence; without one, it does not.
+    w, receiver, _ = _decode_worker(failures_by_request=False, recompute=True)
+    c = _connector(w)
+    receiver.results = [dead]
+    assert c.get_finished(set()) == (set(), set())
+    assert c.build_connector_worker_meta() is None
+    receiver.results = [fenced]
     assert c.get_finished(set()) == (set(), {"bad"})
     assert c.get_block_ids_with_load_errors() == {5, 6, 7}
-    # By request id, where vLLM reads failed_recving.
+    w, receiver, _ = _decode_worker(failures_by_request=False, recompute=True, bad_start=0)
+    c = _connector(w)
+    receiver.results = [dead]
+    assert c.get_finished(set()) == (set(), {"bad"})
+    assert c.get_block_ids_with_load_errors() == {4, 5, 6, 7}  # all: vLLM frees them and starts afresh
+
+
+def test_a_request_aborted_after_its_failure_reached_vllm_is_never_reported_sent() -> None:
+    """vLLM freed the request when it heard of the failure: the abort that crossed it must not make the fenced
+    Result a ``finished_sending`` (vLLM would look up a request it no longer has); the blocks are released."""
     w, receiver, _ = _decode_worker()
     c = _connector(w)
     receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=False)]
-    res = c.get_transfer_results(set())
-    assert (res.finished_recving, res.failed_recving) == (set(), set())
+    assert c.get_transfer_results(set()).failed_recving == {"bad"}
+    c.build_connector_worker_meta()
+    w.apply(StepOrders(aborts=[AbortOrder("bad", "t-bad", "decode")]))
     receiver.results = [Result("t-bad", "bad", False, "P silent: dead", fenced=True)]
-    res = c.get_transfer_results(set())
-    assert (res.finished_recving, res.failed_recving) == ({"bad"}, {"bad"})
+    res = c.get_transfer_results({"bad"})
+    assert (res.finished_sending, res.finished_recving) == (set(), set())
+    meta = c.build_connector_worker_meta()
+    assert isinstance(meta, KVPushWorkerMetadata) and meta.released == {"bad": 1}
+    assert c.get_transfer_results(set()).finished_sending == set()
+    assert not w._fencing and not w._expect, "the worker still waits to report a request vLLM no longer has"
+
+
+def test_worker_metadata_adds_up_over_the_workers() -> None:
+    a = KVPushWorkerMetadata({"r": 1}, {})
+    b = KVPushWorkerMetadata({"r": 1, "s": 1}, {"q": 1})
+    total = a.aggregate(b)
+    assert isinstance(total, KVPushWorkerMetadata)
+    assert (total.withheld, total.released) == ({"r": 2, "s": 1}, {"q": 1})
+    assert (a.withheld, b.withheld) == ({"r": 1}, {"r": 1, "s": 1})  # the parts are left alone
 
 
 def test_vllm_that_asks_allocates_the_kv_cache_for_nixl_registration() -> None:

@@ -279,3 +279,21 @@ def test_decode_finished_in_the_step_its_transfer_ended_is_not_fenced():
     assert not s.take_orders().aborts
     assert not s.has_pending_work()
     assert s.pending()["fencing"] == 0
+
+
+def test_decode_failed_early_holds_its_blocks_until_the_workers_release_them():
+    """vLLM fails (or recomputes) a request whose load failed while a dead P may still write its blocks: in the
+    step vLLM hears of it the scheduler half takes its blocks (before vLLM frees them), keeps the engine
+    stepping while it holds them, and gives them back once the workers say they are fenced."""
+    s = SchedulerSide()
+    s.null_block = 0
+    params = dict(D_PARAMS)
+    s.matched_tokens("r", params, 100, 0)
+    s.after_alloc("r", params, ([0, 7, 8], [9]), 0, 100)
+    s.take_orders()
+    assert s.finished("r", params, False, ([0, 7, 8], [9]), 100) is True  # policy fail: vLLM ends it first
+    assert s.on_output(set(), {"r"}, {"r": 1}, {}) == ([7, 8, 9], [])
+    assert not s.take_orders().aborts
+    assert s.has_pending_work() and s.pending()["withheld_blocks"] == 3
+    assert s.on_output(set(), set(), {}, {"r": 1}) == ([], [7, 8, 9])
+    assert not s.has_pending_work()

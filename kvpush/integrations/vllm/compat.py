@@ -80,6 +80,7 @@ SOURCES: dict[str, tuple[str, bool]] = {
     "MambaSpec": ("vllm.v1.kv_cache_interface", False),
     "KVCacheLayout": ("vllm.v1.kv_cache_layout", False),
     "CacheHitSource": ("vllm.v1.metrics.cache_hit_source", False),
+    "BlockPool": ("vllm.v1.core.block_pool", True),
 }
 """Where each vLLM class the connector touches lives, and whether the attributes its ``__init__`` assigns are
 read too (instance attributes the connector reads)."""
@@ -117,6 +118,7 @@ NEEDS: tuple[Need, ...] = (
         why="reports finished and failed transfers",
     ),
     _hook("get_block_ids_with_load_errors", why="reports a failed push's blocks"),
+    _hook("build_connector_worker_meta", why="tells its scheduler half which failed loads' blocks stay withheld"),
     _hook("shutdown", why="stops its threads"),
     _hook("get_kv_connector_stats", why="reports its metrics"),
     _hook("build_kv_connector_stats", "data", why="rebuilds its metrics in the API server"),
@@ -140,6 +142,12 @@ NEEDS: tuple[Need, ...] = (
     ),
     *_fields("KVConnectorRole", "SCHEDULER", "WORKER", why="starts its scheduler or worker half"),
     *_fields("KVConnectorOutput", "finished_sending", "finished_recving", why="learns which pushes ended"),
+    *_fields("KVConnectorOutput", "kv_connector_worker_meta", why="learns which failed loads' blocks stay withheld"),
+    Need(
+        "BlockPool", ("touch",), "call", "keeps a failed load's withheld blocks out of vLLM's free queue", ("blocks",)
+    ),
+    Need("BlockPool", ("free_blocks",), "call", "gives withheld blocks back once fenced", ("ordered_blocks",)),
+    *_fields("BlockPool", "blocks", "null_block", why="finds a block by its id"),
     *_fields(
         _R,
         "request_id",

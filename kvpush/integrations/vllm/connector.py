@@ -28,6 +28,7 @@ in ``compat``: this one class serves every supported version.
 from __future__ import annotations
 
 import logging
+import queue
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -44,6 +46,7 @@ from kvpush.config import Config
 from kvpush.core.errors import BackendError, ConfigError
 from kvpush.core.layout import KVLayout
 from kvpush.core.recurrent import loaded_tokens, prefill_backoff
+from kvpush.decode.fence import FenceRequest
 from kvpush.integrations.vllm import compat
 from kvpush.integrations.vllm import layout as vllm_layout
 from kvpush.integrations.vllm.discovery import Announcer, start_announcer
@@ -59,6 +62,8 @@ from kvpush.integrations.vllm.startup import (
     share_vllm_logging,
 )
 from kvpush.integrations.vllm.worker_side import WorkerSide
+from kvpush.transport.fence_channel import FenceListener
+from kvpush.transport.key_set import fence_server_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,6 +80,24 @@ log = logging.getLogger(__name__)
 @dataclass
 class KVPushMetadata(KVConnectorMetadata):
     orders: StepOrders = field(default_factory=StepOrders)
+
+
+@dataclass
+class KVPushWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler half each step (``withheld.Withheld``): per request, how many workers
+    reported its failure while withholding its blocks, and how many released them (fenced)."""
+
+    withheld: dict[str, int] = field(default_factory=dict)
+    released: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPushWorkerMetadata)
+        out = KVPushWorkerMetadata(dict(self.withheld), dict(self.released))
+        for rid, n in other.withheld.items():
+            out.withheld[rid] = out.withheld.get(rid, 0) + n
+        for rid, n in other.released.items():
+            out.released[rid] = out.released.get(rid, 0) + n
+        return out
 
 
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -141,6 +164,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         self._neuron: Any = None  # kvpush_neuron.vllm_neuron under the Neuron platform
         self.announcer: Announcer | None = None
+        self._pool: Any = None  # vLLM's block pool (scheduler half): withheld blocks keep a reference in it
+        self._fence_listener: FenceListener | None = None
+        self._fences: queue.SimpleQueue[FenceRequest] = queue.SimpleQueue()  # from the listener's thread
         if role == KVConnectorRole.SCHEDULER:
             self._start_scheduler(vllm_config, kv_cache_config)
         else:
@@ -161,6 +187,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             advert=advert,
             max_waiting_registrations=cfg.limits.max_waiting_registrations if ktc.is_kv_consumer else 0,
         )
+        if ktc.is_kv_consumer and cfg.fence_port:
+            # One listener per D engine (DP engine k on fence_port + k); its requests reach the workers as orders.
+            port = cfg.fence_port + vllm_layout.dp_port_offset(vllm_config.parallel_config, 1)
+            keys = fence_server_keys(cfg.security.auth, cfg.security.auth_keys_dir)
+            self._fence_listener = FenceListener(cfg.side_channel_host, port, keys, self._fences.put)
+            log.info("kvpush: fence listener on %s (%s)", self._fence_listener.address, "CURVE" if keys else "no auth")
 
     def _start_worker(self, vllm_config: VllmConfig) -> None:
         """The worker half: the platform's backend and a ``WorkerSide`` for this TP rank."""
@@ -180,6 +212,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             producer=ktc.is_kv_producer,
             consumer=ktc.is_kv_consumer,
             max_model_len=vllm_config.model_config.max_model_len,
+            failures_by_request=self.features.failures_by_request,
+            recompute=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
         )
 
     # ---------------- scheduler hooks ----------------
@@ -230,6 +264,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.sched is not None
+        while not self._fences.empty():
+            fence = self._fences.get()
+            self.sched.fence(fence.targets, fence.reason)
         if self.sched.layerwise:
             self.sched.scheduled(scheduled_chunks(scheduler_output))
         self.sched.step_states(set(scheduler_output.num_scheduled_tokens))
@@ -253,6 +290,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """Learn the block pool's placeholder id: a sliding-window group lists it for blocks it dropped."""
+        self._pool = gpu_block_pool
         if self.sched is not None:
             self.sched.null_block = int(gpu_block_pool.null_block.block_id)
 
@@ -262,11 +300,26 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(config.transfer_group_ids) if config is not None else (0,)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Ended transfers; blocks of failed loads a dead P may still write take a reference of this half's own
+        now, before vLLM frees them (this hook runs first), and give it back once fenced (``withheld``)."""
         assert self.sched is not None
-        self.sched.on_output(connector_output.finished_sending, connector_output.finished_recving)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        withheld = meta.withheld if isinstance(meta, KVPushWorkerMetadata) else None
+        released = meta.released if isinstance(meta, KVPushWorkerMetadata) else None
+        hold, give = self.sched.on_output(
+            connector_output.finished_sending, connector_output.finished_recving, withheld, released
+        )
+        if (hold or give) and self._pool is None:
+            log.error("kvpush: vLLM bound no block pool: %d withheld blocks cannot be kept out", len(hold))
+            return
+        if hold:
+            self._pool.touch([self._pool.blocks[b] for b in hold])
+        if give:
+            self._pool.free_blocks([self._pool.blocks[b] for b in give])
+            log.info("kvpush: %d withheld blocks given back to vLLM (their P was fenced)", len(give))
 
     def has_pending_push_work(self) -> bool:
-        return self.sched is not None and self.sched.has_pending_work()
+        return self.sched is not None and (self.sched.has_pending_work() or not self._fences.empty())
 
     # ---------------- worker hooks ----------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -367,6 +420,14 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors |= self.worker.load_error_blocks(failed, self._block_size())
         return sending, recving
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Requests whose blocks this worker withholds, or released, since the last step (``withheld``)."""
+        said = self.worker.worker_meta() if self.worker is not None else None
+        if said is None:
+            return None
+        withheld, released = said
+        return KVPushWorkerMetadata(dict.fromkeys(withheld, 1), dict.fromkeys(released, 1))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of pushes that failed since the last call (``get_finished``); empty where vLLM reads
         ``failed_recving`` instead."""
@@ -381,6 +442,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return int(self._vllm_config.cache_config.block_size)
 
     def shutdown(self) -> None:
+        if self._fence_listener is not None:
+            self._fence_listener.close()
         if self.worker is not None:
             self.worker.close()
         if self.announcer is not None:

@@ -64,6 +64,17 @@ class PrefillStateOrder:
     tokens_ahead: int
 
 
+@dataclass(frozen=True)
+class FenceOrder:
+    """The operator declared the P instance whose ranks listen from ``host:port`` (``tp_size`` ranks) gone for
+    good (``kvpush fence``): every worker ends its writers on those ranks (``Receiver.fence``)."""
+
+    host: str
+    port: int
+    tp_size: int
+    reason: str
+
+
 @dataclass
 class StepOrders:
     """What the scheduler tells the workers this step (wrapped in vLLM's metadata type)."""
@@ -77,3 +88,5 @@ class StepOrders:
     """Prefills whose final chunk runs in this step's forward: pushed layer by layer as it goes."""
     prefill_states: list[PrefillStateOrder] = field(default_factory=list)
     """P: prefills whose place in P's scheduler changed (D's registrations are acknowledged with it)."""
+    fences: list[FenceOrder] = field(default_factory=list)
+    """D: P instances the operator fenced for good since the last step (``kvpush.decode.fence``)."""

@@ -11,6 +11,10 @@ Invariants:
   worker reports it in ``finished_sending``;
 - a D request aborted while its KV may still be written keeps its blocks
   until the workers report the transfer fenced (also via ``finished_sending``);
+- a D request whose load failed while a P rank declared dead may still write
+  its blocks reaches vLLM at once (vLLM fails or recomputes it), and those
+  blocks stay out of vLLM's free queue, by a reference of this half's own,
+  until every worker reports them fenced (``withheld.Withheld``);
 - a request without kv_transfer_params is never touched;
 - layer-wise mode: a P request whose *final* prefill chunk is scheduled in a
   step is announced to the workers in that step's orders (``layer_prefills``),
@@ -37,9 +41,11 @@ from typing import Any
 from kvpush.core.outcome import PrefillState
 from kvpush.core.plan import HOLE
 from kvpush.core.recurrent import dropped_tokens, loaded_tokens
+from kvpush.decode.fence import Target
 from kvpush.integrations.vllm.orders import (
     AbortOrder,
     CancelOrder,
+    FenceOrder,
     FinishedPrefill,
     PrefillStateOrder,
     Registration,
@@ -47,6 +53,7 @@ from kvpush.integrations.vllm.orders import (
 )
 from kvpush.integrations.vllm.params import DecodeSide, PrefillAdvert, PrefillSide, parse, prefill_answer
 from kvpush.integrations.vllm.scheduler_inputs import ScheduledChunk
+from kvpush.integrations.vllm.withheld import Withheld
 
 log = logging.getLogger(__name__)
 TRUNCATED = "_kvpush_backed_off"
@@ -88,9 +95,18 @@ class SchedulerSide:
         self._sending: dict[str, str] = {}  # P request -> transfer id, blocks held for the push
         self._fencing: dict[str, str] = {}  # D request aborted while KV may land
         self.counters: dict[str, int] = {}
-        self.null_block: int | None = None
+        self.withheld = Withheld()
+        """D: blocks of failed loads held for a P that may still write them (``withheld``)."""
+
+    @property
+    def null_block(self) -> int | None:
         """vLLM's placeholder block id (its block pool's null block): in a hybrid model, a sliding-window group
         lists it for the blocks its window no longer needs. Set by the connector when vLLM binds the pool."""
+        return self.withheld.null_block
+
+    @null_block.setter
+    def null_block(self, value: int | None) -> None:
+        self.withheld.null_block = value
 
     def skipped(self, block_ids: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
         """Leading placeholder blocks of each group (``()`` when there are none): blocks D does not hold."""
@@ -160,6 +176,7 @@ class SchedulerSide:
             role.capability,
         )
         self._orders.registrations.append(reg)
+        self.withheld.registered(request_id, ids)
         log.debug("kvpush scheduler: register %s", reg)
         self._waiting_kv[request_id] = role.transfer_id
         self._peer_of[request_id] = (role.peer.host, role.peer.port)
@@ -347,10 +364,24 @@ class SchedulerSide:
         orders, self._orders = self._orders, StepOrders()
         return orders
 
-    def on_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
+    def fence(self, targets: tuple[Target, ...], reason: str) -> None:
+        """The operator fenced these P instances for good (D's fence listener): every worker is told next step."""
+        for t in targets:
+            self._orders.fences.append(FenceOrder(t.host, t.port, t.tp_size, reason))
+        self._bump("fences")
+
+    def on_output(
+        self,
+        finished_sending: set[str] | None,
+        finished_recving: set[str] | None,
+        withheld: dict[str, int] | None = None,
+        released: dict[str, int] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """One step's ended transfers; returns (blocks to hold, blocks to give back) for ``Withheld``."""
         for rid in finished_sending or ():
             self._sending.pop(rid, None)
             self._fencing.pop(rid, None)
+            self.withheld.forget(rid)
         for rid in finished_recving or ():
             self._waiting_kv.pop(rid, None)
             self._peer_of.pop(rid, None)
@@ -358,12 +389,21 @@ class SchedulerSide:
                 # Ended (vLLM failed it, or it was aborted) in the step its transfer ended: vLLM frees its
                 # blocks on this finished_recving, and the engine has nothing left to fence.
                 self._orders.aborts = [a for a in self._orders.aborts if a.request_id != rid]
+        return self.withheld.output(finished_recving or (), withheld or {}, released or {})
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while blocks are held for transfers."""
         o = self._orders
         return bool(
-            self._sending or self._fencing or o.registrations or o.prefills or o.aborts or o.cancels or o.layer_prefills
+            self._sending
+            or self._fencing
+            or self.withheld.holding()
+            or o.registrations
+            or o.prefills
+            or o.aborts
+            or o.cancels
+            or o.layer_prefills
+            or o.fences
         )
 
     def pending(self) -> dict[str, int]:
@@ -371,6 +411,7 @@ class SchedulerSide:
             "sending": len(self._sending),
             "waiting_kv": len(self._waiting_kv),
             "fencing": len(self._fencing),
+            "withheld_blocks": self.withheld.held_blocks(),
             "queued_prefills": len(self._queued),
             "running_prefills": len(self._running),
         }

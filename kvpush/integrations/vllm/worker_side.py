@@ -17,9 +17,11 @@ from kvpush.config import Config
 from kvpush.core.layout import KVLayout
 from kvpush.core.pieces import map_pieces
 from kvpush.core.plan import staging_shortfall
+from kvpush.decode.fence import hint
 from kvpush.engine import PeerAddress, Receiver, Sender
 from kvpush.integrations.vllm.compat import load_error_blocks
 from kvpush.integrations.vllm.orders import Registration, StepOrders
+from kvpush.integrations.vllm.withheld import reports_early
 from kvpush.observability.metrics import TransferStats, layout_gauges, take_engine
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,14 @@ class WorkerSide:
         producer: bool,
         consumer: bool,
         max_model_len: int = 0,
+        failures_by_request: bool = True,
+        recompute: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.failures_by_request = failures_by_request
+        """vLLM reads failed loads by request id (``compat.Features.failures_by_request``)."""
+        self.recompute = recompute
+        """vLLM's ``kv_load_failure_policy`` is ``recompute`` (else ``fail``)."""
         self.max_model_len = max_model_len
         """vLLM's longest prompt plus output (0: unknown): what the staging region is checked against at start."""
         self.backend = backend
@@ -71,6 +79,9 @@ class WorkerSide:
         self._expect: set[str] = set()
         self._regs: dict[str, Any] = {}  # requests that will end in finished_sending
         self._loads: dict[str, Registration] = {}  # D requests registered, KV not yet in
+        self._withheld: set[str] = set()  # D requests whose failure reached vLLM while their blocks are withheld
+        self._meta_withheld: set[str] = set()  # this step's, for the scheduler half (``worker_meta``)
+        self._meta_released: set[str] = set()  # withheld requests whose writers were fenced since the last step
         self._stats_at = -1e9  # monotonic time of the last metrics report
         # Layer-wise: each layer name's layer (kv_caches order, as the backend describes them), and this
         # step's layer-wise transfers with the layers the forward has written so far.
@@ -156,6 +167,9 @@ class WorkerSide:
                 self.receiver.abort(a.transfer_id, "request aborted on D")
             elif a.side == "prefill" and self.sender is not None:
                 self.sender.abort(a.transfer_id, "request aborted on P before its prefill finished")
+        for f in orders.fences:
+            if self.receiver is not None:
+                self.receiver.fence(PeerAddress(f.host, f.port, f.tp_size), f"fenced by an operator: {f.reason}")
         for c in orders.cancels:
             if self.receiver is not None:
                 peer = PeerAddress(c.host, c.port, c.tp_size)
@@ -246,40 +260,94 @@ class WorkerSide:
         return sending, recving, failed
 
     def _take_received(self, recving: set[str], failed: set[str]) -> None:
-        """D's Results into ``recving`` (and ``failed``), each request once and only fenced: a request whose
-        blocks a P declared dead may still write is held until its fenced Result comes."""
+        """D's Results into ``recving`` (and ``failed``), each request once. A failure whose blocks a P declared
+        dead may still write (``Result.fenced`` False) reaches vLLM now where ``reports_early`` allows (vLLM
+        fails the request or recomputes it into fresh blocks; the scheduler half keeps the old ones out until
+        this rank's fenced Result, ``worker_meta``), else it is held until that Result."""
         assert self.receiver is not None
         for res in self.receiver.poll():
+            rid = res.request_id
             if not res.fenced:
-                # A writer declared dead may be frozen mid-WRITE: its blocks stay withheld from vLLM, which
-                # would recompute into them or hand them to another request. The fenced Result follows.
-                log.warning(
-                    "kvpush: KV for request %s (transfer %s) failed (%s); its blocks are held until P is fenced",
-                    res.request_id,
-                    res.transfer_id,
-                    res.reason,
-                )
+                self._early_failure(res, recving, failed)
                 continue
-            if res.request_id in self._fencing:
-                self._fencing.discard(res.request_id)
-                self._loads.pop(res.request_id, None)
-                self._done_sending.add(res.request_id)
+            if rid in self._withheld:
+                # Its failure reached vLLM already (which freed the request, if it was aborted since: never
+                # report it in finished_sending): its blocks may go back now.
+                self._withheld.discard(rid)
+                self._fencing.discard(rid)
+                self._expect.discard(rid)
+                self._meta_released.add(rid)
+                log.info("kvpush: the blocks of request %s (transfer %s) are fenced: given back", rid, res.transfer_id)
                 continue
-            recving.add(res.request_id)
+            if rid in self._fencing:
+                self._fencing.discard(rid)
+                self._loads.pop(rid, None)
+                self._done_sending.add(rid)
+                continue
+            recving.add(rid)
             if res.ok:
-                self._loads.pop(res.request_id, None)
-            r = self._regs.pop(res.request_id, None)
+                self._loads.pop(rid, None)
+            r = self._regs.pop(rid, None)
             if DEBUG_CHECKSUM and r is not None and self.layout is not None:
                 sha = kv_checksum(self.layout, r.block_ids[0], r.num_tokens, r.start_token)
                 log.info("kvpush D %s kv sha %s ok=%s", r.transfer_id, sha, res.ok)
             if not res.ok:
                 log.error(
-                    "kvpush: KV for request %s (transfer %s) did not arrive: %s",
-                    res.request_id,
-                    res.transfer_id,
-                    res.reason,
+                    "kvpush: KV for request %s (transfer %s) did not arrive: %s", rid, res.transfer_id, res.reason
                 )
-                failed.add(res.request_id)
+                failed.add(rid)
+
+    def _early_failure(self, res: Any, recving: set[str], failed: set[str]) -> None:
+        """A failure reported while a writer declared dead may still write the request's blocks."""
+        rid = res.request_id
+        reg = self._loads.get(rid)
+        if (
+            rid in self._fencing
+            or reg is None
+            or not reports_early(self.failures_by_request, self.recompute, reg.start_token)
+        ):
+            # Aborted (its blocks go back through finished_sending once fenced), or a vLLM that would recompute
+            # into these very blocks: vLLM hears of it with the fenced Result.
+            why = (
+                ""
+                if rid in self._fencing or reg is None
+                else (
+                    "; this vLLM would recompute after the local prefix hit into these very blocks, so the request "
+                    "waits for the fence"
+                )
+            )
+            log.warning(
+                "kvpush: KV for request %s (transfer %s) failed (%s); its blocks are held until P is fenced%s",
+                rid,
+                res.transfer_id,
+                res.reason,
+                why,
+            )
+            return
+        self._withheld.add(rid)
+        self._meta_withheld.add(rid)
+        self._regs.pop(rid, None)
+        recving.add(rid)
+        failed.add(rid)
+        log.error(
+            "kvpush: KV for request %s (transfer %s) did not arrive: %s; vLLM %s it now, and its %d blocks stay "
+            "withheld from vLLM until that P is fenced (%s)",
+            rid,
+            res.transfer_id,
+            res.reason,
+            "recomputes" if self.recompute else "fails",
+            sum(len(g) for g in reg.block_ids),
+            hint((reg.host, reg.port), self.cfg.fence_port),
+        )
+
+    def worker_meta(self) -> tuple[set[str], set[str]] | None:
+        """(requests whose blocks this rank withholds since the last call, requests whose withheld blocks it
+        released), for the scheduler half; None when there is nothing to say."""
+        if not self._meta_withheld and not self._meta_released:
+            return None
+        out = (self._meta_withheld, self._meta_released)
+        self._meta_withheld, self._meta_released = set(), set()
+        return out
 
     def load_error_blocks(self, failed: set[str], block_size: int) -> set[int]:
         """Block ids (group 0) the failed receives ``failed`` were to fill, for vLLM's
