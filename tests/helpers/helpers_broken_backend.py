@@ -7,7 +7,7 @@
   push against the host reference backend can see it.
 - ``accept_foreign``: describe copies anything array-like instead of refusing
   it, so a layout points at memory the engine never wrote.
-- ``late_write``: writes into a cache that was already described land 0.3 s
+- ``late_write``: writes into a cache that was already described land 1.5 s
   later, and ``record_ready`` ignores them, as a device backend that records
   its marker on the wrong stream would.
 - ``leak_thread``: starts a non-daemon thread that never ends, so the process
@@ -28,7 +28,7 @@ from kvpush.backends.base import CacheSpec
 from kvpush.core.layout import KVLayout
 
 BUGS = {"swap_kv", "accept_foreign", "late_write", "leak_thread"}
-LATE_S = 0.3
+LATE_S = 1.5
 
 
 class BrokenBackend(MinimalBackend):
