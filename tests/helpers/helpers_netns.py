@@ -110,6 +110,20 @@ class Net:
         for ns, dev in self.ends():
             _ip("-n", ns, "link", "set", dev, "up")
 
+    def on_the_way_to_d(self, besides_port: int = 0) -> int:
+        """Bytes P sent D over TCP that D's process has not read yet: unacknowledged in P's socket queues (a
+        closed socket's included: the kernel keeps sending what it holds) or unread in D's. 0 once whatever was
+        on the way when the network healed has arrived, or was dropped with its connection. ``besides_port``:
+        leave out the connections to P's port of that number (its side channel, whose words are always on the
+        way)."""
+        total = 0
+        for ns, peer, queue, p_port in ((self.p_ns, D_ADDR, 2, 3), (self.d_ns, P_ADDR, 1, 4)):
+            for line in _ip("netns", "exec", ns, "ss", "-tnH", "dst", peer).stdout.splitlines():
+                cols = line.split()  # state, Recv-Q, Send-Q, local address:port, peer address:port
+                if len(cols) >= 5 and not (besides_port and cols[p_port].rsplit(":", 1)[1] == str(besides_port)):
+                    total += int(cols[queue])
+        return total
+
     def transport_env(self, side: str) -> dict[str, str]:
         """What a worker on ``side`` (``"p"``, ``"d"``) sets before its first NIXL agent: the transports over
         the veth alone."""
