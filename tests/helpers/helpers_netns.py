@@ -27,6 +27,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 NETNS_DIR = Path("/var/run/netns")
@@ -89,9 +90,14 @@ class Net:
                 self.d_ns,
             )
             for ns, dev, addr in ((self.p_ns, self.p_dev, P_ADDR), (self.d_ns, self.d_dev, D_ADDR)):
+                # IPv4 only: an IPv6 link-local address is tentative for a while after the link comes up, and
+                # libfabric's tcp provider, listing the device's addresses, may bind it then (fi_enable fails)
+                _ip("netns", "exec", ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6")
+                _ip("netns", "exec", ns, "sh", "-c", f"echo 1 > /proc/sys/net/ipv6/conf/{dev}/disable_ipv6")
                 _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "link", "set", dev, "up")
+            self._wait_carrier()
         except BaseException:
             self.close()
             raise
@@ -106,9 +112,18 @@ class Net:
             _ip("-n", ns, "link", "set", dev, "down")
 
     def heal(self) -> None:
-        """Both ends up again: their addresses and routes come back with them."""
+        """Both ends up again: their addresses and routes come back with them. Returns once frames cross."""
         for ns, dev in self.ends():
             _ip("-n", ns, "link", "set", dev, "up")
+        self._wait_carrier()
+
+    def _wait_carrier(self, timeout_s: float = 10.0) -> None:
+        """Until both ends are up with a carrier (a veth end has one once its peer is up too)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(" state UP " in _ip("-n", ns, "link", "show", dev).stdout for ns, dev in self.ends()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the veth pair has no carrier after {timeout_s}s")
+            time.sleep(0.01)
 
     def on_the_way_to_d(self, besides_port: int = 0) -> int:
         """Bytes P sent D over TCP that D's process has not read yet: unacknowledged in P's socket queues (a

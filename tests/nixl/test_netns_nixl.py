@@ -34,6 +34,13 @@ ROUNDS = {"plan": "staged", "staged_min_descriptors": 1, "min_part_bytes": 256 <
 """A push in rounds through the 1 MiB staging region: four slots of 256 KiB (512 parts for 128 MiB)."""
 HEALED_WITHIN_S = 15.0
 """The issue's "within seconds of the heal", generously: a new transfer lands this soon after the heal."""
+UNLOADED_ON_A_TIMER = (
+    "LIBFABRIC on NIXL {}: a D rank given up under a WRITE is unloaded once peer_dead_s more ran out (its WRITEs"
+    " to a dead D would not end otherwise, docs/libfabric.md difference 11); cut off that long, D is then written"
+    " again only after the plugin's handshake timeout (1.4.1: the reload's handshake is never answered) or the"
+    " WRITE's queued bytes land after P answered D's fencing hello (1.3.2). Open: docs/design.md, Fencing and faults"
+)
+"""Why the test is expected to fail where P unloads a D rank given up under WRITEs on a timer."""
 REUSED = 0x3C
 """What D's blocks hold once vLLM reused them for another request (the test fills them)."""
 
@@ -81,7 +88,9 @@ def _cut_commands(netns: helpers_netns.Net) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("plan", ["direct", "rounds"])
-def test_network_drops_mid_push_and_heals(net: tuple[helpers_netns.Net, Node, Node], plan: str) -> None:
+def test_network_drops_mid_push_and_heals(
+    net: tuple[helpers_netns.Net, Node, Node], plan: str, request: pytest.FixtureRequest
+) -> None:
     """The network is cut right after P posts a WRITE of a 128 MiB push (in rounds: its third part), for
     longer than ``peer_dead_s``, then heals; nothing is restarted.
 
@@ -92,6 +101,9 @@ def test_network_drops_mid_push_and_heals(net: tuple[helpers_netns.Net, Node, No
     registered as the network heals, lands exactly within seconds.
     """
     netns, p, d = net
+    version, traits = p.call("nixl_traits")
+    if not traits.dead_peer_writes_end:
+        request.applymarker(pytest.mark.xfail(reason=UNLOADED_ON_A_TIMER.format(version), strict=False))
     g = Geom(layers=8, num_blocks=136, num_heads=32, head_dim=128)  # 1 MiB a block over all layers
     cfg = {**CFG, **(ROUNDS if plan == "rounds" else {"plan": "direct"})}
     addr = p.call("sender", "s", g, cfg, "P", 7)
@@ -122,6 +134,9 @@ def test_network_drops_mid_push_and_heals(net: tuple[helpers_netns.Net, Node, No
             collect(0.5)
         assert got["t1"], "D never ended the transfer cut off mid-push"
         assert p.call("wait_stat", "s", Count.DEAD_PEERS, 1, 4 * PEER_DEAD_S + 10.0), "P never gave D up"
+        # ... and the cut outlasts whatever P waits on a timer for a D rank given up under a WRITE (the grace of a
+        # peer whose WRITEs would not end by themselves, kvpush.core.peer_loads)
+        time.sleep(PEER_DEAD_S + 0.5)
         at_cut = d.call("stats", "r")
     finally:
         netns.heal()
