@@ -7,7 +7,7 @@ the load depends on two traits of the NIXL backend
 (``kvpush.core.nixl_backends.BackendTraits``):
 
 - where a live peer can be loaded again (``reloads_live_peer``), a peer given up
-  is unloaded at once;
+  with no WRITE to it unreleased is unloaded at once;
 - where it cannot (LIBFABRIC: the reload's handshake is never answered by a peer
   that holds a connection from this agent, and the first WRITE waits for it), the
   peer is kept loaded, *retired*, and taken back, not loaded, when the same
@@ -27,9 +27,11 @@ the load depends on two traits of the NIXL backend
   end by themselves they end only once the transport is done with them (written,
   or failed with the connection), so P answers that hello only then;
 - where they would not (``dead_peer_writes_end`` False: LIBFABRIC before NIXL 1.5),
-  a peer given up with WRITEs unreleased is *stuck*: kept loaded for ``grace_s``
-  only (a peer merely stalled is back within it, on its old connection, and its
-  WRITEs end), then unloaded if they are still unreleased, which ends them, failed.
+  a peer given up with WRITEs unreleased is *stuck*, whatever the other trait:
+  kept loaded for ``grace_s`` only (a peer merely stalled, or cut off by the
+  network for a while, is back within it, on its old connection, and its WRITEs
+  end), then unloaded if they are still unreleased, which ends them, failed (and
+  brings back the hazard above for a peer cut off for longer: not solved).
   Without a time or a grace it is unloaded at once.
 
 Events in (``add``, ``loaded``, ``remove``, ``expire``, ``close``), ``Unload``
@@ -119,8 +121,8 @@ class PeerLoads:
         if metadata is None:
             return []
         draining = writing and self.dead_peer_writes_end
-        stuck = writing and not self.dead_peer_writes_end
-        if not draining and (self.reloads_live_peer or (stuck and (now is None or self.grace_s <= 0))):
+        stuck = writing and not self.dead_peer_writes_end and now is not None and self.grace_s > 0
+        if not (draining or stuck) and (self.reloads_live_peer or writing):
             return [Unload(name)]
         self.retired[name] = metadata
         if draining:
@@ -129,8 +131,8 @@ class PeerLoads:
             assert now is not None
             self.stuck_until[name] = now + self.grace_s
         out: list[Unload] = []
-        # beyond the bound the oldest kept only for its metadata's return go; a draining one stays for its WRITEs
-        kept = [n for n in self.retired if n not in self.draining]
+        # beyond the bound the oldest kept only for its metadata's return go; one kept for its WRITEs stays
+        kept = [n for n in self.retired if n not in self.draining and n not in self.stuck_until]
         while len(kept) > self.retired_max:
             oldest = kept.pop(0)
             self._forget(oldest)
@@ -139,8 +141,8 @@ class PeerLoads:
 
     def expire(self, now: float, writing: Collection[str]) -> list[Unload]:
         """Unload the stuck peers whose grace ran out with WRITEs still unreleased (``writing``: the peers that
-        have some); one whose WRITEs ended first stays retired, no longer stuck. A draining peer whose WRITEs
-        ended is done draining: unloaded where a live peer can be reloaded, else it stays retired."""
+        have some). A stuck or draining peer whose WRITEs ended first is given up as any other: unloaded where a
+        live peer can be reloaded, else it stays retired."""
         out: list[Unload] = []
         for name in [n for n in self.draining if n not in writing]:
             self.draining.discard(name)
@@ -150,6 +152,9 @@ class PeerLoads:
         for name, until in list(self.stuck_until.items()):
             if name not in writing:
                 del self.stuck_until[name]
+                if self.reloads_live_peer:
+                    del self.retired[name]
+                    out.append(Unload(name))
             elif now >= until:
                 del self.stuck_until[name]
                 del self.retired[name]

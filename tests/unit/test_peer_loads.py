@@ -14,8 +14,9 @@ step:
 - where a dead peer's WRITEs end by themselves, a peer with WRITEs unreleased is never unloaded (but as the agent
   closes, or once it restarted): unloading would not stop what the transport queued for them. The first look
   after they ended unloads it where a live peer can be reloaded;
-- where they would not, no retired peer holds WRITEs without a deadline; a stuck peer is unloaded by the first
-  look at or after its deadline, and not before it.
+- where they would not, a peer given up under WRITEs with a time is kept for the grace, whatever the other
+  trait; no retired peer holds WRITEs without a deadline; a stuck peer is unloaded by the first look at or after
+  its deadline, and not before it.
 """
 
 from __future__ import annotations
@@ -90,13 +91,14 @@ class _Loads(RuleBasedStateMachine):
         in_use = name in self.m.in_use
         writing = name in self.writes
         acts = self.m.remove(name, writing, self.now if timed else None)
-        if in_use and not self.reloads_live_peer and writing and not self.dead_peer_writes_end and timed:
+        stuck = writing and not self.dead_peer_writes_end and timed
+        if in_use and stuck:
             self.deadline[name] = self.now + GRACE_S
         self._unload(acts)
         draining = writing and self.dead_peer_writes_end
-        if in_use and draining:
-            assert name in self.nixl, "a peer given up under WRITEs that end by themselves is unloaded"
-        elif in_use and (self.reloads_live_peer or (writing and not self.dead_peer_writes_end and not timed)):
+        if in_use and (draining or stuck):
+            assert name in self.nixl, "a peer given up under WRITEs is unloaded at once"
+        elif in_use and (self.reloads_live_peer or writing):
             assert name not in self.nixl, "a peer that must go stays loaded"
 
     @rule(dt=st.sampled_from([0.5, 1.0, GRACE_S]))
@@ -120,7 +122,8 @@ class _Loads(RuleBasedStateMachine):
         assert set(self.nixl) == self.m.loaded_names()
         assert not set(self.m.in_use) & set(self.m.retired)
         assert all(self.nixl[n] == meta for n, meta in (*self.m.in_use.items(), *self.m.retired.items()))
-        assert len(set(self.m.retired) - self.m.draining) <= (0 if self.reloads_live_peer else RETIRED_MAX)
+        kept = set(self.m.retired) - self.m.draining - set(self.m.stuck_until)
+        assert len(kept) <= (0 if self.reloads_live_peer else RETIRED_MAX)
         assert set(self.m.stuck_until) <= set(self.m.retired) and self.m.draining <= set(self.m.retired)
         assert not self.m.draining or self.dead_peer_writes_end
 
@@ -181,3 +184,15 @@ def test_a_peer_given_up_under_writes_that_end_stays_loaded_until_they_have() ->
     m.loaded("D1", b"D1:1")
     assert m.remove("D1", writing=True, now=None) == []
     assert m.add(b"D1:1", "D1") == TakenBack("D1") and not m.draining  # back before its WRITE ended
+
+
+def test_a_peer_given_up_under_writes_that_stick_gets_the_grace_where_it_could_be_reloaded() -> None:
+    """LIBFABRIC on NIXL 1.3.2: a D rank given up under a WRITE is kept for the grace (a D cut off briefly is back
+    on its old connection and its WRITE ends), then unloaded once the WRITE ended, or at the deadline."""
+    m = PeerLoads(reloads_live_peer=True, dead_peer_writes_end=False, grace_s=GRACE_S)
+    m.loaded("D0", b"D0:1")
+    m.loaded("D1", b"D1:1")
+    assert m.remove("D0", writing=True, now=10.0) == [] and m.remove("D1", writing=True, now=10.0) == []
+    assert m.expire(11.0, {"D1"}) == [Unload("D0")]  # its WRITE ended within the grace
+    assert m.expire(12.9, {"D1"}) == []
+    assert m.expire(13.0, {"D1"}) == [Unload("D1")] and not m.loaded_names()
