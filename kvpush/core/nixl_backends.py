@@ -47,7 +47,8 @@ class BackendTraits:
     connection from this agent never answers it, while the plugin's first WRITE to the reloaded peer
     waits (inside the post) for that answer up to its handshake timeout. Where False, the agent keeps
     an unloaded peer's metadata loaded and reuses it when the same metadata comes back
-    (docs/libfabric.md, difference 10)."""
+    (docs/libfabric.md, difference 10). Where True, a peer given up is unloaded once no WRITE to it flies
+    (``kvpush.core.peer_loads``)."""
     dead_peer_writes_end: bool = True
     """A WRITE in flight to a peer that dies ends by itself (failed). Not so on LIBFABRIC before NIXL 1.5
     when the failed completions are read by notification calls, as ``Agent._settle_errors`` does where
@@ -55,7 +56,10 @@ class BackendTraits:
     long as the peer is loaded; unloading it ends them (failed). Where False, the agent unloads a given-up
     peer that still has WRITEs unreleased even where a live peer cannot be reloaded: P holds those WRITEs'
     blocks until they end, and a peer given up with WRITEs in flight was declared dead (a fencing hello is
-    refused while WRITEs fly) (docs/libfabric.md, difference 11)."""
+    refused while WRITEs fly) (docs/libfabric.md, difference 11): after ``peer_dead_s`` more, a stuck peer of
+    ``kvpush.core.peer_loads``. Where True, such a peer stays loaded until they end: unloading would fail them
+    in NIXL's eyes while what the transport queued for them still reaches a peer only cut off, once the
+    network heals (docs/design.md, "Fencing and faults")."""
     connects_on_load: bool = True
     """Loading a peer's metadata connects to it, while the peer is known to progress (it just said hello).
     Not so on LIBFABRIC in NIXL 1.3.2: its plugin connects inside the first post to the peer, and over tcp

@@ -401,17 +401,19 @@ class Agent:
 
     def remove_peer(self, name: str, now: float | None = None) -> None:
         """Give a peer up: nothing of it is posted any more. Whether it is unloaded now, kept loaded for its
-        metadata's return, or kept for ``stuck_grace_s`` because WRITEs to it would not end if it died, is
-        ``kvpush.core.peer_loads``' rule. Without ``now`` (the caller keeps no time) a peer kept for its WRITEs
-        is unloaded at once. Its prepared list goes now, whether or not its metadata stays loaded: nothing is
-        posted to it any more, and its next hello prepares a list again (``keep_list``)."""
+        metadata's return, kept until its WRITEs in flight end by themselves (unloading would not stop what the
+        transport queued for them), or kept for ``stuck_grace_s`` because WRITEs to it would not end if it died,
+        is ``kvpush.core.peer_loads``' rule. Without ``now`` (the caller keeps no time) a peer kept for WRITEs
+        that would not end is unloaded at once. Its prepared list goes now, whether or not its metadata stays
+        loaded: nothing is posted to it any more, and its next hello prepares a list again (``keep_list``)."""
         self._drop_list(name)
         self._carry_out(self._loads.remove(name, name in self._writes.values(), now))
 
     def expire(self, now: float) -> None:
         """Unload the peers given up with WRITEs that would not end whose ``stuck_grace_s`` ran out with those
-        WRITEs still unreleased (they then end, failed)."""
-        if self._loads.stuck_until:
+        WRITEs still unreleased (they then end, failed), and those kept until their WRITEs ended, once they have
+        (where a live peer can be reloaded; else they stay retired)."""
+        if self._loads.waiting():
             self._carry_out(self._loads.expire(now, set(self._writes.values())))
 
     def _carry_out(self, unloads: tuple[Unload, ...] | list[Unload]) -> None:

@@ -24,6 +24,7 @@ first NIXL/UCX agent of a process costs ~4 s to start while later ones cost
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -159,12 +160,20 @@ class Worker(conformance.Worker):
             arr[...] = logical
         return {f"layer{i}": arr[i] for i in range(geom.layers)}
 
-    def op_snapshot(self, key: str) -> np.ndarray:
-        """The whole cache's logical bytes (a blocks-first cache read through its logical view)."""
+    def op_snapshot(self, key: str, blocks: list[int] | None = None) -> np.ndarray:
+        """The whole cache's logical bytes (a blocks-first cache read through its logical view); ``blocks``:
+        only theirs (``[..., blocks, ...]`` of the whole), for a large cache of which a test checks a few."""
         r = self.ranks[key]
         if isinstance(r.geom, Geom) and r.geom.blocks_first:
-            return np.stack([np.asarray(t) for t in r.kv.values()])
-        return super().op_snapshot(key)
+            whole = np.stack([np.asarray(t) for t in r.kv.values()])
+        else:
+            whole = super().op_snapshot(key)
+        return whole if blocks is None else whole[:, :, blocks]
+
+    def op_blocks_not(self, key: str, blocks: list[int], value: int) -> list[int]:
+        """Those of ``blocks`` that hold some byte other than ``value`` (checked here: no cache crosses)."""
+        snap = self.op_snapshot(key, blocks)
+        return [b for i, b in enumerate(blocks) if (snap[:, :, i] != value).any()]
 
     def op_prefill_started(self, key: str, tid: str, rid: str, blocks: list[int], n: int) -> None:
         self.ranks[key].engine.prefill_started(tid, rid, [blocks], n)
@@ -247,6 +256,28 @@ class Worker(conformance.Worker):
             return post(handle)
 
         agent.post = stop_then_post
+
+    def op_run_at_post(self, key: str, commands: list[list[str]], nth: int = 1) -> None:
+        """The engine's ``nth`` WRITE post from now runs ``commands`` (argv lists, each must succeed) right after
+        NIXL took the WRITE, on the engine's thread: a network cut mid-push (``helpers_netns``), at a moment the
+        test does not have to guess (a whole WRITE may cross before a test process that polls would act)."""
+        import subprocess
+
+        agent = self.ranks[key].engine.agent
+        post = agent.post
+        seen = 0
+
+        def post_then_run(handle: Any, *args: Any) -> Any:
+            nonlocal seen
+            state = post(handle, *args)
+            seen += 1
+            if seen == nth:
+                agent.post = post
+                for argv in commands:
+                    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+            return state
+
+        agent.post = post_then_run
 
     def op_copies(self, key: str) -> list[tuple[str, int, float, float | None]]:
         """The copies this engine's backend made, when each started and landed (``DeferredHostBackend.timeline``;
@@ -498,8 +529,17 @@ def _progress_until(
             notified.extend(msg for _, msg in got)
 
 
-def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) -> None:
-    """Entry point of a worker process (spawn target): the conformance loop, then a fast exit."""
+def worker_main(
+    name: str, target: Target, cmds: mp.Queue, answers: mp.Queue, netns: tuple[str, dict[str, str]] | None = None
+) -> None:
+    """Entry point of a worker process (spawn target): the conformance loop, then a fast exit.
+
+    ``netns``: first enter that network namespace with that environment (``helpers_netns.enter``), before
+    anything starts a thread."""
+    if netns is not None:
+        import helpers_netns
+
+        helpers_netns.enter(*netns)
     conformance.worker_main(name, target, cmds, answers, worker_cls=Worker)
     # Engines and agents are closed; skip the interpreter's slow teardown of
     # NIXL/UCX globals once the last answer is out.
@@ -511,10 +551,12 @@ def worker_main(name: str, target: Target, cmds: mp.Queue, answers: mp.Queue) ->
 class Node(conformance.Node):
     """Test-side handle of one worker process on the host backend, its engines over ``nixl_backend``.
 
-    A LIBFABRIC node must be started inside ``helpers_libfabric.spawn_env`` (its libraries)."""
+    A LIBFABRIC node must be started inside ``helpers_libfabric.spawn_env`` (its libraries). ``netns``: the
+    worker runs in that network namespace with that environment (``helpers_netns``)."""
 
-    def __init__(self, name: str, nixl_backend: str = "UCX") -> None:
-        super().__init__(name, replace(HOST, nixl_backends=(nixl_backend,)), main=worker_main)
+    def __init__(self, name: str, nixl_backend: str = "UCX", netns: tuple[str, dict[str, str]] | None = None) -> None:
+        main = worker_main if netns is None else functools.partial(worker_main, netns=netns)
+        super().__init__(name, replace(HOST, nixl_backends=(nixl_backend,)), main=main)
 
     def wait_logged(self, needles: list[str], timeout_s: float = 10.0) -> list[str]:
         """The lines this worker logs from now on (it keeps them no longer) until each needle is in one;

@@ -9,9 +9,14 @@ step:
   unloaded twice;
 - metadata already loaded is never loaded again (on LIBFABRIC the reload's handshake would never be
   answered), and a peer in use is never unloaded;
-- where a live peer can be reloaded nothing is kept; otherwise at most ``retired_max`` are;
-- where a dead peer's WRITEs would not end by themselves, no retired peer holds WRITEs without a deadline;
-  a stuck peer is unloaded by the first look at or after its deadline, and not before it.
+- where a live peer can be reloaded nothing is kept but for its WRITEs; otherwise at most ``retired_max`` are,
+  besides those;
+- where a dead peer's WRITEs end by themselves, a peer with WRITEs unreleased is never unloaded (but as the agent
+  closes, or once it restarted): unloading would not stop what the transport queued for them. The first look
+  after they ended unloads it where a live peer can be reloaded;
+- where they would not, a peer given up under WRITEs with a time is kept for the grace, whatever the other
+  trait; no retired peer holds WRITEs without a deadline; a stuck peer is unloaded by the first look at or after
+  its deadline, and not before it.
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ class _Loads(RuleBasedStateMachine):
         self.deadline: dict[str, float] = {}  # stuck peers: the grace's end, as given up
         self.now = 0.0
 
-    def _unload(self, actions: tuple[Unload, ...] | list[Unload]) -> None:
+    def _unload(self, actions: tuple[Unload, ...] | list[Unload], writing_may_go: bool = False) -> None:
+        """Carry out unloads; ``writing_may_go``: the agent closes, or the peer restarted (its WRITEs are gone)."""
         for a in actions:
             assert a.name in self.nixl, f"unloads {a.name}, which is not loaded"
             assert a.name not in self.m.in_use, f"unloads {a.name}, in use"
+            if self.dead_peer_writes_end and not writing_may_go:
+                assert a.name not in self.writes, f"unloads {a.name} under WRITEs that would end by themselves"
             del self.nixl[a.name]
             self.writes.pop(a.name, None)  # unloading ends its WRITEs (failed)
             self.deadline.pop(a.name, None)
@@ -60,7 +68,7 @@ class _Loads(RuleBasedStateMachine):
             self.deadline.pop(verdict.name, None)
             return
         assert isinstance(verdict, LoadNew)
-        self._unload(verdict.unload_first)
+        self._unload(verdict.unload_first, writing_may_go=restart)
         assert meta not in self.nixl.values(), "loads metadata already loaded"
         assert name not in self.nixl or self.reloads_live_peer or name in self.m.in_use
         self.nixl[name] = meta
@@ -83,10 +91,14 @@ class _Loads(RuleBasedStateMachine):
         in_use = name in self.m.in_use
         writing = name in self.writes
         acts = self.m.remove(name, writing, self.now if timed else None)
-        if in_use and not self.reloads_live_peer and writing and not self.dead_peer_writes_end and timed:
+        stuck = writing and not self.dead_peer_writes_end and timed
+        if in_use and stuck:
             self.deadline[name] = self.now + GRACE_S
         self._unload(acts)
-        if in_use and (self.reloads_live_peer or (writing and not self.dead_peer_writes_end and not timed)):
+        draining = writing and self.dead_peer_writes_end
+        if in_use and (draining or stuck):
+            assert name in self.nixl, "a peer given up under WRITEs is unloaded at once"
+        elif in_use and (self.reloads_live_peer or writing):
             assert name not in self.nixl, "a peer that must go stays loaded"
 
     @rule(dt=st.sampled_from([0.5, 1.0, GRACE_S]))
@@ -95,13 +107,14 @@ class _Loads(RuleBasedStateMachine):
         due = {n for n, t in self.deadline.items() if t <= self.now and n in self.writes}
         self._unload(self.m.expire(self.now, set(self.writes)))
         assert not due & set(self.nixl), f"stuck peers past their grace still loaded: {due & set(self.nixl)}"
+        assert self.m.draining <= set(self.writes), "a peer drains with no WRITE left"
         for n in [n for n in self.deadline if n not in self.writes]:
             del self.deadline[n]  # its WRITEs ended first: it stays as retired
 
     @precondition(lambda self: self.m.loaded_names())
     @rule()
     def close(self) -> None:
-        self._unload(self.m.close())
+        self._unload(self.m.close(), writing_may_go=True)
         assert not self.nixl
 
     @invariant()
@@ -109,8 +122,15 @@ class _Loads(RuleBasedStateMachine):
         assert set(self.nixl) == self.m.loaded_names()
         assert not set(self.m.in_use) & set(self.m.retired)
         assert all(self.nixl[n] == meta for n, meta in (*self.m.in_use.items(), *self.m.retired.items()))
-        assert len(self.m.retired) <= (0 if self.reloads_live_peer else RETIRED_MAX)
-        assert set(self.m.stuck_until) <= set(self.m.retired)
+        kept = set(self.m.retired) - self.m.draining - set(self.m.stuck_until)
+        assert len(kept) <= (0 if self.reloads_live_peer else RETIRED_MAX)
+        assert set(self.m.stuck_until) <= set(self.m.retired) and self.m.draining <= set(self.m.retired)
+        assert not self.m.draining or self.dead_peer_writes_end
+
+    @invariant()
+    def writes_that_end_keep_their_peer_loaded(self) -> None:
+        if self.dead_peer_writes_end:
+            assert set(self.writes) <= set(self.nixl), f"unloaded under WRITEs: {set(self.writes) - set(self.nixl)}"
 
     @invariant()
     def no_writes_held_for_ever(self) -> None:
@@ -150,3 +170,29 @@ def test_a_stalled_peer_back_within_its_grace_is_taken_back_on_its_old_load() ->
     assert m.expire(12.9, {"D0"}) == []
     assert m.add(b"D0:1", "D0") == TakenBack("D0")
     assert m.expire(20.0, {"D0"}) == [] and m.in_use == {"D0": b"D0:1"}
+
+
+def test_a_peer_given_up_under_writes_that_end_stays_loaded_until_they_have() -> None:
+    """UCX: a D rank declared dead (cut off by the network) with a WRITE in flight is not unloaded then (that
+    fails the WRITE in NIXL's eyes while its queued bytes still reach D once the network heals), but by the
+    first look after the WRITE ended."""
+    m = PeerLoads(reloads_live_peer=True, dead_peer_writes_end=True)
+    m.loaded("D0", b"D0:1")
+    assert m.remove("D0", writing=True, now=10.0) == [] and m.draining == {"D0"}
+    assert m.expire(1e9, {"D0"}) == []  # never on a timer
+    assert m.expire(1e9, set()) == [Unload("D0")] and not m.loaded_names()
+    m.loaded("D1", b"D1:1")
+    assert m.remove("D1", writing=True, now=None) == []
+    assert m.add(b"D1:1", "D1") == TakenBack("D1") and not m.draining  # back before its WRITE ended
+
+
+def test_a_peer_given_up_under_writes_that_stick_gets_the_grace_where_it_could_be_reloaded() -> None:
+    """LIBFABRIC on NIXL 1.3.2: a D rank given up under a WRITE is kept for the grace (a D cut off briefly is back
+    on its old connection and its WRITE ends), then unloaded once the WRITE ended, or at the deadline."""
+    m = PeerLoads(reloads_live_peer=True, dead_peer_writes_end=False, grace_s=GRACE_S)
+    m.loaded("D0", b"D0:1")
+    m.loaded("D1", b"D1:1")
+    assert m.remove("D0", writing=True, now=10.0) == [] and m.remove("D1", writing=True, now=10.0) == []
+    assert m.expire(11.0, {"D1"}) == [Unload("D0")]  # its WRITE ended within the grace
+    assert m.expire(12.9, {"D1"}) == []
+    assert m.expire(13.0, {"D1"}) == [Unload("D1")] and not m.loaded_names()
