@@ -9,7 +9,6 @@ job's actions with what happened.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import deque
@@ -398,7 +397,10 @@ class PushRunner:
             copies = self._peer_copies(plan, peer, r0, r1)
             return self.writes.peer_write(peer.mapped, copies, peer.agent, notif, prepare=ahead), 0
         if plan.kind is PlanKind.DIRECT:
-            notif_of = functools.partial(_completion, plan, reg, self.rank, r0, r1)
+
+            def notif_of(ndesc: int) -> bytes:
+                return peer.seal(_completion(plan, reg, self.rank, r0, r1, ndesc))  # sealed like every notification
+
             made = by_index.build_direct(
                 self.agent, self.costs, plan, self.layout, peer.layout, peer.agent, r0, r1, notif_of
             )
