@@ -13,7 +13,7 @@ P and D start with the same model, flags and memory, differing only in the conne
    JSON per point, as ``vllm bench serve --save-result`` writes it), after a short warm-up per length.
 
 One GPU holds both servers, so P's prefill and D's decode share its compute: this measures what each
-connector adds on one machine, not a fleet (docs/benchmarks.md says what that does to the comparison).
+connector adds on one machine, not a fleet (docs/results.md, section 1, says what that does to the comparison).
 A deadline bounds the run: points that would start after it are left out (and listed in the summary).
 """
 
