@@ -32,7 +32,7 @@ from e2e_cluster import P_ENGINE_ID, E2EServers
 from test_e2e_vllm import _metric, _post, _stream_text
 
 from kvpush.observability.timeline import parse_lines
-from kvpush_tools.bench.stacks import router_args
+from kvpush_tools.bench.stack_build import router_args
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 

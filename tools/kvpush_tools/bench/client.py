@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpush_tools.bench.loadgen import RequestOutput
-from kvpush_tools.bench.stacks import MODEL_NAME, Stack, http_get
+from kvpush_tools.bench.server_metrics import http_get
+from kvpush_tools.bench.stack_build import MODEL_NAME
+from kvpush_tools.bench.stacks import Stack
 
 
 def request_body(prompt: str, output_len: int, model: str = MODEL_NAME) -> dict[str, Any]:

@@ -28,7 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench.stacks import prompt_token_sources, router_args
+from kvpush_tools.bench.server_metrics import prompt_token_sources
+from kvpush_tools.bench.stack_build import router_args
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 

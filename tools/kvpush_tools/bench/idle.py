@@ -45,18 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpush_tools.bench.loadgen import DEFAULT_MODES, MODES
-from kvpush_tools.bench.stacks import (
-    BASELINE,
-    Stack,
-    activate,
-    add_stack_arguments,
-    build_stacks,
-    comma_list,
-    run_with_stacks,
-    stack_options,
-    start_stacks,
-    stop_stacks,
-)
+from kvpush_tools.bench.stack_build import BASELINE, build_stacks
+from kvpush_tools.bench.stack_options import add_stack_arguments, comma_list, stack_options
+from kvpush_tools.bench.stacks import Stack, activate, run_with_stacks, start_stacks, stop_stacks
 
 PHASES = ("fresh", "connected", "after_burst")
 GOAL_PCT = 5.0

@@ -23,7 +23,7 @@ mode; vllm-router (the vLLM project's, in its P/D mode) drives ``kvpush``
 and ``vllm-pull`` only (:data:`kvpush_tools.bench.loadgen.ROUTER_MODES`): naming
 another mode with it is refused, a sweep over the default modes skips it and
 says so. The two routers of one mode share that mode's P and D
-(:func:`kvpush_tools.bench.stacks.behind_vllm_router` says why that is sound).
+(:func:`kvpush_tools.bench.stack_build.behind_vllm_router` says why that is sound).
 
 Each run is written as ``<mode>_via-<router>_qps<q>_in<in>_out<out>_iter<i>.json``
 (fields of ``vllm bench serve`` where they overlap, see
@@ -57,27 +57,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvpush_tools.bench import loadgen, overload
+from kvpush_tools.bench import loadgen, overload, serve_files, serve_summary
 from kvpush_tools.bench.client import run_load, wait_drained, warm_up
-from kvpush_tools.bench.loadgen import DEFAULT_MODES, DEFAULT_ROUTER, MODES, ROUTERS, Cell, RequestOutput
-from kvpush_tools.bench.stacks import (
-    MODEL_NAME,
-    Stack,
-    StackOptions,
-    activate,
-    add_stack_arguments,
-    behind_vllm_router,
-    build_stacks,
-    comma_list,
-    floats,
-    histogram_means_ms,
-    ints,
-    prompt_token_sources,
-    run_with_stacks,
-    server_histograms,
-    stack_options,
-    start_stacks,
-)
+from kvpush_tools.bench.loadgen import DEFAULT_MODES, DEFAULT_ROUTER, MODES, ROUTERS, RequestOutput
+from kvpush_tools.bench.serve_summary import Cell
+from kvpush_tools.bench.server_metrics import histogram_means_ms, prompt_token_sources, server_histograms
+from kvpush_tools.bench.stack_build import MODEL_NAME, behind_vllm_router, build_stacks
+from kvpush_tools.bench.stack_options import StackOptions, add_stack_arguments, comma_list, floats, ints, stack_options
+from kvpush_tools.bench.stacks import Stack, activate, run_with_stacks, start_stacks
 
 DEFAULT_INPUTS = (256, 1024, 2048)
 DEFAULT_QPS = (0.5, 1.0, 2.0, 4.0)
@@ -145,7 +132,7 @@ def run_sweep(args: argparse.Namespace, stacks: Mapping[Cell, Stack], out_dir: P
                 activate(stacks, stack)
                 warm = warm_up(stack, inp, seed + 7919)
                 time.sleep(args.settle)
-                bar.set_description(f"iter {it} in {inp} qps {loadgen.fmt_qps(q)} {cell.label}")
+                bar.set_description(f"iter {it} in {inp} qps {serve_files.fmt_qps(q)} {cell.label}")
                 src0 = prompt_token_sources(stack.d_url)
                 h0 = {side: server_histograms(u) for side, u in _server_urls(stack).items()}
                 load0 = os.getloadavg()
@@ -161,11 +148,11 @@ def run_sweep(args: argparse.Namespace, stacks: Mapping[Cell, Stack], out_dir: P
                 result["kvpush"]["server_means_ms"] = {
                     side: histogram_means_ms(h0[side], h1[side]) for side in h1 if h1[side]
                 }
-                written.append(loadgen.write_result(out_dir, result))
+                written.append(serve_files.write_result(out_dir, result))
                 stack.pause()
                 fails = result["failed"]
                 say(
-                    f"iter {it} in {inp:>5} qps {loadgen.fmt_qps(q):>4} {cell.label:<22}: "
+                    f"iter {it} in {inp:>5} qps {serve_files.fmt_qps(q):>4} {cell.label:<22}: "
                     f"TTFT p50 {result['median_ttft_ms']:7.0f} ms p99 {result['p99_ttft_ms']:7.0f} ms, "
                     f"TPOT p50 {result['median_tpot_ms']:6.1f} ms, {result['completed']}/{n} ok"
                     + (f", {fails} FAILED ({_first_error(outs)})" if fails else "")
@@ -297,7 +284,7 @@ def choose_cells(modes: Sequence[str], routers: Sequence[str], named_modes: bool
     bad = [r for r in routers if r not in ROUTERS]
     if bad or not routers:
         return [], f"unknown router(s) {bad or routers}; choose from {ROUTERS}"
-    cells, skipped = loadgen.plan_cells(modes, routers)
+    cells, skipped = serve_summary.plan_cells(modes, routers)
     if skipped and named_modes:
         return [], "refused: " + "; ".join(f"{c.mode} behind {c.router}: {why}" for c, why in skipped)
     for c, why in skipped:
@@ -316,7 +303,7 @@ def build_cells(
 ) -> dict[Cell, Stack]:
     """A stack per cell, in the cells' order: one P/D pair per mode, behind
     kvpush's router and/or a vllm-router sharing that pair
-    (:func:`~kvpush_tools.bench.stacks.behind_vllm_router`). An attached
+    (:func:`~kvpush_tools.bench.stack_build.behind_vllm_router`). An attached
     stack (``--attach MODE=URL``) is its mode's kvpush-router cell only."""
     base = build_stacks(list(dict.fromkeys(c.mode for c in cells)), model, log_dir, opts, attached)
     out: dict[Cell, Stack] = {}
