@@ -26,7 +26,7 @@ import pytest
 from kvpush_tools.bench import idle, loadgen, plot_serve, serve_files, serve_summary
 from kvpush_tools.bench.client import request_body, run_load, send_one
 from kvpush_tools.bench.loadgen import DEFAULT_MODES, RequestOutput
-from kvpush_tools.bench.serve import sweep_plan
+from kvpush_tools.bench.serve_sweep import sweep_plan
 
 # --------------------------------------------------------------------------- #
 # Load schedule

@@ -16,8 +16,9 @@ import pytest
 
 from kvpush_tools.bench import loadgen, plot_serve, serve_files, serve_summary
 from kvpush_tools.bench.loadgen import RequestOutput
-from kvpush_tools.bench.serve import choose_cells, sweep_plan
+from kvpush_tools.bench.serve import choose_cells
 from kvpush_tools.bench.serve_summary import Cell
+from kvpush_tools.bench.serve_sweep import sweep_plan
 from kvpush_tools.bench.stack_build import behind_vllm_router
 from kvpush_tools.bench.stacks import Stack, _unique
 from kvpush_tools.demo import servers as srv
