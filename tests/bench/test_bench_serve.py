@@ -313,7 +313,7 @@ def test_send_one_reports_connection_errors() -> None:
 
     import aiohttp
 
-    from kvpush_tools.demo.servers import free_port
+    from kvpush_tools.demo.launcher import free_port
 
     async def go() -> RequestOutput:
         async with aiohttp.ClientSession() as s:

@@ -37,6 +37,7 @@ import pytest
 from e2e_cluster import model_dir
 from helpers_prometheus import sample_sum
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import prompt_words
 
@@ -72,9 +73,9 @@ def _usage(base: str) -> float:
 class Trio:
     def __init__(
         self,
-        p: srv.ServerProcess,
-        d_recompute: srv.ServerProcess,
-        d_fail: srv.ServerProcess,
+        p: launcher.ServerProcess,
+        d_recompute: launcher.ServerProcess,
+        d_fail: launcher.ServerProcess,
         kv: int,
         keys: str,
         restart: Any,
@@ -103,22 +104,22 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     logs = tmp_path_factory.mktemp("load-failure-logs")
     keys = srv.temp_keys()
     model = model_dir()
-    kv_port = srv.free_port()
+    kv_port = launcher.free_port()
 
-    def decode(name: str, cpus: str, staging_bytes: int | None = None, **policy: str) -> srv.ServerProcess:
+    def decode(name: str, cpus: str, staging_bytes: int | None = None, **policy: str) -> launcher.ServerProcess:
         extra: dict[str, float] = {"peer_dead_s": PEER_DEAD_S, "quarantine_s": QUARANTINE_S}
         if staging_bytes is not None:
             extra["staging_bytes"] = staging_bytes
         cfg = {**srv.kvpush_transfer_config("kv_consumer", 0, auth_keys_dir=keys, **extra), **policy}
         return srv.vllm_server(
-            name, model, srv.free_port(), log_dir=logs, cpus=cpus, kv_transfer_config=cfg, fast_start=True
+            name, model, launcher.free_port(), log_dir=logs, cpus=cpus, kv_transfer_config=cfg, fast_start=True
         )
 
-    def prefill(name: str) -> srv.ServerProcess:
+    def prefill(name: str) -> launcher.ServerProcess:
         return srv.vllm_server(
             name,
             model,
-            srv.free_port(),
+            launcher.free_port(),
             log_dir=logs,
             cpus="0",
             kv_transfer_config=srv.kvpush_transfer_config("kv_producer", kv_port, auth_keys_dir=keys),
@@ -137,15 +138,15 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
         again = prefill("prefill-again")
         servers.append(again)
         again.start()
-        srv.wait_all_healthy([again], timeout=900)
+        launcher.wait_all_healthy([again], timeout=900)
 
     try:
         for s in servers:
             s.start()
-        srv.wait_all_healthy(servers, timeout=900)
+        launcher.wait_all_healthy(servers, timeout=900)
         yield Trio(*servers, kv=kv_port, keys=keys, restart=restart)
     finally:
-        srv.stop_all(servers)
+        launcher.stop_all(servers)
 
 
 def _wait_holding_blocks(bases: list[str], timeout: float = 120.0) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import make_tiny_model, prompt_words
 
@@ -239,10 +240,10 @@ class Server:
         keys: str,
         args: Sequence[str] = (),
         dtype: str | None = None,
-    ) -> srv.ServerProcess:
+    ) -> launcher.ServerProcess:
         """The server (not yet started); P and D authenticate with the key set ``keys``; ``args`` are extra
         vLLM arguments."""
-        port = srv.free_port()
+        port = launcher.free_port()
         ranks = self.tp * self.dp
         kw: dict[str, Any] = {"block_size": block_size, "log_dir": logs, "env": {"KVPUSH_LOG_LEVEL": "DEBUG"}}
         kw["extra_args"] = list(args)

@@ -21,7 +21,7 @@ from kvpush_tools.bench.serve_summary import Cell
 from kvpush_tools.bench.serve_sweep import sweep_plan
 from kvpush_tools.bench.stack_build import behind_vllm_router
 from kvpush_tools.bench.stacks import Stack, _unique
-from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo import launcher
 
 BOTH = ["kvpush", "vllm-router"]
 
@@ -56,8 +56,8 @@ def test_vllm_push_behind_vllm_router_is_refused_when_named_skipped_when_default
     assert choose_cells(["kvpush"], ["sglang"], named_modes=True)[1] is not None
 
 
-def _fake_server(name: str) -> srv.ServerProcess:
-    return srv.ServerProcess(name=name, cmd=["true"], url=f"http://127.0.0.1:1/{name}", log_path=Path("/dev/null"))
+def _fake_server(name: str) -> launcher.ServerProcess:
+    return launcher.ServerProcess(name=name, cmd=["true"], url=f"http://127.0.0.1:1/{name}", log_path=Path("/dev/null"))
 
 
 def test_vllm_router_cell_shares_p_and_d_and_refuses_vllm_push(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from kvpush_tools.bench.serve_summary import unsupported
 from kvpush_tools.bench.server_metrics import http_get
 from kvpush_tools.bench.stack_options import DEFAULT_KV_CACHE_BYTES, StackOptions
 from kvpush_tools.bench.stacks import Stack
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
 
 MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
@@ -102,7 +103,7 @@ def build_stack(
     the router in kvpush modes.
     """
     name = name or mode
-    p_port, d_port, r_port, p_kv, d_kv = (srv.free_port() for _ in range(5))
+    p_port, d_port, r_port, p_kv, d_kv = (launcher.free_port() for _ in range(5))
     engine_id = f"bench-{name}-prefill-{p_port}"
     p_cfg, p_env, d_cfg, d_env = connector_configs(mode, p_kv, d_kv, engine_id)
     if mode in KVPUSH_MODES and kvpush_extra:
@@ -165,7 +166,7 @@ def build_stack(
     return Stack(name, url, prefill, decode, router, decode.url, info=info)
 
 
-def _unset_kvcache_space(server: srv.ServerProcess) -> None:
+def _unset_kvcache_space(server: launcher.ServerProcess) -> None:
     """An explicit KV size (--kv-cache-memory-bytes) instead of
     VLLM_CPU_KVCACHE_SPACE's whole GiB: six servers must fit in memory next
     to other people's work. vLLM lets that variable override the flag and
@@ -211,7 +212,7 @@ def behind_vllm_router(base: Stack, log_dir: Path) -> Stack:
     if why:
         raise ValueError(why)
     logs = Path(log_dir) / f"{base.mode}-vllm-router"
-    router = srv.vllm_router_server(base.prefill.url, base.decode.url, srv.free_port(), log_dir=logs)
+    router = srv.vllm_router_server(base.prefill.url, base.decode.url, launcher.free_port(), log_dir=logs)
     info = {**base.info, "router": "vllm-router", "router_args": router.cmd[1:], "router_log_dir": str(logs)}
     return Stack(
         base.mode, router.url, base.prefill, base.decode, router, base.d_url, info=info, router_name="vllm-router"

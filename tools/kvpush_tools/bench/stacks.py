@@ -18,7 +18,7 @@ resume), because:
   heartbeats) are absorbed by warm-up requests after every resume.
 
 Pinning: every P on ``p_cpus`` and every D on ``d_cpus`` (whole process
-trees, see :mod:`kvpush_tools.demo.servers`), router and client float.
+trees, see :mod:`kvpush_tools.demo.launcher`), router and client float.
 
 The benchmarks share one life cycle, kept here: starting the stacks
 (:func:`start_stacks`), owning them for the length of a run
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush_tools.bench.server_metrics import http_get
-from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo import launcher
 
 Say = Callable[[str], None]
 
@@ -52,9 +52,9 @@ class Stack:
 
     mode: str
     url: str  # the router, where the client sends
-    prefill: srv.ServerProcess | None = None
-    decode: srv.ServerProcess | None = None
-    router: srv.ServerProcess | None = None
+    prefill: launcher.ServerProcess | None = None
+    decode: launcher.ServerProcess | None = None
+    router: launcher.ServerProcess | None = None
     d_url: str | None = None  # D's own URL, for its /metrics
     paused: bool = False
     info: dict[str, Any] = field(default_factory=dict)
@@ -65,7 +65,7 @@ class Stack:
         return self.prefill is None
 
     @property
-    def servers(self) -> list[srv.ServerProcess]:
+    def servers(self) -> list[launcher.ServerProcess]:
         return [s for s in (self.prefill, self.decode) if s is not None]
 
     def pause(self) -> None:
@@ -100,9 +100,9 @@ class Stack:
         while not self.healthy():
             for s in (*self.servers, self.router):
                 if s is not None and s.proc is not None and s.proc.poll() is not None:
-                    raise srv.ServerError(f"{self.mode} {s.name} exited.\n{s.log_tail()}")
+                    raise launcher.ServerError(f"{self.mode} {s.name} exited.\n{s.log_tail()}")
             if time.monotonic() > deadline:
-                raise srv.ServerError(f"{self.mode}: router {self.url} not healthy after {timeout:.0f} s")
+                raise launcher.ServerError(f"{self.mode}: router {self.url} not healthy after {timeout:.0f} s")
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -111,7 +111,7 @@ class Stack:
             return
         with contextlib.suppress(Exception):
             self.resume()
-        srv.stop_all([s for s in (*self.servers, self.router) if s is not None])
+        launcher.stop_all([s for s in (*self.servers, self.router) if s is not None])
 
 
 def stop_stacks(stacks: Sequence[Stack]) -> None:
@@ -121,10 +121,10 @@ def stop_stacks(stacks: Sequence[Stack]) -> None:
         with contextlib.suppress(Exception):
             st.resume()
     # Once each: a second SIGINT makes vLLM quit without cleaning up.
-    srv.stop_all(_unique(s for st in owned for s in (*st.servers, st.router) if s is not None))
+    launcher.stop_all(_unique(s for st in owned for s in (*st.servers, st.router) if s is not None))
 
 
-def _unique(servers: Iterable[srv.ServerProcess]) -> list[srv.ServerProcess]:
+def _unique(servers: Iterable[launcher.ServerProcess]) -> list[launcher.ServerProcess]:
     """Each server once, in first-seen order (two stacks may share P and D)."""
     return list({id(s): s for s in servers}.values())
 
@@ -158,7 +158,7 @@ def start_stacks(stacks: Sequence[Stack], say: Say, timeout: float = 1500.0, eve
                 if server.ready_after is not None:
                     continue
                 if server.proc is not None and server.proc.poll() is not None:
-                    raise srv.ServerError(
+                    raise launcher.ServerError(
                         f"{server.name} exited with code {server.proc.returncode} before it was healthy.\n"
                         f"--- last lines of {server.log_path} ---\n{server.log_tail()}"
                     )
@@ -171,7 +171,9 @@ def start_stacks(stacks: Sequence[Stack], say: Say, timeout: float = 1500.0, eve
         now = time.monotonic()
         if pending and now - t0 > timeout:
             names = ", ".join(s.name for s in _unique(s for st in pending for s in st.servers if s.ready_after is None))
-            raise srv.ServerError(f"{names} not healthy after {timeout:.0f} s (logs in {pending[0].info['log_dir']})")
+            raise launcher.ServerError(
+                f"{names} not healthy after {timeout:.0f} s (logs in {pending[0].info['log_dir']})"
+            )
         if pending and now >= next_note:
             next_note = now + every
             waiting = _unique(s for st in pending for s in st.servers if s.ready_after is None)
@@ -181,7 +183,7 @@ def start_stacks(stacks: Sequence[Stack], say: Say, timeout: float = 1500.0, eve
         st.resume()
         if st.router is not None:
             st.router.start()
-            srv.wait_all_healthy([st.router], timeout=120)
+            launcher.wait_all_healthy([st.router], timeout=120)
         st.wait_healthy(120)
         st.pause()
     for st in stacks:
@@ -209,7 +211,7 @@ def run_with_stacks(stacks: Mapping[str, Stack] | Sequence[Stack], body: Callabl
     SIGTERM is turned into KeyboardInterrupt for the duration, so a killed
     benchmark still stops its servers; every owned stack is stopped at the
     end, whatever happened (attached ones are left alone). An interrupt
-    returns 130, a :class:`~kvpush_tools.demo.servers.ServerError` (a server that
+    returns 130, a :class:`~kvpush_tools.demo.launcher.ServerError` (a server that
     did not come up, or died) 2, after saying why."""
     every = list(stacks.values()) if isinstance(stacks, Mapping) else list(stacks)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -219,7 +221,7 @@ def run_with_stacks(stacks: Mapping[str, Stack] | Sequence[Stack], body: Callabl
     except KeyboardInterrupt:
         say("interrupted; stopping servers")
         return 130
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         say(f"ERROR: {exc}")
         return 2
     finally:
