@@ -53,7 +53,8 @@ from e2e_family import (
 from kvpush.integrations.vllm import compat
 from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import mla_dtype, prompt_words, vllm_cpu_has_amx
+from kvpush_tools.demo.tiny_model import mla_dtype, vllm_cpu_has_amx
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,7 @@ from e2e_cluster import E2EServers
 from test_e2e_vllm import _post, _stream_text
 
 from kvpush_tools.demo import launcher, ray_pd
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = [
     pytest.mark.e2e,

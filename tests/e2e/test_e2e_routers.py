@@ -35,7 +35,7 @@ from kvpush.observability.timeline import parse_lines
 from kvpush_tools.bench.stack_build import router_args
 from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,8 @@ from typing import Any
 
 from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import make_tiny_model, prompt_words
+from kvpush_tools.demo.tiny_model import make_tiny_model
+from kvpush_tools.demo.words import prompt_words
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8

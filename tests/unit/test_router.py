@@ -1144,7 +1144,7 @@ def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
 def test_tiny_model_prompts_have_exactly_n_tokens() -> None:
     """The e2e test relies on prompt lengths in tokens; checked on the tiny
     model's tokenizer itself (built without transformers, so it is quick)."""
-    from kvpush_tools.demo.tiny_model import MIN_VOCAB_SIZE, UNK, prompt_words, vocabulary, word_tokenizer
+    from kvpush_tools.demo.words import MIN_VOCAB_SIZE, UNK, prompt_words, vocabulary, word_tokenizer
 
     words = vocabulary(2048)
     assert len(set(words)) == 2048 and vocabulary(MIN_VOCAB_SIZE) == words[:MIN_VOCAB_SIZE]

@@ -116,7 +116,7 @@ def warm_up(stack: Stack, input_len: int, seed: int, n: int = 2, tries: int = 4)
     connectors then re-handshake on the next request. That cost belongs to
     the pause, not to the mode, so it is paid here, outside the measurement.
     """
-    from kvpush_tools.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.words import prompt_words
 
     t0 = time.perf_counter()
     ok = failed = 0

@@ -32,7 +32,7 @@ from kvpush_tools.bench.server_metrics import prompt_token_sources
 from kvpush_tools.bench.stack_build import router_args
 from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 MODES = ("kvpush", "kvpush-hosts", "vllm-pull", "vllm-push")
 HOSTS = {"peer_copy": False}

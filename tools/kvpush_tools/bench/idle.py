@@ -171,7 +171,7 @@ def measure(groups: Mapping[str, int], window_s: float, top: int = 4) -> dict[st
 
 def _burst(stack: Stack, n: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
     from kvpush_tools.bench.client import run_load
-    from kvpush_tools.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.words import prompt_words
 
     prompts = [prompt_words(input_len, seed=seed + i) for i in range(n)]
     t0 = time.perf_counter()

@@ -116,7 +116,7 @@ def measure(outs: Sequence[RequestOutput]) -> dict[str, Any]:
 
 
 def _load(stack: Stack, inp: int, q: float, seed: int, output: int) -> list[RequestOutput]:
-    from kvpush_tools.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.words import prompt_words
 
     arrivals = loadgen.poisson_arrivals(REQUESTS, q, seed)
     prompts = [prompt_words(inp, seed=seed * 1000 + j) for j in range(REQUESTS)]

@@ -60,7 +60,7 @@ def sweep_plan(
 
 def run_sweep(args: argparse.Namespace, stacks: Mapping[Cell, Stack], out_dir: Path) -> list[Path]:
     """Run every (iteration, point, cell); returns the JSON files written."""
-    from kvpush_tools.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.words import prompt_words
 
     plan = sweep_plan(args.inputs, args.qps, list(stacks), args.iterations)
     sizes = {q: loadgen.requests_for(q, args.window, args.min_requests) for q in args.qps}
