@@ -121,7 +121,7 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     descriptor_cost_us: Pos | None = None
     """What one more descriptor costs a direct push, in microseconds; drives the cost model. None: the
     measured default of the first NIXL backend (``kvpush.core.nixl_backends``; see
-    ``descriptor_cost_s``; measurements: docs/benchmarks.md, "Descriptor cost")."""
+    ``descriptor_cost_s``; measurements: docs/benchmarks-log.md, "Descriptor cost")."""
     link_gbps: Pos = 25.0
     """Link bandwidth in GB/s for the cost model."""
     push_parts: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16
@@ -134,7 +134,7 @@ class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     """What one more part of a staged push costs in fixed host work (its post, its notification, D's
     unpack launch), in microseconds: the cost model cuts a push into more parts only where their overlap
     saves more than this adds per part. 0: always the most parts allowed. Measurements behind the
-    default: docs/benchmarks.md, section 14, "Parts"."""
+    default: docs/benchmarks-log.md, section 14, "Parts"."""
 
 
 class PerLayer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

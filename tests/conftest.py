@@ -17,7 +17,7 @@ import pytest
 from e2e_cluster import AnnouncingPair, E2EServers
 from procs import Node
 
-from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo import launcher
 
 SINGLE = "e2e_single"
 ANNOUNCING = "e2e_announcing"
@@ -44,7 +44,7 @@ def e2e_servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     try:
         servers.start(with_single=want_single, with_announcing=want_announcing)
         yield servers
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
         servers.stop()
@@ -55,7 +55,7 @@ def e2e_pair(e2e_servers: E2EServers) -> E2EServers:
     """The shared servers, checked (and restarted if a test before this module broke one)."""
     try:
         e2e_servers.ensure_up()
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     return e2e_servers
 
@@ -65,7 +65,7 @@ def e2e_single(e2e_pair: E2EServers) -> str:
     """URL of the plain (non-disaggregated) vLLM server the outputs are compared with."""
     try:
         return e2e_pair.ensure_single()
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
 
 
@@ -75,7 +75,7 @@ def e2e_announcing(e2e_pair: E2EServers) -> Iterator[AnnouncingPair]:
     collected test asks for them, and stopped when the module that uses them ends."""
     try:
         yield e2e_pair.ensure_announcing()
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
         e2e_pair.stop_announcing()

@@ -148,7 +148,7 @@ class HostBackend(TestSupport, Backend):
 
     def pack_bandwidth(self) -> float:
         # numpy's gathers on one core are slow next to a NIXL WRITE of contiguous memory, so staging pays
-        # only when descriptors are very many (docs/benchmarks.md, "Figures behind code defaults").
+        # only when descriptors are very many (docs/benchmarks-log.md, "Figures behind code defaults").
         return 2e9
 
     def unpack(self, regions: list[int], pieces: np.ndarray, staging_addr: int) -> None:

@@ -35,15 +35,9 @@ BENCH: dict[str, tuple[str, str]] = {
     "idle": ("kvpush_tools.bench.idle", "CPU used by an idle P/D pair, per connector"),
     "auth": ("kvpush_tools.bench.auth", "side-channel round trips with and without CURVE authentication"),
     "seals": ("kvpush_tools.bench.seals", "what sealing and checking one NIXL notification costs P and D"),
-    "trip": ("kvpush_tools.bench.trip", "one side-channel message's trip from D's send to P's engine thread"),
-    "pairing": ("kvpush_tools.bench.pairing", "P's planning between D's registration and its first pack, per tree"),
     "post": (
         "kvpush_tools.bench.post",
         "P's post of a direct WRITE vs its descriptor count: per request, by index, vLLM's way",
-    ),
-    "layerwise": (
-        "kvpush_tools.bench.layerwise",
-        "TTFT vs prompt length: single vLLM, whole-request push, layer-wise push",
     ),
 }
 

@@ -9,7 +9,7 @@ is registered and for a D rank's when that rank's metadata is loaded, and a
 WRITE then names entries of both lists by position (``make_prepped_xfer``).
 Nothing of the lists is built per request; what a by-index WRITE still costs is
 its indices and, as for any WRITE, the transport's post of each descriptor,
-which is most of a post (docs/benchmarks.md, section 15).
+which is most of a post (docs/benchmarks-log.md, section 15).
 
 **Granularity: one entry per block of a strip.** A *strip* is a run of
 consecutive regions of one layer whose blocks sit back to back in memory: K and
@@ -61,14 +61,14 @@ from kvpush.core.plan import Plan
 
 BUILD_US = 0.05
 """Host work per descriptor of a WRITE built for the request, besides its post: its row made absolute and
-handed to NIXL, which makes it a descriptor and checks it against the registrations (docs/benchmarks.md,
+handed to NIXL, which makes it a descriptor and checks it against the registrations (docs/benchmarks-log.md,
 section 15)."""
 INDEX_US = 0.02
 """Host work per index of a by-index WRITE: the index computed and its entry read from NIXL's prepared list,
 where NIXL holds a list as strides (NIXL 1.4 and later: a few rows a list, always in cache)."""
 INDEX_US_ENTRIES = 0.06
 """The same where NIXL holds a list entry by entry (before 1.4): each index reads an entry of a list far larger
-than the cache, which costs more than building the descriptor (docs/benchmarks.md, section 15)."""
+than the cache, which costs more than building the descriptor (docs/benchmarks-log.md, section 15)."""
 MAX_EXPANDED_ENTRIES = 1 << 22
 """Most entries of a prepared list given to NIXL row by row (a NIXL without strided lists holds each entry);
 a KV cache with more keeps today's path. NIXL's strided form (one row per strip) has no such bound."""

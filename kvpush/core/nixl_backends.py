@@ -4,7 +4,7 @@ The engine speaks to every backend through :class:`kvpush.transport.nixl_agent.A
 the agent reads these traits, so the engine never names a backend. Each trait
 is a difference found by running kvpush over the backend; docs/libfabric.md
 lists all differences found (some are limits to know, not to drive), and
-docs/benchmarks.md has the measurements behind the numbers.
+docs/benchmarks-log.md, section 7, has the measurements behind the numbers.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Descriptor count, not bandwidth, is what a fragmented request costs: the
 transport posts each descriptor separately, so a request scattered over many
 blocks and layers costs far more than the same bytes contiguous (measured:
-docs/benchmarks.md, "Descriptor cost"). The plan is either
+docs/benchmarks-log.md, "Descriptor cost"). The plan is either
 
 - ``direct``: the pieces, coalesced, written straight into D's blocks; or
 - ``staged``: P packs the pieces into a contiguous staging slot, one WRITE
@@ -366,7 +366,7 @@ def _peer_plan(
     Not sorted by D's offsets first as a direct plan's are: a copy kernel takes its pieces in any order, and
     the merges only that order finds (D's blocks contiguous but listed out of token order) are rare. This
     plan is built as D's registration arrives in the finished order, on a thread that just woke, where each
-    numpy call costs several times what it does in a loop (docs/benchmarks.md, "The finished order's P path
+    numpy call costs several times what it does in a loop (docs/benchmarks-log.md, "The finished order's P path
     on a woken thread").
     """
     pieces = map_pieces(src, dst, src_blocks, dst_blocks, num_tokens, start_token)

@@ -80,7 +80,7 @@ class UnpackRunner:
 
     def _too_small(self, size: int) -> None:
         """A push D wants staged is larger than D's whole staging region: it goes direct, paying the transport's
-        price per descriptor (what that costs a long prompt: docs/benchmarks.md section 11). Counted, and said in
+        price per descriptor (what that costs a long prompt: docs/benchmarks-log.md section 11). Counted, and said in
         a warning at most once per interval: it is configuration, not load."""
         self.bump(Count.STAGING_TOO_SMALL)
         held = self._throttle.note("too_small", time.monotonic())

@@ -123,7 +123,7 @@ def _nixl() -> Any:
     ``nixl_rocm``) from torch's CUDA version; with a CPU-only torch that is not
     imported yet it imports torch just to learn there is no CUDA, which costs
     seconds per process on a small host (every test and benchmark process;
-    docs/benchmarks.md, "Figures behind code defaults"). In
+    docs/benchmarks-log.md, "Figures behind code defaults"). In
     exactly that case the meta package then takes the first installed wheel in
     that order, so kvpush imports that wheel itself; otherwise it defers to
     ``nixl``.

@@ -12,7 +12,9 @@ import pytest
 
 from kvpush.core.indexed import BUILD_US, expand, list_rows, strips_of
 from kvpush.transport.nixl_agent import index_cost_us
-from kvpush_tools.bench.post import Shape, block_ids, cuda_missing, main, make_layout, vllm_ids, vllm_rows
+from kvpush_tools.bench.post import main
+from kvpush_tools.bench.post_run import cuda_missing
+from kvpush_tools.bench.post_shape import Shape, block_ids, make_layout, vllm_ids, vllm_rows
 
 
 @pytest.mark.parametrize("kv", ["split", "blocks-first"])

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpush_tools.bench import idle, loadgen, plot_serve
+from kvpush_tools.bench import idle, loadgen, plot_serve, serve_files, serve_summary
 from kvpush_tools.bench.client import request_body, run_load, send_one
 from kvpush_tools.bench.loadgen import DEFAULT_MODES, RequestOutput
-from kvpush_tools.bench.serve import sweep_plan
+from kvpush_tools.bench.serve_sweep import sweep_plan
 
 # --------------------------------------------------------------------------- #
 # Load schedule
@@ -142,14 +142,14 @@ def test_summarize_uses_vllm_keys_and_definitions() -> None:
 
 
 def test_result_name_round_trip_and_rejects_unknown_modes() -> None:
-    name = loadgen.result_name("vllm-pull", 0.5, 1024, 64, 2)
+    name = serve_files.result_name("vllm-pull", 0.5, 1024, 64, 2)
     assert name == "vllm-pull_qps0.5_in1024_out64_iter2.json"
-    assert loadgen.result_name("kvpush", 4.0, 256, 128, 0) == "kvpush_qps4_in256_out128_iter0.json"
-    assert loadgen.parse_result_name(name) == ("vllm-pull", 0.5, 1024, 64, 2)
-    assert loadgen.parse_result_name("summary.json") is None
-    assert loadgen.parse_result_name("other_qps1_in1_out1_iter0.json") is None
+    assert serve_files.result_name("kvpush", 4.0, 256, 128, 0) == "kvpush_qps4_in256_out128_iter0.json"
+    assert serve_files.parse_result_name(name) == ("vllm-pull", 0.5, 1024, 64, 2)
+    assert serve_files.parse_result_name("summary.json") is None
+    assert serve_files.parse_result_name("other_qps1_in1_out1_iter0.json") is None
     with pytest.raises(ValueError):
-        loadgen.result_name("sglang", 1, 1, 1, 0)
+        serve_files.result_name("sglang", 1, 1, 1, 0)
 
 
 def _synthetic(tmp: Path, failed_at: tuple[int, float] | None = None) -> Path:
@@ -176,29 +176,29 @@ def _synthetic(tmp: Path, failed_at: tuple[int, float] | None = None) -> Path:
                         }
                     }
                     r.update(loadgen.summarize(outs, 6 / q))
-                    loadgen.write_result(tmp, r)
+                    serve_files.write_result(tmp, r)
     return tmp
 
 
 def test_results_load_aggregate_and_ratios(tmp_path: Path) -> None:
     d = _synthetic(tmp_path, failed_at=(1024, 2.0))
-    results = loadgen.load_results(d)
+    results = serve_files.load_results(d)
     assert len(results) == 2 * 3 * 3 * 3
-    agg = loadgen.aggregate(results)
+    agg = serve_summary.aggregate(results)
     row = agg[(1024, 2.0, "vllm-pull")]
     assert row["runs"] == 2 and row["completed"] == 12 and row["failed"] == 2
     assert len(row["iter_median_ttft_ms"]) == 2
-    for r in loadgen.ratios(agg, "median_ttft_ms"):
+    for r in serve_summary.ratios(agg, "median_ttft_ms"):
         assert r["kvpush/vllm-pull"] == pytest.approx(1 / 1.5, rel=0.02)
         assert r["kvpush/vllm-push"] == pytest.approx(1 / 1.25, rel=0.02)
-    for r in loadgen.ratios(agg, "median_tpot_ms"):
+    for r in serve_summary.ratios(agg, "median_tpot_ms"):
         assert r["kvpush/vllm-pull"] == pytest.approx(1 / 1.5, rel=1e-6)
-    table = loadgen.summary_table(agg)
+    table = serve_summary.summary_table(agg)
     assert "k/pull" in table and " 0.67 " in table and " 0.80 " in table
 
 
 def test_server_histogram_means_between_scrapes() -> None:
-    from kvpush_tools.bench.stacks import histogram_means_ms
+    from kvpush_tools.bench.server_metrics import histogram_means_ms
 
     before = {"vllm:request_queue_time_seconds": (1.0, 10.0), "vllm:time_to_first_token_seconds": (2.0, 4.0)}
     after = {"vllm:request_queue_time_seconds": (1.5, 15.0), "vllm:time_to_first_token_seconds": (2.0, 4.0)}
@@ -208,8 +208,10 @@ def test_server_histogram_means_between_scrapes() -> None:
 
 def test_ratio_is_none_when_a_mode_is_missing() -> None:
     agg = {(256, 1.0, "kvpush"): {"median_ttft_ms": 10.0}}
-    assert loadgen.ratios(agg) == [{"input_len": 256, "qps": 1.0, "kvpush/vllm-pull": None, "kvpush/vllm-push": None}]
-    assert loadgen.ratio(1.0, 0.0) is None
+    assert serve_summary.ratios(agg) == [
+        {"input_len": 256, "qps": 1.0, "kvpush/vllm-pull": None, "kvpush/vllm-push": None}
+    ]
+    assert serve_summary.ratio(1.0, 0.0) is None
 
 
 def test_plot_and_compact_copy_from_synthetic_results(tmp_path: Path) -> None:
@@ -225,14 +227,14 @@ def test_plot_and_compact_copy_from_synthetic_results(tmp_path: Path) -> None:
     small = tmp_path / "compact" / full.name
     assert "itls" not in json.loads(small.read_text()) and small.stat().st_size < full.stat().st_size
     # The compact copy still gives the same pooled medians.
-    a = loadgen.aggregate(loadgen.load_results(d))
-    b = loadgen.aggregate(loadgen.load_results(tmp_path / "compact"))
+    a = serve_summary.aggregate(serve_files.load_results(d))
+    b = serve_summary.aggregate(serve_files.load_results(tmp_path / "compact"))
     assert a[(2048, 2.0, "kvpush")]["p99_ttft_ms"] == pytest.approx(b[(2048, 2.0, "kvpush")]["p99_ttft_ms"])
 
 
 def test_compact_keeps_statistics_and_drops_bulk() -> None:
     res = {**loadgen.summarize(_outputs(), 2.0), "kvpush": {"mode": "kvpush", "stack": {"server_args": ["--x"]}}}
-    small = loadgen.compact(res)
+    small = serve_files.compact(res)
     assert "itls" not in small and small["itls_dropped"] is True
     assert small["kvpush"] == {"mode": "kvpush"} and res["kvpush"]["stack"]  # the original is untouched
     assert small["ttfts"] == res["ttfts"] and small["p99_ttft_ms"] == res["p99_ttft_ms"]
@@ -311,7 +313,7 @@ def test_send_one_reports_connection_errors() -> None:
 
     import aiohttp
 
-    from kvpush_tools.demo.servers import free_port
+    from kvpush_tools.demo.launcher import free_port
 
     async def go() -> RequestOutput:
         async with aiohttp.ClientSession() as s:
@@ -371,7 +373,7 @@ def test_quick_sweep_end_to_end(tmp_path: Path) -> None:
 
     rc = serve.main(["--quick", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
-    results = loadgen.load_results(tmp_path)
+    results = serve_files.load_results(tmp_path)
     assert sorted(r["kvpush"]["mode"] for r in results) == sorted(DEFAULT_MODES)
     for r in results:
         assert r["completed"] == r["num_prompts"] and r["failed"] == 0

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvpush.core.layout import KVLayout, MemKind, Region, TokenOrder
-from kvpush_tools.bench.transfer import PATTERNS, Shape, block_ids, main, per_block_descriptors
+from kvpush_tools.bench.transfer import main
+from kvpush_tools.bench.transfer_shape import PATTERNS, Shape, block_ids, per_block_descriptors
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

@@ -44,8 +44,9 @@ from e2e_cluster import AnnouncingPair, E2EServers
 from test_e2e_vllm import _get, _metric, _post, _stream_text
 
 from kvpush.observability.timeline import parse_lines
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +60,7 @@ class Stack:
         self.p, self.d, self.kv_port = pair.p.url, pair.d.url, pair.kv_port
 
     @property
-    def p_proc(self) -> srv.ServerProcess:
+    def p_proc(self) -> launcher.ServerProcess:
         return self.pair.p
 
     def complete(self, base: str, prompt: str) -> str:
@@ -73,11 +74,11 @@ def stack(
 ) -> Iterator[Stack]:
     """vllm-router in its concurrent mode, finding the announcing P and D by their announcements."""
     logs = tmp_path_factory.mktemp("concurrent")
-    r_port, prom, discovery = srv.free_port(), srv.free_port(), e2e_announcing.discovery
+    r_port, prom, discovery = launcher.free_port(), launcher.free_port(), e2e_announcing.discovery
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "moriio"]
     cmd += ["--vllm-discovery-address", f"127.0.0.1:{discovery}", "--host", "127.0.0.1", "--port", str(r_port)]
     cmd += ["--prometheus-port", str(prom), "--policy", "round_robin"]
-    router = srv.ServerProcess(
+    router = launcher.ServerProcess(
         name="vllm-router-discovery",
         cmd=cmd,
         url=f"http://127.0.0.1:{r_port}",
@@ -86,14 +87,14 @@ def stack(
     )
     try:
         router.start()
-        srv.wait_all_healthy([router], timeout=120)
+        launcher.wait_all_healthy([router], timeout=120)
         s = Stack(e2e_pair.model, e2e_single, e2e_announcing, router.url)
         wait_registered(s)
         yield s
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all([router])
+        launcher.stop_all([router])
 
 
 def wait_registered(s: Stack, timeout: float = 60.0) -> None:
@@ -187,10 +188,10 @@ class Fleet:
         assert not bad, f"{where}: not the plain server's output: {[o for o, _ in bad]}"
 
 
-def fleet_vllm_router(prefill: list[str], decode: list[str], log_dir: Path) -> srv.ServerProcess:
+def fleet_vllm_router(prefill: list[str], decode: list[str], log_dir: Path) -> launcher.ServerProcess:
     """vllm-router over the fleet, health-checked every second (its default is a minute): an instance is out
     after 2 failed checks and back after 1 answered one."""
-    port, prom = srv.free_port(), srv.free_port()
+    port, prom = launcher.free_port(), launcher.free_port()
     cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation"]
     for p in prefill:
         cmd += ["--prefill", p]
@@ -199,7 +200,7 @@ def fleet_vllm_router(prefill: list[str], decode: list[str], log_dir: Path) -> s
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prom), "--policy", "round_robin"]
     cmd += ["--health-check-interval-secs", "1", "--health-failure-threshold", "2", "--health-success-threshold", "1"]
     cmd += ["--log-level", "info"]
-    return srv.ServerProcess(
+    return launcher.ServerProcess(
         name="vllm-router-fleet", cmd=cmd, url=f"http://127.0.0.1:{port}", log_path=log_dir / "vllm-router-fleet.log"
     )
 
@@ -211,17 +212,17 @@ def fleet(stack: Stack, e2e_pair: E2EServers, tmp_path_factory: pytest.TempPathF
     args = ["--prefill", e2e_pair.p, "--prefill-kv", f"127.0.0.1:{e2e_pair.kv_port}"]
     args += ["--prefill", stack.p, "--prefill-kv", f"127.0.0.1:{stack.kv_port}"]
     args += ["--decode", e2e_pair.d, "--decode", stack.d, "--health-interval", "1"]
-    kvpush = srv.router_server(args, srv.free_port(), log_dir=logs, keys=e2e_pair.keys)
+    kvpush = srv.router_server(args, launcher.free_port(), log_dir=logs, keys=e2e_pair.keys)
     vr = fleet_vllm_router(prefill, decode, logs)
     try:
         kvpush.start()
         vr.start()
-        srv.wait_all_healthy([kvpush, vr], timeout=120)
+        launcher.wait_all_healthy([kvpush, vr], timeout=120)
         yield Fleet(stack, e2e_pair, kvpush.url, vr.url)
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all([kvpush, vr])
+        launcher.stop_all([kvpush, vr])
 
 
 def fleet_prompts(seed: int, n: int, words: int) -> list[str]:
@@ -378,7 +379,7 @@ def test_lost_instances_come_back(fleet: Fleet) -> None:
     f = fleet
     pair = f.stack.pair
     pair.p, pair.d = fl.restarted(pair.p), fl.restarted(pair.d)
-    srv.wait_all_healthy([pair.p, pair.d], timeout=900)
+    launcher.wait_all_healthy([pair.p, pair.d], timeout=900)
     deadline = time.monotonic() + 60
     while not all(i["healthy"] for role in ("prefill", "decode") for i in f.health()[role]):
         assert time.monotonic() < deadline, f"kvpush router did not re-admit them: {f.health()}"

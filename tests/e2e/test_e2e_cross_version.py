@@ -26,6 +26,7 @@ from e2e_cluster import model_dir
 from e2e_family import Server, Target, check_outputs_and_counters, check_swap, wait_released
 from helpers_lanes import lane_python, ucx_over_network, version_of
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
 
 pytestmark = pytest.mark.e2e
@@ -48,35 +49,35 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Target
         f"{old_v}->{new_v}": (Server("prefill", cpus="0", python=old), Server("decode", cpus="1")),
         f"{new_v}->{old_v}": (Server("prefill", cpus="0"), Server("decode", cpus="1", python=old)),
     }
-    started: list[srv.ServerProcess] = []
+    started: list[launcher.ServerProcess] = []
     ports: dict[str, int] = {}
     try:
         for name, (p, d) in plan.items():
             logs = tmp_path_factory.mktemp("cross-" + name.replace("->", "-to-"))
-            ports[name] = srv.free_port()
+            ports[name] = launcher.free_port()
             started += [s.start(model, logs, 32, ports[name], {}, keys) for s in (p, d)]
         single = Server("single", cpus="0").start(model, tmp_path_factory.mktemp("cross-single"), 32, 0, {}, keys)
         started.append(single)
         for s in started:
             s.start()
-        srv.wait_all_healthy(started, timeout=900, progress=print)
+        launcher.wait_all_healthy(started, timeout=900, progress=print)
         targets: dict[str, Target] = {}
         for i, name in enumerate(plan):
             p, d = started[2 * i], started[2 * i + 1]
             router = srv.router_server(
                 ["--prefill", p.url, "--prefill-kv", f"127.0.0.1:{ports[name]}", "--decode", d.url],
-                srv.free_port(),
+                launcher.free_port(),
                 log_dir=p.log_path.parent,
                 keys=keys,
             )
             started.append(router.start())
-            srv.wait_all_healthy([router], timeout=60)
+            launcher.wait_all_healthy([router], timeout=60)
             targets[name] = Target(model, p.url, d.url, router.url, single.url, ("127.0.0.1", ports[name]), keys=keys)
         yield targets
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all(started)
+        launcher.stop_all(started)
         mp.undo()
 
 

@@ -51,8 +51,10 @@ from e2e_family import (
 )
 
 from kvpush.integrations.vllm import compat
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import mla_dtype, prompt_words, vllm_cpu_has_amx
+from kvpush_tools.demo.tiny_model import mla_dtype, vllm_cpu_has_amx
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -171,19 +173,19 @@ SEVERAL_GROUPS = ("hybrid", "gdn")
 """Families whose D has several KV-cache groups (sliding window beside full attention; GDN state beside it)."""
 
 
-_EARLY: dict[str, tuple[list[srv.ServerProcess], int, Path, str]] = {}
+_EARLY: dict[str, tuple[list[launcher.ServerProcess], int, Path, str]] = {}
 """Servers of families started with an earlier family's (``Family.starts_with``): their processes, P's side
 channel port and the log folder, until that family's turn."""
 
 
 def own_servers(
     name: str, session: Any, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[list[srv.ServerProcess], int, Path, str]:
+) -> tuple[list[launcher.ServerProcess], int, Path, str]:
     """A family's own servers (not yet started), P's side channel port, their log folder and key set."""
     fam = FAMILIES[name]
     logs = tmp_path_factory.mktemp(f"e2e-{name}-logs")
     model = family_model(fam.model, fam.dtype) if fam.model else session.model
-    kv_port = srv.free_port(span=4) if fam.p is not None else session.kv_port
+    kv_port = launcher.free_port(span=4) if fam.p is not None else session.kv_port
     keys = session.keys if session else srv.temp_keys()  # a family pairing with a session server uses its keys
     started = [
         s.start(model, logs, fam.block_size, kv_port, fam.extra_cfg, keys, fam.args, fam.dtype)
@@ -206,7 +208,7 @@ def _stop_early() -> Iterator[None]:
     """Servers started early for a family whose turn never came (a failure stopped the module) stop here."""
     yield
     while _EARLY:
-        srv.stop_all(_EARLY.popitem()[1][0])
+        launcher.stop_all(_EARLY.popitem()[1][0])
 
 
 HEAVY = ("mla-tp2-to-tp1",)
@@ -251,7 +253,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for s in [*started, *early]:
             if s.proc is None:
                 s.start()
-        srv.wait_all_healthy([*started, *early], timeout=900, progress=print)
+        launcher.wait_all_healthy([*started, *early], timeout=900, progress=print)
         single = procs["single"].url if fam.single else request.getfixturevalue("e2e_single")
         p = procs["prefill"].url if fam.p is not None else session.p
         d = procs["decode"].url if fam.d is not None else session.d
@@ -261,21 +263,21 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 *("--prefill", p, "--prefill-kv", f"127.0.0.1:{kv_port}", "--decode", d),
                 *("--prefill-tp", str(p_tp), "--prefill-dp", str(fam.dp)),
             ],
-            srv.free_port(),
+            launcher.free_port(),
             log_dir=logs,
             keys=keys,
         )
         router.start()
-        srv.wait_all_healthy([router], timeout=60)
+        launcher.wait_all_healthy([router], timeout=60)
         logs = {role: s.log_path for role, s in procs.items()}
         target = Target(
             str(model), p, d, router.url, single, ("127.0.0.1", kv_port), p_tp, max_tokens=fam.max_tokens, keys=keys
         )
         yield name, replace(target, logs=logs)
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all([*started, *([router] if router else [])])
+        launcher.stop_all([*started, *([router] if router else [])])
 
 
 def engines(name: str, t: Target) -> list[Target]:

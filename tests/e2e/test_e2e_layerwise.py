@@ -32,8 +32,9 @@ from test_e2e_vllm import (
     wait_all_released,
 )
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +53,7 @@ def cluster(
     """Its own P (layer-wise), D and router; the session's plain server (``conftest.py``) as the reference."""
     model = model_dir()
     logs = tmp_path_factory.mktemp(f"e2e-layerwise-{request.param}-logs")
-    p_port, d_port, router_port, kv_port = (srv.free_port() for _ in range(4))
+    p_port, d_port, router_port, kv_port = (launcher.free_port() for _ in range(4))
     cpus_p, cpus_d = ("0", "1") if (os.cpu_count() or 1) > 1 else ("0", "0")
     keys = srv.temp_keys()
     servers = [
@@ -103,14 +104,14 @@ def cluster(
     try:
         for s in servers:
             s.start()
-        srv.wait_all_healthy(servers, timeout=900, progress=print)
+        launcher.wait_all_healthy(servers, timeout=900, progress=print)
         router.start()
-        srv.wait_all_healthy([router], timeout=60)
+        launcher.wait_all_healthy([router], timeout=60)
         yield Cluster(model, e2e_single, servers[0].url, servers[1].url, router.url, ("127.0.0.1", kv_port))
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all([*servers, router])
+        launcher.stop_all([*servers, router])
 
 
 def _parts(base: str, side: str) -> float:

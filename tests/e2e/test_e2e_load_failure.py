@@ -46,8 +46,9 @@ import pytest
 from e2e_cluster import model_dir
 from helpers_prometheus import sample_sum
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -84,9 +85,9 @@ def _usage(base: str) -> float:
 class Trio:
     def __init__(
         self,
-        p: srv.ServerProcess,
-        d_recompute: srv.ServerProcess,
-        d_fail: srv.ServerProcess,
+        p: launcher.ServerProcess,
+        d_recompute: launcher.ServerProcess,
+        d_fail: launcher.ServerProcess,
         kv: int,
         keys: str,
         fences: tuple[int, int],
@@ -118,10 +119,12 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     logs = tmp_path_factory.mktemp("load-failure-logs")
     keys = srv.temp_keys()
     model = model_dir()
-    kv_port = srv.free_port()
-    fences = (srv.free_port(), srv.free_port())
+    kv_port = launcher.free_port()
+    fences = (launcher.free_port(), launcher.free_port())
 
-    def decode(name: str, cpus: str, fence: int, staging_bytes: int | None = None, **policy: str) -> srv.ServerProcess:
+    def decode(
+        name: str, cpus: str, fence: int, staging_bytes: int | None = None, **policy: str
+    ) -> launcher.ServerProcess:
         extra: dict[str, float] = {"peer_dead_s": PEER_DEAD_S, "quarantine_s": QUARANTINE_S, "fence_port": fence}
         if staging_bytes is not None:
             extra["staging_bytes"] = staging_bytes
@@ -129,7 +132,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
         return srv.vllm_server(
             name,
             model,
-            srv.free_port(),
+            launcher.free_port(),
             log_dir=logs,
             cpus=cpus,
             kv_transfer_config=cfg,
@@ -137,11 +140,11 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
             fast_start=True,
         )
 
-    def prefill(name: str, port: int) -> srv.ServerProcess:
+    def prefill(name: str, port: int) -> launcher.ServerProcess:
         return srv.vllm_server(
             name,
             model,
-            srv.free_port(),
+            launcher.free_port(),
             log_dir=logs,
             cpus="0",
             kv_transfer_config=srv.kvpush_transfer_config("kv_producer", port, auth_keys_dir=keys),
@@ -156,21 +159,21 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
         decode("decode-fail", "1", fences[1], staging_bytes=SMALL_STAGING),
     ]
 
-    def replace() -> tuple[srv.ServerProcess, int]:
-        port = srv.free_port()
+    def replace() -> tuple[launcher.ServerProcess, int]:
+        port = launcher.free_port()
         again = prefill("prefill-new", port)
         servers.append(again)
         again.start()
-        srv.wait_all_healthy([again], timeout=900)
+        launcher.wait_all_healthy([again], timeout=900)
         return again, port
 
     try:
         for s in servers:
             s.start()
-        srv.wait_all_healthy(servers, timeout=900)
+        launcher.wait_all_healthy(servers, timeout=900)
         yield Trio(*servers, kv=kv_port, keys=keys, fences=fences, replace=replace)
     finally:
-        srv.stop_all(servers)
+        launcher.stop_all(servers)
 
 
 def _wait_holding_blocks(bases: list[str], timeout: float = 120.0) -> None:
@@ -181,7 +184,7 @@ def _wait_holding_blocks(bases: list[str], timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def _through(p: srv.ServerProcess, d: srv.ServerProcess, body: dict[str, Any], tid: str) -> dict[str, Any]:
+def _through(p: launcher.ServerProcess, d: launcher.ServerProcess, body: dict[str, Any], tid: str) -> dict[str, Any]:
     """One request the sequential way: P prefills it (one token), D decodes it with P's answer."""
     first = _post(
         p.url + "/v1/completions",

@@ -33,7 +33,7 @@ from kvpush.cli import timeline as timeline_cli
 from kvpush.observability import timeline
 from kvpush.observability.metrics import P_STAGES
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 

@@ -31,8 +31,9 @@ import pytest
 from e2e_cluster import model_dir
 from test_e2e_vllm import _metric
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -45,8 +46,8 @@ WAITING_BOUND = 4  # D's max_waiting_registrations
 @dataclass
 class Stack:
     model: str
-    p: srv.ServerProcess
-    d: srv.ServerProcess
+    p: launcher.ServerProcess
+    d: launcher.ServerProcess
     router: str
 
 
@@ -54,7 +55,7 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("overload")
     model = model_dir()
-    p_port, d_port, kv_port, r_port = (srv.free_port() for _ in range(4))
+    p_port, d_port, kv_port, r_port = (launcher.free_port() for _ in range(4))
     keys = srv.temp_keys()  # P and D of this stack authenticate with one key set
     p = srv.vllm_server(
         "prefill-slow",
@@ -82,14 +83,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         for s in (p, d):
             s.start()
-        srv.wait_all_healthy([p, d], timeout=900)
+        launcher.wait_all_healthy([p, d], timeout=900)
         router.start()
-        srv.wait_all_healthy([router], timeout=60)
+        launcher.wait_all_healthy([router], timeout=60)
         yield Stack(model, p, d, router.url)
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all([router, p, d])
+        launcher.stop_all([router, p, d])
 
 
 def _complete(url: str, model: str, prompt: str) -> tuple[int, dict]:

@@ -28,9 +28,8 @@ import pytest
 from e2e_cluster import E2EServers
 from test_e2e_vllm import _post, _stream_text
 
-from kvpush_tools.demo import ray_pd
-from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo import launcher, ray_pd
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = [
     pytest.mark.e2e,
@@ -94,12 +93,12 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.5)
 
 
-def ray_pd_process(model: str, keys: str, log_dir: Path) -> tuple[srv.ServerProcess, str]:
-    port, kv_port, metrics_port = srv.free_port(), srv.free_port(), srv.free_port()
+def ray_pd_process(model: str, keys: str, log_dir: Path) -> tuple[launcher.ServerProcess, str]:
+    port, kv_port, metrics_port = launcher.free_port(), launcher.free_port(), launcher.free_port()
     cmd = [sys.executable, "-m", "kvpush_tools.demo.ray_pd", "--model", model, "--port", str(port)]
     cmd += ["--kv-port", str(kv_port), "--metrics-port", str(metrics_port), "--keys", keys]
     cmd += ["--replicas", str(log_dir / "replicas.json")]
-    proc = srv.ServerProcess(
+    proc = launcher.ServerProcess(
         name="ray-pd",
         cmd=cmd,
         url=f"http://127.0.0.1:{port}",
@@ -117,17 +116,17 @@ def ray_app(e2e_single: str, e2e_pair: E2EServers, tmp_path_factory: pytest.Temp
     proc, metrics = ray_pd_process(e2e_pair.model, e2e_pair.keys, logs)
     try:
         proc.start()
-        srv.wait_all_healthy([proc], timeout=900)
+        launcher.wait_all_healthy([proc], timeout=900)
         # The ingress may answer before serve.run has returned; the launcher writes this file after it.
         replicas_file = logs / "replicas.json"
         wait_for("the launcher wrote the replica ids", lambda: replicas_file.exists() or not proc.alive, 900)
         assert replicas_file.exists(), f"ray-pd exited:\n{proc.log_tail()}"
         replicas = json.loads(replicas_file.read_text())
         yield RayPD(proc.url, metrics, replicas, e2e_pair.model, e2e_single)
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all([proc], grace=30.0)
+        launcher.stop_all([proc], grace=30.0)
 
 
 def test_ray_serve_pd_outputs_equal_single_instance(ray_app: RayPD) -> None:

@@ -32,9 +32,10 @@ from e2e_cluster import P_ENGINE_ID, E2EServers
 from test_e2e_vllm import _metric, _post, _stream_text
 
 from kvpush.observability.timeline import parse_lines
-from kvpush_tools.bench.stacks import router_args
+from kvpush_tools.bench.stack_build import router_args
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -60,8 +61,8 @@ class Servers:
         return _metric(self.d, PUSHED[0], **PUSHED[1]), _metric(self.d, COMPUTED[0], **COMPUTED[1])
 
 
-def vllm_router_process(p: str, d: str, log_dir: Path) -> srv.ServerProcess:
-    return srv.vllm_router_server(p, d, srv.free_port(), log_dir=log_dir)
+def vllm_router_process(p: str, d: str, log_dir: Path) -> launcher.ServerProcess:
+    return srv.vllm_router_server(p, d, launcher.free_port(), log_dir=log_dir)
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +71,16 @@ def servers(e2e_pair: E2EServers, e2e_single: str, tmp_path_factory: pytest.Temp
     vr = vllm_router_process(e2e_pair.p, e2e_pair.d, logs)
     # The benchmark's proxy for vLLM's push connector, with the arguments it gives vLLM's push stack.
     args = router_args("vllm-push", e2e_pair.p, e2e_pair.d, e2e_pair.kv_port, P_ENGINE_ID)
-    proxy = srv.router_server(args, srv.free_port(), log_dir=logs, keys=e2e_pair.keys)
+    proxy = srv.router_server(args, launcher.free_port(), log_dir=logs, keys=e2e_pair.keys)
     try:
         vr.start()
         proxy.start()
-        srv.wait_all_healthy([vr, proxy], timeout=120)
+        launcher.wait_all_healthy([vr, proxy], timeout=120)
         yield Servers(e2e_pair, e2e_single, vr.url, proxy.url)
-    except srv.ServerError as exc:
+    except launcher.ServerError as exc:
         pytest.fail(str(exc))
     finally:
-        srv.stop_all([vr, proxy])
+        launcher.stop_all([vr, proxy])
 
 
 def wait_nothing_held(s: Servers, timeout: float) -> None:

@@ -22,8 +22,9 @@ import pytest
 from e2e_cluster import E2EServers
 from e2e_family import Target, check_swap
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 pytestmark = pytest.mark.e2e
 
@@ -171,7 +172,7 @@ def test_plain_requests_to_a_kvpush_server_pass_through(cluster: Cluster) -> Non
 def test_dead_prefill_peer_falls_back_to_local_prefill(cluster: Cluster) -> None:
     """P gone: D notices within peer_dead_s, fails the transfer, and (policy recompute) prefills itself."""
     prompt = prompt_words(300, seed=21)
-    dead_port = srv.free_port()
+    dead_port = launcher.free_port()
     params = {
         "do_remote_prefill": True,
         "transfer_id": "dead-peer-1",
@@ -221,14 +222,14 @@ def test_abort_on_d_while_waiting_for_kv_frees_its_blocks(cluster: Cluster) -> N
 
 
 def test_router_turns_a_dead_prefill_into_a_clear_error(cluster: Cluster, tmp_path: Path) -> None:
-    dead = srv.free_port()
-    port = srv.free_port()
+    dead = launcher.free_port()
+    port = launcher.free_port()
     router = srv.router_server(
         [
             "--prefill",
             f"http://127.0.0.1:{dead}",
             "--prefill-kv",
-            f"127.0.0.1:{srv.free_port()}",
+            f"127.0.0.1:{launcher.free_port()}",
             "--decode",
             cluster.d,
             "--health-interval",
@@ -239,7 +240,7 @@ def test_router_turns_a_dead_prefill_into_a_clear_error(cluster: Cluster, tmp_pa
     )
     try:
         router.start()
-        srv.wait_all_healthy([router], timeout=60)
+        launcher.wait_all_healthy([router], timeout=60)
         body = {"model": cluster.model, "prompt": "hello", "max_tokens": 4, "temperature": 0}
         t0 = time.monotonic()
         with pytest.raises(urllib.error.HTTPError) as info:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.transport.key_set import ENV_DIR
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
 from kvpush_tools.demo.tiny_model import make_tiny_model
 
@@ -80,15 +81,15 @@ class AnnouncingPair:
     """A P and a D that announce themselves to ``discovery`` and share the session's key set (so they pair
     with the session's P and D too); P's side channel at ``kv_port``. A test that restarts one replaces it here."""
 
-    p: srv.ServerProcess
-    d: srv.ServerProcess
+    p: launcher.ServerProcess
+    d: launcher.ServerProcess
     kv_port: int
     discovery: int
 
     @classmethod
     def build(cls, servers: E2EServers) -> AnnouncingPair:
         """The pair, not yet started (P's timeline at DEBUG, as the session's)."""
-        p_port, d_port, kv_port, discovery = (srv.free_port() for _ in range(4))
+        p_port, d_port, kv_port, discovery = (launcher.free_port() for _ in range(4))
         logs, keys, model = servers.logs, servers.keys, servers.model
         p = srv.vllm_server(
             "prefill-announcing",
@@ -126,9 +127,9 @@ class E2EServers:
         self.progress = progress
         cpus = ("0", "1") if (os.cpu_count() or 1) > 1 else ("0", "0")
         self.cpus_p, self.cpus_d = cpus  # the plain server shares P's core: it is idle while P works
-        self.pair: list[srv.ServerProcess] = []
-        self.router: srv.ServerProcess | None = None
-        self.single: srv.ServerProcess | None = None
+        self.pair: list[launcher.ServerProcess] = []
+        self.router: launcher.ServerProcess | None = None
+        self.single: launcher.ServerProcess | None = None
         self.announcing: AnnouncingPair | None = None
         self.kv_port = 0
         self.keys = ""  # the side channel's key set P and D share (families pairing with them use it too)
@@ -156,15 +157,15 @@ class E2EServers:
 
     # -- lifecycle --------------------------------------------------------------
 
-    def _single_server(self) -> srv.ServerProcess:
+    def _single_server(self) -> launcher.ServerProcess:
         return srv.vllm_server(
-            "single", self.model, srv.free_port(), log_dir=self.logs, cpus=self.cpus_p, fast_start=True
+            "single", self.model, launcher.free_port(), log_dir=self.logs, cpus=self.cpus_p, fast_start=True
         )
 
     def start(self, with_single: bool, with_announcing: bool = False) -> None:
         """Start P, D (and the plain server, and the announcing pair) in parallel, then the router; raises
         ``ServerError``."""
-        p_port, d_port, router_port, self.kv_port = (srv.free_port() for _ in range(4))
+        p_port, d_port, router_port, self.kv_port = (launcher.free_port() for _ in range(4))
         debug = {"KVPUSH_LOG_LEVEL": "DEBUG"}
         keys = self.keys = srv.temp_keys()
         self.pair = [
@@ -206,15 +207,15 @@ class E2EServers:
         vllm = [*self.pair, *([self.single] if self.single else []), *extra]
         for s in vllm:
             s.start()
-        srv.wait_all_healthy(vllm, timeout=900, progress=self.progress)
+        launcher.wait_all_healthy(vllm, timeout=900, progress=self.progress)
         self.router.start()
-        srv.wait_all_healthy([self.router], timeout=60)
+        launcher.wait_all_healthy([self.router], timeout=60)
 
     def ensure_single(self) -> str:
         """The plain server's URL, starting it now if the session did not (it is then not in parallel)."""
         if self.single is None:
             self.single = self._single_server().start()
-            srv.wait_all_healthy([self.single], timeout=900, progress=self.progress)
+            launcher.wait_all_healthy([self.single], timeout=900, progress=self.progress)
         return self.single.url
 
     def ensure_announcing(self) -> AnnouncingPair:
@@ -223,12 +224,12 @@ class E2EServers:
             self.announcing = AnnouncingPair.build(self)
             for s in (self.announcing.p, self.announcing.d):
                 s.start()
-            srv.wait_all_healthy([self.announcing.p, self.announcing.d], timeout=900, progress=self.progress)
+            launcher.wait_all_healthy([self.announcing.p, self.announcing.d], timeout=900, progress=self.progress)
         return self.announcing
 
     def stop_announcing(self) -> None:
         if self.announcing is not None:
-            srv.stop_all([self.announcing.p, self.announcing.d])
+            launcher.stop_all([self.announcing.p, self.announcing.d])
             self.announcing = None
 
     def broken(self) -> list[str]:
@@ -256,6 +257,6 @@ class E2EServers:
 
     def stop(self) -> None:
         procs = [*self.pair, *([self.single] if self.single else []), *([self.router] if self.router else [])]
-        srv.stop_all(procs)
+        launcher.stop_all(procs)
         self.stop_announcing()
         self.pair, self.router, self.single = [], None, None

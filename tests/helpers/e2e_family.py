@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import make_tiny_model, prompt_words
+from kvpush_tools.demo.tiny_model import make_tiny_model
+from kvpush_tools.demo.words import prompt_words
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8
@@ -239,10 +241,10 @@ class Server:
         keys: str,
         args: Sequence[str] = (),
         dtype: str | None = None,
-    ) -> srv.ServerProcess:
+    ) -> launcher.ServerProcess:
         """The server (not yet started); P and D authenticate with the key set ``keys``; ``args`` are extra
         vLLM arguments."""
-        port = srv.free_port()
+        port = launcher.free_port()
         ranks = self.tp * self.dp
         kw: dict[str, Any] = {"block_size": block_size, "log_dir": logs, "env": {"KVPUSH_LOG_LEVEL": "DEBUG"}}
         kw["extra_args"] = list(args)

@@ -22,7 +22,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush_tools.demo import servers as srv
+from kvpush_tools.demo import launcher
 
 
 @dataclass
@@ -105,26 +105,26 @@ def start(base: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[Outc
     return out, t
 
 
-def freeze(proc: srv.ServerProcess) -> None:
+def freeze(proc: launcher.ServerProcess) -> None:
     """SIGSTOP the server's whole process group: it holds its connections and answers nothing."""
     assert proc.proc is not None
     os.killpg(proc.proc.pid, signal.SIGSTOP)
 
 
-def kill(proc: srv.ServerProcess) -> None:
+def kill(proc: launcher.ServerProcess) -> None:
     """SIGKILL the server's whole process group (an instance lost, not shut down)."""
     assert proc.proc is not None
     os.killpg(proc.proc.pid, signal.SIGKILL)
     proc.proc.wait(timeout=30)
 
 
-def restarted(proc: srv.ServerProcess, timeout: float = 60.0) -> srv.ServerProcess:
+def restarted(proc: launcher.ServerProcess, timeout: float = 60.0) -> launcher.ServerProcess:
     """The same server (command, ports, environment) started again, once the killed one's ports are free (a
     killed process lets go of its sockets only when it has finished exiting); the caller waits for it to be
     healthy."""
     deadline = time.monotonic() + timeout
-    while busy := [p for p in proc.ports if not srv.port_is_free(p)]:
+    while busy := [p for p in proc.ports if not launcher.port_is_free(p)]:
         if time.monotonic() > deadline:
-            raise srv.ServerError(f"{proc.name}: port(s) {busy} still in use {timeout:g} s after it was killed")
+            raise launcher.ServerError(f"{proc.name}: port(s) {busy} still in use {timeout:g} s after it was killed")
         time.sleep(0.2)
     return dataclasses.replace(proc, proc=None, started_at=0.0, ready_after=None).start()

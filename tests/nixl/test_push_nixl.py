@@ -28,7 +28,7 @@ from kvpush.core.layout import KVLayout
 from kvpush.core.nixl_backends import traits
 from kvpush.core.outcome import PlanKind, Result
 from kvpush.transport import key_set
-from kvpush_tools.demo.servers import free_port
+from kvpush_tools.demo.launcher import free_port
 
 STAGING = 4 << 20
 

@@ -18,7 +18,7 @@ from test_push_nixl import _cfg, _key, by_rid, engines
 
 from kvpush.conformance.model import apply_push, make_requests
 from kvpush.core.outcome import Cause
-from kvpush_tools.demo.servers import free_port
+from kvpush_tools.demo.launcher import free_port
 
 LEASE_S = 60.0
 

@@ -257,7 +257,7 @@ def test_frozen() -> None:
 
 
 def test_descriptor_cost_defaults_to_the_first_nixl_backends_measured_cost() -> None:
-    """The cost model's per-descriptor cost follows the NIXL backend unless set (docs/benchmarks.md, LIBFABRIC)."""
+    """The cost model's per-descriptor cost follows the NIXL backend unless set (docs/benchmarks-log.md, LIBFABRIC)."""
     from kvpush.core.nixl_backends import LIBFABRIC, UCX
 
     assert Config().staging.descriptor_cost_us is None

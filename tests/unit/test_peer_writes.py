@@ -1,5 +1,5 @@
 """``engine.peer_writes.Writes.peer_write``: the prepare hint runs for a part built ahead, not for one built
-as it is posted (the copy then does the same work in one step, measured cheaper: docs/benchmarks.md §14)."""
+as it is posted (the copy then does the same work in one step, measured cheaper: docs/benchmarks-log.md §14)."""
 
 from __future__ import annotations
 

@@ -998,7 +998,7 @@ def test_vllm_push_mode_speaks_only_vllms_conventions() -> None:
 
 
 def test_launcher_reports_a_dying_server_with_its_log(tmp_path: Any) -> None:
-    from kvpush_tools.demo.servers import ServerError, ServerProcess
+    from kvpush_tools.demo.launcher import ServerError, ServerProcess
 
     cmd = [sys.executable, "-c", "import sys; print('model not found: /nope', flush=True); sys.exit(3)"]
     s = ServerProcess("victim", cmd, closed_port_url(), tmp_path / "victim.log").start()
@@ -1011,7 +1011,7 @@ def test_launcher_reports_a_dying_server_with_its_log(tmp_path: Any) -> None:
 
 def test_launcher_reports_the_first_error_not_only_the_shutdown_after_it(tmp_path: Any) -> None:
     """Data parallel: one engine core fails, the others print their shutdown; the cause must be in the error."""
-    from kvpush_tools.demo.servers import ServerError, ServerProcess
+    from kvpush_tools.demo.launcher import ServerError, ServerProcess
 
     script = (
         "import sys\n"
@@ -1029,7 +1029,7 @@ def test_launcher_reports_the_first_error_not_only_the_shutdown_after_it(tmp_pat
 
 def test_free_ports_lie_outside_the_ephemeral_range() -> None:
     """Ports picked for servers that bind late never collide with the local end of outgoing connections."""
-    from kvpush_tools.demo.servers import ephemeral_ports, free_port, port_is_free
+    from kvpush_tools.demo.launcher import ephemeral_ports, free_port, port_is_free
 
     for _ in range(20):
         base = free_port(span=4)
@@ -1049,7 +1049,7 @@ time.sleep(600)
 
 
 def test_launcher_stop_kills_the_whole_process_group(tmp_path: Any) -> None:
-    from kvpush_tools.demo.servers import ServerError, ServerProcess
+    from kvpush_tools.demo.launcher import ServerError, ServerProcess
 
     # A server that ignores SIGINT, with a child that would outlive it.
     (tmp_path / "stubborn.py").write_text(STUBBORN)
@@ -1074,7 +1074,7 @@ def test_launcher_dying_takes_its_servers_along(tmp_path: Any) -> None:
     (tmp_path / "launcher.py").write_text(
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from kvpush_tools.demo.servers import ServerProcess\n"
+        "from kvpush_tools.demo.launcher import ServerProcess\n"
         "d = Path(sys.argv[1])\n"
         "cmd = [sys.executable, str(d / 'stubborn.py')]\n"
         "s = ServerProcess('x', cmd, 'http://127.0.0.1:1', d / 'x.log', guard_grace=1.0).start()\n"
@@ -1117,7 +1117,8 @@ def _gone(pid: int) -> bool:
 
 
 def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
-    from kvpush_tools.demo.servers import free_port, port_is_free, router_server
+    from kvpush_tools.demo.launcher import free_port, port_is_free
+    from kvpush_tools.demo.servers import router_server
 
     async def go() -> None:
         async with cluster() as c:
@@ -1143,7 +1144,7 @@ def test_router_cli_subprocess_serves_and_stops(tmp_path: Any) -> None:
 def test_tiny_model_prompts_have_exactly_n_tokens() -> None:
     """The e2e test relies on prompt lengths in tokens; checked on the tiny
     model's tokenizer itself (built without transformers, so it is quick)."""
-    from kvpush_tools.demo.tiny_model import MIN_VOCAB_SIZE, UNK, prompt_words, vocabulary, word_tokenizer
+    from kvpush_tools.demo.words import MIN_VOCAB_SIZE, UNK, prompt_words, vocabulary, word_tokenizer
 
     words = vocabulary(2048)
     assert len(set(words)) == 2048 and vocabulary(MIN_VOCAB_SIZE) == words[:MIN_VOCAB_SIZE]

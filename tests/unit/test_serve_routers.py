@@ -14,17 +14,20 @@ from typing import Any
 
 import pytest
 
-from kvpush_tools.bench import loadgen, plot_serve
-from kvpush_tools.bench.loadgen import Cell, RequestOutput
-from kvpush_tools.bench.serve import choose_cells, sweep_plan
-from kvpush_tools.bench.stacks import Stack, _unique, behind_vllm_router
-from kvpush_tools.demo import servers as srv
+from kvpush_tools.bench import loadgen, plot_serve, serve_files, serve_summary
+from kvpush_tools.bench.loadgen import RequestOutput
+from kvpush_tools.bench.serve import choose_cells
+from kvpush_tools.bench.serve_summary import Cell
+from kvpush_tools.bench.serve_sweep import sweep_plan
+from kvpush_tools.bench.stack_build import behind_vllm_router
+from kvpush_tools.bench.stacks import Stack, _unique
+from kvpush_tools.demo import launcher
 
 BOTH = ["kvpush", "vllm-router"]
 
 
 def test_cells_are_every_mode_behind_every_router_that_drives_it() -> None:
-    cells, skipped = loadgen.plan_cells(["kvpush", "vllm-pull", "vllm-push"], BOTH)
+    cells, skipped = serve_summary.plan_cells(["kvpush", "vllm-pull", "vllm-push"], BOTH)
     assert cells == [
         Cell("kvpush", "kvpush"),
         Cell("vllm-pull", "kvpush"),
@@ -34,7 +37,7 @@ def test_cells_are_every_mode_behind_every_router_that_drives_it() -> None:
     ]
     assert [c for c, _ in skipped] == [Cell("vllm-push", "vllm-router")]
     # One router: the cells are the modes, in the order given (the old sweep).
-    one, none = loadgen.plan_cells(["vllm-pull", "kvpush"], ["kvpush"])
+    one, none = serve_summary.plan_cells(["vllm-pull", "kvpush"], ["kvpush"])
     assert [c.mode for c in one] == ["vllm-pull", "kvpush"] and none == []
     assert Cell("kvpush", "kvpush").label == "kvpush"
     assert Cell("kvpush", "vllm-router").label == "kvpush via vllm-router"
@@ -45,16 +48,16 @@ def test_vllm_push_behind_vllm_router_is_refused_when_named_skipped_when_default
     assert cells == [] and why is not None
     assert "vllm-push behind vllm-router" in why
     for mode in ("vllm-push", "kvpush-selective"):
-        assert loadgen.unsupported(mode, "vllm-router") is not None
+        assert serve_summary.unsupported(mode, "vllm-router") is not None
     for mode in loadgen.MODES:
-        assert loadgen.unsupported(mode, "kvpush") is None
+        assert serve_summary.unsupported(mode, "kvpush") is None
     cells, why = choose_cells(["kvpush", "vllm-pull", "vllm-push"], BOTH, named_modes=False)
     assert why is None and Cell("vllm-push", "vllm-router") not in cells and len(cells) == 5
     assert choose_cells(["kvpush"], ["sglang"], named_modes=True)[1] is not None
 
 
-def _fake_server(name: str) -> srv.ServerProcess:
-    return srv.ServerProcess(name=name, cmd=["true"], url=f"http://127.0.0.1:1/{name}", log_path=Path("/dev/null"))
+def _fake_server(name: str) -> launcher.ServerProcess:
+    return launcher.ServerProcess(name=name, cmd=["true"], url=f"http://127.0.0.1:1/{name}", log_path=Path("/dev/null"))
 
 
 def test_vllm_router_cell_shares_p_and_d_and_refuses_vllm_push(tmp_path: Path) -> None:
@@ -72,7 +75,7 @@ def test_vllm_router_cell_shares_p_and_d_and_refuses_vllm_push(tmp_path: Path) -
 
 @pytest.mark.parametrize("iterations", [1, 3, 4])
 def test_every_cell_runs_once_per_point_per_iteration_in_rotated_order(iterations: int) -> None:
-    cells, _ = loadgen.plan_cells(["kvpush", "vllm-pull"], BOTH)
+    cells, _ = serve_summary.plan_cells(["kvpush", "vllm-pull"], BOTH)
     plan = sweep_plan([256, 1024], [1.0, 2.0, 4.0], cells, iterations)  # 6 points: not a multiple of 4 cells
     assert [(it, inp, q) for it, inp, q, _ in plan] == [
         (it, inp, q) for it in range(iterations) for inp in (256, 1024) for q in (1.0, 2.0, 4.0)
@@ -88,14 +91,14 @@ def test_every_cell_runs_once_per_point_per_iteration_in_rotated_order(iteration
 
 
 def test_run_names_carry_the_router_and_old_names_mean_kvpush_router() -> None:
-    name = loadgen.result_name("vllm-pull", 1.0, 1024, 64, 2, "vllm-router")
+    name = serve_files.result_name("vllm-pull", 1.0, 1024, 64, 2, "vllm-router")
     assert name == "vllm-pull_via-vllm-router_qps1_in1024_out64_iter2.json"
-    assert loadgen.parse_result_name(name) == ("vllm-pull", 1.0, 1024, 64, 2)
-    assert loadgen.router_of_name(name) == "vllm-router"
-    assert loadgen.router_of_name("kvpush_qps1_in1024_out64_iter0.json") == "kvpush"
-    assert loadgen.parse_result_name("kvpush_via-haproxy_qps1_in1_out1_iter0.json") is None
+    assert serve_files.parse_result_name(name) == ("vllm-pull", 1.0, 1024, 64, 2)
+    assert serve_files.router_of_name(name) == "vllm-router"
+    assert serve_files.router_of_name("kvpush_qps1_in1024_out64_iter0.json") == "kvpush"
+    assert serve_files.parse_result_name("kvpush_via-haproxy_qps1_in1_out1_iter0.json") is None
     with pytest.raises(ValueError):
-        loadgen.result_name("kvpush", 1.0, 1, 1, 0, "haproxy")
+        serve_files.result_name("kvpush", 1.0, 1, 1, 0, "haproxy")
 
 
 # kvpush's median TTFT per (router, iteration), and vllm-pull's: ratios 0.5, 0.25, 1.0 behind kvpush's
@@ -129,12 +132,12 @@ def _fake_runs(tmp: Path) -> Path:
                 }
             }
             r.update(loadgen.summarize(outs, 3.0))
-            loadgen.write_result(tmp, r)
+            serve_files.write_result(tmp, r)
     return tmp
 
 
 def test_summary_gives_per_router_ratio_with_its_spread_over_iterations(tmp_path: Path) -> None:
-    results = loadgen.load_results(_fake_runs(tmp_path))
+    results = serve_files.load_results(_fake_runs(tmp_path))
     assert len(results) == 12
     doc, table = plot_serve.summary(results)
     assert list(doc["routers"]) == ["kvpush", "vllm-router"]
@@ -156,7 +159,7 @@ def test_summary_gives_per_router_ratio_with_its_spread_over_iterations(tmp_path
 
 
 def test_one_router_keeps_the_old_top_level_summary(tmp_path: Path) -> None:
-    results = [r for r in loadgen.load_results(_fake_runs(tmp_path)) if r["kvpush"]["router"] == "kvpush"]
+    results = [r for r in serve_files.load_results(_fake_runs(tmp_path)) if r["kvpush"]["router"] == "kvpush"]
     doc, table = plot_serve.summary(results)
     assert list(doc["routers"]) == ["kvpush"] and len(doc["points"]) == 2
     assert doc["ratios_median_ttft"] == doc["routers"]["kvpush"]["ratios_median_ttft"]
@@ -173,6 +176,6 @@ def test_spread_pairs_iterations_by_index_not_by_position() -> None:
             "iter_median_ttft_ms": [20.0, 99.0, 30.0],
         },
     }
-    (row,) = loadgen.ratio_spread(agg, "ttft")
+    (row,) = serve_summary.ratio_spread(agg, "ttft")
     assert row["iterations"] == [0, 2] and row["per_iteration"] == pytest.approx([0.5, 1.0])
     assert row["kvpush/vllm-pull"] == pytest.approx(0.5)

@@ -9,7 +9,7 @@ import zmq
 from kvpush.config import Config
 from kvpush.core.errors import ConfigError
 from kvpush.integrations.vllm.discovery import Announcer, announcement
-from kvpush_tools.demo.servers import free_port
+from kvpush_tools.demo.launcher import free_port
 
 
 def test_payload_names_the_side_channel_and_asks_for_concurrent_dispatch() -> None:

@@ -134,7 +134,7 @@ class CudaBackend(TestSupport, Backend):
     staging_bytes = 512 << 20
     """Device memory is plentiful next to the KV cache, and each part of a push in rounds costs the engine
     threads fixed host work: four rings' slots of 64 MiB cut a 16k-token 8B-model push into 36 parts, not
-    144 (docs/benchmarks.md section 16)."""
+    144 (docs/benchmarks-log.md section 16)."""
 
     def describe(self, kv_caches: dict[str, Any], spec: CacheSpec) -> KVLayout:
         if spec.attention not in ATTENTION:

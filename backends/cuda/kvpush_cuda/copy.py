@@ -242,7 +242,7 @@ class PinnedRing:
     until that launch's end event. That saves the allocation and the upload's own event, most of a
     table's host cost on a woken thread. (Letting the kernel read the page-locked slot in place saved the
     copy too, but every program then reads its piece over the host link, and the copy took 0.15 ms longer
-    than that saved: docs/benchmarks.md, "The finished order's P path on a woken thread".)
+    than that saved: docs/benchmarks-log.md, "The finished order's P path on a woken thread".)
     """
 
     def __init__(self, torch: ModuleType, slots: int = 32, slot_elems: int = 8192) -> None:
@@ -393,7 +393,7 @@ class PieceCopier:
         (the backend's thread hook), which runs nothing else on the device.
 
         Its uploads and launches then skip entering and leaving a stream context, which costs more than the
-        upload it wraps on a thread that just woke (docs/benchmarks.md, "The finished order's P path on a
+        upload it wraps on a thread that just woke (docs/benchmarks-log.md, "The finished order's P path on a
         woken thread"). A stream made later (``set_stream_priority``) is not current there: calls go through
         the context again.
         """

@@ -26,7 +26,7 @@ class RouterConfig:
     decode_timeout: float = 600.0
     health_interval: float = 5.0
     # Seconds one /health check may take: a D busy with decodes answers late while it still serves
-    # (docs/benchmarks.md, "Caveats, all together": router health checks).
+    # (docs/benchmarks-log.md, "Caveats, all together": router health checks).
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT
     # Timed-out checks in a row before an instance counts as unhealthy.
     health_timeout_strikes: int = DEFAULT_HEALTH_TIMEOUT_STRIKES

@@ -6,7 +6,7 @@ instance at all (connection refused or reset), marks it unhealthy at once:
 that is a definite answer. A check that merely *times out* is only a strike:
 an instance busy with prefills or decodes can be slow to answer its health
 endpoint while still serving, and taking the only D out of rotation turns
-a slow request into an HTTP 503 (docs/benchmarks.md, "Caveats, all
+a slow request into an HTTP 503 (docs/benchmarks-log.md, "Caveats, all
 together": router health checks). Only ``health_timeout_strikes`` timeouts in a
 row (default 3) mark it unhealthy; any answered check resets the count. A
 hung instance is thus taken out after about ``strikes * (interval +

@@ -143,7 +143,7 @@ def apply(loop: BusyLoop, kind: str, interval_ms: float) -> None:
 
 
 def switch(sides: tuple[Any, ...], current: dict[Any, Mode], key: Any, mode: Mode | None) -> None:
-    """Put the processes ``sides`` (``transfer._Proc``) of lane ``key`` in ``mode`` unless they are in it."""
+    """Put the processes ``sides`` (``transfer_side.Proc``) of lane ``key`` in ``mode`` unless they are in it."""
     if mode is None or current.get(key) == mode:
         return
     for side in sides:

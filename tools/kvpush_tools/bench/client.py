@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpush_tools.bench.loadgen import RequestOutput
-from kvpush_tools.bench.stacks import MODEL_NAME, Stack, http_get
+from kvpush_tools.bench.server_metrics import http_get
+from kvpush_tools.bench.stack_build import MODEL_NAME
+from kvpush_tools.bench.stacks import Stack
 
 
 def request_body(prompt: str, output_len: int, model: str = MODEL_NAME) -> dict[str, Any]:
@@ -114,7 +116,7 @@ def warm_up(stack: Stack, input_len: int, seed: int, n: int = 2, tries: int = 4)
     connectors then re-handshake on the next request. That cost belongs to
     the pause, not to the mode, so it is paid here, outside the measurement.
     """
-    from kvpush_tools.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.words import prompt_words
 
     t0 = time.perf_counter()
     ok = failed = 0

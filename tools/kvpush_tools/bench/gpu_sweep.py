@@ -13,7 +13,7 @@ P and D start with the same model, flags and memory, differing only in the conne
    JSON per point, as ``vllm bench serve --save-result`` writes it), after a short warm-up per length.
 
 One GPU holds both servers, so P's prefill and D's decode share its compute: this measures what each
-connector adds on one machine, not a fleet (docs/benchmarks.md says what that does to the comparison).
+connector adds on one machine, not a fleet (docs/results.md, section 1, says what that does to the comparison).
 A deadline bounds the run: points that would start after it are left out (and listed in the summary).
 """
 
@@ -28,9 +28,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench.stacks import prompt_token_sources, router_args
+from kvpush_tools.bench.server_metrics import prompt_token_sources
+from kvpush_tools.bench.stack_build import router_args
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import prompt_words
+from kvpush_tools.demo.words import prompt_words
 
 MODES = ("kvpush", "kvpush-hosts", "vllm-pull", "vllm-push")
 HOSTS = {"peer_copy": False}
@@ -67,7 +69,7 @@ def transfer_configs(
         connector = "NixlConnector" if mode == "vllm-pull" else "NixlPushConnector"
         p = srv.vllm_nixl_transfer_config(connector, "kv_producer", engine_id=engine_id)
         d = srv.vllm_nixl_transfer_config(connector, "kv_consumer")
-        p_env, d_env = srv.vllm_nixl_env(p_kv), srv.vllm_nixl_env(srv.free_port())
+        p_env, d_env = srv.vllm_nixl_env(p_kv), srv.vllm_nixl_env(launcher.free_port())
         for env in (p_env, d_env):
             env.update(vllm_env or {})
     for cfg in (p, d):
@@ -75,9 +77,14 @@ def transfer_configs(
     return p, p_env, d, d_env, keys
 
 
-def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.ServerProcess]:
+def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[launcher.ServerProcess]:
     """P, D and the router of ``mode``, healthy; raises ``ServerError``."""
-    p_port, d_port, r_port, p_kv = srv.free_port(), srv.free_port(), srv.free_port(), srv.free_port(span=4)
+    p_port, d_port, r_port, p_kv = (
+        launcher.free_port(),
+        launcher.free_port(),
+        launcher.free_port(),
+        launcher.free_port(span=4),
+    )
     engine_id = f"gpu-{mode}-prefill-{p_port}"
     vllm_env = dict(kv.split("=", 1) for kv in args.vllm_env)
     p_cfg, p_env, d_cfg, d_env, keys = transfer_configs(
@@ -108,7 +115,7 @@ def start_mode(mode: str, args: argparse.Namespace, logs: Path) -> list[srv.Serv
     prefill = srv.vllm_server(f"{mode}-prefill", args.model, p_port, kv_transfer_config=p_cfg, env=p_env, **p_common)
     decode = srv.vllm_server(f"{mode}-decode", args.model, d_port, kv_transfer_config=d_cfg, env=d_env, **common)
     started = [prefill.start(), decode.start()]
-    srv.wait_all_healthy(started, timeout=args.start_timeout, progress=say, every=30.0)
+    launcher.wait_all_healthy(started, timeout=args.start_timeout, progress=say, every=30.0)
     router = srv.router_server(
         router_args("kvpush" if mode == "kvpush-hosts" else mode, prefill.url, decode.url, p_kv, engine_id),
         r_port,
@@ -153,7 +160,11 @@ def first_near_tie(choice: dict[str, Any]) -> int:
 
 
 def check(
-    prefill: srv.ServerProcess, decode: srv.ServerProcess, router: srv.ServerProcess, n_tokens: int, max_len: int
+    prefill: launcher.ServerProcess,
+    decode: launcher.ServerProcess,
+    router: launcher.ServerProcess,
+    n_tokens: int,
+    max_len: int,
 ) -> dict[str, Any]:
     """Greedy outputs through the router against P alone; D's prompt tokens by source over the prompts."""
     src0 = prompt_token_sources(decode.url)
@@ -181,7 +192,7 @@ def check(
 
 
 def bench(
-    router: srv.ServerProcess, args: argparse.Namespace, input_len: int, rate: float, n: int, out: Path | None
+    router: launcher.ServerProcess, args: argparse.Namespace, input_len: int, rate: float, n: int, out: Path | None
 ) -> dict[str, Any]:
     """One ``vllm bench serve`` point in this process; its result JSON goes to ``out`` (None: warm-up)."""
     from vllm.benchmarks import serve as vbench

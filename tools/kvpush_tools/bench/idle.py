@@ -45,18 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpush_tools.bench.loadgen import DEFAULT_MODES, MODES
-from kvpush_tools.bench.stacks import (
-    BASELINE,
-    Stack,
-    activate,
-    add_stack_arguments,
-    build_stacks,
-    comma_list,
-    run_with_stacks,
-    stack_options,
-    start_stacks,
-    stop_stacks,
-)
+from kvpush_tools.bench.stack_build import BASELINE, build_stacks
+from kvpush_tools.bench.stack_options import add_stack_arguments, comma_list, stack_options
+from kvpush_tools.bench.stacks import Stack, activate, run_with_stacks, start_stacks, stop_stacks
 
 PHASES = ("fresh", "connected", "after_burst")
 GOAL_PCT = 5.0
@@ -180,7 +171,7 @@ def measure(groups: Mapping[str, int], window_s: float, top: int = 4) -> dict[st
 
 def _burst(stack: Stack, n: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
     from kvpush_tools.bench.client import run_load
-    from kvpush_tools.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.words import prompt_words
 
     prompts = [prompt_words(input_len, seed=seed + i) for i in range(n)]
     t0 = time.perf_counter()

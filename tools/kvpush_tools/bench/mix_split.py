@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench import loadgen
+from kvpush_tools.bench import serve_files, serve_summary
 
 Key = tuple[float, str, int]  # (qps, mode, prompt length)
 
@@ -54,8 +54,8 @@ def table(groups: dict[Key, dict[str, list[float]]]) -> list[dict[str, Any]]:
                 "requests": len(v["ttft_ms"]),
                 "median_ttft_ms": med,
                 "median_tpot_ms": tpot,
-                "ttft_vs_kvpush": loadgen.ratio(med, base_med),
-                "tpot_vs_kvpush": loadgen.ratio(tpot, base_tpot),
+                "ttft_vs_kvpush": serve_summary.ratio(med, base_med),
+                "tpot_vs_kvpush": serve_summary.ratio(tpot, base_tpot),
             }
         )
     return rows
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = a.out or a.results
     out.mkdir(parents=True, exist_ok=True)
-    rows = table(split(loadgen.load_results(a.results)))
+    rows = table(split(serve_files.load_results(a.results)))
     (out / "mix_split.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     plot(rows, out / "mix_split.png")
     for r in rows:

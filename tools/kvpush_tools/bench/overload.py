@@ -27,10 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench import loadgen
+from kvpush_tools.bench import loadgen, serve_files
 from kvpush_tools.bench.client import run_load, wait_drained, warm_up
 from kvpush_tools.bench.loadgen import RequestOutput
-from kvpush_tools.bench.stacks import Stack, activate, prompt_token_sources
+from kvpush_tools.bench.server_metrics import prompt_token_sources
+from kvpush_tools.bench.stacks import Stack, activate
 
 HEAVY_INPUT = 3072
 HEAVY_QPS = (1.0, 4.0)
@@ -115,7 +116,7 @@ def measure(outs: Sequence[RequestOutput]) -> dict[str, Any]:
 
 
 def _load(stack: Stack, inp: int, q: float, seed: int, output: int) -> list[RequestOutput]:
-    from kvpush_tools.demo.tiny_model import prompt_words
+    from kvpush_tools.demo.words import prompt_words
 
     arrivals = loadgen.poisson_arrivals(REQUESTS, q, seed)
     prompts = [prompt_words(inp, seed=seed * 1000 + j) for j in range(REQUESTS)]
@@ -163,12 +164,12 @@ def run(args: argparse.Namespace, stacks: dict[str, Stack], out_dir: Path, say: 
                         "recovery_ratio": rec["ttft_p50_ms"] / base if base and rec["ttft_p50_ms"] else None,
                         "stack": stack.info,
                     }
-                    name = f"overload_{mode}_qps{loadgen.fmt_qps(q)}_in{inp}_iter{it}.json"
+                    name = f"overload_{mode}_qps{serve_files.fmt_qps(q)}_in{inp}_iter{it}.json"
                     (out_dir / name).write_text(json.dumps(r, indent=1) + "\n")
                     runs.append(r)
                     stack.pause()
                     say(
-                        f"iter {it} in {inp} qps {loadgen.fmt_qps(q)} {mode}: {heavy['completed']}/{REQUESTS} "
+                        f"iter {it} in {inp} qps {serve_files.fmt_qps(q)} {mode}: {heavy['completed']}/{REQUESTS} "
                         f"completed, failures {heavy['failures']}, TTFT p50 {heavy['ttft_p50_ms']} ms, wasted "
                         f"{wasted:.0f} prefill tokens; recovery TTFT p50 {rec['ttft_p50_ms']} ms (light {base})"
                     )
@@ -180,7 +181,7 @@ def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per (point, mode): runs' completion shares, TTFT medians, failures summed, wasted tokens, recovery."""
     out: dict[str, Any] = {}
     for r in runs:
-        key = f"in{r['input_len']}_qps{loadgen.fmt_qps(r['qps'])}"
+        key = f"in{r['input_len']}_qps{serve_files.fmt_qps(r['qps'])}"
         m = out.setdefault(key, {}).setdefault(
             r["mode"],
             {"completed_share": [], "ttft_p50_ms": [], "ttft_p90_ms": [], "failures": {}, "wasted": [], "rec": []},

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench import loadgen
+from kvpush_tools.bench import serve_files, serve_summary
 from kvpush_tools.bench.loadgen import MODES
 
 COLORS = {"kvpush": "#d62728", "vllm-pull": "#1f77b4", "vllm-push": "#2ca02c", "kvpush-selective": "#9467bd"}
@@ -128,10 +128,10 @@ def plot_metric(aggs: Mapping[str, Agg], metric: str, path: Path, title: str = "
         for i, inp in enumerate(inputs):
             sub = {k: v for k, v in agg.items() if k[0] == inp}
             for other, style in (("vllm-pull", "-"), ("vllm-push", ":")):
-                spreads = {(r["input_len"], r["qps"]): r for r in loadgen.ratio_spread(sub, metric, other)}
+                spreads = {(r["input_len"], r["qps"]): r for r in serve_summary.ratio_spread(sub, metric, other)}
                 pts = [
                     (r["qps"], r[f"kvpush/{other}"], spreads.get((inp, r["qps"])))
-                    for r in loadgen.ratios(sub, f"median_{metric}_ms")
+                    for r in serve_summary.ratios(sub, f"median_{metric}_ms")
                     if r[f"kvpush/{other}"] is not None
                 ]
                 if not pts:
@@ -158,7 +158,7 @@ def plot_metric(aggs: Mapping[str, Agg], metric: str, path: Path, title: str = "
     ax.grid(True, alpha=0.3)
     qps_all = sorted({k[1] for k in every})
     for a in flat[:npanels]:
-        a.set_xticks(qps_all, [loadgen.fmt_qps(q) for q in qps_all])  # the routers' side-by-side shift hidden
+        a.set_xticks(qps_all, [serve_files.fmt_qps(q) for q in qps_all])  # the routers' side-by-side shift hidden
         if len(qps_all) == 1:
             a.set_xlim(qps_all[0] * 0.8, qps_all[0] * 1.2)
     for extra in flat[npanels:]:
@@ -191,29 +191,29 @@ def summary(results: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], str]:
     the kvpush/vllm-pull ratio per iteration with its min..max. With one
     router its rows and ratios are also at the top level, where the seed's
     summary had them."""
-    aggs = {router: loadgen.aggregate(rs) for router, rs in loadgen.split_by_router(results).items()}
+    aggs = {router: serve_summary.aggregate(rs) for router, rs in serve_summary.split_by_router(results).items()}
     doc: dict[str, Any] = {"sweep": _sweep_info(results)}
     if len(aggs) == 1:
-        doc.update(loadgen.summary_json(next(iter(aggs.values()))))
+        doc.update(serve_summary.summary_json(next(iter(aggs.values()))))
     doc["routers"] = {
         router: {
-            **loadgen.summary_json(agg),
-            "spread_median_ttft": loadgen.ratio_spread(agg, "ttft"),
-            "spread_median_tpot": loadgen.ratio_spread(agg, "tpot"),
+            **serve_summary.summary_json(agg),
+            "spread_median_ttft": serve_summary.ratio_spread(agg, "ttft"),
+            "spread_median_tpot": serve_summary.ratio_spread(agg, "tpot"),
         }
         for router, agg in aggs.items()
     }
     blocks = []
     for router, agg in aggs.items():
         head = f"=== behind {ROUTER_LABELS.get(router, router)} ===\n" if len(aggs) > 1 else ""
-        blocks.append(head + loadgen.summary_table(agg) + "\n\n" + loadgen.spread_table(router, agg))
+        blocks.append(head + serve_summary.summary_table(agg) + "\n\n" + serve_summary.spread_table(router, agg))
     return doc, "\n\n".join(blocks)
 
 
 def write_outputs(results: Sequence[Mapping[str, Any]], out_dir: Path, plot: bool = True) -> tuple[str, int]:
     """summary.json, summary.txt and (``plot``) the two figures; returns the
     table and the total number of failed requests."""
-    aggs = {router: loadgen.aggregate(rs) for router, rs in loadgen.split_by_router(results).items()}
+    aggs = {router: serve_summary.aggregate(rs) for router, rs in serve_summary.split_by_router(results).items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     doc, table = summary(results)
     info = doc["sweep"]
@@ -252,9 +252,9 @@ def compact_copy(src: Path, dst: Path) -> int:
     dst.mkdir(parents=True, exist_ok=True)
     total = 0
     for path in sorted(src.glob("*.json")):
-        if loadgen.parse_result_name(path.name) is None:
+        if serve_files.parse_result_name(path.name) is None:
             continue
-        data = loadgen.compact(json.loads(path.read_text()))
+        data = serve_files.compact(json.loads(path.read_text()))
         text = json.dumps(data, separators=(",", ":")) + "\n"
         (dst / path.name).write_text(text)
         total += len(text)
@@ -263,7 +263,7 @@ def compact_copy(src: Path, dst: Path) -> int:
 
 def report(results_dir: Path, plot: bool = True, out_dir: Path | None = None) -> int:
     """Print the summary of ``results_dir`` and write its files; 1 if any request failed."""
-    results = loadgen.load_results(results_dir)
+    results = serve_files.load_results(results_dir)
     if not results:
         print(f"no result files in {results_dir}", file=sys.stderr)
         return 2
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = report(args.results, plot=not args.no_plot, out_dir=args.out)
     if args.compact_to is not None and rc != 2:
         n = compact_copy(args.results, args.compact_to)
-        write_outputs(loadgen.load_results(args.compact_to), args.compact_to, plot=not args.no_plot)
+        write_outputs(serve_files.load_results(args.compact_to), args.compact_to, plot=not args.no_plot)
         print(f"compact copy: {n / 1024:.0f} KiB of run files in {args.compact_to}")
     return rc
 

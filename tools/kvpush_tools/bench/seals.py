@@ -9,7 +9,7 @@ percentile of the per-call times of the rounds are reported. *Warm*: calls back 
 divided by its calls. *Cold*: each call timed alone after a pause and a sweep through 32 MiB, as an engine
 thread woken by a notification meets it (its caches evicted: the costs then are several times a loop's).
 The engine-level cost (whole transfers, sealed or not) is ``kvpush bench transfer --tree`` against a tree
-without seals (docs/benchmarks.md).
+without seals (docs/results.md, section 7).
 
 Writes ``seals.json``.
 """

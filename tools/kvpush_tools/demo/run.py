@@ -25,8 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
-from kvpush_tools.demo.tiny_model import make_tiny_model, prompt_words
+from kvpush_tools.demo.tiny_model import make_tiny_model
+from kvpush_tools.demo.words import prompt_words
 
 MODEL_NAME = "tiny-qwen3"
 P_ENGINE_ID = "kvpush-demo-prefill"
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. from a CI timeout) takes the same clean path as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
 
-    started: list[srv.ServerProcess] = []
+    started: list[launcher.ServerProcess] = []
     t_start = time.monotonic()
     try:
         say(f"creating the tiny model in {args.model_dir} (reused if it exists)")
@@ -269,18 +271,18 @@ def main(argv: list[str] | None = None) -> int:
             check_ports=(plan.d_kv_port,),
             **common,
         )
-        if not srv.port_is_free(plan.router_port):
-            raise srv.ServerError(f"router port {plan.router_port} is already in use (--router-port)")
+        if not launcher.port_is_free(plan.router_port):
+            raise launcher.ServerError(f"router port {plan.router_port} is already in use (--router-port)")
         for s, cpus in ((prefill, p_cpus), (decode, d_cpus)):
             s.start()
             started.append(s)
             say(f"started {s.name} (pid {s.proc.pid if s.proc else '?'}, cores {cpus}) -> {s.url}, log {s.log_path}")
         say("waiting for both servers (about 1-2 minutes on 2 cores)")
-        srv.wait_all_healthy(started, timeout=args.startup_timeout, progress=say)
+        launcher.wait_all_healthy(started, timeout=args.startup_timeout, progress=say)
         failures = asyncio.run(drive(plan, lengths, args.max_tokens, args.concurrent))
         say(f"done in {time.monotonic() - t_start:.0f} s")
         return 1 if failures else 0
-    except srv.ServerError as e:
+    except launcher.ServerError as e:
         print(f"\nERROR: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if started:
             say("stopping servers")
             with contextlib.suppress(KeyboardInterrupt):
-                srv.stop_all(started)
+                launcher.stop_all(started)
             say("all stopped")
 
 
