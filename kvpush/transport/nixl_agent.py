@@ -502,7 +502,7 @@ class Agent:
         """NIXL's prepared descriptor lists over these local buffers and ``peer``'s (rows of address, length,
         device), made once and reused: a WRITE then names their entries by index
         (``prepare_indexed_write``, the same entry of each side) instead of building descriptors per request:
-        ``kvpush_tools.cuda.bench``'s handles posted again. The engine's lists are ``keep_list``'s."""
+        ``kvpush_tools.cuda.p_driver``'s handles posted again. The engine's lists are ``keep_list``'s."""
         mk = self._agent.prep_xfer_dlist
         return mk("NIXL_INIT_AGENT", local, local_mem), mk(peer, remote, remote_mem)
 

@@ -243,7 +243,8 @@ def test_benchmark_runs_on_host_memory(tmp_path: Path, monkeypatch: pytest.Monke
     processes, real NIXL agents, every transfer verified on D. Keeps the benchmark from rotting between
     GPU sessions; says nothing about speed."""
     pytest.importorskip("nixl")
-    from kvpush_tools.cuda.bench import LW_MODES, main
+    from kvpush_tools.cuda.bench import main
+    from kvpush_tools.cuda.options import LW_MODES
 
     smi = tmp_path / "smi.py"
     smi.write_text("import time\nwhile True:\n    print('1410, 500.5, Active', flush=True)\n    time.sleep(0.005)\n")
