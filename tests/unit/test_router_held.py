@@ -1,4 +1,4 @@
-"""The held index (``kvpush.integrations.router.held``): what each instance holds of a prompt, bounded, corrected down."""
+"""The held index (``router.held``): what each instance holds of a prompt, bounded, corrected down."""
 
 from __future__ import annotations
 
