@@ -122,7 +122,9 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     kv_port = launcher.free_port()
     fences = (launcher.free_port(), launcher.free_port())
 
-    def decode(name: str, cpus: str, fence: int, staging_bytes: int | None = None, **policy: str) -> launcher.ServerProcess:
+    def decode(
+        name: str, cpus: str, fence: int, staging_bytes: int | None = None, **policy: str
+    ) -> launcher.ServerProcess:
         extra: dict[str, float] = {"peer_dead_s": PEER_DEAD_S, "quarantine_s": QUARANTINE_S, "fence_port": fence}
         if staging_bytes is not None:
             extra["staging_bytes"] = staging_bytes
