@@ -7,7 +7,7 @@ from typing import Any
 
 from test_router import COMPLETION, cluster, run
 
-from kvpush.integrations.router import Instance, Pool
+from kvpush.integrations.router import Instance, Pool, config_from_args
 from kvpush.integrations.router.multi_turn import MultiTurn
 from kvpush.integrations.router.turns import TurnRoute
 
@@ -114,3 +114,9 @@ def test_without_multi_turn_the_next_turn_goes_through_p() -> None:
             assert c.router.proxy.turns is None
 
     run(go())
+
+
+def test_the_command_line_turns_it_on() -> None:
+    base = ["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://c:1"]
+    assert config_from_args([*base, "--multi-turn"]).multi_turn is True
+    assert config_from_args(base).multi_turn is False
