@@ -19,6 +19,7 @@ the index.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class Turn:
     transferred: float  # D's prompt tokens that came by transfer
     computed: float  # D's prompt tokens computed on D
     p_computed: float  # P's prompt tokens computed on P
+    seconds: float  # the router's answer, whole (MAX_TOKENS tokens): shown, not checked
 
 
 def _d_sources(base: str) -> tuple[float, float, float]:
@@ -68,11 +70,14 @@ def converse(router: str, servers: E2EServers, single: str, seed: int) -> list[T
             prompt = f"{prompt} {turns[-1].text.strip()} {prompt_words(new, seed=seed + k)}"
         body = {"model": servers.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         before, p_before = _d_sources(servers.d), _metric(servers.p, SOURCE, source="local_compute")
+        t0 = time.monotonic()
         text = _post(router + "/v1/completions", body)["choices"][0]["text"]
+        seconds = time.monotonic() - t0
         after, p_after = _d_sources(servers.d), _metric(servers.p, SOURCE, source="local_compute")
         single_text = _post(single + "/v1/completions", body)["choices"][0]["text"]
         delta = [a - b for a, b in zip(after, before, strict=True)]
-        turns.append(Turn(len(prompt.split()), text, single_text, *delta, p_after - p_before))
+        turns.append(Turn(len(prompt.split()), text, single_text, *delta, p_after - p_before, seconds))
+        print(f"{router} turn {k + 1}: {turns[-1]}")
     return turns
 
 
