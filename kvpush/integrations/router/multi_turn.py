@@ -68,7 +68,8 @@ class MultiTurn:
         excluded = {id(i) for i in failed}
         for inst in pool.instances:
             if not inst.healthy:
-                self.index.forget(inst.name)
+                if self.index.entries_of(inst.name):  # once: forgetting walks the whole index
+                    self.index.forget(inst.name)
                 continue
             if id(inst) in excluded:
                 continue
