@@ -146,6 +146,8 @@ class Router:
     async def _pending(self, _req: web.Request) -> web.Response:
         extra = {"selective": self.selector.state()} if self.selector is not None else {}
         proxy = self.proxy
+        if proxy.turns is not None:
+            extra["multi_turn"] = proxy.turns.state()
         return web.json_response(
             {"pending": proxy.pending, "pending_prefill": proxy.prefills.pending, **self._instances_json(), **extra}
         )

@@ -134,6 +134,12 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
         "are learned from the engines' metrics and the router's own timings",
     )
     g.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="know what each D holds of a conversation (from its answers) and serve a turn whose start a D holds "
+        "on that D alone when the rest is short, else through P as before (docs/design.md, Multi-turn)",
+    )
+    g.add_argument(
         "--client-kv-params",
         choices=CLIENT_PARAMS,
         default="reject",
@@ -221,6 +227,7 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             retry_prefill=not a.no_retry,
             client_params=a.client_kv_params,
             selective=a.selective,
+            multi_turn=a.multi_turn,
             max_prefill_queue=a.max_prefill_queue,
             queue_interval=a.queue_interval,
             capability_key=key_set.router_capability_key(a.capability_key or key_set.keys_dir("")),

@@ -37,6 +37,9 @@ class RouterConfig:
     client_params: str = "reject"
     # Serve prompts whose measured transfer cost exceeds their prefill cost on D alone (``selective``).
     selective: bool = False
+    # Multi-turn: serve a prompt whose start a D holds (a conversation's earlier turns) by the turn route
+    # (``turns``): D alone when the rest is short, else today's path (docs/design.md, "Multi-turn").
+    multi_turn: bool = False
     # Backpressure: a request whose least-loaded P already has this many requests queued or running is
     # answered HTTP 503 with the reason and Retry-After at once, instead of queueing behind them (0: no bound).
     max_prefill_queue: int = 0

@@ -27,6 +27,14 @@ ROUTER_METRICS = (
         (),
     ),
     MetricSpec(
+        "kvpush_router_turn_routes_total",
+        "counter",
+        "Multi-turn router: requests whose prompt's start a D holds, by turn route (d_alone: D computes the rest, "
+        "its prefix cache serves the start; today: P prefills and pushes; push_back: P computes the rest, the "
+        "start pushed to it from D).",
+        ("route",),
+    ),
+    MetricSpec(
         "kvpush_router_routes_total",
         "counter",
         "Selective router: requests by route (disaggregate; local, served by D alone; explore, would be local "

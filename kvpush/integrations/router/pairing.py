@@ -53,6 +53,7 @@ from aiohttp import web
 from kvpush.integrations.router.answers import error, unavailable
 from kvpush.integrations.router.config import RouterConfig
 from kvpush.integrations.router.health import HealthChecker
+from kvpush.integrations.router.multi_turn import MultiTurn, TurnPlan
 from kvpush.integrations.router.pool import Instance, Pool
 from kvpush.integrations.router.prefill_tasks import PrefillTasks, race
 from kvpush.integrations.router.requests import (
@@ -67,6 +68,7 @@ from kvpush.integrations.router.requests import (
 )
 from kvpush.integrations.router.selective import Selector
 from kvpush.integrations.router.stream import forward_stream
+from kvpush.integrations.router.turns import TurnRoute
 from kvpush.integrations.router.upstream import UpstreamError, Upstreams, failure_cause, forward_headers, loop_time
 from kvpush.observability.prometheus import TextExposition
 
@@ -109,6 +111,7 @@ class Proxy:
             "overloaded": 0,
         }
         self.selector = Selector() if config.selective else None
+        self.turns = MultiTurn() if config.multi_turn else None
         self._probes: set[asyncio.Task[None]] = set()  # health checks of instances that just failed a request
         self.prefills = PrefillTasks(up, prom, self._suspect, lambda: self.selector is not None)
 
@@ -177,10 +180,18 @@ class Proxy:
         """One P/D pairing (or D alone, when the selector says so) on instances not in ``failed``. Returns
         the client response, or the error that ended it before anything was sent to the client (so a retry
         is safe)."""
-        choice = self.selector.choose(body) if self.selector is not None else None
-        local = choice is not None and choice.local
-        p = None if local else self.prefill.pick(exclude=failed)
-        d = self.decode.pick(exclude=failed)
+        plan = self.turns.plan(body, self.prefill, self.decode, failed, self.selector) if self.turns else None
+        choice = None
+        if plan is not None and plan.held:  # a D holds the prompt's start: the turn route decides
+            local = plan.turn.route is TurnRoute.D_ALONE
+            d: Instance | None = plan.d
+            p = None if local else self._prefill_for(plan, failed)
+            self.prom.inc("kvpush_router_turn_routes_total", route=plan.turn.route.value)
+        else:
+            choice = self.selector.choose(body) if self.selector is not None else None
+            local = choice is not None and choice.local
+            p = None if local else self.prefill.pick(exclude=failed)
+            d = self.decode.pick(exclude=failed)
         if (p is None and not local) or d is None:
             self.counters["unavailable"] += 1
             return unavailable(self.prefill, self.decode, self.cfg.health_interval) or error(
@@ -203,6 +214,8 @@ class Proxy:
                 d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             else:
                 p_task, d_body = await self._start_pair(p, endpoint, body, tid, headers)
+                if plan is not None:
+                    self._learn_prefill(p, p_task, plan)
             # D's response headers (and, non-streamed, its whole body or, streamed,
             # its first chunk) race P: a P failure before then ends the pairing.
             d_resp = await race(p_task, self.up.open_decode(d, endpoint, d_body, headers))
@@ -210,12 +223,16 @@ class Proxy:
                 data = await race(p_task, self.up.read_decode(d, d_resp))
                 self._first_byte(t_start, p_task, body)
                 ok = True
+                if plan is not None and self.turns is not None:
+                    self.turns.served(d, plan, body, data)
                 return web.Response(
                     body=data, status=d_resp.status, content_type=d_resp.content_type, headers={"X-Request-Id": tid}
                 )
             first = await race(p_task, self.up.read_chunk(d, d_resp))
             self._first_byte(t_start, p_task, body)
             out, ok = await forward_stream(req, self.up, d, d_resp, first, tid, self._stream_cut)
+            if ok and plan is not None and self.turns is not None:
+                self.turns.served(d, plan, body, None)
             return out
         except UpstreamError as e:
             e.inst.failures += 1
@@ -223,6 +240,24 @@ class Proxy:
             return e
         finally:
             self._end_attempt(p, p_task, d, d_resp, ok, t_start)
+
+    def _prefill_for(self, plan: TurnPlan, failed: list[Instance]) -> Instance | None:
+        """Today's path for a prompt a D holds the start of: the P holding the most of it (it computes less)
+        unless another has less load, else the least-loaded."""
+        least = self.prefill.pick(exclude=failed)
+        if plan.p is not None and least is not None and plan.p.load <= least.load:
+            return plan.p
+        return least
+
+    def _learn_prefill(self, p: Instance, p_task: asyncio.Task[dict[str, Any]], plan: TurnPlan) -> None:
+        """Once P answered: it holds the prompt (the held index learns it)."""
+        turns = self.turns
+
+        def learn(t: asyncio.Task[dict[str, Any]]) -> None:
+            if turns is not None and not t.cancelled() and t.exception() is None:
+                turns.prefilled(p, plan, t.result())
+
+        p_task.add_done_callback(learn)
 
     def _overloaded(self, p: Instance | None) -> web.Response | None:
         """503 with ``Retry-After`` when the least-loaded P already holds ``max_prefill_queue`` requests.
