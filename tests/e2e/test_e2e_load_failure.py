@@ -256,7 +256,9 @@ def test_a_p_gone_for_good_costs_seconds_not_blocks(trio: Trio) -> None:
         got = _through(new_p, d, trio.body(prompt), tid)
         took = time.monotonic() - started
         assert got["choices"][0]["text"], f"{d.name}: no text through the new P"
-        assert took < 60, f"{d.name}: {took:.1f}s through the new P"
+        # A bound on liveness, not speed: held behind the dead P's withheld blocks it would wait for the fence
+        # (past _post's 300 s); a host at load 30 took 99 s for this first request through a fresh P.
+        assert took < 200, f"{d.name}: {took:.1f}s through the new P"
         print(f"{d.name}: served through the new P (kv {new_kv}) in {took:.1f}s")
     assert _through(new_p, trio.d_recompute, trio.body(prompt_a), "after-again")["choices"][0]["text"] == want_a
     assert all(_usage(b) > 0 for b in bases), "withheld blocks went back before the fence"
