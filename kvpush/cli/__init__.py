@@ -39,6 +39,10 @@ BENCH: dict[str, tuple[str, str]] = {
         "kvpush_tools.bench.post",
         "P's post of a direct WRITE vs its descriptor count: per request, by index, vLLM's way",
     ),
+    "soak": (
+        "kvpush_tools.bench.soak",
+        "a long run through vLLM with client aborts, P and D restarts and a network drop: errors, outputs, memory",
+    ),
 }
 
 

@@ -209,7 +209,10 @@ class ServerProcess:
     def _preexec(self) -> None:
         """In the child (the guard) before exec: get SIGTERM if the launching
         process dies, even by SIGKILL, so a killed test or demo leaves no
-        orphan server; apply the CPU pinning, which all children inherit."""
+        orphan server; apply the CPU pinning, which all children inherit.
+        The kernel ties that signal to the launching *thread*: a server started
+        from a thread that then ends is stopped with it, so start servers from
+        a thread that outlives them."""
         try:
             import ctypes
 
