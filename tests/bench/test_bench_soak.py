@@ -156,6 +156,12 @@ def test_a_clean_run_passes() -> None:
     assert verdict(_summary(), LIMITS) == []
 
 
+def test_memory_is_not_judged_under_an_infinite_limit() -> None:
+    short = _summary(memory__prefill={"error": "no requests ended in the window"})
+    assert verdict(short, Limits(2000, float("inf"), ("d_restart", "p_restart"))) == []
+    assert verdict(short, LIMITS) != []
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [

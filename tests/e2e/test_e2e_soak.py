@@ -7,8 +7,9 @@ every completed text equals the single instance's, every failure falls in a faul
 recovered from, KV usage back to zero after the load. Memory is reported but not judged: a slope over a few
 dozen requests says nothing (the long run judges it, docs/results.md).
 
-Heavy (about ten minutes here: four vLLM starts on two cores), so CI, which runs ``-m "not heavy"``, leaves
-it out; run it on purpose: ``pytest -m heavy tests/e2e/test_e2e_soak.py``.
+Heavy (three minutes on a quiet host, ten beside other jobs: four vLLM starts on two cores), so CI, which
+runs ``-m "not heavy"``, leaves it out; run it on purpose: ``pytest -m heavy tests/e2e/test_e2e_soak.py``.
+A D that never gives back the blocks it withheld for a dead P fails it (KV usage not back to zero).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class Router:
 
     async def _on_startup(self, _app: web.Application) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            connector=aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=self.cfg.upstream_keepalive),
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
         )
         if self.cfg.health_interval > 0:

@@ -16,6 +16,7 @@ from kvpush.integrations.router.app import Router
 from kvpush.integrations.router.config import (
     DEFAULT_HEALTH_TIMEOUT,
     DEFAULT_HEALTH_TIMEOUT_STRIKES,
+    DEFAULT_UPSTREAM_KEEPALIVE,
     RouterConfig,
 )
 from kvpush.integrations.router.dp import dp_engines
@@ -104,6 +105,15 @@ def _instance_args(g: argparse._ArgumentGroup) -> None:
 def _timeout_args(g: argparse._ArgumentGroup) -> None:
     """How long the router waits on an instance, and when it stops sending to one."""
     g.add_argument("--connect-timeout", type=float, default=5.0)
+    g.add_argument(
+        "--upstream-keepalive",
+        type=float,
+        default=DEFAULT_UPSTREAM_KEEPALIVE,
+        metavar="SECONDS",
+        help="how long an idle connection to P or D is kept for reuse; keep it below the servers' own keep-alive "
+        "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), or a request sent as a server closes one fails "
+        f"(default {DEFAULT_UPSTREAM_KEEPALIVE:g})",
+    )
     g.add_argument("--prefill-timeout", type=float, default=600.0, help="seconds for P's whole answer")
     g.add_argument("--decode-timeout", type=float, default=600.0, help="longest silence from D (seconds)")
     g.add_argument("--health-interval", type=float, default=5.0, help="seconds between /health checks (0: off)")
@@ -230,6 +240,7 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             multi_turn=a.multi_turn,
             max_prefill_queue=a.max_prefill_queue,
             queue_interval=a.queue_interval,
+            upstream_keepalive=a.upstream_keepalive,
             capability_key=key_set.router_capability_key(a.capability_key or key_set.keys_dir("")),
         )
     except (ValueError, ConfigError) as e:

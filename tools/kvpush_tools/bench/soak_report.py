@@ -136,6 +136,7 @@ def plot(out: Path, summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> 
     twin = axes[1].twinx()
     twin.plot(mins, quarantined, color="tab:red", lw=1, ls=":", label="decode: withheld blocks")
     twin.set_ylabel("withheld blocks")
+    twin.set_ylim(0, max([1.0, *(q for q in quarantined if q is not None)]) * 1.1)
     axes[2].plot(mins, [r["ended"] for r in rows], color="k", lw=1)
     axes[0].set_ylabel("RSS of the process tree (MB)")
     axes[1].set_ylabel("vLLM KV-cache usage (%)")

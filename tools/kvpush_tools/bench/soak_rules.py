@@ -163,7 +163,8 @@ def verdict(summary: dict[str, Any], limits: Limits) -> list[str]:
 
     Conditions: at least ``requests`` requests sent; no unexplained failure; no output that differs from
     the single instance's; every fault recovered, with a request served after it; each server's memory slope
-    over its window at most ``max_slope_mb_per_1k``; KV usage (and D's withheld blocks) back to zero on P and
+    over its window at most ``max_slope_mb_per_1k`` (not judged when that is infinite: a run too short for a
+    slope to mean anything); KV usage (and D's withheld blocks) back to zero on P and
     D after the load stopped."""
     bad: list[str] = []
     c = summary["counts"]
@@ -182,7 +183,10 @@ def verdict(summary: dict[str, Any], limits: Limits) -> list[str]:
             bad.append(f"fault {name}: the stack never served again")
         elif not f.get("served_after"):
             bad.append(f"fault {name}: no request completed after the recovery")
+    judged = limits.max_slope_mb_per_1k != float("inf")  # inf: memory reported, not judged (a short run)
     for side, m in summary["memory"].items():
+        if not judged:
+            continue
         if "error" in m:
             bad.append(f"memory {side}: {m['error']}")
         elif m["mb_per_1k_requests"] > limits.max_slope_mb_per_1k:

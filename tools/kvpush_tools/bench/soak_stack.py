@@ -41,8 +41,10 @@ START_S = 900.0
 class SoakStack:
     """The servers by role (``single``, ``prefill``, ``decode``, ``router``), their fixed addresses, restarts."""
 
-    def __init__(self, model: str, logs: Path, link: Link | None, say: Say) -> None:
+    def __init__(self, model: str, logs: Path, link: Link | None, say: Say, env: dict[str, str] | None = None) -> None:
         self.model, self.logs, self.link, self.say = model, logs, link, say
+        self.env = dict(env or {})
+        """More environment for every vLLM server (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``: the soak's module)."""
         self.keys = srv.temp_keys()
         self.p_host = P_ADDR if link is not None else "127.0.0.1"
         self.p_http, self.p_kv, self.d_http, self.d_fence, self.r_http, self.s_http = (
@@ -75,6 +77,7 @@ class SoakStack:
                 self.s_http,
                 log_dir=self.logs,
                 cpus=self.cpus[role],
+                env=self.env,
                 extra_args=self.kv_cache,
                 fast_start=True,
             )
@@ -90,7 +93,7 @@ class SoakStack:
                 log_dir=self.logs,
                 cpus=self.cpus[role],
                 kv_transfer_config=cfg,
-                env=ucx_env(P_DEV) if self.link else {},
+                env={**self.env, **(ucx_env(P_DEV) if self.link else {})},
                 extra_args=(*NO_PREFIX_CACHE, *self.kv_cache),
                 fast_start=True,
             )
@@ -109,7 +112,7 @@ class SoakStack:
                 log_dir=self.logs,
                 cpus=self.cpus[role],
                 kv_transfer_config=cfg,
-                env=ucx_env(A_DEV) if self.link else {},
+                env={**self.env, **(ucx_env(A_DEV) if self.link else {})},
                 extra_args=(*NO_PREFIX_CACHE, *self.kv_cache),
                 check_ports=(self.d_fence,),
                 fast_start=True,
