@@ -88,6 +88,11 @@ class Polling(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     flight are polled: device markers are waited for by a helper thread that drops the GIL (a poll takes
     it from the forward's launches), and D polls this fast only for transfers P said it is writing
     (``Posting``), others every millisecond. Measurements: docs/cuda.md, "Engine defaults"."""
+    switch_interval_ms: Annotated[float, msgspec.Meta(gt=0, le=100)] | None = None
+    """Python's switch interval (``sys.setswitchinterval``) in the engine process that runs kvpush's worker
+    threads. A thread woken to post a push's next part waits for the GIL until the engine's loop gives it up,
+    at most this long each time: with Python's 5 ms a push in many parts pays that per part (docs/results.md,
+    staging in rounds). None: leave the process's as it is."""
 
 
 class Staging(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -55,6 +55,7 @@ def test_every_field_is_settable_and_round_trips() -> None:
         "part_cost_us": 50.0,
         "peer_copy": True,
         "busy_poll_max_s": 1e-4,
+        "switch_interval_ms": 0.5,
         "layerwise": True,
         "layerwise_min_tokens": 0,
         "layerwise_min_part_bytes": 0,

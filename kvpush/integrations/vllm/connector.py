@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -202,6 +203,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
         ktc = vllm_config.kv_transfer_config
+        interval_ms = self.cfg.polling.switch_interval_ms
+        if interval_ms is not None:
+            sys.setswitchinterval(interval_ms / 1e3)
+            log.info("kvpush: Python's switch interval set to %g ms in this engine process", interval_ms)
         name, options, self._neuron = platform_backend(self.cfg)
         self.worker = WorkerSide(
             self.cfg,
