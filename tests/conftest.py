@@ -17,7 +17,12 @@ import pytest
 from e2e_cluster import AnnouncingPair, E2EServers
 from procs import Node
 
-from kvpush_tools.demo import launcher
+from kvpush_tools.demo import launcher, servers
+
+# Every vLLM server a test starts holds 256 MiB of KV cache, not vLLM-CPU's whole GiB: the tests' prompts need a
+# few thousand tokens (65k fit), and CI runs an e2e stream beside other lanes' tests (.ci/test), which a GiB
+# per server does not leave memory for. A value set outside (a larger one to debug) wins.
+os.environ.setdefault(servers.KV_CACHE_BYTES_ENV, str(256 << 20))
 
 SINGLE = "e2e_single"
 ANNOUNCING = "e2e_announcing"

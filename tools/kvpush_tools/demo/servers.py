@@ -49,6 +49,12 @@ VLLM_CPU_ENV: dict[str, str] = {
     "VLLM_LOGGING_LEVEL": "INFO",
     "PYTHONUNBUFFERED": "1",
 }
+KV_CACHE_BYTES_ENV = "KVPUSH_VLLM_KV_CACHE_BYTES"
+"""Where set, every server :func:`vllm_server` starts gets that many bytes of KV cache
+(``--kv-cache-memory-bytes``) instead of ``VLLM_CPU_KVCACHE_SPACE``'s whole GiB, unless its arguments name a
+size already. A vLLM-CPU server holds its whole KV cache in memory and refuses to start when it does not
+fit, so the test suite sets this to run two end-to-end streams side by side in 24 GiB (docs/compat.md,
+"CI time")."""
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_DTYPE = "float32"
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -133,6 +139,11 @@ def vllm_server(
     cmd = vllm_command(
         model, port, host=host, kv_transfer_config=kv_transfer_config, extra_args=extra_args, **command_kw
     )
+    kv_bytes = os.environ.get(KV_CACHE_BYTES_ENV, "").strip()
+    if kv_bytes and "--kv-cache-memory-bytes" not in cmd:
+        # The legacy variable wins over the flag in vLLM-CPU, so it must not reach the server at all.
+        server_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        cmd = ["env", "-u", "VLLM_CPU_KVCACHE_SPACE", *cmd, "--kv-cache-memory-bytes", kv_bytes]
     return ServerProcess(
         name=name,
         cmd=cmd,
