@@ -27,7 +27,9 @@ def test_the_size_reaches_every_server_and_the_legacy_variable_does_not(
         assert "VLLM_CPU_KVCACHE_SPACE" not in s.env
 
 
-def test_a_size_the_caller_names_is_kept_and_unset_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_size_the_caller_names_is_kept_and_unset_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(servers.KV_CACHE_BYTES_ENV, str(256 << 20))
     s = _server(tmp_path, extra_args=["--kv-cache-memory-bytes", "1000"])
     assert s.cmd.count("--kv-cache-memory-bytes") == 1 and s.cmd[-1] == "1000" and s.cmd[0] != "env"
