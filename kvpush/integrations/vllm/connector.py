@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +55,7 @@ from kvpush.integrations.vllm.orders import StepOrders
 from kvpush.integrations.vllm.scheduler_inputs import drop_prompt_tail, scheduled_chunks, skips_external_kv
 from kvpush.integrations.vllm.scheduler_side import SchedulerSide
 from kvpush.integrations.vllm.startup import (
+    apply_switch_interval,
     attention_backends,
     layerwise_on,
     platform_backend,
@@ -203,10 +203,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
         ktc = vllm_config.kv_transfer_config
-        interval_ms = self.cfg.polling.switch_interval_ms
-        if interval_ms is not None:
-            sys.setswitchinterval(interval_ms / 1e3)
-            log.info("kvpush: Python's switch interval set to %g ms in this engine process", interval_ms)
+        apply_switch_interval(self.cfg)
         name, options, self._neuron = platform_backend(self.cfg)
         self.worker = WorkerSide(
             self.cfg,

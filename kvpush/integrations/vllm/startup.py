@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from kvpush.config import Config
@@ -46,6 +47,18 @@ def share_vllm_logging() -> None:
             ours.addHandler(h)
         ours.setLevel(theirs.level or logging.INFO)
     ours.propagate = False
+
+
+def apply_switch_interval(cfg: Config) -> float | None:
+    """Set Python's switch interval in this (the engine's) process to ``polling.switch_interval_ms``, if set;
+    returns the interval now in force, in seconds (None: left as it was). A worker thread woken for a push's
+    next step waits for the GIL while the engine loop holds it, up to this interval each time."""
+    interval_ms = cfg.polling.switch_interval_ms
+    if interval_ms is None:
+        return None
+    sys.setswitchinterval(interval_ms / 1e3)
+    log.info("kvpush: Python's switch interval set to %g ms in this engine process", interval_ms)
+    return sys.getswitchinterval()
 
 
 def platform_backend(cfg: Config) -> tuple[str, dict[str, Any], Any]:
