@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
+MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective", "kvpush-multi-turn")
 DEFAULT_MODES = MODES[:3]
-"""What a sweep compares unless told otherwise: the connectors (``kvpush-selective`` differs only in its router)."""
+"""What a sweep compares unless told otherwise: the connectors (``kvpush-selective`` and ``kvpush-multi-turn``
+differ only in their router: ``--selective``, ``--multi-turn``)."""
 ROUTERS = ("kvpush", "vllm-router")
 """The routers a sweep can put in front of a pair: kvpush's own (``kvpush router``) and the vLLM project's
 ``vllm-router`` (Rust, from PyPI) in its vLLM P/D mode."""
@@ -138,6 +139,7 @@ class RequestOutput:
     output_tokens: int = 0
     start_time: float = 0.0
     error: str = ""
+    text: str = ""  # the answer's text (a conversation's next turn resends it); not in the result files
 
     @property
     def tpot(self) -> float | None:

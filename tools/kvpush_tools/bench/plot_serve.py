@@ -37,12 +37,19 @@ from typing import Any
 from kvpush_tools.bench import serve_files, serve_summary
 from kvpush_tools.bench.loadgen import MODES
 
-COLORS = {"kvpush": "#d62728", "vllm-pull": "#1f77b4", "vllm-push": "#2ca02c", "kvpush-selective": "#9467bd"}
+COLORS = {
+    "kvpush": "#d62728",
+    "vllm-pull": "#1f77b4",
+    "vllm-push": "#2ca02c",
+    "kvpush-selective": "#9467bd",
+    "kvpush-multi-turn": "#ff7f0e",
+}
 LABELS = {
     "kvpush": "kvpush (push)",
     "vllm-pull": "vLLM NixlConnector (pull)",
     "vllm-push": "vLLM NixlPushConnector",
     "kvpush-selective": "kvpush, selective router",
+    "kvpush-multi-turn": "kvpush, --multi-turn router",
 }
 Agg = Mapping[tuple[int, float, str], Mapping[str, Any]]
 
