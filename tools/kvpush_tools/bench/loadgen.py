@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective", "kvpush-multi-turn")
+MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective", "kvpush-multi-turn", "kvpush-multi-turn-i0")
 DEFAULT_MODES = MODES[:3]
-"""What a sweep compares unless told otherwise: the connectors (``kvpush-selective`` and ``kvpush-multi-turn``
-differ only in their router: ``--selective``, ``--multi-turn``)."""
+"""What a sweep compares unless told otherwise: the connectors (``kvpush-selective``, ``kvpush-multi-turn`` and
+``kvpush-multi-turn-i0`` differ only in their router: ``--selective``, ``--multi-turn``, ``--multi-turn
+--turn-interference 0``)."""
 ROUTERS = ("kvpush", "vllm-router")
 """The routers a sweep can put in front of a pair: kvpush's own (``kvpush router``) and the vLLM project's
 ``vllm-router`` (Rust, from PyPI) in its vLLM P/D mode."""

@@ -43,6 +43,7 @@ COLORS = {
     "vllm-push": "#2ca02c",
     "kvpush-selective": "#9467bd",
     "kvpush-multi-turn": "#ff7f0e",
+    "kvpush-multi-turn-i0": "#8c564b",
 }
 LABELS = {
     "kvpush": "kvpush (push)",
@@ -50,6 +51,7 @@ LABELS = {
     "vllm-push": "vLLM NixlPushConnector",
     "kvpush-selective": "kvpush, selective router",
     "kvpush-multi-turn": "kvpush, --multi-turn router",
+    "kvpush-multi-turn-i0": "kvpush, --multi-turn --turn-interference 0",
 }
 Agg = Mapping[tuple[int, float, str], Mapping[str, Any]]
 

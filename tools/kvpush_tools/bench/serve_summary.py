@@ -145,6 +145,7 @@ def summary_table(agg: Mapping[tuple[int, float, str], Mapping[str, Any]], modes
         "vllm-push": "push",
         "kvpush-selective": "select",
         "kvpush-multi-turn": "multi",
+        "kvpush-multi-turn-i0": "multi0",
     }
     head1 = f"{'in':>5} {'qps':>4} | " + " ".join(f"{short[m]:>7}" for m in modes)
     head = (

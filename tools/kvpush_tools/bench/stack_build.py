@@ -21,11 +21,16 @@ from kvpush_tools.bench.stacks import Stack
 from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
 
-MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective", "kvpush-multi-turn")
-KVPUSH_MODES = ("kvpush", "kvpush-selective", "kvpush-multi-turn")
-"""Modes whose servers run kvpush (they differ only in the router: ``--selective``, ``--multi-turn``)."""
-ROUTER_FLAGS = {"kvpush-selective": "--selective", "kvpush-multi-turn": "--multi-turn"}
-SHARES_KVPUSH_PAIR = ("kvpush-multi-turn",)
+MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective", "kvpush-multi-turn", "kvpush-multi-turn-i0")
+KVPUSH_MODES = ("kvpush", "kvpush-selective", "kvpush-multi-turn", "kvpush-multi-turn-i0")
+"""Modes whose servers run kvpush (they differ only in the router's flags, :data:`ROUTER_FLAGS`)."""
+ROUTER_FLAGS: dict[str, tuple[str, ...]] = {
+    "kvpush-selective": ("--selective",),
+    "kvpush-multi-turn": ("--multi-turn",),
+    # The turn route with D's prefill counted once: D alone wherever it holds the start (an experiment).
+    "kvpush-multi-turn-i0": ("--multi-turn", "--turn-interference", "0"),
+}
+SHARES_KVPUSH_PAIR = ("kvpush-multi-turn", "kvpush-multi-turn-i0")
 """Router-only modes that run on ``kvpush``'s P and D when both are in one run (:func:`beside`)."""
 BASELINE = "none"  # plain vLLM servers, no KV connector: what an idle server costs anyway
 MODEL_NAME = "tiny-qwen3"
@@ -60,8 +65,7 @@ def connector_configs(
 def router_args(mode: str, p_url: str, d_url: str, p_kv_port: int, engine_id: str) -> list[str]:
     """The router's command line for one stack (what ``kvpush router`` takes)."""
     args = ["--mode", "kvpush" if mode in KVPUSH_MODES else mode, "--prefill", p_url]
-    if mode in ROUTER_FLAGS:
-        args.append(ROUTER_FLAGS[mode])
+    args += ROUTER_FLAGS.get(mode, ())
     if mode != "vllm-pull":
         args += ["--prefill-kv", f"127.0.0.1:{p_kv_port}"]
     if mode == "vllm-push":
@@ -237,7 +241,7 @@ def beside(base: Stack, mode: str, log_dir: Path) -> Stack:
         raise ValueError(f"{mode}: shares a kvpush stack with its own P and D, not {base.mode!r}")
     if mode not in SHARES_KVPUSH_PAIR:
         raise ValueError(f"{mode} does not share kvpush's pair (only {', '.join(SHARES_KVPUSH_PAIR)})")
-    rargs = [*base.info["router_args"], ROUTER_FLAGS[mode]]
+    rargs = [*base.info["router_args"], *ROUTER_FLAGS[mode]]
     keys = base.info["prefill_kv_transfer_config"]["kv_connector_extra_config"]["auth_keys_dir"]
     logs = Path(log_dir) / mode
     router = srv.router_server(rargs, launcher.free_port(), log_dir=logs, keys=keys)
