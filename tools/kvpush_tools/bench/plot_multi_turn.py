@@ -10,6 +10,7 @@ from typing import Any
 COLORS = {
     "kvpush": "#d62728",
     "kvpush-multi-turn": "#ff7f0e",
+    "kvpush-multi-turn-i0": "#8c564b",
     "vllm-pull": "#1f77b4",
     "vllm-push": "#2ca02c",
     "kvpush-selective": "#9467bd",
@@ -49,6 +50,7 @@ def plot(summary: Mapping[str, Any], path: Path) -> Path:
             else:
                 ax.set_ylabel("median TPOT (ms)")
                 ax.set_xlabel("turn")
+                ax.set_xticks(sorted({r["turn"] for r in rows}))
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
