@@ -120,3 +120,22 @@ def test_the_command_line_turns_it_on() -> None:
     base = ["--prefill=http://a:1", "--prefill-kv=h:1", "--decode=http://c:1"]
     assert config_from_args([*base, "--multi-turn"]).multi_turn is True
     assert config_from_args(base).multi_turn is False
+    assert config_from_args([*base, "--multi-turn", "--turn-interference", "0"]).turn_interference == 0.0
+    assert config_from_args(base).turn_interference == 1.0
+
+
+def test_turn_interference_reaches_the_route() -> None:
+    """With ``--turn-interference 0`` a long new message goes to the holding D alone (D's prefill no longer
+    counts twice); with the default it goes through P, as the test above shows."""
+
+    async def go() -> None:
+        async with cluster(multi_turn=True, turn_interference=0.0) as c:
+            c.d[0].delay = 0.2  # P answers first: its token count teaches the index
+            assert (await c.post("/v1/completions", {**COMPLETION, "prompt": TURN1}))[0] == 200
+            long = {**COMPLETION, "prompt": TURN1 + "decoded" + " z" * 3000}
+            assert (await c.post("/v1/completions", long))[0] == 200
+            assert len(c.p[0].seen) == 1  # P was not asked for the long turn
+            _, pending = await c.get_json("/kvpush/pending")
+            assert pending["multi_turn"]["routes"]["d_alone"] == 1
+
+    run(go())

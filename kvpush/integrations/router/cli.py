@@ -22,6 +22,7 @@ from kvpush.integrations.router.config import (
 from kvpush.integrations.router.dp import dp_engines
 from kvpush.integrations.router.pool import Instance
 from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
+from kvpush.integrations.router.turns import DEFAULT_INTERFERENCE
 from kvpush.transport import key_set
 
 log = logging.getLogger("kvpush.router")
@@ -150,6 +151,15 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
         "on that D alone when the rest is short, else through P as before (docs/design.md, Multi-turn)",
     )
     g.add_argument(
+        "--turn-interference",
+        type=float,
+        default=DEFAULT_INTERFERENCE,
+        metavar="X",
+        help="with --multi-turn: how many more times D's prefill seconds count against moving the prompt through "
+        f"P, for the decodes D's prefill stalls (default {DEFAULT_INTERFERENCE:g}; 0: D alone whenever it is "
+        "the cheaper compute)",
+    )
+    g.add_argument(
         "--client-kv-params",
         choices=CLIENT_PARAMS,
         default="reject",
@@ -238,6 +248,7 @@ def _config(ap: argparse.ArgumentParser, a: argparse.Namespace) -> RouterConfig:
             client_params=a.client_kv_params,
             selective=a.selective,
             multi_turn=a.multi_turn,
+            turn_interference=a.turn_interference,
             max_prefill_queue=a.max_prefill_queue,
             queue_interval=a.queue_interval,
             upstream_keepalive=a.upstream_keepalive,

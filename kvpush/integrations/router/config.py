@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvpush.integrations.router.pool import Instance
 from kvpush.integrations.router.requests import CLIENT_PARAMS, MODES
+from kvpush.integrations.router.turns import DEFAULT_INTERFERENCE
 
 DEFAULT_HEALTH_TIMEOUT = 5.0
 DEFAULT_HEALTH_TIMEOUT_STRIKES = 3
@@ -45,6 +46,8 @@ class RouterConfig:
     # Multi-turn: serve a prompt whose start a D holds (a conversation's earlier turns) by the turn route
     # (``turns``): D alone when the rest is short, else today's path (docs/design.md, "Multi-turn").
     multi_turn: bool = False
+    # How many more times D's prefill seconds count in the turn route, for the decodes they stall (``turns``).
+    turn_interference: float = DEFAULT_INTERFERENCE
     # Backpressure: a request whose least-loaded P already has this many requests queued or running is
     # answered HTTP 503 with the reason and Retry-After at once, instead of queueing behind them (0: no bound).
     max_prefill_queue: int = 0
@@ -66,6 +69,8 @@ class RouterConfig:
             raise ValueError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")
         if self.client_params not in CLIENT_PARAMS:
             raise ValueError(f"client_params must be one of {CLIENT_PARAMS}, got {self.client_params!r}")
+        if not 0 <= self.turn_interference < float("inf"):
+            raise ValueError(f"turn_interference must be a finite number >= 0, got {self.turn_interference}")
         if self.max_prefill_queue < 0:
             raise ValueError(f"max_prefill_queue must be >= 0 (0: no bound), got {self.max_prefill_queue}")
         if not self.upstream_keepalive > 0:

@@ -68,7 +68,7 @@ from kvpush.integrations.router.requests import (
 )
 from kvpush.integrations.router.selective import Selector
 from kvpush.integrations.router.stream import forward_stream
-from kvpush.integrations.router.turns import TurnRoute
+from kvpush.integrations.router.turns import TurnCosts, TurnRoute
 from kvpush.integrations.router.upstream import UpstreamError, Upstreams, failure_cause, forward_headers, loop_time
 from kvpush.observability.prometheus import TextExposition
 
@@ -111,7 +111,8 @@ class Proxy:
             "overloaded": 0,
         }
         self.selector = Selector() if config.selective else None
-        self.turns = MultiTurn() if config.multi_turn else None
+        costs = TurnCosts(interference=config.turn_interference)
+        self.turns = MultiTurn(costs=costs) if config.multi_turn else None
         self._probes: set[asyncio.Task[None]] = set()  # health checks of instances that just failed a request
         self.prefills = PrefillTasks(up, prom, self._suspect, lambda: self.selector is not None)
 

@@ -58,6 +58,7 @@ async def send_one(session: Any, url: str, body: dict[str, Any], prompt_len: int
                         continue
                     msg = json.loads(data)
                     if msg.get("choices"):
+                        out.text += str(msg["choices"][0].get("text") or "")
                         now = time.perf_counter()
                         if first:
                             out.ttft = now - st

@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
+MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective", "kvpush-multi-turn", "kvpush-multi-turn-i0")
 DEFAULT_MODES = MODES[:3]
-"""What a sweep compares unless told otherwise: the connectors (``kvpush-selective`` differs only in its router)."""
+"""What a sweep compares unless told otherwise: the connectors (``kvpush-selective``, ``kvpush-multi-turn`` and
+``kvpush-multi-turn-i0`` differ only in their router: ``--selective``, ``--multi-turn``, ``--multi-turn
+--turn-interference 0``)."""
 ROUTERS = ("kvpush", "vllm-router")
 """The routers a sweep can put in front of a pair: kvpush's own (``kvpush router``) and the vLLM project's
 ``vllm-router`` (Rust, from PyPI) in its vLLM P/D mode."""
@@ -138,6 +140,7 @@ class RequestOutput:
     output_tokens: int = 0
     start_time: float = 0.0
     error: str = ""
+    text: str = ""  # the answer's text (a conversation's next turn resends it); not in the result files
 
     @property
     def tpot(self) -> float | None:

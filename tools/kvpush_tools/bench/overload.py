@@ -44,10 +44,11 @@ KVPUSH_ROUTER_ARGS = "--max-prefill-queue 8"
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--profile",
-        choices=("sweep", "overload"),
+        choices=("sweep", "overload", "multi-turn"),
         default="sweep",
         help="sweep: TTFT/TPOT per point (default); overload: completion share, failures by cause, wasted "
-        "prefills and recovery with a P slowed to about half the offered load",
+        "prefills and recovery with a P slowed to about half the offered load; multi-turn: conversations, "
+        "TTFT per turn (kvpush_tools.bench.multi_turn)",
     )
     ap.add_argument(
         "--overload-prefill-args",

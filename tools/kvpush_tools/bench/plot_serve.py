@@ -37,12 +37,21 @@ from typing import Any
 from kvpush_tools.bench import serve_files, serve_summary
 from kvpush_tools.bench.loadgen import MODES
 
-COLORS = {"kvpush": "#d62728", "vllm-pull": "#1f77b4", "vllm-push": "#2ca02c", "kvpush-selective": "#9467bd"}
+COLORS = {
+    "kvpush": "#d62728",
+    "vllm-pull": "#1f77b4",
+    "vllm-push": "#2ca02c",
+    "kvpush-selective": "#9467bd",
+    "kvpush-multi-turn": "#ff7f0e",
+    "kvpush-multi-turn-i0": "#8c564b",
+}
 LABELS = {
     "kvpush": "kvpush (push)",
     "vllm-pull": "vLLM NixlConnector (pull)",
     "vllm-push": "vLLM NixlPushConnector",
     "kvpush-selective": "kvpush, selective router",
+    "kvpush-multi-turn": "kvpush, --multi-turn router",
+    "kvpush-multi-turn-i0": "kvpush, --multi-turn --turn-interference 0",
 }
 Agg = Mapping[tuple[int, float, str], Mapping[str, Any]]
 

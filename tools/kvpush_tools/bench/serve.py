@@ -41,6 +41,7 @@ Examples::
     kvpush bench serve --inputs 1024 --qps 1,2 --iterations 3
     kvpush bench serve --modes kvpush,vllm-pull --routers kvpush,vllm-router --inputs 1024 --qps 1
     kvpush bench serve --attach kvpush=http://127.0.0.1:8000 --modes kvpush
+    kvpush bench serve --profile multi-turn --turn-tokens 1024,4096 --turns 4 --conversations 3
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush_tools.bench import overload, serve_summary
+from kvpush_tools.bench import multi_turn, overload, serve_summary
 from kvpush_tools.bench.loadgen import DEFAULT_MODES, DEFAULT_ROUTER, MODES, ROUTERS
 from kvpush_tools.bench.serve_summary import Cell
 from kvpush_tools.bench.serve_sweep import parse_mix, run_sweep, say
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     overload.add_arguments(ap)
+    multi_turn.add_arguments(ap)
     return ap
 
 
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     named_modes = args.modes is not None
     args.modes = comma_list(args.modes) if named_modes else list(DEFAULT_MODES)
+    if args.profile == "multi-turn":
+        multi_turn.apply_profile(args, parser.parse_args([]), named_modes)
     args.routers = comma_list(args.routers)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
@@ -199,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         args.inputs, args.qps, args.iterations = [1024], [1.0], 1
         args.min_requests = args.max_requests = 6
     opts = stack_options(args)
+    if args.profile == "multi-turn":
+        env = {} if args.onednn_cache < 0 else {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(args.onednn_cache)}
+        opts = stack_options(args, prefix_caching=True, max_model_len=args.max_model_len, server_env=env)
     if args.profile == "overload":
         overload.apply_profile(args, parser.parse_args([]))
         opts = stack_options(
@@ -214,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     def make_model() -> Path:
         from kvpush_tools.demo.tiny_model import make_tiny_model
 
+        if args.profile == "multi-turn":
+            return multi_turn.make_model(args.model_dir)
         return make_tiny_model(args.model_dir)
 
     try:
@@ -222,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
 
-    def run() -> None:
+    def run() -> int | None:
         t0 = time.monotonic()
         start_stacks(list(stacks.values()), say, timeout=args.startup_timeout)
         say(f"all stacks healthy after {time.monotonic() - t0:.0f} s")
@@ -233,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                     "modes": args.modes,
                     "routers": args.routers,
                     "cells": [list(c) for c in stacks],
+                    "profile": args.profile,
+                    "multi_turn": {
+                        k: getattr(args, k)
+                        for k in ("turns", "turn_tokens", "first_tokens", "conversations", "stagger", "think")
+                    }
+                    if args.profile == "multi-turn"
+                    else None,
                     "inputs": args.inputs,
                     "mix": args.mix,
                     "qps": args.qps,
@@ -249,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             + "\n"
         )
         t1 = time.monotonic()
+        if args.profile == "multi-turn":
+            rc = multi_turn.run(args, stacks, out_dir, say)
+            say(f"multi-turn done in {(time.monotonic() - t1) / 60:.1f} min")
+            return rc
         if args.profile == "overload":
             overload.run(args, {c.mode: s for c, s in stacks.items()}, out_dir, say)
             return
@@ -256,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"sweep done in {(time.monotonic() - t1) / 60:.1f} min")
 
     rc = run_with_stacks(stacks, run, say)
-    if rc or args.profile == "overload":
+    if rc or args.profile != "sweep":
         return rc
     from kvpush_tools.bench import plot_serve
 

@@ -126,6 +126,8 @@ def ratios(
         )
         if selective:
             rows[-1]["kvpush-selective/kvpush"] = ratio(get("kvpush-selective"), get("kvpush"))
+        if any(k[2] == "kvpush-multi-turn" for k in agg):
+            rows[-1]["kvpush-multi-turn/kvpush"] = ratio(get("kvpush-multi-turn"), get("kvpush"))
     return rows
 
 
@@ -137,7 +139,14 @@ def _f(x: float | None, spec: str = "7.0f") -> str:
 def summary_table(agg: Mapping[tuple[int, float, str], Mapping[str, Any]], modes: Sequence[str] = MODES) -> str:
     """The end-of-sweep table: medians per mode, ratios, p90/p99 TTFT and failures per point."""
     modes = [m for m in modes if any(k[2] == m for k in agg)]
-    short = {"kvpush": "kvpush", "vllm-pull": "pull", "vllm-push": "push", "kvpush-selective": "select"}
+    short = {
+        "kvpush": "kvpush",
+        "vllm-pull": "pull",
+        "vllm-push": "push",
+        "kvpush-selective": "select",
+        "kvpush-multi-turn": "multi",
+        "kvpush-multi-turn-i0": "multi0",
+    }
     head1 = f"{'in':>5} {'qps':>4} | " + " ".join(f"{short[m]:>7}" for m in modes)
     head = (
         head1

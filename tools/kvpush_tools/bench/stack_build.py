@@ -21,9 +21,17 @@ from kvpush_tools.bench.stacks import Stack
 from kvpush_tools.demo import launcher
 from kvpush_tools.demo import servers as srv
 
-MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective")
-KVPUSH_MODES = ("kvpush", "kvpush-selective")
-"""Modes whose servers run kvpush (they differ only in the router: ``--selective``)."""
+MODES = ("kvpush", "vllm-pull", "vllm-push", "kvpush-selective", "kvpush-multi-turn", "kvpush-multi-turn-i0")
+KVPUSH_MODES = ("kvpush", "kvpush-selective", "kvpush-multi-turn", "kvpush-multi-turn-i0")
+"""Modes whose servers run kvpush (they differ only in the router's flags, :data:`ROUTER_FLAGS`)."""
+ROUTER_FLAGS: dict[str, tuple[str, ...]] = {
+    "kvpush-selective": ("--selective",),
+    "kvpush-multi-turn": ("--multi-turn",),
+    # The turn route with D's prefill counted once: D alone wherever it holds the start (an experiment).
+    "kvpush-multi-turn-i0": ("--multi-turn", "--turn-interference", "0"),
+}
+SHARES_KVPUSH_PAIR = ("kvpush-multi-turn", "kvpush-multi-turn-i0")
+"""Router-only modes that run on ``kvpush``'s P and D when both are in one run (:func:`beside`)."""
 BASELINE = "none"  # plain vLLM servers, no KV connector: what an idle server costs anyway
 MODEL_NAME = "tiny-qwen3"
 ABLATION_DIR = Path(__file__).resolve().parent / "ablation_no_prog_thread"
@@ -57,8 +65,7 @@ def connector_configs(
 def router_args(mode: str, p_url: str, d_url: str, p_kv_port: int, engine_id: str) -> list[str]:
     """The router's command line for one stack (what ``kvpush router`` takes)."""
     args = ["--mode", "kvpush" if mode in KVPUSH_MODES else mode, "--prefill", p_url]
-    if mode == "kvpush-selective":
-        args.append("--selective")
+    args += ROUTER_FLAGS.get(mode, ())
     if mode != "vllm-pull":
         args += ["--prefill-kv", f"127.0.0.1:{p_kv_port}"]
     if mode == "vllm-push":
@@ -82,6 +89,8 @@ def build_stack(
     name: str | None = None,
     prefill_args: Sequence[str] = (),
     kvpush_router_args: Sequence[str] = (),
+    prefix_caching: bool = False,
+    server_env: Mapping[str, str] | None = None,
 ) -> Stack:
     """A (not started) stack of ``mode`` on fresh ports (``"none"``: two plain
     vLLM servers without connector or router, the idle baseline).
@@ -91,7 +100,8 @@ def build_stack(
     ``max_model_len`` overrides :data:`kvpush_tools.demo.servers.DEFAULT_MAX_MODEL_LEN`.
 
     Identical for every mode except the connector: ``--no-enable-prefix-caching``
-    on P and D (every request transfers its whole prompt's KV), the same KV
+    on P and D (every request transfers its whole prompt's KV; ``prefix_caching``
+    leaves vLLM's default on, as conversations need), the same KV
     cache size, block size, dtype, eager mode, pinning. ``debug_log`` sets
     ``KVPUSH_LOG_LEVEL=DEBUG`` (kvpush's per-transfer lines; no effect on
     vLLM's connectors). ``vllm_no_progress_thread`` (vLLM modes only) is an
@@ -100,7 +110,7 @@ def build_stack(
     ``kvpush_extra``: more ``kv_connector_extra_config`` keys for kvpush's P
     and D (e.g. ``{"idle_poll_max_s": 0.05}``), for experiments. ``prefill_args``: more vLLM flags for P
     alone (every mode alike: the overload profile slows P with them); ``kvpush_router_args``: more flags of
-    the router in kvpush modes.
+    the router in kvpush modes. ``server_env``: more environment for P and D (every mode alike).
     """
     name = name or mode
     p_port, d_port, r_port, p_kv, d_kv = (launcher.free_port() for _ in range(5))
@@ -110,13 +120,14 @@ def build_stack(
         for cfg in (p_cfg, d_cfg):
             assert cfg is not None
             cfg["kv_connector_extra_config"].update(kvpush_extra)
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(server_env or {})
     if debug_log:
         env["KVPUSH_LOG_LEVEL"] = "DEBUG"
     ablation = vllm_no_progress_thread and mode in ("vllm-pull", "vllm-push")
     if ablation:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ABLATION_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    args = ["--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_cache_bytes), *extra_server_args]
+    caching = [] if prefix_caching else ["--no-enable-prefix-caching"]
+    args = [*caching, "--kv-cache-memory-bytes", str(kv_cache_bytes), *extra_server_args]
     logs = Path(log_dir) / name
     common: dict[str, Any] = {"log_dir": logs, "served_model_name": MODEL_NAME, "fast_start": True, "extra_args": args}
     if max_model_len is not None:
@@ -219,6 +230,25 @@ def behind_vllm_router(base: Stack, log_dir: Path) -> Stack:
     )
 
 
+def beside(base: Stack, mode: str, log_dir: Path) -> Stack:
+    """A stack of router-only ``mode`` (:data:`SHARES_KVPUSH_PAIR`) on ``base``'s kvpush P and D (not started).
+
+    Sound for the reasons :func:`behind_vllm_router` gives (one router active at a time, the pair drained
+    between runs, no per-request state a router leaves in P or D); what a shared pair's prefix cache
+    carries from one router's run to the other's is kept apart by each run's ``cache_salt``
+    (:mod:`kvpush_tools.bench.conversation`). The comparison then differs by the router alone."""
+    if base.attached or base.prefill is None or base.decode is None or base.mode != "kvpush":
+        raise ValueError(f"{mode}: shares a kvpush stack with its own P and D, not {base.mode!r}")
+    if mode not in SHARES_KVPUSH_PAIR:
+        raise ValueError(f"{mode} does not share kvpush's pair (only {', '.join(SHARES_KVPUSH_PAIR)})")
+    rargs = [*base.info["router_args"], *ROUTER_FLAGS[mode]]
+    keys = base.info["prefill_kv_transfer_config"]["kv_connector_extra_config"]["auth_keys_dir"]
+    logs = Path(log_dir) / mode
+    router = srv.router_server(rargs, launcher.free_port(), log_dir=logs, keys=keys)
+    info = {**base.info, "mode": mode, "router_args": rargs, "router_log_dir": str(logs), "shares_pair_of": "kvpush"}
+    return Stack(mode, router.url, base.prefill, base.decode, router, base.d_url, info=info)
+
+
 def build_stacks(
     modes: Sequence[str],
     model: Callable[[], str | os.PathLike[str]],
@@ -227,16 +257,21 @@ def build_stacks(
     attached: Mapping[str, str] | None = None,
 ) -> dict[str, Stack]:
     """One stack per mode, in order: attached to a running router where
-    ``attached`` names one, else built (not started) with ``opts``. ``model``
+    ``attached`` names one, else built (not started) with ``opts``; a router-only mode of
+    :data:`SHARES_KVPUSH_PAIR` beside a built ``kvpush`` stack runs on its P and D (:func:`beside`). ``model``
     is called once, and only if some stack is built (it may create the model)."""
     attached = attached or {}
     stacks: dict[str, Stack] = {}
     path: str | os.PathLike[str] | None = None
-    for mode in modes:
+    shared = "kvpush" in modes and "kvpush" not in attached
+    for mode in sorted(modes, key=lambda m: m in SHARES_KVPUSH_PAIR):  # kvpush's pair before those sharing it
         if mode in attached:
             stacks[mode] = attach_stack(mode, attached[mode])
+            continue
+        if shared and mode in SHARES_KVPUSH_PAIR:  # a router-only mode runs on kvpush's P and D
+            stacks[mode] = beside(stacks["kvpush"], mode, log_dir)
             continue
         if path is None:
             path = model()
         stacks[mode] = build_stack(mode, path, log_dir, **opts.kwargs())
-    return stacks
+    return {m: stacks[m] for m in modes}

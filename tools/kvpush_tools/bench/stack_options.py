@@ -25,6 +25,8 @@ class StackOptions:
     max_model_len: int | None = None
     prefill_args: tuple[str, ...] = ()
     kvpush_router_args: tuple[str, ...] = ()
+    prefix_caching: bool = False
+    server_env: Mapping[str, str] | None = None
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -37,6 +39,8 @@ class StackOptions:
             "max_model_len": self.max_model_len,
             "prefill_args": self.prefill_args,
             "kvpush_router_args": self.kvpush_router_args,
+            "prefix_caching": self.prefix_caching,
+            "server_env": self.server_env,
         }
 
 
